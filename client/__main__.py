@@ -1,0 +1,119 @@
+"""python -m client generate|health ..."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+from client.lib import PagedServeClient
+from protos.pagedserve.v1 import generation_pb2
+
+FINISH_NAMES = {
+    generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort", generation_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def _ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m client", description="pagedserve client")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream one generation")
+    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("--server", default="127.0.0.1:50051")
+    g.add_argument("--prompt-token-ids", type=_ids, default=None)
+    g.add_argument("--request-id", default="")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--min-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--stop-token-ids", type=_ids, default=None)
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--logprobs", type=int)
+    g.add_argument("--n", type=int)
+    g.add_argument("--priority", type=int)
+    g.add_argument("--output-len-hint", type=int)
+    g.add_argument("--timeout", type=float, default=None)
+    g.add_argument("--json", action="store_true", help="one JSON object per streamed response")
+    h = sub.add_parser("health", help="exit 0 when the server reports SERVING")
+    h.add_argument("--server", default="127.0.0.1:50051")
+    h.add_argument("--service", default="")
+    h.add_argument("--timeout", type=float, default=3.0)
+    return p
+
+
+SAMPLING_ARGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logprobs", "n", "priority")
+
+
+def response_json(r: generation_pb2.GenerateResponse) -> str:
+    obj: dict[str, object] = {
+        "request_id": r.request_id, "index": r.index, "token_ids": list(r.token_ids), "text": r.text,
+        "finish_reason": FINISH_NAMES.get(r.finish_reason)}
+    if r.error:
+        obj["error"] = r.error
+    if r.finish_reason:
+        obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
+    if r.logprobs:
+        obj["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                            "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in r.logprobs]
+    return json.dumps(obj, ensure_ascii=False)
+
+
+async def generate(args: argparse.Namespace) -> int:
+    sampling = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
+    code = 0
+    async with PagedServeClient(args.server) as client:
+        try:
+            async for r in client.generate(args.prompt, args.prompt_token_ids, request_id=args.request_id,
+                                           output_len_hint=args.output_len_hint, timeout=args.timeout,
+                                           **sampling):
+                if args.json:
+                    print(response_json(r), flush=True)
+                else:
+                    print(r.text, end="", flush=True)
+                if r.finish_reason == generation_pb2.FINISH_REASON_ERROR:
+                    print(f"\nerror: {r.error}", file=sys.stderr)
+                    code = 1
+        except grpc.aio.AioRpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if not args.json:
+        print()
+    return code
+
+
+async def health(args: argparse.Namespace) -> int:
+    async with PagedServeClient(args.server) as client:
+        try:
+            ok = await client.health(args.service, timeout=args.timeout)
+        except grpc.aio.AioRpcError as e:
+            print(f"unhealthy: {e.code().name}", file=sys.stderr)
+            return 1
+    print("SERVING" if ok else "NOT_SERVING")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"generate": generate, "health": health}[args.command]
+    return asyncio.run(handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

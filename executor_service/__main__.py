@@ -1,0 +1,56 @@
+"""python -m executor_service --listen HOST:PORT [--model DIR | --simulated] ..."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvloop
+
+from executor_service.backend import Backend
+from executor_service.config import ExecutorConfig
+from executor_service.server import serve
+
+log = logging.getLogger("pagedserve.executor")
+
+
+def build_backend(config: ExecutorConfig) -> Backend:
+    if config.simulated:
+        from executor_service.simulated import SimulatedBackend
+        return SimulatedBackend(config)
+    from executor_service.torch_backend import TorchBackend
+    return TorchBackend.create(config)
+
+
+async def main(config: ExecutorConfig) -> None:
+    backend = build_backend(config)
+    server, port = await serve(backend, config.listen)
+    info = backend.info
+    log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
+             config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
+             info.num_swap_blocks)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+
+
+def run(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ExecutorConfig.from_args(argv)
+    try:
+        uvloop.run(main(config))
+    except Exception as e:  # start-up errors: one clear line, not a stack trace
+        if type(e).__name__ != "ModelLoadError":
+            raise
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

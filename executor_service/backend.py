@@ -1,0 +1,80 @@
+"""What an executor backend (simulated or torch) implements, below the gRPC shell."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+BlockMap = list[tuple[int, int]]
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """One request's work in one forward pass.
+
+    token_ids holds every known token (prompt, then outputs). Positions [0, start) are
+    already in the KV cache; this pass computes positions [start, start + num_tokens),
+    whose input tokens are token_ids[start:start + num_tokens]. The KV slot of position p
+    is block_table[p // block_size] * block_size + p % block_size. When sample is True
+    (start + num_tokens == len(token_ids)) the backend samples the token that follows.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingConfig
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class BackendInfo:
+    model_id: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    block_size: int
+    num_device_blocks: int
+    num_swap_blocks: int
+    dtype: str
+    device: str
+    max_logprobs: int = 20
+    tokenizer_json: str = ""
+    bos_token_id: int | None = None
+    add_bos_token: bool = False
+
+
+class Backend(Protocol):
+    info: BackendInfo
+
+    def swap_out(self, mapping: BlockMap) -> None: ...
+
+    def swap_in(self, mapping: BlockMap) -> None: ...
+
+    def copy(self, mapping: BlockMap) -> None: ...
+
+    def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """Run one forward pass; one entry per item, None where item.sample is False."""
+        ...

@@ -1,0 +1,114 @@
+"""Paged KV cache on the device plus a CPU swap area of the same layout.
+
+Storage is one tensor per side, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim],
+so a swap or copy of any set of blocks is one index_select + one index_copy_ over all layers. Under
+CUDA, swaps run on a side stream ordered against the compute stream with wait_stream / events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from executor_service.backend import BlockMap
+
+GIB = 1 << 30
+
+
+@dataclass(slots=True, frozen=True)
+class CacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def blocks_in(self, gib: float) -> int:
+        return int(gib * GIB) // self.bytes_per_block
+
+    def dims(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+class KVCache:
+    def __init__(self, shape: CacheShape, *, num_device_blocks: int, num_swap_blocks: int,
+                 device: torch.device) -> None:
+        if num_device_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one device block, got {num_device_blocks}")
+        if num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {num_swap_blocks}")
+        self.shape = shape
+        self.device = device
+        self.num_device_blocks = num_device_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.is_cuda = device.type == "cuda"
+        self.device_kv = torch.zeros(shape.dims(num_device_blocks), dtype=shape.dtype, device=device)
+        self.swap_kv = torch.zeros(shape.dims(num_swap_blocks), dtype=shape.dtype, pin_memory=self.is_cuda)
+        self.layers = [(self.device_kv[i, 0], self.device_kv[i, 1]) for i in range(shape.num_layers)]
+        self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+
+    def swap_out(self, mapping: BlockMap) -> None:
+        """Copy device blocks to swap blocks: mapping = [(device_block, swap_block)]."""
+        if not mapping:
+            return
+        src, dst = self.split(mapping, self.num_device_blocks, self.num_swap_blocks, "swap_out")
+        if self.swap_stream is None:
+            self.swap_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        staged = torch.empty(self.shape.dims(len(mapping)), dtype=self.shape.dtype, pin_memory=True)
+        with torch.cuda.stream(self.swap_stream):
+            self.swap_stream.wait_stream(compute)
+            gathered = self.device_kv.index_select(2, src.to(self.device, non_blocking=True))
+            compute.wait_stream(self.swap_stream)
+            staged.copy_(gathered, non_blocking=True)
+            done = self.swap_stream.record_event()
+        done.synchronize()
+        self.swap_kv.index_copy_(2, dst, staged)
+
+    def swap_in(self, mapping: BlockMap) -> None:
+        """Copy swap blocks to device blocks: mapping = [(swap_block, device_block)]."""
+        if not mapping:
+            return
+        src, dst = self.split(mapping, self.num_swap_blocks, self.num_device_blocks, "swap_in")
+        if self.swap_stream is None:
+            self.device_kv.index_copy_(2, dst, self.swap_kv.index_select(2, src))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        staged = torch.empty(self.shape.dims(len(mapping)), dtype=self.shape.dtype, pin_memory=True)
+        torch.index_select(self.swap_kv, 2, src, out=staged)
+        with torch.cuda.stream(self.swap_stream):
+            self.swap_stream.wait_stream(compute)
+            uploaded = staged.to(self.device, non_blocking=True)
+            self.device_kv.index_copy_(2, dst.to(self.device, non_blocking=True), uploaded)
+        compute.wait_stream(self.swap_stream)
+
+    def copy(self, mapping: BlockMap) -> None:
+        """Copy device blocks to device blocks (copy-on-write): mapping = [(src_block, dst_block)]."""
+        if not mapping:
+            return
+        src, dst = self.split(mapping, self.num_device_blocks, self.num_device_blocks, "copy")
+        src, dst = src.to(self.device), dst.to(self.device)
+        self.device_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
+
+    @staticmethod
+    def split(mapping: BlockMap, num_src: int, num_dst: int, what: str) -> tuple[Tensor, Tensor]:
+        src = torch.tensor([s for s, _ in mapping], dtype=torch.long)
+        dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
+        check_range(src, num_src, f"{what} source")
+        check_range(dst, num_dst, f"{what} destination")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError(f"{what}: duplicate destination blocks in {mapping}")
+        return src, dst
+
+
+def check_range(ids: Tensor, limit: int, what: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        raise ValueError(f"{what} block ids must be in [0, {limit}), got {ids.tolist()}")

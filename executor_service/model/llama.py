@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat packed batch and a paged KV cache."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.functional import silu
+
+from executor_service.model.config import ModelConfig, RopeScaling
+
+WriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+PagedAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+KVCaches = Sequence[tuple[Tensor, Tensor]]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """slot_mapping int64 [num_tokens]; block_tables int32 [num_seqs, max_blocks];
+    seq_lens int32 [num_seqs] (context incl. this step); query_start_loc int32 [num_seqs + 1]."""
+
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+
+
+@dataclass(slots=True)
+class AttentionOps:
+    write_kv: WriteKVFn
+    paged_attention: PagedAttentionFn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.ops = ops
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, ops, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters are created uninitialised on `device`; fill them with the loader.
+
+    Parameter names follow Hugging Face's, except the fused `qkv_proj` (q, k, v stacked on the
+    output dimension) and `gate_up_proj` (gate, up)."""
+
+    inv_freq: Tensor
+
+    def __init__(self, cfg: ModelConfig, ops: AttentionOps, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        with torch.device("meta"):
+            self.model = LlamaModel(cfg, ops, dtype)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", compute_inv_freq(cfg).to(device), persistent=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
+                output_rows: Tensor | None = None) -> Tensor:
+        """Hidden states after the final norm, for `output_rows` of the packed batch (all rows if None)."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV cache layers, got {len(kv_caches)}")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        if output_rows is not None:
+            x = x.index_select(0, output_rows)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()
+
+    def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def compute_inv_freq(cfg: ModelConfig) -> Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return scale_llama3(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+
+
+def scale_llama3(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    factor = scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,140 @@
+"""Load a Hugging Face Llama-family checkpoint (safetensors, single or sharded) into LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from executor_service.model.config import ModelConfig, ModelLoadError
+from executor_service.model.llama import AttentionOps, LlamaForCausalLM
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    param: str
+    shard: int | None
+
+
+def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
+               ops: AttentionOps) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory {directory} does not exist")
+    cfg = ModelConfig.from_dir(directory)
+    files = find_weight_files(directory)
+    model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype)
+    load_weights(model, files)
+    return model.eval()
+
+
+def find_weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return files_from_index(index)
+    single = directory / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    hint = " (only safetensors checkpoints are supported)" if any(directory.glob("*.bin")) else ""
+    raise ModelLoadError(f"model directory {directory}: missing file {WEIGHTS_FILE} or {INDEX_FILE}{hint}")
+
+
+def files_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index}: cannot read weight_map: {exc}") from exc
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(f"{index}: missing weights file {path.name}")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    slices = shard_slices(model)
+    loaded: set[tuple[str, int | None]] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as reader:
+                for name in reader.keys():  # noqa: SIM118
+                    target = map_name(name, params, model.config.tie_word_embeddings)
+                    if target is not None:
+                        copy_weight(params[target.param], target, slices, reader.get_tensor(name), name)
+                        loaded.add((target.param, target.shard))
+        except ModelLoadError:
+            raise
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
+            raise ModelLoadError(f"{path}: cannot read weights: {exc}") from exc
+    check_complete(params, loaded, files[0].parent)
+
+
+def map_name(name: str, params: dict[str, torch.nn.Parameter], tied: bool) -> Target | None:
+    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        return None
+    match = FUSED_NAME.match(name)
+    if match:
+        fused, shard = FUSED[match.group(2)]
+        param = f"{match.group(1)}.{fused}.{match.group(3)}"
+        return Target(param, shard) if param in params else None
+    return Target(name, None) if name in params else None
+
+
+def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
+    cfg = model.config
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {
+        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+    }
+
+
+def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, list[tuple[int, int]]],
+                tensor: Tensor, name: str) -> None:
+    dest = param.data
+    if target.shard is not None:
+        fused = target.param.rsplit(".", 2)[-2]
+        lo, hi = slices[fused][target.shard]
+        dest = dest[lo:hi]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+
+
+def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None]],
+                   directory: Path) -> None:
+    missing: list[str] = []
+    for param in params:
+        head, fused, kind = param.rsplit(".", 2) if param.count(".") >= 2 else ("", "", param)
+        if fused in SHARDS:
+            parts = enumerate(SHARDS[fused])
+            missing += [f"{head}.{part}.{kind}" for i, part in parts if (param, i) not in loaded]
+        elif (param, None) not in loaded:
+            missing.append(param)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"model directory {directory}: missing weight {', '.join(missing[:5])}{more}")

@@ -1,0 +1,50 @@
+"""A model-free executor backend: deterministic tokens, configurable latency, no weights."""
+
+from __future__ import annotations
+
+import hashlib
+
+from executor_service.backend import BackendInfo, BatchItem, BlockMap, SampleOutput
+from executor_service.config import ExecutorConfig
+
+PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
+
+
+def _mix(key: str, position: int) -> int:
+    digest = hashlib.blake2b(f"{key}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class SimulatedBackend:
+    """Token at position p of a request is a function of (seed or request id, p) only."""
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.info = BackendInfo(
+            model_id="simulated", vocab_size=config.sim_vocab_size, eos_token_ids=(config.sim_eos_token_id,),
+            max_model_len=config.max_model_len or config.sim_max_model_len, block_size=config.block_size,
+            num_device_blocks=config.num_gpu_blocks if config.num_gpu_blocks is not None else 4096,
+            num_swap_blocks=config.num_cpu_blocks if config.num_cpu_blocks is not None else 4096,
+            dtype="none", device="simulated")
+
+    def swap_out(self, mapping: BlockMap) -> None:
+        pass
+
+    def swap_in(self, mapping: BlockMap) -> None:
+        pass
+
+    def copy(self, mapping: BlockMap) -> None:
+        pass
+
+    def delay_s(self, num_tokens: int) -> float:
+        return self.config.sim_step_latency_ms / 1e3 + num_tokens * self.config.sim_token_latency_us / 1e6
+
+    def token_at(self, item: BatchItem, position: int) -> int:
+        key = str(item.sampling.seed) if item.sampling.seed is not None else item.request_id
+        h = _mix(key, position)
+        if self.config.sim_eos_rate > 0 and (h >> 32) / 2**32 < self.config.sim_eos_rate:
+            return self.config.sim_eos_token_id
+        return PRINTABLE_LOW + h % (PRINTABLE_HIGH - PRINTABLE_LOW)
+
+    def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        return [SampleOutput(self.token_at(i, len(i.token_ids))) if i.sample else None for i in items]

@@ -1,0 +1,151 @@
+"""Per-request state of an executor, keyed by request id, and the checks on what it is told."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor_service.backend import BatchItem, SamplingConfig
+from protos.pagedserve.v1 import common_pb2, executor_pb2
+
+
+class StepRefused(Exception):
+    """The step as a whole is malformed; nothing in it runs."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_table: list[int] | None
+    sampling: SamplingConfig
+
+
+def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else -1,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+class RequestTable:
+    """Tracks which live request owns each device and swap block, and rejects what breaks that."""
+
+    def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int) -> None:
+        self.num_device_blocks = num_device_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.block_size = block_size
+        self.states: dict[str, RequestState] = {}
+        self._device_owner: dict[int, str] = {}
+        self._swap_owner: dict[int, str] = {}
+
+    def reset(self) -> None:
+        self.states.clear()
+        self._device_owner.clear()
+        self._swap_owner.clear()
+
+    def drop(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self._release_device(state)
+        for block, owner in list(self._swap_owner.items()):
+            if owner == request_id:
+                del self._swap_owner[block]
+
+    def _release_device(self, state: RequestState) -> None:
+        for block in state.block_table or ():
+            if self._device_owner.get(block) == state.request_id:
+                del self._device_owner[block]
+        state.block_table = None
+
+    def apply_swaps(self, step: executor_pb2.StepRequest) -> None:
+        """Check and record the ownership moves of a step's swap-out, swap-in and copy mappings."""
+        swapped_out = set(step.swapped_out_ids)
+        for m in step.swap_out:
+            owner = self._device_owner.get(m.src)
+            if owner is None or owner not in swapped_out:
+                raise StepRefused(f"swap_out source block {m.src} is not held by a request being swapped out")
+            self._claim_swap(m.dst, owner)
+        for rid in swapped_out:
+            state = self.states.get(rid)
+            if state is None:
+                raise StepRefused(f"swapped_out_ids names unknown request {rid!r}")
+            self._release_device(state)
+        for m in step.swap_in:
+            if m.src not in self._swap_owner:
+                raise StepRefused(f"swap_in source block {m.src} holds no swapped request")
+            self._check_device_id(m.dst, "swap_in destination")
+            del self._swap_owner[m.src]
+        for m in step.copy:
+            if m.src not in self._device_owner:
+                raise StepRefused(f"copy source block {m.src} is not held by any request")
+            self._check_device_id(m.dst, "copy destination")
+
+    def _claim_swap(self, block: int, owner: str) -> None:
+        if not 0 <= block < self.num_swap_blocks:
+            raise StepRefused(f"swap block id {block} out of range [0, {self.num_swap_blocks})")
+        if block in self._swap_owner:
+            raise StepRefused(f"swap block {block} is already held by {self._swap_owner[block]!r}")
+        self._swap_owner[block] = owner
+
+    def _check_device_id(self, block: int, what: str) -> None:
+        if not 0 <= block < self.num_device_blocks:
+            raise StepRefused(f"{what} block id {block} out of range [0, {self.num_device_blocks})")
+
+    def claim(self, request_id: str, blocks: list[int]) -> str:
+        """Give blocks to a request; an error message (and nothing claimed) if any is bad."""
+        for block in blocks:
+            if not 0 <= block < self.num_device_blocks:
+                return f"block id {block} out of range [0, {self.num_device_blocks})"
+            owner = self._device_owner.get(block)
+            if owner is not None and owner != request_id:
+                return f"block {block} is held by live request {owner!r}"
+        if len(set(blocks)) != len(blocks):
+            return "block ids repeat within one request"
+        for block in blocks:
+            self._device_owner[block] = request_id
+        return ""
+
+    def add_new(self, new: executor_pb2.NewRequest) -> str:
+        self.drop(new.request_id)
+        if new.num_computed_tokens + new.num_scheduled_tokens > len(new.token_ids):
+            return "num_computed_tokens + num_scheduled_tokens exceeds the tokens sent"
+        error = self.claim(new.request_id, list(new.block_ids))
+        if error:
+            return error
+        self.states[new.request_id] = RequestState(
+            new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+            list(new.block_ids), sampling_config(new.sampling))
+        return ""
+
+    def update_running(self, run: executor_pb2.RunningRequest) -> str:
+        state = self.states.get(run.request_id)
+        if state is None:
+            return f"unknown request {run.request_id!r}: send it as a new request"
+        if run.resumed:
+            state.block_table = []
+        elif state.block_table is None:
+            return "request is swapped out: resume it with its whole block table"
+        error = self.claim(run.request_id, list(run.new_block_ids))
+        if error:
+            return error
+        state.block_table.extend(run.new_block_ids)
+        if state.num_computed + run.num_scheduled_tokens > len(state.token_ids):
+            return "num_scheduled_tokens goes past the request's known tokens"
+        return ""
+
+    def item(self, state: RequestState, num_tokens: int) -> BatchItem | str:
+        end = state.num_computed + num_tokens
+        table = state.block_table or []
+        if len(table) * self.block_size < end:
+            return f"block table holds {len(table) * self.block_size} slots, step needs {end}"
+        return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
+                         num_tokens, table, end == len(state.token_ids), state.sampling)

@@ -1,0 +1,320 @@
+"""The torch executor backend: a Llama-family model over a paged KV cache, on CUDA or the CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from executor_service.attention import get_attention_ops
+from executor_service.backend import (
+    BackendInfo,
+    BatchItem,
+    BlockMap,
+    SampleOutput,
+    SamplingConfig,
+)
+from executor_service.config import ExecutorConfig
+from executor_service.default_model import ensure_default_model
+from executor_service.kv_cache import CacheShape, KVCache
+from executor_service.model import (
+    AttentionMetadata,
+    AttentionOps,
+    LlamaForCausalLM,
+    ModelConfig,
+    load_model,
+)
+from executor_service.sampler import Sampler, SampleRequest
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROFILE_SAMPLE_ROWS = 256
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    output_rows: Tensor
+    sample_items: list[int]
+
+
+class TorchBackend:
+    def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
+                 device: torch.device) -> None:
+        self.info = info
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = device
+
+    @classmethod
+    def create(cls, config: ExecutorConfig) -> TorchBackend:
+        """Load the model (config.model, or the embedded default), size and allocate the KV cache."""
+        if config.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {config.block_size}")
+        device = resolve_device(config.device)
+        model_dir = Path(config.model) if config.model else ensure_default_model()
+        model_cfg = ModelConfig.from_dir(model_dir)
+        dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
+        write_kv, paged_attention = get_attention_ops(device)
+        model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention))
+        shape = CacheShape(model_cfg.num_layers, config.block_size, model_cfg.num_kv_heads,
+                           model_cfg.head_dim, dtype)
+        sampler = Sampler(config.seed, device)
+        num_device_blocks = count_device_blocks(config, model, sampler, shape, device)
+        num_swap_blocks = config.num_cpu_blocks if config.num_cpu_blocks is not None else shape.blocks_in(
+            config.swap_space)
+        kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
+                           device=device)
+        info = build_info(config, model_dir, model_cfg, dtype, device, num_device_blocks, num_swap_blocks)
+        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device)
+
+    def swap_out(self, mapping: BlockMap) -> None:
+        self.kv_cache.swap_out(mapping)
+
+    def swap_in(self, mapping: BlockMap) -> None:
+        self.kv_cache.swap_in(mapping)
+
+    def copy(self, mapping: BlockMap) -> None:
+        self.kv_cache.copy(mapping)
+
+    def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """Run one forward pass over all items; one entry per item, None where item.sample is False."""
+        if not items:
+            return []
+        for item in items:
+            validate_item(item, self.info)
+        batch = build_batch(items, self.info.block_size, self.info.num_device_blocks, self.device)
+        results: list[SampleOutput | None] = [None] * len(items)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
+                                batch.output_rows)
+            if not batch.sample_items:
+                return results
+            logits = self.model.compute_logits(hidden)
+            requests = [sample_request(items[i]) for i in batch.sample_items]
+            samples = self.sampler.sample(logits, requests)
+        for i, sample in zip(batch.sample_items, samples, strict=True):
+            results[i] = sample
+        return results
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda was requested but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be auto, cuda or cpu, got {name!r}")
+
+
+def resolve_dtype(requested: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {requested!r}")
+        return DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    dtype = DTYPES.get(model_dtype, torch.float16)
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
+                        device: torch.device) -> int:
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    if device.type != "cuda":
+        return shape.blocks_in(config.cpu_kv_cache_space)
+    return profile_cuda_blocks(config, model, sampler, shape, device)
+
+
+def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
+                        device: torch.device) -> int:
+    """Peak memory of a max_num_batched_tokens forward + sampling decides what is left for KV blocks."""
+    if not 0.0 < config.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    num_tokens = max(1, config.max_num_batched_tokens)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = KVCache(shape, num_device_blocks=math.ceil(num_tokens / shape.block_size), num_swap_blocks=0,
+                      device=device)
+    run_profile_pass(model, sampler, scratch, num_tokens, device)
+    torch.cuda.synchronize(device)
+    scratch_bytes = scratch.num_device_blocks * shape.bytes_per_block
+    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    del scratch
+    torch.cuda.empty_cache()
+    available = total * config.gpu_memory_utilization - peak - non_torch
+    blocks = int(available // shape.bytes_per_block)
+    if blocks <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: {total / 2**30:.2f} GiB total"
+            f" x {config.gpu_memory_utilization} utilisation, {(peak + non_torch) / 2**30:.2f} GiB used by"
+            " weights and activations; raise"
+            " --gpu-memory-utilization or lower --max-num-batched-tokens"
+        )
+    return blocks
+
+
+def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, num_tokens: int,
+                     device: torch.device) -> None:
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        block_tables=torch.arange(cache.num_device_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
+    rows = min(num_tokens, PROFILE_SAMPLE_ROWS)
+    output_rows = torch.arange(num_tokens - rows, num_tokens, device=device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(input_ids, positions, meta, cache.layers, output_rows))
+        request = SampleRequest(SamplingConfig(temperature=1.0, top_p=0.9, top_k=50), (), (), 0)
+        sampler.sample(logits, [request] * rows)
+
+
+def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, dtype: torch.dtype,
+               device: torch.device, num_device_blocks: int, num_swap_blocks: int) -> BackendInfo:
+    tokenizer_json = read_text(model_dir / "tokenizer.json")
+    bos_token_id, add_bos = read_bos(model_dir, tokenizer_json, model_cfg.bos_token_id)
+    return BackendInfo(
+        model_id=model_dir.resolve().name,
+        vocab_size=model_cfg.vocab_size,
+        eos_token_ids=read_eos_ids(model_dir, model_cfg),
+        max_model_len=resolve_max_model_len(config.max_model_len, model_cfg),
+        block_size=config.block_size,
+        num_device_blocks=num_device_blocks,
+        num_swap_blocks=num_swap_blocks,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        tokenizer_json=tokenizer_json,
+        bos_token_id=bos_token_id,
+        add_bos_token=add_bos,
+    )
+
+
+def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return limit
+    if not 0 < requested <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+    return requested
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    generation_eos = read_json(model_dir / "generation_config.json").get("eos_token_id")
+    extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    ids = [*cfg.eos_token_ids, *(int(i) for i in extra if isinstance(i, int))]
+    return tuple(dict.fromkeys(ids))
+
+
+def read_bos(model_dir: Path, tokenizer_json: str, config_bos: int | None) -> tuple[int | None, bool]:
+    """BOS id, and whether the scheduler must prepend it (tokenizer_config says so and the
+    tokenizer.json post-processor does not already add it)."""
+    tok_config = read_json(model_dir / "tokenizer_config.json")
+    bos = tok_config.get("bos_token")
+    bos_text = bos.get("content") if isinstance(bos, dict) else bos
+    tokenizer = json.loads(tokenizer_json) if tokenizer_json else {}
+    bos_id = lookup_token_id(tokenizer, bos_text) if isinstance(bos_text, str) else None
+    bos_id = config_bos if bos_id is None else bos_id
+    post_adds_bos = isinstance(bos_text, str) and bos_text in json.dumps(tokenizer.get("post_processor"))
+    add_bos = bool(tok_config.get("add_bos_token", False)) and bos_id is not None and not post_adds_bos
+    return bos_id, add_bos
+
+
+def lookup_token_id(tokenizer: dict[str, Any], text: str) -> int | None:
+    for token in tokenizer.get("added_tokens") or []:
+        if token.get("content") == text:
+            return int(token["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and text in vocab:
+        return int(vocab[text])
+    return None
+
+
+def validate_item(item: BatchItem, info: BackendInfo) -> None:
+    end = item.start + item.num_tokens
+    if item.num_tokens <= 0 or item.start < 0 or end > len(item.token_ids):
+        raise ValueError(
+            f"request {item.request_id}: cannot compute positions [{item.start}, {end}) of"
+            f" {len(item.token_ids)} known tokens"
+        )
+    if end > info.max_model_len:
+        raise ValueError(f"request {item.request_id}: {end} tokens exceed max_model_len {info.max_model_len}")
+    if item.sample and end != len(item.token_ids):
+        raise ValueError(f"request {item.request_id}: sample=True needs the pass to end at the last token")
+    needed = -(-end // info.block_size)
+    if len(item.block_table) < needed:
+        raise ValueError(
+            f"request {item.request_id}: {end} tokens need {needed} blocks,"
+            f" block_table has {len(item.block_table)}"
+        )
+
+
+def build_batch(items: list[BatchItem], block_size: int, num_blocks: int, device: torch.device) -> Batch:
+    starts = torch.tensor([item.start for item in items], dtype=torch.long)
+    q_lens = torch.tensor([item.num_tokens for item in items], dtype=torch.long)
+    seq_lens = starts + q_lens
+    query_start_loc = torch.zeros(len(items) + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    tables = [item.block_table[: -(-(item.start + item.num_tokens) // block_size)] for item in items]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got {block_tables.unique().tolist()}")
+    seq_index = torch.repeat_interleave(torch.arange(len(items)), q_lens)
+    total = int(query_start_loc[-1])
+    positions = torch.arange(total) - query_start_loc[seq_index] + starts[seq_index]
+    slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+    chunks = (item.token_ids[item.start : item.start + item.num_tokens] for item in items)
+    input_ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
+    sample_items = [i for i, item in enumerate(items) if item.sample]
+    output_rows = query_start_loc[1:][sample_items] - 1
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device=device, dtype=torch.int32),
+        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+    )
+    return Batch(input_ids.to(device), positions.to(device), meta, output_rows.to(device), sample_items)
+
+
+def sample_request(item: BatchItem) -> SampleRequest:
+    return SampleRequest(
+        sampling=item.sampling,
+        prompt_ids=item.token_ids[: item.num_prompt_tokens],
+        output_ids=item.token_ids[item.num_prompt_tokens :],
+        position=len(item.token_ids),
+    )

@@ -1,0 +1,87 @@
+"""Scheduler service configuration: one dataclass, vLLM's flag names."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from scheduler_service.core.config import CoreConfig, PreemptionMode, Victim
+from scheduler_service.core.policy import Policy
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig:
+    listen: str = "127.0.0.1:50051"
+    executor: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"])
+    metrics_port: int | None = 8000
+    metrics_host: str = "127.0.0.1"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduler_delay_factor: float = 0.0
+    policy: str = "fcfs"
+    preemption_mode: str = "auto"
+    preemption_victim: str = "latest"
+    watermark: float = 0.01
+    num_lookahead_slots: int = 0
+    num_scheduler_steps: int = 1
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    aging_rate: float = 0.0
+    max_waiting_time: float | None = None
+    max_queue_len: int = 10000
+    max_logprobs: int = 20
+    served_model_name: str | None = None
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
+        args = vars(build_parser().parse_args(argv))
+        if args["metrics_port"] is not None and args["metrics_port"] < 0:
+            args["metrics_port"] = None
+        return cls(**args)
+
+    def core(self) -> CoreConfig:
+        return CoreConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            policy=Policy(self.policy), preemption_mode=PreemptionMode(self.preemption_mode),
+            preemption_victim=Victim(self.preemption_victim), watermark=self.watermark,
+            scheduler_delay_factor=self.scheduler_delay_factor, num_lookahead_slots=self.num_lookahead_slots,
+            num_scheduler_steps=self.num_scheduler_steps, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, aging_rate=self.aging_rate,
+            max_waiting_time=self.max_waiting_time)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SchedulerServiceConfig()
+    p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
+    p.add_argument("--listen", default=d.listen, help="HOST:PORT for the public Generation API")
+    p.add_argument("--executor", action="append", default=None,
+                   help="executor HOST:PORT (repeatable; the first is used for now)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port; -1 disables")
+    p.add_argument("--metrics-host", default=d.metrics_host)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--scheduler-delay-factor", type=float, default=d.scheduler_delay_factor)
+    p.add_argument("--policy", choices=[x.value for x in Policy], default=d.policy)
+    p.add_argument("--preemption-mode", choices=[x.value for x in PreemptionMode], default=d.preemption_mode)
+    p.add_argument("--preemption-victim", choices=[x.value for x in Victim], default=d.preemption_victim)
+    p.add_argument("--watermark", type=float, default=d.watermark)
+    p.add_argument("--num-lookahead-slots", type=int, default=d.num_lookahead_slots)
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
+    p.add_argument("--aging-rate", type=float, default=d.aging_rate,
+                   help="priority units gained per second of waiting (sjf, priority)")
+    p.add_argument("--max-waiting-time", type=float, default=None,
+                   help="seconds after which a waiting request goes to the head of the queue")
+    p.add_argument("--max-queue-len", type=int, default=d.max_queue_len)
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--served-model-name", default=None)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
+    config = SchedulerServiceConfig.from_args(argv)
+    if not config.executor:
+        config.executor = ["127.0.0.1:50061"]
+    return config

@@ -1,0 +1,45 @@
+"""The scheduler core's knobs and the executor's sizes it schedules against."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from scheduler_service.core.policy import Policy
+
+
+class PreemptionMode(enum.Enum):
+    AUTO = "auto"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+class Victim(enum.Enum):
+    LATEST = "latest"
+    LONGEST = "longest"
+
+
+@dataclass(slots=True)
+class CoreConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: Policy = Policy.FCFS
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    preemption_victim: Victim = Victim.LATEST
+    watermark: float = 0.01
+    scheduler_delay_factor: float = 0.0
+    num_lookahead_slots: int = 0
+    num_scheduler_steps: int = 1
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    aging_rate: float = 0.0
+    max_waiting_time: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelLimits:
+    block_size: int
+    num_device_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()

@@ -1,0 +1,90 @@
+"""What schedule() hands the executor and what update() hands the service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+
+BlockMap = list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(slots=True)
+class RunningRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+    resumed: bool = False
+
+
+@dataclass(slots=True)
+class ScheduledWork:
+    request: Request
+    num_tokens: int
+    new_block_ids: list[int]
+    is_new: bool = False
+    resumed: bool = False
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    logprobs: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledWork] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    swapped_out_ids: list[str] = field(default_factory=list)
+    swap_out: BlockMap = field(default_factory=list)
+    swap_in: BlockMap = field(default_factory=list)
+    copy: BlockMap = field(default_factory=list)
+    num_steps: int = 1
+    num_lookahead_slots: int = 0
+    rejected: list[RequestDelta] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.scheduled)
+
+    @property
+    def needs_executor(self) -> bool:
+        return bool(self.scheduled or self.finished_ids or self.swap_out or self.swap_in or self.copy)
+
+    def new_requests(self) -> list[NewRequestData]:
+        return [
+            NewRequestData(w.request.request_id, w.request.all_token_ids, w.request.num_prompt_tokens,
+                           w.request.num_computed_tokens, w.num_tokens, w.new_block_ids, w.request.sampling)
+            for w in self.scheduled if w.is_new
+        ]
+
+    def running_requests(self) -> list[RunningRequestData]:
+        return [
+            RunningRequestData(w.request.request_id, w.new_block_ids, w.num_tokens, w.resumed)
+            for w in self.scheduled if not w.is_new
+        ]
+
+
+@dataclass(slots=True)
+class ExecutorResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)

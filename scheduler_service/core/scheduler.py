@@ -1,0 +1,407 @@
+"""Continuous batching over paged KV blocks: schedule() then update(), once per step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_service.core.block_manager import AllocStatus, BlockManager
+from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.outputs import (
+    ExecutorResult,
+    RequestDelta,
+    ScheduledWork,
+    SchedulerOutput,
+)
+from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
+from scheduler_service.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class Budget:
+    tokens: int
+    seqs: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    device_usage: float
+    cpu_usage: float
+    device_blocks_used: int
+    cpu_blocks_used: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_swapped_in_blocks: int
+    num_swapped_out_blocks: int
+
+
+class Scheduler:
+    def __init__(self, config: CoreConfig, limits: ModelLimits,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.limits = limits
+        self.clock = clock
+        self.blocks = BlockManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
+                                   config.watermark)
+        self.waiting = WaitingQueue(config.policy, config.aging_rate, config.max_waiting_time)
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._known_by_executor: set[str] = set()
+        self._to_drop: list[str] = []
+        self._step_id = 0
+        self._admissions = 0
+        self._prev_time = 0.0
+        self._prev_prompt = False
+        self._last_prompt_latency = 0.0
+        self._preemptions = {PreemptionMode.SWAP: 0, PreemptionMode.RECOMPUTE: 0}
+        self._swapped_in_blocks = 0
+        self._swapped_out_blocks = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORTED)
+        self._compact_running()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            device_usage=self.blocks.device.usage(), cpu_usage=self.blocks.cpu.usage(),
+            device_blocks_used=self.blocks.device.num_used, cpu_blocks_used=self.blocks.cpu.num_used,
+            num_preemptions_swap=self._preemptions[PreemptionMode.SWAP],
+            num_preemptions_recompute=self._preemptions[PreemptionMode.RECOMPUTE],
+            num_swapped_in_blocks=self._swapped_in_blocks, num_swapped_out_blocks=self._swapped_out_blocks,
+        )
+
+    def reset_executor(self) -> None:
+        """The executor lost its state: every running and swapped request recomputes from WAITING."""
+        lost = sorted([*self.running, *self.swapped], key=lambda r: r.arrival_time, reverse=True)
+        for request in lost:
+            self.blocks.free(request.request_id)
+            request.num_computed_tokens = 0
+            self.waiting.push(request, front=True)
+        self.running.clear()
+        self.swapped.clear()
+        self._known_by_executor.clear()
+        self._to_drop.clear()
+
+    def set_limits(self, limits: ModelLimits) -> None:
+        """Resize to a (re)connected executor's pools; only with no request holding blocks."""
+        if self.running or self.swapped:
+            raise RuntimeError("set_limits needs every request out of RUNNING and SWAPPED")
+        self.limits = limits
+        self.blocks = BlockManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
+                                   self.config.watermark)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        now = self.clock()
+        out = SchedulerOutput(step_id=self._step_id, num_lookahead_slots=self.config.num_lookahead_slots)
+        out.num_steps = self._num_steps()
+        budget = Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        scheduled: dict[str, ScheduledWork] = {}
+        self._schedule_running(budget, scheduled, out)
+        if not out.num_preempted:
+            self._schedule_swapped(budget, scheduled, out)
+        if not out.num_preempted and not self.swapped and self._passed_delay(now):
+            self._schedule_waiting(budget, scheduled, out, now)
+        if any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1 for w in scheduled.values()):
+            out.num_steps = 1
+        out.scheduled = list(scheduled.values())
+        for work in out.scheduled:
+            self._known_by_executor.add(work.request.request_id)
+            if work.request.first_scheduled_time is None:
+                work.request.first_scheduled_time = now
+        out.finished_ids, self._to_drop = self._to_drop, []
+        return out
+
+    def _num_steps(self) -> int:
+        k = self.config.num_scheduler_steps
+        if k > 1 and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return k
+        return 1
+
+    def _chunk(self, request: Request, budget: Budget) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget.tokens else 0
+        n = min(remaining, budget.tokens)
+        if self.config.long_prefill_token_threshold > 0 and remaining > 1:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _slots_needed(self, request: Request, num_tokens: int, num_steps: int) -> int:
+        return request.num_computed_tokens + num_tokens + (num_steps - 1) + self.config.num_lookahead_slots
+
+    def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork],
+                          out: SchedulerOutput) -> None:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            if budget.tokens <= 0:
+                break
+            n = self._chunk(request, budget)
+            if n == 0:
+                continue
+            slots = self._slots_needed(request, n, out.num_steps)
+            if not self._make_room(request, slots, scheduled, budget, out):
+                continue
+            new_ids = self.blocks.grow(request.request_id, slots) or []
+            scheduled[request.request_id] = ScheduledWork(request, n, new_ids)
+            budget.tokens -= n
+            budget.seqs -= 1
+
+    def _make_room(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork],
+                   budget: Budget, out: SchedulerOutput) -> bool:
+        while not self.blocks.can_grow(request.request_id, slots):
+            victim = self._pick_victim(exclude=request)
+            if victim is None:
+                self._preempt(request, scheduled, budget, out)
+                return False
+            self._preempt(victim, scheduled, budget, out)
+        return True
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        candidates = [r for r in self.running if r is not exclude and not r.protected]
+        if not candidates:
+            return None
+        if self.config.policy is Policy.PRIORITY:
+            return max(candidates, key=lambda r: (self._key(r), r.admitted_seq))
+        if self.config.preemption_victim is Victim.LONGEST:
+            return max(candidates, key=lambda r: (self.blocks.num_blocks_held(r.request_id), r.admitted_seq))
+        return max(candidates, key=lambda r: r.admitted_seq)
+
+    def _key(self, request: Request) -> float:
+        return sort_key(self.config.policy, request, self.config.aging_rate)
+
+    def _preemption_mode(self, request: Request) -> PreemptionMode:
+        if request.num_computed_tokens == 0 or self.config.preemption_mode is PreemptionMode.RECOMPUTE:
+            return PreemptionMode.RECOMPUTE
+        if self.blocks.can_swap_out(request.request_id):
+            return PreemptionMode.SWAP
+        return PreemptionMode.RECOMPUTE
+
+    def _preempt(self, request: Request, scheduled: dict[str, ScheduledWork], budget: Budget,
+                 out: SchedulerOutput) -> None:
+        work = scheduled.pop(request.request_id, None)
+        if work is not None:
+            budget.tokens += work.num_tokens
+            budget.seqs += 1
+        self.running.remove(request)
+        mode = self._preemption_mode(request)
+        rid = request.request_id
+        if mode is PreemptionMode.SWAP:
+            mapping = self.blocks.swap_out(rid)
+            out.swap_out.extend(mapping)
+            out.swapped_out_ids.append(rid)
+            self._swapped_out_blocks += len(mapping)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+        else:
+            self.blocks.free(rid)
+            self._forget_in_executor(rid)
+            request.num_computed_tokens = 0
+            self.waiting.push(request, front=True)
+        self._preemptions[mode] += 1
+        request.num_preemptions += 1
+        request.protected = True
+        out.num_preempted += 1
+
+    def _forget_in_executor(self, request_id: str) -> None:
+        if request_id in self._known_by_executor:
+            self._known_by_executor.discard(request_id)
+            self._to_drop.append(request_id)
+
+    def _schedule_swapped(self, budget: Budget, scheduled: dict[str, ScheduledWork],
+                          out: SchedulerOutput) -> None:
+        while self.swapped and budget.seqs > 0 and budget.tokens > 0:
+            request = self.swapped[0]
+            n = self._chunk(request, budget)
+            slots = self._slots_needed(request, n, out.num_steps)
+            extra = self.blocks.blocks_for(slots) - self.blocks.num_blocks_held(request.request_id)
+            if n == 0 or not self.blocks.can_swap_in(request.request_id, max(0, extra)):
+                break
+            self.swapped.popleft()
+            mapping = self.blocks.swap_in(request.request_id)
+            out.swap_in.extend(mapping)
+            self._swapped_in_blocks += len(mapping)
+            self.blocks.grow(request.request_id, slots)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            table = list(self.blocks.block_table(request.request_id))
+            scheduled[request.request_id] = ScheduledWork(request, n, table, resumed=True)
+            budget.tokens -= n
+            budget.seqs -= 1
+
+    def _passed_delay(self, now: float) -> bool:
+        if self._prev_prompt:
+            self._last_prompt_latency = now - self._prev_time
+        self._prev_time, self._prev_prompt = now, False
+        if self.config.scheduler_delay_factor <= 0 or not self.running:
+            return True
+        oldest = self.waiting.oldest()
+        if oldest is None:
+            return True
+        return now - oldest.arrival_time > self.config.scheduler_delay_factor * self._last_prompt_latency
+
+    def _schedule_waiting(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput,
+                          now: float) -> None:
+        while budget.tokens > 0:
+            request = self.waiting.peek(now)
+            if request is None:
+                break
+            if self._reject_if_never(request, out):
+                continue
+            n = self._chunk(request, budget)
+            if n == 0:
+                break
+            slots = self._slots_needed(request, n, 1)
+            fits = budget.seqs > 0 and self.blocks.can_allocate(request.num_tokens, slots) is AllocStatus.OK
+            if not fits and not self._preempt_for(request, slots, scheduled, budget, out):
+                break
+            self._admit(request, n, slots, scheduled, budget)
+            self._prev_prompt = True
+
+    def _reject_if_never(self, request: Request, out: SchedulerOutput) -> bool:
+        error = self._never_reason(request)
+        if not error:
+            return False
+        self._finish(request, FinishReason.ERROR, error)
+        out.rejected.append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
+        return True
+
+    def _never_reason(self, request: Request) -> str:
+        n = request.num_tokens
+        if n > self.limits.max_model_len:
+            return f"request needs {n} tokens but max_model_len is {self.limits.max_model_len}"
+        if self.blocks.can_allocate(n, 0) is AllocStatus.NEVER:
+            usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
+            return (f"request needs {self.blocks.blocks_for(n)} KV blocks of {self.limits.block_size} tokens "
+                    f"but the device pool can hold at most {usable} blocks")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            return (f"prompt of {n} tokens exceeds max_num_batched_tokens "
+                    f"{self.config.max_num_batched_tokens} with chunked prefill off")
+        return ""
+
+    def _preempt_for(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork], budget: Budget,
+                     out: SchedulerOutput) -> bool:
+        if self.config.policy is not Policy.PRIORITY:
+            return False
+        while budget.seqs <= 0 or self.blocks.can_allocate(request.num_tokens, slots) is not AllocStatus.OK:
+            victim = self._pick_victim(exclude=request)
+            if victim is None or self._key(victim) <= self._key(request):
+                return False
+            self._preempt(victim, scheduled, budget, out)
+        return True
+
+    def _admit(self, request: Request, n: int, slots: int, scheduled: dict[str, ScheduledWork],
+               budget: Budget) -> None:
+        self.waiting.discard(request)
+        self.blocks.grow(request.request_id, slots)
+        request.status = RequestStatus.RUNNING
+        request.admitted_seq = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+        table = list(self.blocks.block_table(request.request_id))
+        scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=True)
+        budget.tokens -= n
+        budget.seqs -= 1
+
+    # ---- update --------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
+        deltas = list(out.rejected)
+        for work in out.scheduled:
+            request = work.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            delta = self._apply(request, work.num_tokens, result)
+            if delta is not None:
+                deltas.append(delta)
+        self._compact_running()
+        return deltas
+
+    def _apply(self, request: Request, num_tokens: int, result: ExecutorResult) -> RequestDelta | None:
+        rid = request.request_id
+        error = result.errors.get(rid)
+        if error is None and request.num_computed_tokens + num_tokens >= request.num_tokens \
+                and not result.sampled.get(rid):
+            error = "executor returned no token for a completed step"
+        if error is not None:
+            self._finish(request, FinishReason.ERROR, error)
+            return RequestDelta(rid, [], FinishReason.ERROR, error)
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens < request.num_tokens:
+            return None
+        new: list[int] = []
+        reason = None
+        for i, token in enumerate(result.sampled[rid]):
+            if i > 0:
+                request.num_computed_tokens += 1
+            request.output_token_ids.append(token)
+            new.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                break
+        request.protected = False
+        logprobs = result.logprobs.get(rid, [])[:len(new)]
+        return RequestDelta(rid, new, reason, logprobs=logprobs)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        if request.num_tokens >= self.limits.max_model_len:
+            return FinishReason.LENGTH
+        sampling = request.sampling
+        if request.num_output_tokens < sampling.min_tokens:
+            return None
+        if not sampling.ignore_eos and token in self.limits.eos_token_ids:
+            return FinishReason.STOPPED
+        if token in sampling.stop_token_ids:
+            return FinishReason.STOPPED
+        if request.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
+        """Finish a request for a reason found outside the core (e.g. a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason, error)
+            self._compact_running()
+
+    def _finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
+        if request.status is RequestStatus.WAITING:
+            self.waiting.discard(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.blocks.free(request.request_id)
+        self._forget_in_executor(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.requests.pop(request.request_id, None)
+
+    def _compact_running(self) -> None:
+        if any(r.status is not RequestStatus.RUNNING for r in self.running):
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]

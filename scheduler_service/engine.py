@@ -1,0 +1,202 @@
+"""The engine loop: schedule, execute on the executor, update, route deltas to request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.config import CoreConfig, ModelLimits
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
+from scheduler_service.metrics import EngineMetrics
+
+log = logging.getLogger("pagedserve.engine")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class RequestStream:
+    request: Request
+    queue: asyncio.Queue[RequestDelta]
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
+    return ModelLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
+                       num_cpu_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
+                       eos_token_ids=tuple(describe.eos_token_ids))
+
+
+class Engine:
+    def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
+                 metrics_model_name: str | None = None) -> None:
+        self.core_config = core_config
+        self.connection = ExecutorConnection(executor_address)
+        self.max_queue_len = max_queue_len
+        self.metrics_model_name = metrics_model_name
+        self.describe: executor_pb2.DescribeResponse | None = None
+        self.scheduler: Scheduler | None = None
+        self.metrics: EngineMetrics | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.on_ready_change: Callable[[bool], object] | None = None
+
+    async def start(self) -> None:
+        await self._connect()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def _connect(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                describe = await self.connection.describe()
+                break
+            except Exception as e:
+                log.warning("executor %s not ready (%s); retrying in %.2fs", self.connection.address, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.describe = describe
+        limits = limits_from(describe)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.core_config, limits)
+            self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
+        else:
+            self.scheduler.set_limits(limits)
+        self.ready.set()
+        if self.on_ready_change is not None:
+            self.on_ready_change(True)
+        log.info("executor %s: model=%s blocks=%d swap_blocks=%d block_size=%d max_model_len=%d",
+                 self.connection.address, describe.model_id, describe.num_device_blocks,
+                 describe.num_swap_blocks, describe.block_size, describe.max_model_len)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.connection.close()
+
+    def add(self, request: Request, queue: asyncio.Queue[RequestDelta]) -> RequestStream:
+        sched = self._sched()
+        if len(sched.waiting) >= self.max_queue_len:
+            raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
+        sched.add_request(request)
+        stream = RequestStream(request, queue)
+        self.streams[request.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+        if self.scheduler is not None and self.scheduler.abort(request_id):
+            self._refresh_gauges()
+            self._wake.set()
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        self.streams.pop(request_id, None)
+        if self.scheduler is not None:
+            self.scheduler.finish(request_id, reason)
+            self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        if self.metrics is not None and self.scheduler is not None:
+            self.metrics.observe_stats(self.scheduler.stats())
+
+    def _sched(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("engine not started")
+        return self.scheduler
+
+    async def _run(self) -> None:
+        sched = self._sched()
+        while True:
+            if not sched.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            result = ExecutorResult()
+            if out.needs_executor:
+                try:
+                    result = await self.connection.execute(out)
+                except ExecutorLost as e:
+                    await self._recover(str(e))
+                    continue
+            t2 = time.perf_counter()
+            deltas = sched.update(out, result)
+            t3 = time.perf_counter()
+            self._route(deltas)
+            self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
+            if not out.scheduled:
+                await self._idle()
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=0.005)
+
+    async def _recover(self, reason: str) -> None:
+        log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
+                  reason, len(self._sched().running), len(self._sched().swapped))
+        self.ready.clear()
+        if self.on_ready_change is not None:
+            self.on_ready_change(False)
+        self._sched().reset_executor()
+        self.connection.drop_stream()
+        await self._connect()
+
+    def _route(self, deltas: list[RequestDelta]) -> None:
+        now = time.monotonic()
+        for delta in deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
+                continue
+            self._observe_tokens(stream, delta, now)
+            if delta.finish_reason is not None:
+                del self.streams[delta.request_id]
+            stream.queue.put_nowait(delta)
+
+    def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        label = m.ttft.labels(m.model_name)
+        n = len(delta.new_token_ids)
+        if n:
+            m.generation_tokens.labels(m.model_name).inc(n)
+            if stream.first_token is None:
+                stream.first_token = now
+                label.observe(now - stream.arrival)
+                m.prompt_tokens.labels(m.model_name).inc(stream.request.num_prompt_tokens)
+                scheduled = stream.request.first_scheduled_time
+                if scheduled is not None:
+                    m.queue_time.labels(m.model_name).observe(max(0.0, scheduled - stream.arrival))
+            elif stream.last_token is not None:
+                m.itl.labels(m.model_name).observe((now - stream.last_token) / n)
+            stream.last_token = now
+        if delta.finish_reason is not None:
+            m.on_finish(delta.finish_reason, now - stream.arrival, stream.request.num_prompt_tokens)
+
+    def _observe(self, core_seconds: float, executor_seconds: float | None) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.step_time.labels(m.model_name).observe(core_seconds)
+        if executor_seconds is not None:
+            m.executor_step_time.labels(m.model_name).observe(executor_seconds)
+        self._refresh_gauges()

@@ -1,0 +1,184 @@
+"""The public Generation service: validate, tokenize, queue, stream deltas back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.engine import Engine, QueueFull
+from scheduler_service.stop_strings import StopMatcher
+from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer
+from scheduler_service.validation import InvalidArgument, Limits, sampling_options, validate_prompt
+
+log = logging.getLogger("pagedserve.scheduler")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+FINISH_REASONS = {
+    FinishReason.STOPPED: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
+}
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    index: int
+    detokenizer: Detokenizer
+    stops: StopMatcher
+    num_tokens: int = 0
+    done: bool = False
+    pending_ids: list[int] = field(default_factory=list)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, max_logprobs: int) -> None:
+        self.engine = engine
+        self.max_logprobs = max_logprobs
+        self._tokenizer: TextTokenizer | None = None
+
+    def tokenizer(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            d = self.engine.describe
+            if d is not None and d.tokenizer_json:
+                bos = d.bos_token_id if d.add_bos_token else None
+                self._tokenizer = HFTokenizer(d.tokenizer_json, bos)
+            else:
+                self._tokenizer = ByteTokenizer()
+        return self._tokenizer
+
+    def limits(self) -> Limits:
+        d = self.engine.describe
+        if d is None:
+            raise RuntimeError("no executor described yet")
+        return Limits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs)
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        await self.engine.ready.wait()
+        try:
+            prompt_ids, requests = self._build(request)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        added: list[str] = []
+        try:
+            for req in requests:
+                self.engine.add(req, queue)
+                added.append(req.request_id)
+        except QueueFull as e:
+            for rid in added:
+                self.engine.abort(rid)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return
+        except ValueError as e:
+            for rid in added:
+                self.engine.abort(rid)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            return
+        try:
+            async for response in self._stream(request, prompt_ids, requests, queue):
+                yield response
+        finally:
+            for req in requests:
+                if not req.is_finished:
+                    self.engine.abort(req.request_id)
+
+    def _build(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[Request]]:
+        limits = self.limits()
+        validate_prompt(request, limits)
+        prompt_ids = list(request.prompt_token_ids) or self.tokenizer().encode(request.prompt)
+        sampling = sampling_options(request, limits, len(prompt_ids))
+        n = request.sampling.n if request.sampling.HasField("n") else 1
+        rid = request.request_id or uuid.uuid4().hex
+        hint = request.output_len_hint if request.HasField("output_len_hint") else None
+        now = time.monotonic()
+        requests = []
+        for i in range(n):
+            sub = sampling if n == 1 or sampling.seed is None else _with_seed(sampling, sampling.seed + i)
+            sub_id = rid if n == 1 else f"{rid}#{i}"
+            requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint))
+        return prompt_ids, requests
+
+    async def _stream(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int],
+                      requests: list[Request], queue: asyncio.Queue[RequestDelta]
+                      ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        tok = self.tokenizer()
+        stops = list(request.sampling.stop)
+        seqs = {r.request_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops))
+                for i, r in enumerate(requests)}
+        remaining = len(seqs)
+        while remaining:
+            delta = await queue.get()
+            seq = seqs.get(delta.request_id)
+            if seq is None or seq.done:
+                continue
+            response = self._respond(delta, seq, request.request_id or requests[0].request_id, len(prompt_ids))
+            if seq.done:
+                remaining -= 1
+            if response is not None:
+                yield response
+
+    def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
+                 ) -> generation_pb2.GenerateResponse | None:
+        text, stopped = seq.stops.feed(seq.detokenizer.step(delta.new_token_ids))
+        seq.num_tokens += len(delta.new_token_ids)
+        reason = delta.finish_reason
+        if stopped and reason is None:
+            reason = FinishReason.STOPPED
+            self.engine.finish(delta.request_id, reason)
+        elif reason is not None and not stopped:
+            text += seq.stops.flush()
+        response = generation_pb2.GenerateResponse(
+            request_id=rid, index=seq.index, token_ids=delta.new_token_ids, text=text)
+        if delta.logprobs:
+            response.logprobs.extend(lp if isinstance(lp, common_pb2.TokenLogprobs) else
+                                     common_pb2.TokenLogprobs(token_id=lp) for lp in delta.logprobs)
+        if reason is not None:
+            seq.done = True
+            response.finish_reason = FINISH_REASONS[reason]
+            response.error = delta.error
+            response.usage.prompt_tokens = prompt_len
+            response.usage.completion_tokens = seq.num_tokens
+        if not (response.token_ids or response.text or seq.done):
+            return None
+        return response
+
+
+def _with_seed(sampling, seed: int):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+    return replace(sampling, seed=seed)
+
+
+async def serve(engine: Engine, listen: str, max_logprobs: int
+                ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, max_logprobs), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(listen)
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    return server, port, health_servicer
+
+
+async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", GENERATION_SERVICE):
+        await servicer.set(name, status)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up what is missing, then runs ruff and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"

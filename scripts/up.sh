@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up what is missing, then runs the executor and the scheduler in the foreground. Ctrl-C stops both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python scripts/launch.py "$@"

@@ -1,0 +1,125 @@
+"""Start the real services as processes on 127.0.0.1 for tests, and read their metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process exited with {proc.returncode} before {address} was healthy")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout}s")
+
+
+def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@dataclass
+class Stack:
+    address: str
+    executor_address: str
+    metrics_port: int
+    executor: subprocess.Popen[bytes]
+    scheduler: subprocess.Popen[bytes]
+    executor_args: list[str]
+    log_dir: Path
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return parse_metrics(text)
+
+    def restart_executor(self) -> None:
+        stop(self.executor, signal.SIGKILL)
+        self.executor = start("executor_service", self.executor_args, self.log_dir / "executor.log")
+        wait_healthy(self.executor_address, self.executor)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Metric samples summed over labels other than finished_reason/mode, keyed by name{reason}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        for key in ("finished_reason", "mode"):
+            marker = f'{key}="'
+            if marker in name_labels:
+                name += "{" + name_labels.split(marker, 1)[1].split('"', 1)[0] + "}"
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def wait_until(predicate: object, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list[str] | None = None
+                  ) -> Iterator[Stack]:
+    ex_port, sc_port, m_port = free_port(), free_port(), free_port()
+    ex_addr, sc_addr = f"127.0.0.1:{ex_port}", f"127.0.0.1:{sc_port}"
+    ex_args = ["--listen", ex_addr, *executor_args]
+    executor = start("executor_service", ex_args, tmp_path / "executor.log")
+    scheduler = start("scheduler_service", ["--listen", sc_addr, "--executor", ex_addr, "--metrics-port",
+                                            str(m_port), *(scheduler_args or [])], tmp_path / "scheduler.log")
+    stack = Stack(sc_addr, ex_addr, m_port, executor, scheduler, ex_args, tmp_path)
+    try:
+        wait_healthy(ex_addr, executor)
+        wait_healthy(sc_addr, scheduler)
+        yield stack
+    finally:
+        stop(stack.scheduler)
+        stop(stack.executor)

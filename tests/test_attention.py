@@ -1,0 +1,195 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from executor_service.attention import (
+    ENV_VAR,
+    PagedAttentionFn,
+    WriteKVFn,
+    get_attention_ops,
+    reference,
+    triton_paged,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Batch:
+    query: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    keys: list[Tensor]
+    values: list[Tensor]
+    scale: float
+
+
+def _build_block_tables(seq_lens: list[int], block_size: int, gen: torch.Generator) -> tuple[Tensor, int]:
+    needed = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=gen)[: sum(needed)]
+    table = torch.zeros(len(seq_lens), max(needed) + 1, dtype=torch.int32)
+    start = 0
+    for s, count in enumerate(needed):
+        table[s, :count] = ids[start : start + count]
+        start += count
+    return table, num_blocks
+
+
+def _slots(table_row: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    return table_row.long()[positions // block_size] * block_size + positions % block_size
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Batch:
+    """seqs: (cached context length, query length) per sequence."""
+    gen = torch.Generator().manual_seed(len(seqs) * 1000 + block_size * 10 + group)
+    seq_lens = [ctx + q for ctx, q in seqs]
+    table, num_blocks = _build_block_tables(seq_lens, block_size, gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
+    for s, n in enumerate(seq_lens):
+        reference.write_kv(
+            keys[s], values[s], k_cache, v_cache, _slots(table[s], torch.arange(n), block_size)
+        )
+    q_lens = torch.tensor([q for _, q in seqs])
+    num_tokens = int(q_lens.sum())
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(q_lens, 0)
+    return Batch(
+        query=query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        keys=keys,
+        values=values,
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(batch: Batch) -> Tensor:
+    """Naive causal attention from the unpacked per-sequence K/V, in float64."""
+    out = torch.empty(batch.query.shape, dtype=torch.float64)
+    starts = batch.query_start_loc.tolist()
+    for s, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        q = batch.query[starts[s] : starts[s + 1]].double()
+        group = q.shape[1] // key.shape[1]
+        k = key.double().repeat_interleave(group, dim=1)
+        v = value.double().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(key.shape[0] - q.shape[0], key.shape[0])
+        mask = torch.arange(key.shape[0])[None, :] <= q_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=batch.scale
+        )
+        out[starts[s] : starts[s + 1]] = attended.transpose(0, 1)
+    return out
+
+
+def run_attention(fn: PagedAttentionFn, batch: Batch) -> Tensor:
+    return fn(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+    )
+
+
+CASES = [
+    pytest.param([(0, 5), (37, 1), (3, 6), (61, 4)], 4, 2, 1, 16, torch.float32, id="mixed-bs4-g1-fp32"),
+    pytest.param([(0, 40), (17, 1), (30, 3), (5, 1)], 16, 1, 2, 32, torch.float16, id="mixed-bs16-g2-fp16"),
+    pytest.param([(12, 1), (40, 1), (15, 1)], 16, 2, 4, 32, torch.float32, id="decode-bs16-g4-fp32"),
+    pytest.param([(0, 9), (26, 21)], 4, 1, 4, 16, torch.float16, id="prefill-bs4-g4-fp16"),
+    pytest.param([(2, 3), (45, 1), (0, 17)], 4, 2, 2, 16, torch.bfloat16, id="mixed-bs4-g2-bf16"),
+    pytest.param([(19, 2), (20, 0), (0, 1), (33, 1)], 16, 2, 2, 24, torch.float32, id="odd-dim-empty-seq"),
+]
+
+
+@pytest.mark.parametrize(("seqs", "block_size", "kv_heads", "group", "head_dim", "dtype"), CASES)
+def test_reference_matches_dense(
+    seqs: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    batch = make_batch(seqs, block_size, kv_heads, group, head_dim, dtype)
+    out = run_attention(reference.paged_attention, batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("seqs", "block_size", "kv_heads", "group", "head_dim", "dtype"), CASES)
+def test_triton_matches_reference(
+    seqs: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    batch = make_batch(seqs, block_size, kv_heads, group, head_dim, dtype)
+    expected = run_attention(reference.paged_attention, batch)
+    out = run_attention(triton_paged.paged_attention, batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("write_fn", [reference.write_kv, triton_paged.write_kv], ids=["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, kv_heads, head_dim = 6, 4, 2, 16
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    slot_mapping = torch.cat([slots, torch.tensor([-1])])
+    key = torch.randn(8, kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(8, kv_heads, head_dim, generator=gen).to(dtype)
+
+    write_fn(key, value, k_cache, v_cache, slot_mapping)
+
+    k_expected = k_before.view(-1, kv_heads, head_dim).clone()
+    v_expected = v_before.view(-1, kv_heads, head_dim).clone()
+    k_expected[slots] = key[:7]
+    v_expected[slots] = value[:7]
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim), k_expected)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim), v_expected)
+
+
+def test_get_attention_ops_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert get_attention_ops("cpu") == (reference.write_kv, reference.paged_attention)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert get_attention_ops("cpu") == (triton_paged.write_kv, triton_paged.paged_attention)
+    monkeypatch.setenv(ENV_VAR, "reference")
+    assert get_attention_ops(torch.device("cuda")) == (reference.write_kv, reference.paged_attention)
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError):
+        get_attention_ops("cpu")
+
+
+def test_package_import_does_not_import_triton() -> None:
+    code = "import sys, executor_service.attention; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
