@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from client.bench.cli import add_bench_parser, run_bench
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import generation_pb2
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--server", default="127.0.0.1:50051")
     h.add_argument("--service", default="")
     h.add_argument("--timeout", type=float, default=3.0)
+    add_bench_parser(sub)
     return p
 
 
@@ -111,7 +113,7 @@ async def health(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"generate": generate, "health": health}[args.command]
+    handler = {"generate": generate, "health": health, "bench": run_bench}[args.command]
     return asyncio.run(handler(args))
 
 

@@ -72,6 +72,7 @@ def ensure_default_model() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
     try:
         write_model(tmp, DEFAULT_SPEC)
+        tmp.chmod(0o755)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():

@@ -26,11 +26,12 @@ MASK64 = (1 << 64) - 1
 
 @dataclass(slots=True)
 class SampleRequest:
-    """One row of logits to sample: its parameters, the tokens so far, and the position sampled."""
+    """One row of logits to sample: its parameters, the tokens so far (prompt first), and the
+    position of the token being sampled."""
 
     sampling: SamplingConfig
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
     position: int
 
 
@@ -113,11 +114,12 @@ def has_penalty(s: SamplingConfig) -> bool:
 
 def penalise_row(row: Tensor, request: SampleRequest, vocab: int) -> Tensor:
     s = request.sampling
-    output = token_tensor(request.output_ids, vocab, row.device)
+    tokens = torch.tensor(list(request.token_ids), dtype=torch.long, device=row.device)
+    output = valid_ids(tokens[request.num_prompt_tokens :], vocab)
+    tokens = valid_ids(tokens, vocab)
     if s.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[token_tensor(request.prompt_ids, vocab, row.device)] = True
-        seen[output] = True
+        seen[tokens] = True
         penalised = torch.where(row > 0, row / s.repetition_penalty, row * s.repetition_penalty)
         row = torch.where(seen, penalised, row)
     if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
@@ -126,9 +128,8 @@ def penalise_row(row: Tensor, request: SampleRequest, vocab: int) -> Tensor:
     return row
 
 
-def token_tensor(ids: Sequence[int], vocab: int, device: torch.device) -> Tensor:
-    tensor = torch.tensor(list(ids), dtype=torch.long, device=device)
-    return tensor[(tensor >= 0) & (tensor < vocab)]
+def valid_ids(ids: Tensor, vocab: int) -> Tensor:
+    return ids[(ids >= 0) & (ids < vocab)]
 
 
 def filtered_probs(logits: Tensor, configs: Sequence[SamplingConfig]) -> Tensor:

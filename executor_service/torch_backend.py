@@ -62,6 +62,7 @@ class TorchBackend:
         device = resolve_device(config.device)
         model_dir = Path(config.model) if config.model else ensure_default_model()
         model_cfg = ModelConfig.from_dir(model_dir)
+        max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
         write_kv, paged_attention = get_attention_ops(device)
         model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention))
@@ -69,11 +70,11 @@ class TorchBackend:
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
         num_device_blocks = count_device_blocks(config, model, sampler, shape, device)
-        num_swap_blocks = config.num_cpu_blocks if config.num_cpu_blocks is not None else shape.blocks_in(
-            config.swap_space)
+        num_swap_blocks = count_swap_blocks(config, shape)
         kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
                            device=device)
-        info = build_info(config, model_dir, model_cfg, dtype, device, num_device_blocks, num_swap_blocks)
+        info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
+                          num_swap_blocks)
         return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device)
 
     def swap_out(self, mapping: BlockMap) -> None:
@@ -91,7 +92,7 @@ class TorchBackend:
             return []
         for item in items:
             validate_item(item, self.info)
-        batch = build_batch(items, self.info.block_size, self.info.num_device_blocks, self.device)
+        batch = build_batch(items, self.info, self.device)
         results: list[SampleOutput | None] = [None] * len(items)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
@@ -140,6 +141,12 @@ def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler
     return profile_cuda_blocks(config, model, sampler, shape, device)
 
 
+def count_swap_blocks(config: ExecutorConfig, shape: CacheShape) -> int:
+    if config.num_cpu_blocks is not None:
+        return config.num_cpu_blocks
+    return shape.blocks_in(config.swap_space)
+
+
 def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
                         device: torch.device) -> int:
     """Peak memory of a max_num_batched_tokens forward + sampling decides what is left for KV blocks."""
@@ -184,19 +191,20 @@ def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, 
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     with torch.inference_mode():
         logits = model.compute_logits(model(input_ids, positions, meta, cache.layers, output_rows))
-        request = SampleRequest(SamplingConfig(temperature=1.0, top_p=0.9, top_k=50), (), (), 0)
+        request = SampleRequest(SamplingConfig(temperature=1.0, top_p=0.9, top_k=50), (), 0, 0)
         sampler.sample(logits, [request] * rows)
 
 
 def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device, num_device_blocks: int, num_swap_blocks: int) -> BackendInfo:
+               device: torch.device, max_model_len: int, num_device_blocks: int,
+               num_swap_blocks: int) -> BackendInfo:
     tokenizer_json = read_text(model_dir / "tokenizer.json")
     bos_token_id, add_bos = read_bos(model_dir, tokenizer_json, model_cfg.bos_token_id)
     return BackendInfo(
         model_id=model_dir.resolve().name,
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=read_eos_ids(model_dir, model_cfg),
-        max_model_len=resolve_max_model_len(config.max_model_len, model_cfg),
+        max_model_len=max_model_len,
         block_size=config.block_size,
         num_device_blocks=num_device_blocks,
         num_swap_blocks=num_swap_blocks,
@@ -283,7 +291,8 @@ def validate_item(item: BatchItem, info: BackendInfo) -> None:
         )
 
 
-def build_batch(items: list[BatchItem], block_size: int, num_blocks: int, device: torch.device) -> Batch:
+def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:
+    block_size, num_blocks = info.block_size, info.num_device_blocks
     starts = torch.tensor([item.start for item in items], dtype=torch.long)
     q_lens = torch.tensor([item.num_tokens for item in items], dtype=torch.long)
     seq_lens = starts + q_lens
@@ -300,6 +309,8 @@ def build_batch(items: list[BatchItem], block_size: int, num_blocks: int, device
     slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
     chunks = (item.token_ids[item.start : item.start + item.num_tokens] for item in items)
     input_ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= info.vocab_size:
+        raise ValueError(f"token ids must be in [0, {info.vocab_size})")
     sample_items = [i for i, item in enumerate(items) if item.sample]
     output_rows = query_start_loc[1:][sample_items] - 1
     meta = AttentionMetadata(
@@ -312,9 +323,4 @@ def build_batch(items: list[BatchItem], block_size: int, num_blocks: int, device
 
 
 def sample_request(item: BatchItem) -> SampleRequest:
-    return SampleRequest(
-        sampling=item.sampling,
-        prompt_ids=item.token_ids[: item.num_prompt_tokens],
-        output_ids=item.token_ids[item.num_prompt_tokens :],
-        position=len(item.token_ids),
-    )
+    return SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, len(item.token_ids))

@@ -61,6 +61,7 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_device_blocks)
         self._device_tables: dict[str, list[int]] = {}
         self._cpu_tables: dict[str, list[int]] = {}
+        self._cpu_released_this_step: list[int] = []
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -72,7 +73,7 @@ class BlockManager:
         return len(self._device_tables.get(request_id, ())) + len(self._cpu_tables.get(request_id, ()))
 
     def can_allocate(self, total_tokens: int, tokens_now: int) -> AllocStatus:
-        if self.blocks_for(total_tokens) > self.device.num_blocks - self.watermark_blocks:
+        if self.blocks_for(max(total_tokens, tokens_now)) > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.device.num_free - self.blocks_for(tokens_now) < self.watermark_blocks:
             return AllocStatus.LATER
@@ -90,6 +91,13 @@ class BlockManager:
         if new is not None:
             self._device_tables.setdefault(request_id, []).extend(new)
         return new
+
+    def release_tail(self, request_id: str, num_blocks: int) -> None:
+        """Give back the last num_blocks of a table (blocks granted this step that hold no data)."""
+        table = self._device_tables.get(request_id)
+        if table and num_blocks > 0:
+            self.device.free(table[-num_blocks:])
+            del table[-num_blocks:]
 
     def fork(self, parent_id: str, child_id: str) -> None:
         table = self._device_tables[parent_id]
@@ -135,9 +143,15 @@ class BlockManager:
         device_ids = self.device.allocate(len(cpu_ids))
         if device_ids is None:
             raise RuntimeError(f"device pool short for {request_id}: call can_swap_in first")
-        self.cpu.free(cpu_ids)
+        self._cpu_released_this_step.extend(cpu_ids)
         self._device_tables[request_id] = device_ids
         return list(zip(cpu_ids, device_ids, strict=True))
+
+    def end_step(self) -> None:
+        """Swap blocks read by this step's swap-in become free only now, so no mapping in one step
+        reads a block another mapping of the same step writes."""
+        self.cpu.free(self._cpu_released_this_step)
+        self._cpu_released_this_step = []
 
     def drop_swapped(self) -> None:
         for ids in self._cpu_tables.values():

@@ -128,6 +128,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled, out, now)
         if any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1 for w in scheduled.values()):
             out.num_steps = 1
+        self.blocks.end_step()
         out.scheduled = list(scheduled.values())
         for work in out.scheduled:
             self._known_by_executor.add(work.request.request_id)
@@ -174,12 +175,27 @@ class Scheduler:
 
     def _make_room(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork],
                    budget: Budget, out: SchedulerOutput) -> bool:
+        if self._outgrows_pool(request, slots, out):
+            return False
         while not self.blocks.can_grow(request.request_id, slots):
             victim = self._pick_victim(exclude=request)
             if victim is None:
                 self._preempt(request, scheduled, budget, out)
                 return False
             self._preempt(victim, scheduled, budget, out)
+        return True
+
+    def _outgrows_pool(self, request: Request, slots: int, out: SchedulerOutput) -> bool:
+        need = self.blocks.blocks_for(slots)
+        usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
+        if need <= usable:
+            return False
+        error = (f"request grew to {slots} tokens ({need} KV blocks of {self.limits.block_size}) but the "
+                 f"device pool can hold at most {usable} blocks")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        self._finish(request, FinishReason.ERROR, error)
+        out.rejected.append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
         return True
 
     def _pick_victim(self, exclude: Request) -> Request | None:
@@ -208,6 +224,8 @@ class Scheduler:
         if work is not None:
             budget.tokens += work.num_tokens
             budget.seqs += 1
+            if not (work.is_new or work.resumed):
+                self.blocks.release_tail(request.request_id, len(work.new_block_ids))
         self.running.remove(request)
         mode = self._preemption_mode(request)
         rid = request.request_id
@@ -239,6 +257,8 @@ class Scheduler:
             request = self.swapped[0]
             n = self._chunk(request, budget)
             slots = self._slots_needed(request, n, out.num_steps)
+            if self._outgrows_pool(request, slots, out):
+                continue
             extra = self.blocks.blocks_for(slots) - self.blocks.num_blocks_held(request.request_id)
             if n == 0 or not self.blocks.can_swap_in(request.request_id, max(0, extra)):
                 break
@@ -295,9 +315,10 @@ class Scheduler:
         n = request.num_tokens
         if n > self.limits.max_model_len:
             return f"request needs {n} tokens but max_model_len is {self.limits.max_model_len}"
-        if self.blocks.can_allocate(n, 0) is AllocStatus.NEVER:
+        slots = n + self.config.num_lookahead_slots
+        if self.blocks.can_allocate(slots, 0) is AllocStatus.NEVER:
             usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
-            return (f"request needs {self.blocks.blocks_for(n)} KV blocks of {self.limits.block_size} tokens "
+            return (f"request needs {self.blocks.blocks_for(slots)} KV blocks of {self.limits.block_size} tokens "
                     f"but the device pool can hold at most {usable} blocks")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             return (f"prompt of {n} tokens exceeds max_num_batched_tokens "

@@ -1,0 +1,182 @@
+"""`python -m client bench ...`: argument parsing and the run/sweep driver."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+import grpc
+
+from client.bench.datasets import (
+    BenchRequest,
+    DatasetError,
+    SyntheticConfig,
+    TokenCounter,
+    byte_counter,
+    load_file,
+    synthetic_requests,
+    take,
+    tokenizer_counter,
+)
+from client.bench.plot import PlotPoint, plot_results
+from client.bench.report import format_table, rate_label, result_dict, write_json
+from client.bench.runner import RunConfig, run_benchmark
+from client.bench.stats import SLO, BenchMetrics, compute_metrics, parse_goodput
+from client.lib import PagedServeClient
+
+SYNTHETIC = "synthetic"
+
+
+def parse_rates(text: str) -> list[float]:
+    """'inf' or '4' or '1,2,4,8' -> request rates (req/s); each must be > 0."""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'inf', or a comma list of them: {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0: {text!r}")
+    return rates
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of percentiles: {text!r}") from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in [0, 100]: {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    d = SyntheticConfig()
+    b = subparsers.add_parser("bench", help="serving benchmark (like `vllm bench serve`)",
+                              description="Send a dataset at a request rate and report throughput and latency.")
+    b.add_argument("--server", default="127.0.0.1:50051")
+    data = b.add_argument_group("dataset")
+    data.add_argument("--dataset", default=SYNTHETIC, help="'synthetic' or a JSON FILE")
+    data.add_argument("--dataset-format", choices=["auto", "json", "sharegpt"], default="auto",
+                      help="FILE layout: json (a list of requests or {'requests': [...]}), sharegpt, "
+                           "or auto (sharegpt when entries have 'conversations')")
+    data.add_argument("--tokenizer", default=None, metavar="DIR",
+                      help="directory with tokenizer.json to count prompt/output tokens (default: UTF-8 bytes)")
+    data.add_argument("--num-prompts", type=positive_int, default=None,
+                      help=f"requests to send (default: {d.num_prompts} synthetic, every request of a FILE)")
+    data.add_argument("--synthetic-input-mean", type=positive_float, default=d.input_mean)
+    data.add_argument("--synthetic-output-mean", type=positive_float, default=d.output_mean)
+    data.add_argument("--synthetic-input-max", type=positive_int, default=d.input_max)
+    data.add_argument("--synthetic-output-max", type=positive_int, default=d.output_max)
+    data.add_argument("--synthetic-sigma", type=positive_float, default=d.sigma,
+                      help="lognormal sigma of the synthetic lengths")
+    data.add_argument("--synthetic-vocab-size", type=positive_int, default=d.vocab_size,
+                      help=f"synthetic prompt token ids are drawn from [{d.min_token_id}, this)")
+    load = b.add_argument_group("load")
+    load.add_argument("--request-rate", type=parse_rates, default=[math.inf],
+                      help="req/s; 'inf' sends all at once; a comma list (1,2,4,8) runs one full sweep per rate")
+    load.add_argument("--burstiness", type=positive_float, default=1.0,
+                      help="gamma shape of the inter-arrival times; 1 = Poisson, < 1 burstier, > 1 steadier")
+    load.add_argument("--max-concurrency", type=positive_int, default=None)
+    load.add_argument("--seed", type=non_negative_int, default=0)
+    load.add_argument("--ignore-eos", action="store_true", help="every request generates exactly max_tokens")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--output-len-hint", action="store_true",
+                      help="send max_tokens as output_len_hint (for the scheduler's --policy sjf)")
+    load.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
+    out = b.add_argument_group("results")
+    out.add_argument("--percentiles", "--metric-percentiles", type=parse_percentiles, default=[99.0],
+                     help="comma list of latency percentiles to report (default 99)")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                     help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (requests meeting all, per second)")
+    out.add_argument("--result-json", default=None, metavar="FILE")
+    out.add_argument("--plot", default=None, metavar="FILE.png")
+    out.add_argument("--disable-tqdm", "--no-progress", dest="progress", action="store_false",
+                     help="no progress bar")
+    return b
+
+
+def token_counter(args: argparse.Namespace) -> TokenCounter:
+    return tokenizer_counter(args.tokenizer) if args.tokenizer else byte_counter
+
+
+def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset == SYNTHETIC:
+        cfg = SyntheticConfig(
+            num_prompts=args.num_prompts or SyntheticConfig().num_prompts, input_mean=args.synthetic_input_mean,
+            output_mean=args.synthetic_output_mean, input_max=args.synthetic_input_max,
+            output_max=args.synthetic_output_max, sigma=args.synthetic_sigma,
+            vocab_size=args.synthetic_vocab_size, seed=args.seed)
+        return synthetic_requests(cfg)
+    return take(load_file(args.dataset, args.dataset_format, token_counter(args)), args.num_prompts)
+
+
+def run_config(args: argparse.Namespace, rate: float) -> RunConfig:
+    return RunConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                     seed=args.seed, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                     output_len_hint=args.output_len_hint, timeout=args.timeout, show_progress=args.progress)
+
+
+async def check_server(client: PagedServeClient, server: str) -> bool:
+    try:
+        if await client.health(timeout=10.0):
+            return True
+        print(f"error: {server} is not SERVING", file=sys.stderr)
+    except grpc.aio.AioRpcError as e:
+        print(f"error: {server} unreachable: {e.code().name}: {e.details()}", file=sys.stderr)
+    return False
+
+
+def run_meta(args: argparse.Namespace) -> dict[str, Any]:
+    return {"backend": "pagedserve", "server": args.server, "dataset": args.dataset, "seed": args.seed,
+            "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "percentiles": args.percentiles, "goodput": args.goodput}
+
+
+async def run_bench(args: argparse.Namespace) -> int:
+    try:
+        slo = parse_goodput(args.goodput) if args.goodput else SLO()
+        requests = load_requests(args)
+    except (ValueError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("error: the dataset has no requests (after filtering)", file=sys.stderr)
+        return 2
+    runs: list[dict[str, Any]] = []
+    points: list[PlotPoint] = []
+    async with PagedServeClient(args.server) as client:
+        if not await check_server(client, args.server):
+            return 1
+        for rate in args.request_rate:
+            result = await run_benchmark(client, requests, run_config(args, rate), desc=f"rate {rate_label(rate)}")
+            metrics: BenchMetrics = compute_metrics(result.traces, result.duration, args.percentiles, slo)
+            print(format_table(result, metrics), flush=True)
+            runs.append(result_dict(result, metrics, run_meta(args)))
+            points.append(PlotPoint(rate_label(rate), metrics))
+    if args.result_json:
+        write_json(args.result_json, runs)
+    if args.plot:
+        plot_results(points, args.plot)
+    return 0 if all(p.metrics.completed for p in points) else 1

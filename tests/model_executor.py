@@ -1,0 +1,99 @@
+"""An in-process executor model for core tests: it keeps a fake KV cache whose every slot records
+(request, position, token), checks before each forward that a request's cached positions hold exactly
+its tokens, and applies swap and copy mappings the way a real executor must."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
+
+Slot = tuple[str, int, int] | None
+
+
+def token_at(rid: str, position: int, eos: int | None = None, eos_every: int = 0) -> int:
+    h = int.from_bytes(hashlib.blake2b(f"{rid}:{position}".encode(), digest_size=4).digest(), "little")
+    if eos is not None and eos_every and h % eos_every == 0:
+        return eos
+    return 3 + h % 50
+
+
+class CacheCorrupted(AssertionError):
+    pass
+
+
+@dataclass
+class _State:
+    tokens: list[int]
+    num_computed: int
+    table: list[int] | None
+
+
+class ModelExecutor:
+    def __init__(self, num_device: int, num_cpu: int, block_size: int, eos: int | None = None,
+                 eos_every: int = 0) -> None:
+        self.bs = block_size
+        self.device: list[Slot] = [None] * (num_device * block_size)
+        self.cpu: list[Slot] = [None] * (num_cpu * block_size)
+        self.states: dict[str, _State] = {}
+        self.eos = eos
+        self.eos_every = eos_every
+
+    def _move(self, src: list[Slot], dst: list[Slot], mapping: list[tuple[int, int]]) -> None:
+        snapshot = {a: src[a * self.bs:(a + 1) * self.bs] for a, _ in mapping}
+        for a, b in mapping:
+            dst[b * self.bs:(b + 1) * self.bs] = snapshot[a]
+
+    def step(self, out: SchedulerOutput) -> ExecutorResult:
+        for rid in out.finished_ids:
+            self.states.pop(rid, None)
+        if {b for _, b in out.swap_out} & {a for a, _ in out.swap_in} or \
+                {a for a, _ in out.swap_out} & {b for _, b in out.swap_in}:
+            raise CacheCorrupted("a swap-in and a swap-out of one step touch the same block")
+        self._move(self.device, self.cpu, out.swap_out)
+        for rid in out.swapped_out_ids:
+            self.states[rid].table = None
+        self._move(self.cpu, self.device, out.swap_in)
+        self._move(self.device, self.device, out.copy)
+        for n in out.new_requests():
+            self.states[n.request_id] = _State(list(n.token_ids), n.num_computed_tokens, list(n.block_ids))
+        for r in out.running_requests():
+            st = self.states[r.request_id]
+            if r.resumed:
+                st.table = list(r.new_block_ids)
+            else:
+                if st.table is None:
+                    raise CacheCorrupted(f"{r.request_id} scheduled while swapped out")
+                st.table.extend(r.new_block_ids)
+        result = ExecutorResult()
+        for work in out.scheduled:
+            rid = work.request.request_id
+            tokens = self._forward(rid, work.num_tokens, out.num_steps)
+            if tokens:
+                result.sampled[rid] = tokens
+        return result
+
+    def _slot(self, st: _State, p: int) -> int:
+        assert st.table is not None
+        if p // self.bs >= len(st.table):
+            raise CacheCorrupted(f"position {p} beyond block table of {len(st.table)} blocks")
+        return st.table[p // self.bs] * self.bs + p % self.bs
+
+    def _forward(self, rid: str, n: int, num_steps: int) -> list[int]:
+        st = self.states[rid]
+        sampled: list[int] = []
+        for _ in range(num_steps):
+            for p in range(st.num_computed):
+                if self.device[self._slot(st, p)] != (rid, p, st.tokens[p]):
+                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}")
+            for p in range(st.num_computed, st.num_computed + n):
+                self.device[self._slot(st, p)] = (rid, p, st.tokens[p])
+            st.num_computed += n
+            if st.num_computed < len(st.tokens):
+                return sampled
+            t = token_at(rid, len(st.tokens), self.eos, self.eos_every)
+            st.tokens.append(t)
+            sampled.append(t)
+            n = 1
+        return sampled

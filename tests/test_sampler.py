@@ -1,0 +1,167 @@
+"""Sampler: greedy, filters, penalties, seeded determinism by (seed, position), logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from executor_service.backend import SamplingConfig
+from executor_service.sampler import Sampler, SampleRequest, apply_penalties, filtered_probs, mix_seed
+
+CPU = torch.device("cpu")
+VOCAB = 64
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def request(sampling: SamplingConfig, position: int = 10, prompt: tuple[int, ...] = (),
+            output: tuple[int, ...] = ()) -> SampleRequest:
+    return SampleRequest(sampling, (*prompt, *output), len(prompt), position)
+
+
+def test_greedy_is_argmax_and_does_not_mutate_logits() -> None:
+    logits = random_logits(6)
+    before = logits.clone()
+    configs = [SamplingConfig(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2)] * 6
+    out = Sampler(0, CPU).sample(logits, [request(c) for c in configs])
+    assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()
+    assert torch.equal(logits, before)
+    assert all(o.logprob is None and o.top_logprobs == [] for o in out)
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = random_logits(8, seed=1)
+    configs = [SamplingConfig(temperature=1.5, top_k=1), SamplingConfig(temperature=0.8, top_k=1, seed=5)] * 4
+    out = Sampler(3, CPU).sample(logits, [request(c, position=i) for i, c in enumerate(configs)])
+    assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_uses_penalised_logits() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 9] = 2.0, 1.9
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.2)
+    out = Sampler(0, CPU).sample(logits, [request(sampling, prompt=(7,))])
+    assert out[0].token_id == 9
+
+
+def test_seeded_draw_depends_only_on_seed_and_position() -> None:
+    logits = random_logits(1, seed=2)[0] * 0.3
+    sampling = SamplingConfig(temperature=1.0, seed=42)
+
+    def draw(sampler_seed: int, position: int, companions: int) -> int:
+        rows = torch.stack([random_logits(1, seed=100 + i)[0] for i in range(companions)] + [logits])
+        reqs = [request(SamplingConfig(temperature=1.0)) for _ in range(companions)]
+        return Sampler(sampler_seed, CPU).sample(rows, [*reqs, request(sampling, position)])[-1].token_id
+
+    tokens = [draw(0, p, 0) for p in range(40)]
+    assert tokens == [draw(7, p, p % 3) for p in range(40)]
+    assert len(set(tokens)) > 5
+    other_seed = [Sampler(0, CPU).sample(logits[None], [request(SamplingConfig(seed=43), p)])[0].token_id
+                  for p in range(40)]
+    assert other_seed != tokens
+
+
+def test_mix_seed_separates_seed_and_position() -> None:
+    values = {mix_seed(s, p) for s in range(20) for p in range(20)}
+    assert len(values) == 400
+    assert all(0 <= v < 2**63 for v in values)
+
+
+def test_unseeded_rows_follow_the_executor_seed() -> None:
+    logits = random_logits(16, seed=3) * 0.2
+    reqs = [request(SamplingConfig(temperature=1.0)) for _ in range(16)]
+    first = [o.token_id for o in Sampler(11, CPU).sample(logits, reqs)]
+    again = [o.token_id for o in Sampler(11, CPU).sample(logits, reqs)]
+    other = [o.token_id for o in Sampler(12, CPU).sample(logits, reqs)]
+    assert first == again and first != other
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(4000, 4).contiguous()
+    reqs = [request(SamplingConfig(temperature=1.0)) for _ in range(4000)]
+    tokens = torch.tensor([o.token_id for o in Sampler(0, CPU).sample(logits, reqs)])
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert freq.tolist() == pytest.approx([0.5, 0.3, 0.2, 0.0], abs=0.04)
+
+
+def test_temperature_sharpens() -> None:
+    logits = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    configs = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.25)]
+    probs = filtered_probs(logits.expand(2, 4), configs)
+    assert probs[0, 0] == pytest.approx(math.e / (math.e + 3))
+    assert probs[1, 0] == pytest.approx(math.exp(4) / (math.exp(4) + 3))
+
+
+def test_top_k_top_p_min_p_filters() -> None:
+    probs = torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])
+    logits = probs.log().expand(5, 5)
+    configs = [
+        SamplingConfig(top_k=2),
+        SamplingConfig(top_p=0.69),
+        SamplingConfig(top_p=0.71),
+        SamplingConfig(min_p=0.3),
+        SamplingConfig(top_k=3, top_p=0.8, min_p=0.5),
+    ]
+    kept = (filtered_probs(logits, configs) > 0).tolist()
+    assert kept[0] == [True, True, False, False, False]
+    assert kept[1] == [True, True, False, False, False]
+    assert kept[2] == [True, True, True, False, False]
+    assert kept[3] == [True, True, True, False, False]
+    assert kept[4] == [True, True, False, False, False]
+    assert filtered_probs(logits, [SamplingConfig(top_p=1e-9)] * 5).gt(0).sum(dim=-1).tolist() == [1] * 5
+
+
+def test_filtered_tokens_are_never_sampled() -> None:
+    logits = random_logits(200, seed=4) * 0.1
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    out = Sampler(0, CPU).sample(logits, [request(sampling) for _ in range(200)])
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(o.token_id in top3[i].tolist() for i, o in enumerate(out))
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    sampling = SamplingConfig(repetition_penalty=2.0)
+    out = apply_penalties(logits, [request(sampling, prompt=(0,), output=(1, 1))])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 1.0]]
+    assert logits.tolist() == [[2.0, -2.0, 2.0, -2.0, 1.0]]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(1, 5)
+    sampling = SamplingConfig(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, [request(sampling, prompt=(3, 3, 4), output=(0, 1, 1, 1))])
+    assert out.tolist() == [[-0.75, -1.25, 0.0, 0.0, 0.0]]
+
+
+def test_penalties_apply_per_row() -> None:
+    logits = torch.ones(2, 4)
+    reqs = [request(SamplingConfig(), output=(0,)),
+            request(SamplingConfig(presence_penalty=1.0), output=(0,))]
+    assert apply_penalties(logits, reqs).tolist() == [[1.0] * 4, [0.0, 1.0, 1.0, 1.0]]
+
+
+def test_logprobs_are_raw_and_ranked() -> None:
+    logits = random_logits(3, seed=5)
+    raw = torch.log_softmax(logits, dim=-1)
+    configs = [
+        SamplingConfig(temperature=0.5, repetition_penalty=1.5, logprobs=4, seed=1),
+        SamplingConfig(temperature=0.0, logprobs=0),
+        SamplingConfig(temperature=0.0),
+    ]
+    out = Sampler(0, CPU).sample(logits, [request(c, output=(1, 2)) for c in configs])
+    assert out[0].logprob == pytest.approx(float(raw[0, out[0].token_id]))
+    assert [t for t, _ in out[0].top_logprobs] == raw[0].topk(4).indices.tolist()
+    assert [v for _, v in out[0].top_logprobs] == pytest.approx(raw[0].topk(4).values.tolist())
+    assert out[1].logprob == pytest.approx(float(raw[1].max())) and out[1].top_logprobs == []
+    assert out[2].logprob is None and out[2].top_logprobs == []
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="do not match"):
+        Sampler(0, CPU).sample(random_logits(2), [request(SamplingConfig())])
+    assert Sampler(0, CPU).sample(torch.empty(0, VOCAB), []) == []
