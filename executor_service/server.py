@@ -69,13 +69,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         except StepRefused as e:
             result.error = str(e)
             return result
-        self.backend.swap_out([(m.src, m.dst) for m in step.swap_out])
-        self.backend.swap_in([(m.src, m.dst) for m in step.swap_in])
-        self.backend.copy([(m.src, m.dst) for m in step.copy])
-        t_swap = time.perf_counter_ns()
-        items = self._collect(step, result)
-        t_prep = time.perf_counter_ns()
-        outputs = await self._run_passes(items, max(1, step.num_steps), result)
+        try:
+            self.backend.swap_out([(m.src, m.dst) for m in step.swap_out])
+            self.backend.swap_in([(m.src, m.dst) for m in step.swap_in])
+            self.backend.copy([(m.src, m.dst) for m in step.copy])
+            t_swap = time.perf_counter_ns()
+            items = self._collect(step, result)
+            t_prep = time.perf_counter_ns()
+            outputs = await self._run_passes(items, max(1, step.num_steps))
+        except ValueError as e:
+            log.error("step %d refused: %s", step.step_id, e)
+            for item_id in {*(n.request_id for n in step.new_requests), *(r.request_id for r in step.running_requests)}:
+                self.table.drop(item_id)
+            return executor_pb2.StepResult(step_id=step.step_id, error=str(e))
         t_fwd = time.perf_counter_ns()
         for rid, samples in outputs.items():
             result.outputs.append(_sampled(rid, samples))
@@ -106,8 +112,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.table.drop(rid)
         result.errors.append(executor_pb2.RequestError(request_id=rid, message=error))
 
-    async def _run_passes(self, items: list[BatchItem], num_steps: int,
-                          result: executor_pb2.StepResult) -> dict[str, list[SampleOutput]]:
+    async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
         outputs: dict[str, list[SampleOutput]] = {}
         for _ in range(num_steps):
             if not items:

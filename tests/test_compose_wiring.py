@@ -144,7 +144,7 @@ def test_docker_compose_config_validates() -> None:
         assert r.returncode == 0, f"{' '.join(f.name for f in files)}: {r.stderr or r.stdout}"
 
 
-def test_services_are_wired_like_the_issue_says() -> None:
+def test_static_wiring() -> None:
     services = load(COMPOSE)["services"]
     assert set(services) == {"executor", "scheduler"}
     ex, sc = services["executor"], services["scheduler"]
@@ -159,11 +159,11 @@ def test_services_are_wired_like_the_issue_says() -> None:
 
     ex_cmd, sc_cmd = command_of(ex), command_of(sc)
     assert "ports" not in ex, "the executor must not publish a port: only the compose network reaches it"
-    assert flag_value(ex_cmd, "--listen") == "0.0.0.0:50061"
+    assert flag_value(ex_cmd, "--listen") == "0.0.0.0:50061", "the executor must listen on the compose network"
     assert 50061 in container_ports(ex)
     assert "--model" not in ex_cmd and "--simulated" not in ex_cmd, "the default runs the embedded model"
 
-    assert flag_value(sc_cmd, "--executor") == "executor:50061"
+    assert flag_value(sc_cmd, "--executor") == "executor:50061", "the scheduler reaches the executor by its name"
     assert sc["depends_on"]["executor"]["condition"] == "service_healthy"
     published = {container_port(p) for p in sc["ports"]}
     listen_port = int((flag_value(sc_cmd, "--listen") or "").rsplit(":", 1)[-1])
