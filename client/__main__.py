@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 import grpc
@@ -21,6 +22,13 @@ FINISH_NAMES = {
 
 def _ids(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="API key (default: $PAGEDSERVE_API_KEY)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS with the system CA roots")
+    p.add_argument("--tls-ca", default=None, help="PEM CA to verify the server certificate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=None)
     g.add_argument("--json", action="store_true", help="one JSON object per streamed response")
     h = sub.add_parser("health", help="exit 0 when the server reports SERVING")
+    add_connection_args(g)
+    add_connection_args(h)
     h.add_argument("--server", default="127.0.0.1:50051")
     h.add_argument("--service", default="")
     h.add_argument("--timeout", type=float, default=3.0)
@@ -77,10 +87,14 @@ def response_json(r: generation_pb2.GenerateResponse) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def client_for(args: argparse.Namespace) -> PagedServeClient:
+    return PagedServeClient(args.server, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca)
+
+
 async def generate(args: argparse.Namespace) -> int:
     sampling = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
     code = 0
-    async with PagedServeClient(args.server) as client:
+    async with client_for(args) as client:
         try:
             async for r in client.generate(args.prompt, args.prompt_token_ids, request_id=args.request_id,
                                            output_len_hint=args.output_len_hint, timeout=args.timeout,
@@ -101,7 +115,7 @@ async def generate(args: argparse.Namespace) -> int:
 
 
 async def health(args: argparse.Namespace) -> int:
-    async with PagedServeClient(args.server) as client:
+    async with client_for(args) as client:
         try:
             ok = await client.health(args.service, timeout=args.timeout)
         except grpc.aio.AioRpcError as e:

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.wire import channel_credentials, open_channel
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -28,14 +29,14 @@ def build_request(prompt: str | None = None, prompt_token_ids: list[int] | None 
 
 
 class PagedServeClient:
-    def __init__(self, server: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: list[tuple[str, str]] | None = None) -> None:
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-        self._channel = (grpc.aio.secure_channel(server, credentials, options=options) if credentials
-                         else grpc.aio.insecure_channel(server, options=options))
+    def __init__(self, server: str, *, api_key: str | None = None, tls_ca: str | None = None,
+                 tls: bool = False, credentials: grpc.ChannelCredentials | None = None) -> None:
+        if credentials is None and (tls or tls_ca):
+            credentials = channel_credentials(tls_ca)
+        self._channel = open_channel(server, credentials)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = metadata
+        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
 
     async def __aenter__(self) -> PagedServeClient:
         return self

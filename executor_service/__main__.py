@@ -12,6 +12,7 @@ import uvloop
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
+from protos.wire import server_credentials
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -26,7 +27,12 @@ def build_backend(config: ExecutorConfig) -> Backend:
 
 async def main(config: ExecutorConfig) -> None:
     backend = build_backend(config)
-    server, port = await serve(backend, config.listen)
+    credentials = None
+    if config.tls_cert or config.tls_key:
+        if not (config.tls_cert and config.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+    server, port = await serve(backend, config.listen, credentials)
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,

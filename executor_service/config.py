@@ -28,6 +28,9 @@ class ExecutorConfig:
     sim_token_latency_us: float = 0.0
     sim_eos_rate: float = 0.0
     sim_eos_token_id: int = 2
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
@@ -60,4 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-eos-rate", type=float, default=d.sim_eos_rate,
                    help="probability that a simulated token is EOS (0 = never)")
     p.add_argument("--sim-eos-token-id", type=int, default=d.sim_eos_token_id)
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve the Executor API over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA: require scheduler client certificates it signed (mTLS)")
     return p

@@ -16,11 +16,9 @@ from executor_service.backend import Backend, BatchItem, SampleOutput
 from executor_service.simulated import SimulatedBackend
 from executor_service.state import RequestTable, StepRefused
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from protos.wire import GRPC_OPTIONS, add_port
 
 log = logging.getLogger("pagedserve.executor")
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 EXECUTOR_VERSION = "pagedserve-executor/0.1"
 
 
@@ -153,7 +151,8 @@ def _sampled(rid: str, samples: list[SampleOutput]) -> executor_pb2.SampledToken
     return msg
 
 
-async def serve(backend: Backend, listen: str) -> tuple[grpc.aio.Server, int]:
+async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None
+                ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
@@ -161,7 +160,7 @@ async def serve(backend: Backend, listen: str) -> tuple[grpc.aio.Server, int]:
     names = (executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen, credentials)
     await server.start()
     for name in ("", names[0]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

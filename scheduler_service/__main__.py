@@ -3,38 +3,70 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 
+import grpc
 import uvloop
 
+from protos.wire import channel_credentials, server_credentials
+from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
-from scheduler_service.server import serve, set_health
+from scheduler_service.server import PublicServer, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
 
 
+def credentials(config: SchedulerServiceConfig) -> tuple[grpc.ServerCredentials | None,
+                                                        grpc.ChannelCredentials | None]:
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    public = server_credentials(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
+    to_executor = (channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls_ca
+                   else None)
+    return public, to_executor
+
+
+async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: Engine) -> None:
+    log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
+    public.generation.draining = True
+    await set_health(public.health, False)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(engine.drained.wait(), timeout=config.shutdown_timeout)
+    aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
+    log.info("drained; aborted %d unfinished requests", aborted)
+    await public.server.stop(grace=2.0)
+    await engine.stop()
+
+
 async def main(config: SchedulerServiceConfig) -> None:
-    engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name)
-    server, port, health_servicer = await serve(engine, config.listen, config.max_logprobs)
-    log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, port,
+    public_creds, executor_creds = credentials(config)
+    engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
+                    executor_creds)
+    public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
+                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
+    log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              config.executor[0])
-    await engine.start()
-    if config.metrics_port is not None and engine.metrics is not None:
-        engine.metrics.serve(config.metrics_host, config.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
-    engine.on_ready_change = lambda ready: asyncio.ensure_future(set_health(health_servicer, ready))
-    await set_health(health_servicer, True)
-    log.info("scheduler ready on %s", config.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=2.0)
-    await engine.stop()
+    starting = asyncio.create_task(engine.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        if config.metrics_port is not None and engine.metrics is not None:
+            engine.metrics.serve(config.metrics_host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        engine.on_ready_change = lambda ready: asyncio.ensure_future(set_health(public.health, ready))
+        await set_health(public.health, True)
+        log.info("scheduler ready on %s", config.listen)
+        await stop.wait()
+    else:
+        starting.cancel()
+    await shutdown(config, public, engine)
 
 
 def run(argv: list[str] | None = None) -> int:

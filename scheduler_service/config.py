@@ -31,6 +31,13 @@ class SchedulerServiceConfig:
     max_queue_len: int = 10000
     max_logprobs: int = 20
     served_model_name: str | None = None
+    tokenizer: str | None = None
+    shutdown_timeout: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    api_key: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -77,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-len", type=int, default=d.max_queue_len)
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the executor's)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds SIGTERM lets running requests finish before aborting them")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: public port over TLS; also the client "
+                   "certificate toward the executor when --tls-ca is set")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the executor's certificate (mTLS)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
     return p
 
 

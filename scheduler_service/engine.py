@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.config import CoreConfig, ModelLimits
 from scheduler_service.core.outputs import ExecutorResult, RequestDelta
@@ -41,9 +43,9 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 
 class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
-                 metrics_model_name: str | None = None) -> None:
+                 metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.core_config = core_config
-        self.connection = ExecutorConnection(executor_address)
+        self.connection = ExecutorConnection(executor_address, credentials)
         self.max_queue_len = max_queue_len
         self.metrics_model_name = metrics_model_name
         self.describe: executor_pb2.DescribeResponse | None = None
@@ -51,6 +53,7 @@ class Engine:
         self.metrics: EngineMetrics | None = None
         self.streams: dict[str, RequestStream] = {}
         self.ready = asyncio.Event()
+        self.drained = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.on_ready_change: Callable[[bool], object] | None = None
@@ -97,6 +100,7 @@ class Engine:
         sched.add_request(request)
         stream = RequestStream(request, queue)
         self.streams[request.request_id] = stream
+        self.drained.clear()
         self._wake.set()
         return stream
 
@@ -112,6 +116,14 @@ class Engine:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every unfinished request, telling each stream why."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            self.abort(stream.request.request_id)
+            stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], FinishReason.ABORTED, reason))
+        return len(streams)
+
     def _refresh_gauges(self) -> None:
         if self.metrics is not None and self.scheduler is not None:
             self.metrics.observe_stats(self.scheduler.stats())
@@ -125,6 +137,7 @@ class Engine:
         sched = self._sched()
         while True:
             if not sched.has_unfinished():
+                self.drained.set()
                 self._wake.clear()
                 await self._wake.wait()
             t0 = time.perf_counter()
@@ -169,7 +182,17 @@ class Engine:
             self._observe_tokens(stream, delta, now)
             if delta.finish_reason is not None:
                 del self.streams[delta.request_id]
+                self._log_finish(stream, delta, now)
             stream.queue.put_nowait(delta)
+
+    def _log_finish(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
+        req = stream.request
+        queue = (req.first_scheduled_time or now) - stream.arrival
+        ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
+        log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d queue=%.3fs ttft=%.3fs "
+                 "e2e=%.3fs preemptions=%d%s", req.request_id, delta.finish_reason.value if delta.finish_reason
+                 else "", req.num_prompt_tokens, req.num_output_tokens, queue, ttft, now - stream.arrival,
+                 req.num_preemptions, f" error={delta.error!r}" if delta.error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         m = self.metrics

@@ -5,12 +5,9 @@ from __future__ import annotations
 import grpc
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from protos.wire import open_channel
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
-
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 class ExecutorLost(Exception):
@@ -63,9 +60,9 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
 
 
 class ExecutorConnection:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = open_channel(address, credentials)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
 

@@ -8,12 +8,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.wire import GRPC_OPTIONS, add_port
+from scheduler_service.auth import ApiKeyInterceptor
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.engine import Engine, QueueFull
@@ -22,9 +25,6 @@ from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer,
 from scheduler_service.validation import InvalidArgument, Limits, sampling_options, validate_prompt
 
 log = logging.getLogger("pagedserve.scheduler")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 FINISH_REASONS = {
     FinishReason.STOPPED: generation_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
@@ -45,10 +45,13 @@ class SequenceOutput:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, max_logprobs: int) -> None:
+    def __init__(self, engine: Engine, max_logprobs: int, tokenizer_dir: str | None = None) -> None:
         self.engine = engine
         self.max_logprobs = max_logprobs
+        self.draining = False
         self._tokenizer: TextTokenizer | None = None
+        if tokenizer_dir:
+            self._tokenizer = HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
 
     def tokenizer(self) -> TextTokenizer:
         if self._tokenizer is None:
@@ -68,6 +71,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            return
         await self.engine.ready.wait()
         try:
             prompt_ids, requests = self._build(request)
@@ -164,18 +170,29 @@ def _with_seed(sampling, seed: int):  # type: ignore[no-untyped-def]
     return replace(sampling, seed=seed)
 
 
-async def serve(engine: Engine, listen: str, max_logprobs: int
-                ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, max_logprobs), server)
+@dataclass(slots=True)
+class PublicServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    generation: GenerationServicer
+
+
+async def serve(engine: Engine, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
+                credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None
+                ) -> PublicServer:
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    generation = GenerationServicer(engine, max_logprobs, tokenizer_dir)
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen, credentials)
     for name in ("", GENERATION_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    return server, port, health_servicer
+    return PublicServer(server, port, health_servicer, generation)
 
 
 async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
