@@ -26,9 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout: float = 120.0,
+                 tls_ca: str | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
+               if tls_ca else grpc.insecure_channel(address))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -107,8 +110,8 @@ def wait_until(predicate: object, timeout: float = 30.0, what: str = "condition"
 
 
 @contextmanager
-def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list[str] | None = None
-                  ) -> Iterator[Stack]:
+def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list[str] | None = None,
+                  tls_ca: str | None = None) -> Iterator[Stack]:
     ex_port, sc_port, m_port = free_port(), free_port(), free_port()
     ex_addr, sc_addr = f"127.0.0.1:{ex_port}", f"127.0.0.1:{sc_port}"
     ex_args = ["--listen", ex_addr, *executor_args]
@@ -117,8 +120,9 @@ def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list
                                             str(m_port), *(scheduler_args or [])], tmp_path / "scheduler.log")
     stack = Stack(sc_addr, ex_addr, m_port, executor, scheduler, ex_args, tmp_path)
     try:
-        wait_healthy(ex_addr, executor)
-        wait_healthy(sc_addr, scheduler)
+        if tls_ca is None:
+            wait_healthy(ex_addr, executor)
+        wait_healthy(sc_addr, scheduler, tls_ca=tls_ca)
         yield stack
     finally:
         stop(stack.scheduler)
