@@ -138,8 +138,9 @@ class Engine:
         while True:
             if not sched.has_unfinished():
                 self.drained.set()
-                self._wake.clear()
-                await self._wake.wait()
+                if await self._sleep_until_work_or_loss():
+                    await self._recover("connection lost while idle")
+                    continue
             t0 = time.perf_counter()
             out = sched.schedule()
             t1 = time.perf_counter()
@@ -157,6 +158,16 @@ class Engine:
             self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
             if not out.scheduled:
                 await self._idle()
+
+    async def _sleep_until_work_or_loss(self) -> bool:
+        """Wait for a new request; True if the executor connection dropped first."""
+        self._wake.clear()
+        woken = asyncio.create_task(self._wake.wait())
+        lost = asyncio.create_task(self.connection.wait_until_lost())
+        await asyncio.wait((woken, lost), return_when=asyncio.FIRST_COMPLETED)
+        for task in (woken, lost):
+            task.cancel()
+        return lost.done() and not lost.cancelled() and not woken.done()
 
     async def _idle(self) -> None:
         self._wake.clear()

@@ -10,6 +10,10 @@ from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
 
 
+LOST_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE,
+               grpc.ChannelConnectivity.SHUTDOWN)
+
+
 class ExecutorLost(Exception):
     """The stream broke: the executor's KV cache and request state are gone."""
 
@@ -82,6 +86,13 @@ class ExecutorConnection:
             self._call = None
             raise ExecutorLost("executor closed the step stream")
         return result_from_proto(msg, out)
+
+    async def wait_until_lost(self) -> None:
+        """Return once a connection that was up has gone down (the executor died or restarted)."""
+        state = self._channel.get_state(try_to_connect=False)
+        while state not in LOST_STATES:
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=False)
 
     def drop_stream(self) -> None:
         if self._call is not None:

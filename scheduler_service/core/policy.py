@@ -1,7 +1,8 @@
 """Waiting-queue order: fcfs, sjf and priority, with aging and a max-wait guard.
 
 Effective priority under aging is base - aging_rate * (now - arrival). Its order does not
-change with `now`, so a heap keyed by base + aging_rate * arrival serves it in O(log n).
+change with `now`, so a heap keyed by base + aging_rate * arrival serves it in O(log n). Ties go by
+arrival (a request preempted for recompute re-enters ahead of later arrivals of equal key).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class WaitingQueue:
         self.aging_rate = aging_rate
         self.max_waiting_time = max_waiting_time
         self._fifo: deque[tuple[int, Request]] = deque()
-        self._heap: list[tuple[float, int, int, Request]] = []
+        self._heap: list[tuple[float, float, int, int, Request]] = []
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self._tiebreak = itertools.count()
         self._len = 0
@@ -56,7 +57,7 @@ class WaitingQueue:
             (self._fifo.appendleft if front else self._fifo.append)((version, request))
         else:
             key = sort_key(self.policy, request, self.aging_rate)
-            heapq.heappush(self._heap, (key, n, version, request))
+            heapq.heappush(self._heap, (key, request.arrival_time, n, version, request))
 
     def discard(self, request: Request) -> None:
         """Forget a request that leaves WAITING (admitted or aborted); its entries go stale."""
@@ -80,6 +81,6 @@ class WaitingQueue:
                 fifo.popleft()
             return fifo[0][1] if fifo else None
         heap = self._heap
-        while heap and not _is_live(heap[0][2], heap[0][3]):
+        while heap and not _is_live(heap[0][3], heap[0][4]):
             heapq.heappop(heap)
-        return heap[0][3] if heap else None
+        return heap[0][4] if heap else None

@@ -56,6 +56,7 @@ class Scheduler:
         self._to_drop: list[str] = []
         self._step_id = 0
         self._admissions = 0
+        self._step_first_admission = 0
         self._prev_time = 0.0
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
@@ -116,6 +117,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
+        self._step_first_admission = self._admissions
         now = self.clock()
         out = SchedulerOutput(step_id=self._step_id, num_lookahead_slots=self.config.num_lookahead_slots)
         out.num_steps = self._num_steps()
@@ -178,8 +180,8 @@ class Scheduler:
         if self._outgrows_pool(request, slots, out):
             return False
         while not self.blocks.can_grow(request.request_id, slots):
-            victim = self._pick_victim(exclude=request)
-            if victim is None:
+            victim = self._pick_victim()
+            if victim is None or victim is request:
                 self._preempt(request, scheduled, budget, out)
                 return False
             self._preempt(victim, scheduled, budget, out)
@@ -198,8 +200,12 @@ class Scheduler:
         out.rejected.append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
         return True
 
-    def _pick_victim(self, exclude: Request) -> Request | None:
-        candidates = [r for r in self.running if r is not exclude and not r.protected]
+    def _pick_victim(self, admitted_before: int | None = None) -> Request | None:
+        """The running request the victim rule picks, the one asking for room included (it then preempts
+        itself, as in vLLM); requests protected by the thrash guard are never picked, nor, with
+        admitted_before, requests admitted at or after that admission number."""
+        candidates = [r for r in self.running if not r.protected
+                      and (admitted_before is None or r.admitted_seq < admitted_before)]
         if not candidates:
             return None
         if self.config.policy is Policy.PRIORITY:
@@ -330,7 +336,8 @@ class Scheduler:
         if self.config.policy is not Policy.PRIORITY:
             return False
         while budget.seqs <= 0 or self.blocks.can_allocate(request.num_tokens, slots) is not AllocStatus.OK:
-            victim = self._pick_victim(exclude=request)
+            # Never a request admitted this step: the queue just put it ahead of this one (max wait).
+            victim = self._pick_victim(admitted_before=self._step_first_admission)
             if victim is None or self._key(victim) <= self._key(request):
                 return False
             self._preempt(victim, scheduled, budget, out)
