@@ -9,7 +9,6 @@ from protos.wire import open_channel
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
 
-
 LOST_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE,
                grpc.ChannelConnectivity.SHUTDOWN)
 
