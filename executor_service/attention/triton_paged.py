@@ -163,8 +163,9 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride(-1) == 1 and value.stride(-1) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    _require(key.stride(-1) == 1 and value.stride(-1) == 1, "key/value need a contiguous last dimension")
+    _require(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape,
+             "k_cache and v_cache must be contiguous and of one shape")
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -209,9 +210,11 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    assert query.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape == v_cache.shape and block_tables.stride(-1) == 1
-    assert num_heads % num_kv_heads == 0
+    _require(query.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(),
+             "query needs a contiguous last dimension and the caches must be contiguous")
+    _require(k_cache.shape == v_cache.shape and block_tables.stride(-1) == 1,
+             "k_cache and v_cache must be of one shape; block_tables rows contiguous")
+    _require(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group = num_heads // num_kv_heads
     group_pad, block_q, block_m = _row_layout(num_tokens, num_seqs, group)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -244,3 +247,8 @@ def paged_attention(
         UPCAST=_needs_upcast(query.dtype),
     )
     return out
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
