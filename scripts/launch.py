@@ -47,7 +47,13 @@ async def demo(address: str, prompt: str) -> None:
     print("\n---", flush=True)
 
 
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     args = parse_args()
     py = sys.executable
     source = ["--simulated"] if args.simulated else (["--model", args.model] if args.model else [])
