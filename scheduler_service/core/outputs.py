@@ -31,6 +31,9 @@ class RunningRequestData:
 
 @dataclass(slots=True)
 class ScheduledWork:
+    """One request's part of a step. Read-only to consumers: the scheduler hands out the same object
+    (and its empty new_block_ids) for a request's plain decodes step after step."""
+
     request: Request
     num_tokens: int
     new_block_ids: list[int]

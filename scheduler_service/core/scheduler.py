@@ -57,6 +57,9 @@ class Scheduler:
         self._step_id = 0
         self._admissions = 0
         self._step_first_admission = 0
+        self._entered: list[ScheduledWork] = []
+        self._running_dirty = False
+        self._decode_works: dict[str, ScheduledWork] = {}
         self._prev_time = 0.0
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
@@ -128,14 +131,19 @@ class Scheduler:
             self._schedule_swapped(budget, scheduled, out)
         if not out.num_preempted and not self.swapped and self._passed_delay(now):
             self._schedule_waiting(budget, scheduled, out, now)
-        if any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1 for w in scheduled.values()):
+        if out.num_steps > 1 and any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1
+                                     for w in scheduled.values()):
             out.num_steps = 1
         self.blocks.end_step()
         out.scheduled = list(scheduled.values())
-        for work in out.scheduled:
-            self._known_by_executor.add(work.request.request_id)
-            if work.request.first_scheduled_time is None:
-                work.request.first_scheduled_time = now
+        # Work that was running before this step is known to the executor and was scheduled before:
+        # only new and resumed work can change either (this keeps the step O(changes) here).
+        for work in self._entered:
+            if scheduled.get(work.request.request_id) is work:
+                self._known_by_executor.add(work.request.request_id)
+                if work.request.first_scheduled_time is None:
+                    work.request.first_scheduled_time = now
+        self._entered.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
         return out
 
@@ -159,21 +167,50 @@ class Scheduler:
 
     def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork],
                           out: SchedulerOutput) -> None:
+        # Fast path, the same decisions as _schedule_one_running: a one-token decode whose block table
+        # already covers its slots needs no growth, no room and no new blocks. Its work is the same
+        # every step, so each request's is made once and reused (work is read-only to consumers).
+        extra = out.num_steps - 1 + self.config.num_lookahead_slots
+        block_size = self.blocks.block_size
+        tables = self.blocks._device_tables
+        usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
+        running_status = RequestStatus.RUNNING
+        decode_works = self._decode_works
+        tokens_left, seqs_used = budget.tokens, 0
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue
-            if budget.tokens <= 0:
+            if tokens_left <= 0:
                 break
-            n = self._chunk(request, budget)
-            if n == 0:
-                continue
-            slots = self._slots_needed(request, n, out.num_steps)
-            if not self._make_room(request, slots, scheduled, budget, out):
-                continue
-            new_ids = self.blocks.grow(request.request_id, slots) or []
-            scheduled[request.request_id] = ScheduledWork(request, n, new_ids)
-            budget.tokens -= n
-            budget.seqs -= 1
+            computed = request.num_computed_tokens
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - computed == 1:
+                rid = request.request_id
+                table = tables.get(rid)
+                if table is not None and computed + 1 + extra <= len(table) * block_size and len(table) <= usable:
+                    work = decode_works.get(rid)
+                    if work is None:
+                        work = decode_works[rid] = ScheduledWork(request, 1, [])
+                    scheduled[rid] = work
+                    tokens_left -= 1
+                    seqs_used += 1
+                    continue
+            budget.tokens, budget.seqs, seqs_used = tokens_left, budget.seqs - seqs_used, 0
+            self._schedule_one_running(request, budget, scheduled, out)
+            tokens_left = budget.tokens
+        budget.tokens, budget.seqs = tokens_left, budget.seqs - seqs_used
+
+    def _schedule_one_running(self, request: Request, budget: Budget, scheduled: dict[str, ScheduledWork],
+                              out: SchedulerOutput) -> None:
+        n = self._chunk(request, budget)
+        if n == 0:
+            return
+        slots = self._slots_needed(request, n, out.num_steps)
+        if not self._make_room(request, slots, scheduled, budget, out):
+            return
+        new_ids = self.blocks.grow(request.request_id, slots) or []
+        scheduled[request.request_id] = ScheduledWork(request, n, new_ids)
+        budget.tokens -= n
+        budget.seqs -= 1
 
     def _make_room(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork],
                    budget: Budget, out: SchedulerOutput) -> bool:
@@ -276,7 +313,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             table = list(self.blocks.block_table(request.request_id))
-            scheduled[request.request_id] = ScheduledWork(request, n, table, resumed=True)
+            work = scheduled[request.request_id] = ScheduledWork(request, n, table, resumed=True)
+            self._entered.append(work)
             budget.tokens -= n
             budget.seqs -= 1
 
@@ -302,7 +340,10 @@ class Scheduler:
             n = self._chunk(request, budget)
             if n == 0:
                 break
-            slots = self._slots_needed(request, n, 1)
+            # Blocks for every known token (the whole prompt, plus output kept over a recompute), not
+            # just this chunk: a prefill then never grows, so two chunked prefills can never starve each
+            # other of blocks (each preempting itself, forever) -- and LATER means the prompt can't fit now.
+            slots = self._slots_needed(request, request.num_tokens - request.num_computed_tokens, 1)
             fits = budget.seqs > 0 and self.blocks.can_allocate(request.num_tokens, slots) is AllocStatus.OK
             if not fits and not self._preempt_for(request, slots, scheduled, budget, out):
                 break
@@ -352,7 +393,8 @@ class Scheduler:
         self._admissions += 1
         self.running.append(request)
         table = list(self.blocks.block_table(request.request_id))
-        scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=True)
+        work = scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=True)
+        self._entered.append(work)
         budget.tokens -= n
         budget.seqs -= 1
 
@@ -360,13 +402,45 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
         deltas = list(out.rejected)
+        append = deltas.append
+        sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
+        max_model_len, eos_ids = self.limits.max_model_len, self.limits.eos_token_ids
+        running_status = RequestStatus.RUNNING
+        delta_type = RequestDelta
+        plain = not logprobs and not errors
         for work in out.scheduled:
             request = work.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue
-            delta = self._apply(request, work.num_tokens, result)
-            if delta is not None:
-                deltas.append(delta)
+            rid = request.request_id
+            output = request.output_token_ids
+            num_tokens = len(request.prompt_token_ids) + len(output)
+            computed = request.num_computed_tokens + work.num_tokens
+            tokens = sampled.get(rid)
+            # Fast path, the same outcome as _apply: one token for a completed step, no error, no logprobs.
+            if not plain or computed < num_tokens or tokens is None or len(tokens) != 1:
+                delta = self._apply(request, work.num_tokens, result)
+                if delta is not None:
+                    append(delta)
+                continue
+            request.num_computed_tokens = computed
+            token = tokens[0]
+            output.append(token)
+            reason = None
+            if num_tokens + 1 >= max_model_len:
+                reason = FinishReason.LENGTH
+            else:
+                sampling = request.sampling
+                num_output = len(output)
+                if num_output >= sampling.min_tokens:
+                    if (not sampling.ignore_eos and token in eos_ids) or token in sampling.stop_token_ids:
+                        reason = FinishReason.STOPPED
+                    elif num_output >= sampling.max_tokens:
+                        reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(request, reason)
+            request.protected = False
+            append(delta_type(rid, [token], reason, "", []))
         self._compact_running()
         return deltas
 
@@ -423,13 +497,18 @@ class Scheduler:
             self.waiting.discard(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self._running_dirty = True
         self.blocks.free(request.request_id)
         self._forget_in_executor(request.request_id)
+        self._decode_works.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         self.requests.pop(request.request_id, None)
 
     def _compact_running(self) -> None:
-        if any(r.status is not RequestStatus.RUNNING for r in self.running):
+        # Only _finish takes a request out of RUNNING without removing it from the list; it marks it.
+        if self._running_dirty:
+            self._running_dirty = False
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
