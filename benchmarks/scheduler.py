@@ -72,9 +72,12 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     return scheduler
 
 
-def run(running: int, waiting: int, steps: int, warmup: int) -> dict[str, object]:
+def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True) -> dict[str, object]:
     scheduler = build(running, waiting, steps, warmup)
     gc.collect()
+    if freeze:
+        gc.freeze()
+        gc.set_threshold(20_000, 50, 1000)
     perf = time.perf_counter_ns
     schedule, update = scheduler.schedule, scheduler.update
     sched_ns: list[int] = []
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--waiting", type=int, default=0, help="waiting requests that can never be admitted")
     p.add_argument("--steps", type=int, default=2000, help="timed steps")
     p.add_argument("--warmup", type=int, default=100, help="untimed steps first")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the garbage collector as Python starts it (the services freeze start-up objects)")
     p.add_argument("--profile", metavar="FILE", default=None, help="write a cProfile of the timed loop to FILE")
     args = p.parse_args(argv)
     if args.running < 1:
@@ -116,10 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         import cProfile
 
         profiler = cProfile.Profile()
-        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup)
+        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze)
         profiler.dump_stats(args.profile)
     else:
-        result = run(args.running, args.waiting, args.steps, args.warmup)
+        result = run(args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze)
     print(json.dumps(result))
 
 

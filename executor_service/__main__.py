@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -37,6 +38,9 @@ async def main(config: ExecutorConfig) -> None:
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
              info.num_swap_blocks)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 1000)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
