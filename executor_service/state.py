@@ -99,6 +99,9 @@ class RequestTable:
     def _check_device_id(self, block: int, what: str) -> None:
         if not 0 <= block < self.num_device_blocks:
             raise StepRefused(f"{what} block id {block} out of range [0, {self.num_device_blocks})")
+        owner = self._device_owner.get(block)
+        if owner is not None:  # writing it would corrupt a live request's KV
+            raise StepRefused(f"{what} block {block} is held by live request {owner!r}")
 
     def claim(self, request_id: str, blocks: list[int]) -> str:
         """Give blocks to a request; an error message (and nothing claimed) if any is bad."""

@@ -1,0 +1,245 @@
+"""Decode tokens/s of the torch executor through the Executor gRPC API, beside transformers' generate.
+
+    python benchmarks/executor.py [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32] [--model DIR]
+                                  [--device auto|cpu|cuda] [--threads 1] [--repeats 3] [--json-out FILE]
+
+Both sides use the same weights: --model DIR, or the embedded default model (a 4-layer, hidden-256 Llama,
+made once and cached). Prompts are the same N seeded random prompts of --prompt-len tokens for both.
+
+- pagedserve: `python -m executor_service --model DIR` as a process, driven directly over one Execute bidi
+  stream (no scheduler). One step prefills the N requests, 2 untimed decode steps warm up, then K decode
+  steps (RunningRequest diffs, greedy, a new block handed over whenever a table fills) are timed from the
+  first write to the last read. tokens/s = N * K / that time. Also shown: the executor's own busy time
+  (sum of StepResult.timings.total_ns), i.e. tokens/s with the gRPC round trip taken out.
+- transformers: AutoModelForCausalLM in this process, eager PyTorch, a batch of the same N prompts (all the
+  same length, so no padding), greedy, EOS disabled. Decode time of K tokens = time of
+  generate(max_new_tokens=K+1) - time of generate(max_new_tokens=1) (the prefill and first token).
+- Each figure is the median of --repeats runs after one untimed warm-up run.
+- Torch threads: --threads for both (the executor gets OMP_NUM_THREADS, transformers torch.set_num_threads).
+  On a small shared machine 1 is the sane value.
+Prints a table of tokens/s and the ratio pagedserve / transformers per batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
+from tests.procs import free_port, stop, wait_healthy  # noqa: E402
+
+WARMUP_STEPS = 2
+GREEDY = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Row:
+    batch: int
+    steps: int
+    pagedserve_tok_s: float
+    executor_busy_tok_s: float
+    transformers_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.pagedserve_tok_s / self.transformers_tok_s
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def start_executor(args: argparse.Namespace, model_dir: Path, num_blocks: int, log: Path
+                   ) -> tuple[str, subprocess.Popen[bytes]]:
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, "-m", "executor_service", "--listen", address, "--model", str(model_dir),
+           "--device", args.device, "--block-size", str(args.block_size), "--num-gpu-blocks", str(num_blocks),
+           "--num-cpu-blocks", "0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(address, proc, timeout=300.0)
+    except BaseException:
+        stop(proc)
+        sys.stderr.write(log.read_text(errors="replace")[-3000:])
+        raise
+    return address, proc
+
+
+async def executor_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[int]], steps: int,
+                       block_size: int) -> tuple[float, float]:
+    """(wall seconds, executor busy seconds) of `steps` decode steps of the batch on a fresh stream."""
+    call = stub.Execute()
+    step_id = 0
+
+    async def step(msg: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        nonlocal step_id
+        step_id += 1
+        msg.step_id = step_id
+        await call.write(msg)
+        result = await call.read()
+        if result is grpc.aio.EOF or result.error or result.errors:
+            raise RuntimeError(f"step {step_id} failed: {result}")
+        return result
+
+    try:
+        next_block = 0
+        tables: list[list[int]] = []
+        lengths: list[int] = []
+        first = executor_pb2.StepRequest()
+        for i, prompt in enumerate(batch):
+            blocks = -(-len(prompt) // block_size)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+            lengths.append(len(prompt))
+            first.new_requests.append(executor_pb2.NewRequest(
+                request_id=str(i), token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                num_scheduled_tokens=len(prompt), block_ids=tables[i], sampling=GREEDY))
+        await step(first)
+        wall = busy = 0.0
+        for k in range(WARMUP_STEPS + steps):
+            msg = executor_pb2.StepRequest()
+            for i in range(len(batch)):
+                # The token sampled last step sits at position lengths[i]; it needs a slot now.
+                new: list[int] = []
+                if lengths[i] + 1 > len(tables[i]) * block_size:
+                    new = [next_block]
+                    tables[i].append(next_block)
+                    next_block += 1
+                lengths[i] += 1
+                msg.running_requests.append(executor_pb2.RunningRequest(
+                    request_id=str(i), new_block_ids=new, num_scheduled_tokens=1))
+            t0 = time.perf_counter()
+            result = await step(msg)
+            if k >= WARMUP_STEPS:
+                wall += time.perf_counter() - t0
+                busy += result.timings.total_ns / 1e9
+        return wall, busy
+    finally:
+        call.cancel()
+
+
+async def bench_executor(address: str, batch_sizes: list[int], args: argparse.Namespace,
+                         vocab: int) -> dict[int, tuple[float, float]]:
+    out: dict[int, tuple[float, float]] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        await executor_run(stub, prompts(1, args.prompt_len, vocab), 4, args.block_size)  # warm-up
+        for n in batch_sizes:
+            batch = prompts(n, args.prompt_len, vocab)
+            runs = [await executor_run(stub, batch, args.steps, args.block_size) for _ in range(args.repeats)]
+            wall = statistics.median(r[0] for r in runs)
+            busy = statistics.median(r[1] for r in runs)
+            out[n] = (n * args.steps / wall, n * args.steps / busy)
+            print(f"  pagedserve  batch {n:>3}: {out[n][0]:9.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def bench_transformers(model_dir: Path, batch_sizes: list[int], args: argparse.Namespace, vocab: int
+                       ) -> dict[int, float]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+    def timed(ids: Any, new_tokens: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return time.perf_counter() - t0
+
+    out: dict[int, float] = {}
+    for n in batch_sizes:
+        ids = torch.tensor(prompts(n, args.prompt_len, vocab), device=device)
+        timed(ids, 4)  # warm-up
+        decode = [timed(ids, args.steps + 1) - timed(ids, 1) for _ in range(args.repeats)]
+        out[n] = n * args.steps / statistics.median(decode)
+        print(f"  transformers batch {n:>3}: {out[n]:9.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def table(rows: list[Row], header: dict[str, Any]) -> str:
+    lines = [", ".join(f"{k}={v}" for k, v in header.items()), "",
+             f"{'batch':>5} | {'pagedserve tok/s':>16} | {'executor busy tok/s':>19} | {'transformers tok/s':>18} | "
+             f"{'ratio':>6}",
+             "-" * 78]
+    for r in rows:
+        lines.append(f"{r.batch:>5} | {r.pagedserve_tok_s:>16.1f} | {r.executor_busy_tok_s:>19.1f} | "
+                     f"{r.transformers_tok_s:>18.1f} | {r.ratio:>5.2f}x")
+    lines.append("ratio = pagedserve (through Execute, gRPC round trip included) / transformers generate")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--model", default=None, help="Hugging Face model dir (default: the embedded default model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for each side")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    if not batch_sizes or min(batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1:
+        p.error("batch sizes, --steps and --prompt-len must be positive")
+
+    from executor_service.default_model import ensure_default_model
+    from executor_service.model import ModelConfig
+
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    per_request = -(-(args.prompt_len + WARMUP_STEPS + args.steps + 1) // args.block_size)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-bench-executor-") as tmp:
+        address, proc = start_executor(args, model_dir, max(batch_sizes) * per_request, Path(tmp) / "executor.log")
+        try:
+            with grpc.insecure_channel(address) as channel:
+                describe = executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest())
+            ours = asyncio.run(bench_executor(address, batch_sizes, args, vocab))
+        finally:
+            stop(proc)
+    theirs = bench_transformers(model_dir, batch_sizes, args, vocab)
+    rows = [Row(n, args.steps, ours[n][0], ours[n][1], theirs[n]) for n in batch_sizes]
+    header = {"model": describe.model_id, "device": describe.device, "dtype": describe.dtype,
+              "prompt_len": args.prompt_len, "steps": args.steps, "threads": args.threads,
+              "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+    print(table(rows, header))
+    if args.json_out:
+        record = {**header, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+        with open(args.json_out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

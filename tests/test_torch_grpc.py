@@ -1,0 +1,194 @@
+"""Greedy equality with Hugging Face transformers through the whole stack: a real torch executor
+process (--model DIR), a real scheduler process, and a client over gRPC.
+
+For each test model (a Llama and a Qwen2 with qkv bias and tied embeddings) the same 16 requests
+(8 greedy, 8 seeded at temperature 0.8; prompts of 1..300 tokens) run on an executor with plenty of
+KV blocks, then on one with so few blocks that requests preempt each other, under a scheduler with
+`--preemption-mode swap` and then one with `--preemption-mode recompute` (two rounds each, with the
+order of greedy and seeded flipped, so both kinds are among the victims). Greedy outputs must equal
+transformers' `generate` token for token in every run; seeded outputs must be the same in every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from client.lib import PagedServeClient
+from executor_service.default_model import TOKENIZER_VOCAB_SIZE, make_model
+from protos.pagedserve.v1 import generation_pb2
+from tests.procs import free_port, parse_metrics, start, stop, wait_healthy, wait_until
+
+transformers = pytest.importorskip("transformers")
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama", "seed": 1},
+    "qwen2": {"arch": "qwen2", "tie_word_embeddings": True, "seed": 2},
+}
+PROMPT_LENGTHS = (300, 150, 64, 33, 17, 16, 7, 1)  # longest first: the victims are short, so several
+MAX_TOKENS = 24
+BLOCK_SIZE = 16
+PLENTY = ["--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
+# 16 requests need 82 blocks for their prompts and 104 by their last token: with 88 device blocks
+# they are admitted together and must preempt each other as they grow.
+TIGHT = ["--num-gpu-blocks", "88", "--num-cpu-blocks", "128"]
+TIGHT_ROUNDS = 2  # the second with seeded requests first, so both kinds are among the latest admitted
+MAX_ROUNDS = 3
+LENGTH = generation_pb2.FINISH_REASON_LENGTH
+SWAP = "pagedserve:num_preemptions_by_mode_total{swap}"
+RECOMPUTE = "pagedserve:num_preemptions_by_mode_total{recompute}"
+
+
+def make_prompt(length: int) -> list[int]:
+    rng = random.Random(length)
+    return [rng.randrange(3, TOKENIZER_VOCAB_SIZE) for _ in range(length)]
+
+
+PROMPTS = [make_prompt(n) for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(hf: Any, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        # eos_token_id=None as a generate() argument overrides the model's generation_config, so
+        # generation runs to max_new_tokens without touching the logits (min_new_tokens would mask EOS).
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_new, "transformers stopped early: EOS was not disabled"
+    return tokens
+
+
+@dataclass
+class Run:
+    greedy: list[list[int]] = field(default_factory=list)
+    seeded: list[list[int]] = field(default_factory=list)
+    reasons: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    rounds: int = 0
+
+
+@dataclass
+class Case:
+    name: str
+    reference: list[list[int]]
+    runs: dict[str, Run]
+
+
+async def generate(client: PagedServeClient, prompt: list[int], **sampling: Any) -> tuple[list[int], int]:
+    ids: list[int] = []
+    reason = 0
+    async for r in client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                   timeout=120, **sampling):
+        ids += r.token_ids
+        reason = r.finish_reason or reason
+    return ids, reason
+
+
+async def run_batch(address: str, run: Run) -> None:
+    """All 16 requests at once, greedy and seeded interleaved (the seeded first in odd rounds, so that
+    both kinds are among the latest admitted, which are the preemption victims); results appended to run."""
+    seeded_first = run.rounds % 2 == 1
+    async with PagedServeClient(address) as client:
+        calls = []
+        for i, p in enumerate(PROMPTS):
+            pair = [generate(client, p, temperature=0.0), generate(client, p, temperature=0.8, seed=100 + i)]
+            calls += pair[::-1] if seeded_first else pair
+        results = await asyncio.gather(*calls)
+    greedy, seeded = (results[1::2], results[0::2]) if seeded_first else (results[0::2], results[1::2])
+    run.greedy += [ids for ids, _ in greedy]
+    run.seeded += [ids for ids, _ in seeded]
+    run.reasons += [reason for _, reason in results]
+    run.rounds += 1
+
+
+def metrics(port: int) -> dict[str, float]:
+    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+
+
+def idle(port: int) -> bool:
+    m = metrics(port)
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 \
+        and m["vllm:num_requests_swapped"] == 0
+
+
+@contextmanager
+def process(module: str, args: list[str], log: Path) -> Iterator[str]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = start(module, ["--listen", address, *args], log)
+    try:
+        wait_healthy(address, proc)
+        yield address
+    finally:
+        stop(proc)
+
+
+def serve(executor: str, scheduler_args: list[str], log: Path, rounds: int = 1, must_see: str | None = None) -> Run:
+    """Start a scheduler on executor, run the batch `rounds` times (more, up to MAX_ROUNDS, until must_see counted)."""
+    port = free_port()
+    run = Run()
+    with process("scheduler_service", ["--executor", executor, "--metrics-port", str(port), *scheduler_args],
+                 log) as address:
+        while run.rounds < MAX_ROUNDS:
+            asyncio.run(run_batch(address, run))
+            wait_until(lambda: idle(port), what="the scheduler to go idle")
+            run.metrics = metrics(port)
+            if run.rounds >= rounds and (must_see is None or run.metrics.get(must_see, 0) > 0):
+                break
+    return run
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    name: str = request.param
+    root = tmp_path_factory.mktemp(f"grpc-{name}")
+    path = make_model(root / name, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      vocab_size=TOKENIZER_VOCAB_SIZE, init_std=0.2, **MODELS[name])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    model = ["--model", str(path), "--device", "cpu", "--block-size", str(BLOCK_SIZE)]
+    runs: dict[str, Run] = {}
+    with process("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as executor:
+        runs["plenty"] = serve(executor, [], root / "scheduler-plenty.log")
+    with process("executor_service", [*model, *TIGHT], root / "executor-tight.log") as executor:
+        for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
+            runs[mode] = serve(executor, ["--preemption-mode", mode], root / f"scheduler-{mode}.log", TIGHT_ROUNDS, key)
+    return Case(name, reference, runs)
+
+
+def test_greedy_equals_transformers_with_plenty_of_blocks(case: Case) -> None:
+    run = case.runs["plenty"]
+    assert run.reasons == [LENGTH] * len(run.reasons)
+    assert run.greedy == case.reference
+    assert run.metrics["vllm:num_preemptions_total"] == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_equals_transformers_under_preemption(case: Case, mode: str) -> None:
+    run = case.runs[mode]
+    assert run.reasons == [LENGTH] * len(run.reasons)
+    assert run.greedy == case.reference * run.rounds
+    m = run.metrics
+    if mode == "swap":
+        assert m[SWAP] > 0, f"no swap preemption in {run.rounds} rounds"
+        assert m["pagedserve:swap_out_blocks_total"] > 0 and m["pagedserve:swap_in_blocks_total"] > 0
+    else:
+        assert m[RECOMPUTE] > 0, f"no recompute preemption in {run.rounds} rounds"
+        assert m[SWAP] == 0 and m["pagedserve:swap_out_blocks_total"] == 0
+
+
+def test_seeded_sampling_is_the_same_with_and_without_preemption(case: Case) -> None:
+    plenty = case.runs["plenty"].seeded
+    assert all(len(ids) == MAX_TOKENS for ids in plenty)
+    assert plenty != case.reference, "temperature 0.8 should not reproduce greedy decoding"
+    for mode in ("swap", "recompute"):
+        assert case.runs[mode].seeded == plenty * case.runs[mode].rounds
