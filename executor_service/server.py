@@ -30,6 +30,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._inline = isinstance(backend, SimulatedBackend)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._generation = 0
+        self._step_lock = asyncio.Lock()
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
@@ -47,15 +48,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
-        self._generation += 1
-        generation = self._generation
-        self.table.reset()
+        async with self._step_lock:
+            self._generation += 1
+            generation = self._generation
+            self.table.reset()
         log.info("scheduler connected (stream %d); request state cleared", generation)
         async for step in request_iterator:
-            if generation != self._generation:
-                yield executor_pb2.StepResult(step_id=step.step_id, error="superseded by a newer scheduler stream")
+            async with self._step_lock:
+                if generation != self._generation:
+                    result = executor_pb2.StepResult(step_id=step.step_id,
+                                                     error="superseded by a newer scheduler stream")
+                else:
+                    result = await self.run_step(step)
+            yield result
+            if result.error.startswith("superseded"):
                 return
-            yield await self.run_step(step)
 
     async def run_step(self, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
         t0 = time.perf_counter_ns()

@@ -67,40 +67,50 @@ class RequestTable:
         state.block_table = None
 
     def apply_swaps(self, step: executor_pb2.StepRequest) -> None:
-        """Check and record the ownership moves of a step's swap-out, swap-in and copy mappings."""
+        """Check a step's swap-out, swap-in and copy mappings against block ownership, then record the
+        moves. A refused step changes nothing."""
         swapped_out = set(step.swapped_out_ids)
+        unknown = swapped_out - self.states.keys()
+        if unknown:
+            raise StepRefused(f"swapped_out_ids names unknown request {sorted(unknown)[0]!r}")
+        released = {b for rid in swapped_out for b in self.states[rid].block_table or ()
+                    if self._device_owner.get(b) == rid}
+        claimed = self._check_swap_out(step, swapped_out)
+        freed: set[int] = set()
+        for m in step.swap_in:
+            if m.src not in self._swap_owner or m.src in freed:
+                raise StepRefused(f"swap_in source block {m.src} holds no swapped request")
+            self._check_destination(m.dst, released, "swap_in destination")
+            freed.add(m.src)
+        for m in step.copy:
+            if m.src not in self._device_owner or m.src in released:
+                raise StepRefused(f"copy source block {m.src} is not held by any running request")
+            self._check_destination(m.dst, released, "copy destination")
+        self._swap_owner.update(claimed)
+        for rid in swapped_out:
+            self._release_device(self.states[rid])
+        for block in freed:
+            del self._swap_owner[block]
+
+    def _check_swap_out(self, step: executor_pb2.StepRequest, swapped_out: set[str]) -> dict[int, str]:
+        claimed: dict[int, str] = {}
         for m in step.swap_out:
             owner = self._device_owner.get(m.src)
             if owner is None or owner not in swapped_out:
                 raise StepRefused(f"swap_out source block {m.src} is not held by a request being swapped out")
-            self._claim_swap(m.dst, owner)
-        for rid in swapped_out:
-            state = self.states.get(rid)
-            if state is None:
-                raise StepRefused(f"swapped_out_ids names unknown request {rid!r}")
-            self._release_device(state)
-        for m in step.swap_in:
-            if m.src not in self._swap_owner:
-                raise StepRefused(f"swap_in source block {m.src} holds no swapped request")
-            self._check_device_id(m.dst, "swap_in destination")
-            del self._swap_owner[m.src]
-        for m in step.copy:
-            if m.src not in self._device_owner:
-                raise StepRefused(f"copy source block {m.src} is not held by any request")
-            self._check_device_id(m.dst, "copy destination")
+            if not 0 <= m.dst < self.num_swap_blocks:
+                raise StepRefused(f"swap block id {m.dst} out of range [0, {self.num_swap_blocks})")
+            holder = self._swap_owner.get(m.dst) or claimed.get(m.dst)
+            if holder is not None:
+                raise StepRefused(f"swap block {m.dst} is already held by {holder!r}")
+            claimed[m.dst] = owner
+        return claimed
 
-    def _claim_swap(self, block: int, owner: str) -> None:
-        if not 0 <= block < self.num_swap_blocks:
-            raise StepRefused(f"swap block id {block} out of range [0, {self.num_swap_blocks})")
-        if block in self._swap_owner:
-            raise StepRefused(f"swap block {block} is already held by {self._swap_owner[block]!r}")
-        self._swap_owner[block] = owner
-
-    def _check_device_id(self, block: int, what: str) -> None:
+    def _check_destination(self, block: int, released: set[int], what: str) -> None:
         if not 0 <= block < self.num_device_blocks:
             raise StepRefused(f"{what} block id {block} out of range [0, {self.num_device_blocks})")
         owner = self._device_owner.get(block)
-        if owner is not None:  # writing it would corrupt a live request's KV
+        if owner is not None and block not in released:  # writing it would corrupt a live request's KV
             raise StepRefused(f"{what} block {block} is held by live request {owner!r}")
 
     def claim(self, request_id: str, blocks: list[int]) -> str:

@@ -1,0 +1,69 @@
+"""The executor's request table: ownership checks, and a refused step leaves no trace."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from executor_service.state import RequestTable, StepRefused
+from protos.pagedserve.v1 import executor_pb2
+
+
+def new(rid: str, blocks: list[int], n: int = 8) -> executor_pb2.NewRequest:
+    return executor_pb2.NewRequest(request_id=rid, token_ids=[5] * n, num_prompt_tokens=n,
+                                   num_scheduled_tokens=n, block_ids=blocks)
+
+
+def table_with_two() -> RequestTable:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4)
+    assert t.add_new(new("a", [0, 1])) == ""
+    assert t.add_new(new("b", [2, 3])) == ""
+    return t
+
+
+def snapshot(t: RequestTable) -> tuple[object, ...]:
+    return copy.deepcopy((t._device_owner, t._swap_owner, {k: v.block_table for k, v in t.states.items()}))
+
+
+def test_a_refused_step_changes_nothing() -> None:
+    t = table_with_two()
+    before = snapshot(t)
+    step = executor_pb2.StepRequest(
+        swapped_out_ids=["a"], swap_out=[executor_pb2.BlockMapping(src=0, dst=0),
+                                         executor_pb2.BlockMapping(src=1, dst=1)],
+        copy=[executor_pb2.BlockMapping(src=2, dst=3)])
+    with pytest.raises(StepRefused, match="held by live request 'b'"):
+        t.apply_swaps(step)
+    assert snapshot(t) == before
+
+
+def test_swap_out_then_in_moves_ownership() -> None:
+    t = table_with_two()
+    t.apply_swaps(executor_pb2.StepRequest(swapped_out_ids=["a"], swap_out=[
+        executor_pb2.BlockMapping(src=0, dst=2), executor_pb2.BlockMapping(src=1, dst=3)]))
+    assert t.states["a"].block_table is None and t._swap_owner == {2: "a", 3: "a"}
+    assert t.claim("c", [0, 1]) == ""
+    t.drop("c")
+    t.apply_swaps(executor_pb2.StepRequest(swap_in=[
+        executor_pb2.BlockMapping(src=2, dst=5), executor_pb2.BlockMapping(src=3, dst=6)]))
+    assert t._swap_owner == {}
+    run = executor_pb2.RunningRequest(request_id="a", new_block_ids=[5, 6], num_scheduled_tokens=0, resumed=True)
+    assert t.update_running(run) == ""
+    assert t.states["a"].block_table == [5, 6]
+
+
+def test_blocks_of_a_swapped_out_request_may_be_reused_in_the_same_step() -> None:
+    t = table_with_two()
+    t.apply_swaps(executor_pb2.StepRequest(swapped_out_ids=["a"], swap_out=[
+        executor_pb2.BlockMapping(src=0, dst=0), executor_pb2.BlockMapping(src=1, dst=1)],
+        copy=[executor_pb2.BlockMapping(src=2, dst=0)]))
+    assert t._swap_owner == {0: "a", 1: "a"}
+
+
+@pytest.mark.parametrize("blocks,error", [([8], "out of range"), ([2], "held by live request 'b'"),
+                                          ([4, 4], "repeat")])
+def test_bad_blocks_for_a_new_request(blocks: list[int], error: str) -> None:
+    t = table_with_two()
+    assert error in t.add_new(new("c", blocks))
+    assert "c" not in t.states and t._device_owner == {0: "a", 1: "a", 2: "b", 3: "b"}
