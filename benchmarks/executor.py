@@ -8,7 +8,7 @@ made once and cached). Prompts are the same N seeded random prompts of --prompt-
 
 - pagedserve: `python -m executor_service --model DIR` as a process, driven directly over one Execute bidi
   stream (no scheduler). One step prefills the N requests, 2 untimed decode steps warm up, then K decode
-  steps (RunningRequest diffs, greedy, a new block handed over whenever a table fills) are timed from the
+  steps (RunningRequests column diffs, greedy, a new block handed over whenever a table fills) are timed from the
   first write to the last read. tokens/s = N * K / that time. Also shown: the executor's own busy time
   (sum of StepResult.timings.total_ns), i.e. tokens/s with the gRPC round trip taken out.
 - transformers: AutoModelForCausalLM in this process, eager PyTorch, a batch of the same N prompts (all the
@@ -126,8 +126,10 @@ async def executor_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[in
                     tables[i].append(next_block)
                     next_block += 1
                 lengths[i] += 1
-                msg.running_requests.append(executor_pb2.RunningRequest(
-                    request_id=str(i), new_block_ids=new, num_scheduled_tokens=1))
+                msg.running.request_ids.append(str(i))
+                msg.running.num_scheduled_tokens.append(1)
+                msg.running.num_new_blocks.append(len(new))
+                msg.running.new_block_ids.extend(new)
             t0 = time.perf_counter()
             result = await step(msg)
             if k >= WARMUP_STEPS:

@@ -70,6 +70,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for rid in step.finished_ids:
             self.table.drop(rid)
         try:
+            running = running_columns(step.running)
             self.table.apply_swaps(step)
         except StepRefused as e:
             result.error = str(e)
@@ -79,31 +80,30 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.backend.swap_in([(m.src, m.dst) for m in step.swap_in])
             self.backend.copy([(m.src, m.dst) for m in step.copy])
             t_swap = time.perf_counter_ns()
-            items = self._collect(step, result)
+            items = self._collect(step, running, result)
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
         except ValueError as e:
             log.error("step %d refused: %s", step.step_id, e)
-            for item_id in {*(n.request_id for n in step.new_requests), *(r.request_id for r in step.running_requests)}:
+            for item_id in {*(n.request_id for n in step.new_requests), *step.running.request_ids}:
                 self.table.drop(item_id)
             return executor_pb2.StepResult(step_id=step.step_id, error=str(e))
         t_fwd = time.perf_counter_ns()
-        for rid, samples in outputs.items():
-            result.outputs.append(_sampled(rid, samples))
+        _fill_sampled(result, outputs)
         result.timings.swap_ns = t_swap - t0
         result.timings.prepare_ns = t_prep - t_swap
         result.timings.forward_ns = t_fwd - t_prep
         result.timings.total_ns = time.perf_counter_ns() - t0
         return result
 
-    def _collect(self, step: executor_pb2.StepRequest, result: executor_pb2.StepResult) -> list[BatchItem]:
+    def _collect(self, step: executor_pb2.StepRequest, running: list[tuple[str, list[int], int, bool]],
+                 result: executor_pb2.StepResult) -> list[BatchItem]:
         items: list[BatchItem] = []
         for new in step.new_requests:
             error = self.table.add_new(new)
             self._add_item(new.request_id, new.num_scheduled_tokens, error, items, result)
-        for run in step.running_requests:
-            error = self.table.update_running(run)
-            self._add_item(run.request_id, run.num_scheduled_tokens, error, items, result)
+        for rid, new_blocks, n, resumed in running:
+            self._add_item(rid, n, self.table.update_running(rid, new_blocks, n, resumed), items, result)
         return items
 
     def _add_item(self, rid: str, num_tokens: int, error: str, items: list[BatchItem],
@@ -119,21 +119,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
         outputs: dict[str, list[SampleOutput]] = {}
-        for _ in range(num_steps):
+        states = self.table.states
+        for remaining in range(num_steps - 1, -1, -1):
             if not items:
                 break
             samples = await self._forward(items)
             next_items: list[BatchItem] = []
             for item, sample in zip(items, samples, strict=True):
-                state = self.table.states[item.request_id]
+                state = states[item.request_id]
                 state.num_computed = item.start + item.num_tokens
                 if sample is None:
                     continue
                 state.token_ids.append(sample.token_id)
                 outputs.setdefault(item.request_id, []).append(sample)
-                follow = self.table.item(state, 1)
-                if isinstance(follow, BatchItem):
-                    next_items.append(follow)
+                if remaining:
+                    follow = self.table.item(state, 1)
+                    if isinstance(follow, BatchItem):
+                        next_items.append(follow)
             items = next_items
         return outputs
 
@@ -147,15 +149,39 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.execute, items)
 
 
-def _sampled(rid: str, samples: list[SampleOutput]) -> executor_pb2.SampledTokens:
-    msg = executor_pb2.SampledTokens(request_id=rid, token_ids=[s.token_id for s in samples])
-    if any(s.logprob is not None for s in samples):
-        msg.logprobs.extend(
-            common_pb2.TokenLogprobs(
-                token_id=s.token_id, logprob=s.logprob or 0.0,
-                top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs])
-            for s in samples)
-    return msg
+def running_columns(run: executor_pb2.RunningRequests) -> list[tuple[str, list[int], int, bool]]:
+    """(request id, its new blocks, tokens to compute, resumed) for each running request of a step."""
+    ids, nums, counts = list(run.request_ids), list(run.num_scheduled_tokens), list(run.num_new_blocks)
+    blocks, resumed = list(run.new_block_ids), list(run.resumed) or [False] * len(ids)
+    if not len(ids) == len(nums) == len(counts) == len(resumed) or sum(counts) != len(blocks):
+        raise StepRefused("running: request_ids, num_scheduled_tokens, num_new_blocks and resumed must be "
+                          "columns of one length, and num_new_blocks must add up to len(new_block_ids)")
+    if not any(counts):
+        return [(rid, [], n, r) for rid, n, r in zip(ids, nums, resumed, strict=True)]
+    out, offset = [], 0
+    for rid, n, count, r in zip(ids, nums, counts, resumed, strict=True):
+        out.append((rid, blocks[offset:offset + count], n, r))
+        offset += count
+    return out
+
+
+def _token_logprobs(s: SampleOutput) -> common_pb2.TokenLogprobs:
+    top = [common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs]
+    return common_pb2.TokenLogprobs(token_id=s.token_id, logprob=s.logprob or 0.0, top=top)
+
+
+def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:
+    counts: list[int] = []
+    tokens: list[int] = []
+    for rid, samples in outputs.items():
+        counts.append(len(samples))
+        tokens += [s.token_id for s in samples]
+        if samples[0].logprob is not None:
+            result.logprobs.add(request_id=rid, tokens=[_token_logprobs(s) for s in samples])
+    sampled = result.sampled
+    sampled.request_ids.extend(outputs)
+    sampled.num_tokens.extend(counts)
+    sampled.token_ids.extend(tokens)
 
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 
 from executor_service.backend import BackendInfo, BatchItem, BlockMap, SampleOutput
 from executor_service.config import ExecutorConfig
@@ -10,9 +10,14 @@ from executor_service.config import ExecutorConfig
 PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
 
 
-def _mix(key: str, position: int) -> int:
-    digest = hashlib.blake2b(f"{key}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+MASK64 = (1 << 64) - 1
+
+
+def _mix(key: int, position: int) -> int:
+    """splitmix64 of (key, position): the same on every run and in every process."""
+    h = (key * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & MASK64
+    h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & MASK64
+    return h ^ (h >> 29)
 
 
 class SimulatedBackend:
@@ -20,6 +25,7 @@ class SimulatedBackend:
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
+        self._id_keys: dict[str, int] = {}
         self.info = BackendInfo(
             model_id="simulated", vocab_size=config.sim_vocab_size, eos_token_ids=(config.sim_eos_token_id,),
             max_model_len=config.max_model_len or config.sim_max_model_len, block_size=config.block_size,
@@ -39,9 +45,18 @@ class SimulatedBackend:
     def delay_s(self, num_tokens: int) -> float:
         return self.config.sim_step_latency_ms / 1e3 + num_tokens * self.config.sim_token_latency_us / 1e6
 
+    def _key(self, item: BatchItem) -> int:
+        if item.sampling.seed is not None:
+            return item.sampling.seed
+        key = self._id_keys.get(item.request_id)
+        if key is None:
+            if len(self._id_keys) > 1_000_000:
+                self._id_keys.clear()
+            key = self._id_keys[item.request_id] = zlib.crc32(item.request_id.encode()) | (1 << 40)
+        return key
+
     def token_at(self, item: BatchItem, position: int) -> int:
-        key = str(item.sampling.seed) if item.sampling.seed is not None else item.request_id
-        h = _mix(key, position)
+        h = _mix(self._key(item), position)
         if self.config.sim_eos_rate > 0 and (h >> 32) / 2**32 < self.config.sim_eos_rate:
             return self.config.sim_eos_token_id
         return PRINTABLE_LOW + h % (PRINTABLE_HIGH - PRINTABLE_LOW)

@@ -139,19 +139,20 @@ class RequestTable:
             list(new.block_ids), sampling_config(new.sampling))
         return ""
 
-    def update_running(self, run: executor_pb2.RunningRequest) -> str:
-        state = self.states.get(run.request_id)
+    def update_running(self, request_id: str, new_block_ids: list[int], num_tokens: int, resumed: bool) -> str:
+        state = self.states.get(request_id)
         if state is None:
-            return f"unknown request {run.request_id!r}: send it as a new request"
-        if run.resumed:
+            return f"unknown request {request_id!r}: send it as a new request"
+        if resumed:
             state.block_table = []
         elif state.block_table is None:
             return "request is swapped out: resume it with its whole block table"
-        error = self.claim(run.request_id, list(run.new_block_ids))
-        if error:
-            return error
-        state.block_table.extend(run.new_block_ids)
-        if state.num_computed + run.num_scheduled_tokens > len(state.token_ids):
+        if new_block_ids:
+            error = self.claim(request_id, new_block_ids)
+            if error:
+                return error
+            state.block_table.extend(new_block_ids)
+        if state.num_computed + num_tokens > len(state.token_ids):
             return "num_scheduled_tokens goes past the request's known tokens"
         return ""
 

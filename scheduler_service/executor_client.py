@@ -6,7 +6,7 @@ import grpc
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import open_channel
-from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
+from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
 
 LOST_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE,
@@ -37,16 +37,36 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
         swap_in=[executor_pb2.BlockMapping(src=a, dst=b) for a, b in out.swap_in],
         copy=[executor_pb2.BlockMapping(src=a, dst=b) for a, b in out.copy],
         num_steps=out.num_steps, num_lookahead_slots=out.num_lookahead_slots)
-    for n in out.new_requests():
-        step.new_requests.append(executor_pb2.NewRequest(
-            request_id=n.request_id, token_ids=n.token_ids, num_prompt_tokens=n.num_prompt_tokens,
-            num_computed_tokens=n.num_computed_tokens, num_scheduled_tokens=n.num_scheduled_tokens,
-            block_ids=n.block_ids, sampling=sampling_proto(n.sampling)))
-    for r in out.running_requests():
-        step.running_requests.append(executor_pb2.RunningRequest(
-            request_id=r.request_id, new_block_ids=r.new_block_ids,
-            num_scheduled_tokens=r.num_scheduled_tokens, resumed=r.resumed))
+    ids: list[str] = []
+    num_tokens: list[int] = []
+    num_blocks: list[int] = []
+    blocks: list[int] = []
+    resumed: list[bool] = []
+    for w in out.scheduled:
+        if w.is_new:
+            _add_new(step, w)
+            continue
+        ids.append(w.request.request_id)
+        num_tokens.append(w.num_tokens)
+        num_blocks.append(len(w.new_block_ids))
+        blocks += w.new_block_ids
+        resumed.append(w.resumed)
+    running = step.running
+    running.request_ids.extend(ids)
+    running.num_scheduled_tokens.extend(num_tokens)
+    running.num_new_blocks.extend(num_blocks)
+    running.new_block_ids.extend(blocks)
+    if any(resumed):
+        running.resumed.extend(resumed)
     return step
+
+
+def _add_new(step: executor_pb2.StepRequest, w: ScheduledWork) -> None:
+    r = w.request
+    step.new_requests.add(
+        request_id=r.request_id, token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
+        num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=w.num_tokens, block_ids=w.new_block_ids,
+        sampling=sampling_proto(r.sampling))
 
 
 def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> ExecutorResult:
@@ -54,12 +74,25 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
     if msg.error:
         result.errors = {w.request.request_id: f"executor refused the step: {msg.error}" for w in out.scheduled}
         return result
-    for o in msg.outputs:
-        result.sampled[o.request_id] = list(o.token_ids)
-        if o.logprobs:
-            result.logprobs[o.request_id] = list(o.logprobs)
+    s = msg.sampled
+    tokens = list(s.token_ids)
+    counts = list(s.num_tokens)
+    if len(tokens) == len(counts):
+        result.sampled = {rid: [t] for rid, t in zip(s.request_ids, tokens, strict=True)}
+    else:
+        result.sampled = dict(zip(s.request_ids, _split(tokens, counts), strict=True))
+    for lp in msg.logprobs:
+        result.logprobs[lp.request_id] = list(lp.tokens)
     result.errors = {e.request_id: e.message for e in msg.errors}
     return result
+
+
+def _split(values: list[int], counts: list[int]) -> list[list[int]]:
+    out, i = [], 0
+    for n in counts:
+        out.append(values[i:i + n])
+        i += n
+    return out
 
 
 class ExecutorConnection:

@@ -71,6 +71,31 @@ class Seq:
         return self.tokens[self.num_prompt:]
 
 
+@dataclass
+class Running:
+    """One running request's diff; a step carries them as the columns of RunningRequests."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+    resumed: bool = False
+
+
+def columns(running: list[Running]) -> executor_pb2.RunningRequests:
+    return executor_pb2.RunningRequests(
+        request_ids=[r.request_id for r in running], num_scheduled_tokens=[r.num_scheduled_tokens for r in running],
+        num_new_blocks=[len(r.new_block_ids) for r in running],
+        new_block_ids=[b for r in running for b in r.new_block_ids], resumed=[r.resumed for r in running])
+
+
+def sampled_tokens(result: executor_pb2.StepResult) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    tokens = iter(result.sampled.token_ids)
+    for rid, n in zip(result.sampled.request_ids, result.sampled.num_tokens, strict=True):
+        out[rid] = [next(tokens) for _ in range(n)]
+    return out
+
+
 class Session:
     """One Execute stream plus the block bookkeeping a scheduler would do."""
 
@@ -102,9 +127,10 @@ class Session:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    async def step(self, **fields: object) -> executor_pb2.StepResult:
+    async def step(self, running_requests: list[Running] = (), **fields: object) -> executor_pb2.StepResult:  # type: ignore[assignment]
         self.step_id += 1
-        await self.call.write(executor_pb2.StepRequest(step_id=self.step_id, **fields))  # type: ignore[arg-type]
+        step = executor_pb2.StepRequest(step_id=self.step_id, running=columns(running_requests), **fields)  # type: ignore[arg-type]
+        await self.call.write(step)
         result = await asyncio.wait_for(self.call.read(), STEP_TIMEOUT_S)
         assert result is not grpc.aio.EOF, "the executor closed the stream"
         assert result.step_id == self.step_id
@@ -112,7 +138,7 @@ class Session:
 
     def work(self, seq: Seq, n: int, extra_slots: int = 0,
              avoid: set[int] | frozenset[int] = frozenset()
-             ) -> executor_pb2.NewRequest | executor_pb2.RunningRequest:
+             ) -> executor_pb2.NewRequest | Running:
         """The message that schedules n tokens of seq, growing its table as a scheduler would."""
         added = self.take(max(0, self.blocks_for(seq.computed + n + extra_slots) - len(seq.blocks)), avoid)
         seq.blocks += added
@@ -121,22 +147,21 @@ class Session:
                 request_id=seq.rid, token_ids=seq.tokens, num_prompt_tokens=seq.num_prompt,
                 num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks, sampling=SAMPLING)
         if seq.resume:
-            return executor_pb2.RunningRequest(request_id=seq.rid, new_block_ids=seq.blocks, num_scheduled_tokens=n,
-                                               resumed=True)
-        return executor_pb2.RunningRequest(request_id=seq.rid, new_block_ids=added, num_scheduled_tokens=n)
+            return Running(seq.rid, seq.blocks, n, resumed=True)
+        return Running(seq.rid, added, n)
 
     async def run(self, work: list[tuple[Seq, int]], num_steps: int = 1,
                   avoid: set[int] | frozenset[int] = frozenset(), **fields: object) -> executor_pb2.StepResult:
         """One step that must succeed: a token per completed request (num_steps of them), none otherwise."""
         new: list[executor_pb2.NewRequest] = []
-        running: list[executor_pb2.RunningRequest] = []
+        running: list[Running] = []
         for seq, n in work:
             msg = self.work(seq, n, num_steps - 1, avoid)
             (new if isinstance(msg, executor_pb2.NewRequest) else running).append(msg)  # type: ignore[arg-type]
         result = await self.step(new_requests=new, running_requests=running, num_steps=num_steps, **fields)
         assert not result.error, f"step refused: {result.error}"
         assert not result.errors, f"request errors: {[(e.request_id, e.message) for e in result.errors]}"
-        outputs = {o.request_id: list(o.token_ids) for o in result.outputs}
+        outputs = sampled_tokens(result)
         for seq, n in work:
             seq.live, seq.resume = True, False
             seq.computed += n
@@ -197,7 +222,7 @@ async def session(executor: str) -> AsyncIterator[Session]:
 def refused(result: executor_pb2.StepResult, rid: str) -> bool:
     """The request was refused: named in errors, or the whole step refused; and no token came back for it."""
     named = any(e.request_id == rid and e.message for e in result.errors)
-    sampled = any(o.request_id == rid and o.token_ids for o in result.outputs)
+    sampled = bool(sampled_tokens(result).get(rid))
     return (bool(result.error) or named) and not sampled
 
 
@@ -216,7 +241,7 @@ async def test_prefill_then_decodes_give_one_token_per_step_as_the_table_grows(s
     bs = session.block_size
     a = session.seq("a", max(1, bs - 2), seed=1)
     result = await session.run([(a, len(a.tokens))])
-    assert [o.request_id for o in result.outputs] == ["a"]
+    assert list(result.sampled.request_ids) == ["a"]
     sizes = [len(a.blocks)]
     for _ in range(2 * bs + 3):
         await session.run([(a, 1)])
@@ -302,7 +327,7 @@ async def test_out_of_range_block_is_refused_and_the_stream_stays_usable(session
     assert refused(await session.step(new_requests=[bad_new]), "bad")
     a = session.seq("a", 5, seed=9)
     await session.generate(a, 2)
-    grow = executor_pb2.RunningRequest(request_id="a", new_block_ids=[n + 7], num_scheduled_tokens=1)
+    grow = Running("a", [n + 7], 1)
     assert refused(await session.step(running_requests=[grow]), "a")
     after = session.seq("after", 5, seed=9)
     await session.generate(after, 3)
@@ -334,7 +359,7 @@ async def test_swap_in_or_copy_onto_a_live_block_is_refused_before_it_writes(ses
     mapping = session.swap_out(other)
     await session.run([(ref, 1), (a, 1)], swapped_out_ids=["other"], swap_out=mapping)
     onto_a = [executor_pb2.BlockMapping(src=m.dst, dst=d) for m, d in zip(mapping, a.blocks, strict=True)]
-    resume = executor_pb2.RunningRequest(request_id="other", new_block_ids=a.blocks[: len(onto_a)],
+    resume = Running("other", a.blocks[: len(onto_a)],
                                          num_scheduled_tokens=1, resumed=True)
     assert refused(await session.step(swap_in=onto_a, running_requests=[resume]), "other")
     await session.decode([ref, a], 3)
@@ -350,7 +375,7 @@ async def test_finished_requests_free_their_blocks_within_the_step(session: Sess
     b.blocks = session.take(len(blocks), avoid=set(session.free) - set(blocks))
     await session.run([(b, len(b.tokens))], finished_ids=finished)
     assert b.blocks == blocks and len(b.outputs) == 1
-    stale = executor_pb2.RunningRequest(request_id="a", num_scheduled_tokens=1)
+    stale = Running("a", [], 1)
     assert refused(await session.step(running_requests=[stale]), "a"), "a finished request must be forgotten"
 
 
@@ -360,7 +385,7 @@ async def test_a_new_stream_drops_the_old_streams_state(session: Session) -> Non
     old = session.call
     session.call = session.stub.Execute()
     try:
-        resumed = executor_pb2.RunningRequest(request_id="a", num_scheduled_tokens=1)
+        resumed = Running("a", [], 1)
         assert refused(await session.step(running_requests=[resumed]), "a")
         # a's blocks are free on the new stream.
         b = session.seq("b", 10, seed=15)
@@ -369,7 +394,7 @@ async def test_a_new_stream_drops_the_old_streams_state(session: Session) -> Non
         # The old stream no longer continues a.
         session.step_id += 1
         try:
-            await old.write(executor_pb2.StepRequest(step_id=session.step_id, running_requests=[resumed]))
+            await old.write(executor_pb2.StepRequest(step_id=session.step_id, running=columns([resumed])))
             result = await asyncio.wait_for(old.read(), STEP_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return

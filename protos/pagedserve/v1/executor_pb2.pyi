@@ -77,17 +77,19 @@ class NewRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
-class RunningRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "resumed")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+class RunningRequests(_message.Message):
+    __slots__ = ("request_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "resumed")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_scheduled_tokens: int
-    resumed: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    resumed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class BlockMapping(_message.Message):
     __slots__ = ("src", "dst")
@@ -98,10 +100,10 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running_requests", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -111,7 +113,7 @@ class StepRequest(_message.Message):
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
-    running_requests: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    running: RunningRequests
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
     swapped_out_ids: _containers.RepeatedScalarFieldContainer[str]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockMapping]
@@ -119,17 +121,25 @@ class StepRequest(_message.Message):
     copy: _containers.RepeatedCompositeFieldContainer[BlockMapping]
     num_steps: int
     num_lookahead_slots: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running_requests: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class SampledTokens(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request_ids", "num_tokens", "token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RequestLogprobs(_message.Message):
+    __slots__ = ("request_id", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "message")
@@ -154,15 +164,17 @@ class StepTimings(_message.Message):
     def __init__(self, swap_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "errors", "timings", "error")
+    __slots__ = ("step_id", "sampled", "logprobs", "errors", "timings", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    outputs: _containers.RepeatedCompositeFieldContainer[SampledTokens]
+    sampled: SampledTokens
+    logprobs: _containers.RepeatedCompositeFieldContainer[RequestLogprobs]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     timings: StepTimings
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SampledTokens, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Union[SampledTokens, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
