@@ -78,6 +78,12 @@ class Stack:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         return parse_metrics(text)
 
+    def idle(self) -> bool:
+        """No block held and no request running, waiting or swapped, by the scheduler's metrics."""
+        m = self.metrics()
+        return (m["pagedserve:device_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
+                and m["vllm:num_requests_waiting"] == 0 and m.get("vllm:num_requests_swapped", 0) == 0)
+
     def restart_executor(self) -> None:
         stop(self.executor, signal.SIGKILL)
         self.executor = start("executor_service", self.executor_args, self.log_dir / "executor.log")

@@ -23,12 +23,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def no_blocks_held(stack: Stack) -> bool:
-    m = stack.metrics()
-    return (m["pagedserve:device_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
-            and m["vllm:num_requests_waiting"] == 0)
-
-
 async def collect(client: PagedServeClient, prompt_len: int, max_tokens: int) -> tuple[list[int], str, int]:
     ids: list[int] = []
     text = ""
@@ -50,7 +44,7 @@ async def test_64_concurrent_streams_finish_with_exact_lengths(stack: Stack) -> 
         assert reason == LENGTH
         assert len(ids) == max_tokens
         assert text == "".join(chr(i) for i in ids)
-    wait_until(lambda: no_blocks_held(stack), what="all blocks free")
+    wait_until(stack.idle, what="all blocks free")
     assert stack.metrics()["vllm:request_success_total{length}"] >= 64
 
 
@@ -69,7 +63,7 @@ async def test_cancelling_16_streams_mid_way_frees_their_blocks(stack: Stack) ->
         finished = await done
     assert all(n >= 1 for n in cancelled)
     assert all(reason == LENGTH and len(ids) == 30 for ids, _, reason in finished)
-    wait_until(lambda: no_blocks_held(stack), what="all blocks free after cancellation")
+    wait_until(stack.idle, what="all blocks free after cancellation")
 
 
 async def test_invalid_argument_names_the_field(stack: Stack) -> None:

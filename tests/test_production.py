@@ -29,12 +29,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def idle(stack: Stack) -> bool:
-    m = stack.metrics()
-    return (m["pagedserve:device_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
-            and m["vllm:num_requests_waiting"] == 0 and m["vllm:num_requests_swapped"] == 0)
-
-
 async def run(client: PagedServeClient, **kwargs: object) -> tuple[list[int], str, int, str]:
     ids: list[int] = []
     text, reason, error = "", 0, ""
@@ -59,7 +53,7 @@ async def test_half_of_100_streams_cancelled_leave_nothing_held(stack: Stack) ->
 
     async with PagedServeClient(stack.address) as client:
         await asyncio.gather(*(maybe_cancel(client, i) for i in range(100)))
-    wait_until(lambda: idle(stack), what="no block or request held after cancellations")
+    wait_until(stack.idle, what="no block or request held after cancellations")
 
 
 async def test_expired_deadline_aborts_and_frees(stack: Stack) -> None:
@@ -67,7 +61,7 @@ async def test_expired_deadline_aborts_and_frees(stack: Stack) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await run(client, prompt="x", max_tokens=8000, ignore_eos=True, timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: idle(stack), what="blocks freed after the deadline")
+    wait_until(stack.idle, what="blocks freed after the deadline")
 
 
 async def test_stop_string_across_tokens_is_not_emitted(stack: Stack) -> None:
@@ -125,7 +119,7 @@ def test_overload_gets_resource_exhausted_and_admitted_complete(tmp_path: Path) 
 
         outcomes = asyncio.run(main())
         assert outcomes.count("refused") > 0 and outcomes.count("done") >= 4
-        wait_until(lambda: idle(s), what="drained after overload")
+        wait_until(s.idle, what="drained after overload")
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
@@ -220,4 +214,4 @@ def test_server_healthy_after_fuzzing(stack: Stack) -> None:
         stub = generation_pb2_grpc.GenerationStub(ch)
         req = generation_pb2.GenerateRequest(prompt="ok", sampling=common_pb2.SamplingParams(max_tokens=3))
         assert sum(len(r.token_ids) for r in stub.Generate(req, timeout=30)) == 3
-    wait_until(lambda: idle(stack), what="idle after fuzzing")
+    wait_until(stack.idle, what="idle after fuzzing")

@@ -309,14 +309,7 @@ class Scheduler:
             mapping = self.blocks.swap_in(request.request_id)
             out.swap_in.extend(mapping)
             self._swapped_in_blocks += len(mapping)
-            self.blocks.grow(request.request_id, slots)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            table = list(self.blocks.block_table(request.request_id))
-            work = scheduled[request.request_id] = ScheduledWork(request, n, table, resumed=True)
-            self._entered.append(work)
-            budget.tokens -= n
-            budget.seqs -= 1
+            self._start_running(request, n, slots, scheduled, budget, resumed=True)
 
     def _passed_delay(self, now: float) -> bool:
         if self._prev_prompt:
@@ -387,13 +380,18 @@ class Scheduler:
     def _admit(self, request: Request, n: int, slots: int, scheduled: dict[str, ScheduledWork],
                budget: Budget) -> None:
         self.waiting.discard(request)
-        self.blocks.grow(request.request_id, slots)
-        request.status = RequestStatus.RUNNING
         request.admitted_seq = self._admissions
         self._admissions += 1
+        self._start_running(request, n, slots, scheduled, budget, is_new=True)
+
+    def _start_running(self, request: Request, n: int, slots: int, scheduled: dict[str, ScheduledWork],
+                       budget: Budget, is_new: bool = False, resumed: bool = False) -> None:
+        """A request enters RUNNING this step: it is sent with its whole block table."""
+        self.blocks.grow(request.request_id, slots)
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         table = list(self.blocks.block_table(request.request_id))
-        work = scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=True)
+        work = scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=is_new, resumed=resumed)
         self._entered.append(work)
         budget.tokens -= n
         budget.seqs -= 1
