@@ -1,3 +1,4 @@
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,6 +51,9 @@ def _build_block_tables(seq_lens: list[int], block_size: int, gen: torch.Generat
 
 def _slots(table_row: Tensor, positions: Tensor, block_size: int) -> Tensor:
     return table_row.long()[positions // block_size] * block_size + positions % block_size
+
+
+SCRATCHED = functools.partial(reference.paged_attention, scratch=reference.Scratch())
 
 
 def make_batch(
@@ -142,6 +146,64 @@ def test_reference_matches_dense(
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=tol, rtol=tol)
 
 
+RAGGED_CONTEXTS = [0, 1, 14, 15, 16, 17, 31, 47, 63, 64, 100, 129, 255]
+BATCHED_CASES = [
+    pytest.param([(ctx, 1) for ctx in RAGGED_CONTEXTS], 16, 4, 1, 32, id="decode-ragged-g1"),
+    pytest.param([(ctx, 1) for ctx in RAGGED_CONTEXTS], 16, 2, 2, 64, id="decode-ragged-g2"),
+    pytest.param([(ctx, 1) for ctx in reversed(RAGGED_CONTEXTS)], 4, 1, 4, 16, id="decode-ragged-g4-bs4"),
+    pytest.param([(37, 1), (5, 20), (16, 1), (0, 1), (3, 13), (90, 1), (0, 33)], 16, 2, 2, 32, id="mixed-g2"),
+    pytest.param([(7, 9), (64, 1), (0, 0), (18, 1), (0, 16), (33, 5), (1, 1)], 8, 1, 4, 24, id="mixed-g4-empty"),
+    pytest.param([(30, 1), (2, 1), (61, 3), (17, 1), (200, 1), (9, 1)], 16, 4, 1, 16, id="mixed-g1-mid-block"),
+    pytest.param([(0, 48), (16, 16), (5, 40)], 16, 2, 4, 32, id="prefill-g4"),
+]
+DTYPE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 21, 4096, 1], ids=["one-chunk", "few-chunks", "chunk-per-seq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("seqs", "block_size", "kv_heads", "group", "head_dim"), BATCHED_CASES)
+def test_batched_reference_matches_dense(
+    monkeypatch: pytest.MonkeyPatch,
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    chunk_bytes: int,
+) -> None:
+    monkeypatch.setattr(reference, "CHUNK_BYTES", chunk_bytes)
+    batch = make_batch(seqs, block_size, kv_heads, group, head_dim, dtype)
+    out = run_attention(SCRATCHED, batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tol = DTYPE_TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=tol, rtol=tol)
+
+
+def _poison_unused_slots(batch: Batch, block_size: int) -> None:
+    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
+    for s, n in enumerate(batch.seq_lens.tolist()):
+        used[_slots(batch.block_tables[s], torch.arange(n), block_size)] = True
+    batch.k_cache.view(used.shape[0], -1)[~used] = float("nan")
+    batch.v_cache.view(used.shape[0], -1)[~used] = float("nan")
+
+
+@pytest.mark.parametrize("seqs", [[(ctx, 1) for ctx in RAGGED_CONTEXTS], [(3, 1), (20, 7), (40, 1)]])
+def test_reference_ignores_slots_past_each_context(seqs: list[tuple[int, int]]) -> None:
+    batch = make_batch(seqs, 16, 2, 2, 32, torch.float32)
+    _poison_unused_slots(batch, 16)
+    out = run_attention(SCRATCHED, batch)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_outputs_survive_later_calls() -> None:
+    first = make_batch([(ctx, 1) for ctx in RAGGED_CONTEXTS], 16, 2, 2, 32, torch.float32)
+    out = run_attention(SCRATCHED, first)
+    expected = out.clone()
+    run_attention(SCRATCHED, make_batch([(300, 1), (5, 9)] * 8, 16, 2, 2, 32, torch.float32))
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize(("seqs", "block_size", "kv_heads", "group", "head_dim", "dtype"), CASES)
 def test_triton_matches_reference(
     seqs: list[tuple[int, int]], block_size: int, kv_heads: int, group: int, head_dim: int, dtype: torch.dtype
@@ -154,9 +216,10 @@ def test_triton_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["with-skipped-slot", "all-mapped"])
 @pytest.mark.parametrize("write_fn", [reference.write_kv, triton_paged.write_kv], ids=["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dtype) -> None:
+def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dtype, skip: bool) -> None:
     gen = torch.Generator().manual_seed(7)
     num_blocks, block_size, kv_heads, head_dim = 6, 4, 2, 16
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -164,9 +227,9 @@ def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dt
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
-    slot_mapping = torch.cat([slots, torch.tensor([-1])])
-    key = torch.randn(8, kv_heads, head_dim, generator=gen).to(dtype)
-    value = torch.randn(8, kv_heads, head_dim, generator=gen).to(dtype)
+    slot_mapping = torch.cat([slots, torch.tensor([-1])]) if skip else slots
+    key = torch.randn(len(slot_mapping), kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(len(slot_mapping), kv_heads, head_dim, generator=gen).to(dtype)
 
     write_fn(key, value, k_cache, v_cache, slot_mapping)
 
@@ -178,13 +241,18 @@ def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dt
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim), v_expected)
 
 
+def is_reference(ops: tuple[object, object]) -> bool:
+    write, attend = ops
+    return write is reference.write_kv and getattr(attend, "func", None) is reference.paged_attention
+
+
 def test_get_attention_ops_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert get_attention_ops("cpu") == (reference.write_kv, reference.paged_attention)
+    assert is_reference(get_attention_ops("cpu"))
     monkeypatch.setenv(ENV_VAR, "triton")
     assert get_attention_ops("cpu") == (triton_paged.write_kv, triton_paged.paged_attention)
     monkeypatch.setenv(ENV_VAR, "reference")
-    assert get_attention_ops(torch.device("cuda")) == (reference.write_kv, reference.paged_attention)
+    assert is_reference(get_attention_ops(torch.device("cuda")))
     monkeypatch.setenv(ENV_VAR, "bogus")
     with pytest.raises(ValueError):
         get_attention_ops("cpu")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from executor_service.attention.reference import paged_attention, write_kv
+from executor_service.attention.reference import Scratch, paged_attention, write_kv
 
 WriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
 PagedAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
@@ -36,11 +37,16 @@ def get_attention_ops(device: torch.device | str) -> tuple[WriteKVFn, PagedAtten
     """Pick (write_kv, paged_attention): env override, else Triton on CUDA when importable."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice == "reference":
-        return write_kv, paged_attention
+        return _reference_ops()
     if choice == "triton":
         return _triton_ops()
     if choice:
         raise ValueError(f"{ENV_VAR} must be 'reference' or 'triton', got {choice!r}")
     if torch.device(device).type == "cuda" and _triton_available():
         return _triton_ops()
-    return write_kv, paged_attention
+    return _reference_ops()
+
+
+def _reference_ops() -> tuple[WriteKVFn, PagedAttentionFn]:
+    """The torch reference with gather buffers of its own, reused across the caller's calls."""
+    return write_kv, functools.partial(paged_attention, scratch=Scratch())
