@@ -1,0 +1,242 @@
+"""Offline throughput: pagedserve (both services, gRPC, torch executor) vs transformers' static batching.
+
+    python benchmarks/vs_transformers.py [--num-requests 128] [--threads 1] [--only pagedserve|transformers]
+
+Both sides get the same model directory and the same request file, and count the same useful work: each
+request's own max_tokens output tokens (EOS never stops either side).
+
+- Model: a 33.6M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1536, vocab
+  8192, random weights) written by executor_service.default_model.make_model into --model-dir (made once).
+  Requests carry prompt_token_ids, so the tokenizer plays no part.
+- Requests: --num-requests ShareGPT-like requests from client.bench.datasets' seeded lognormal generator,
+  written to --requests as JSON ({"requests": [{"prompt_token_ids": [...], "max_tokens": n}, ...]}, the
+  format `python -m client bench --dataset FILE` reads).
+- pagedserve: `python -m executor_service --model DIR --device cpu` and `python -m scheduler_service
+  --max-num-seqs M --max-num-batched-tokens B` as processes; this process submits every request at once
+  through client.lib (greedy, ignore_eos) and times from the first submission to the last final token.
+- transformers: AutoModelForCausalLM (eager PyTorch, SDPA attention) in this process; requests in file order
+  in fixed batches of --hf-batch-size (32), left-padded; generate(max_new_tokens = min_new_tokens = the
+  batch's largest max_tokens, greedy), the static-batching baseline: a batch finishes together, so rows
+  that asked for fewer tokens keep computing padding. Timed from the first batch to the last.
+- --device cpu (default) or cuda for both sides; float32 on both (the executor's default on CPU; on CUDA
+  it is passed --dtype float32 so the two sides compute the same thing).
+- Torch threads: --threads for both (the executor gets OMP_NUM_THREADS; transformers torch.set_num_threads).
+  On the 2-core development machine 1 is the sane value: pagedserve's scheduler needs the other core, and
+  two OpenMP threads on a shared 2-core box thrash (measured 5-9x slower forwards under load).
+Each side gets one untimed warm-up request/batch first. Prints useful output tokens/s of both and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import emit, machine, median, service
+from client.bench.datasets import SyntheticConfig, load_file, synthetic_requests
+
+TARGET_RATIO = 2.5
+MODEL_SPEC: dict[str, Any] = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
+                              "vocab_size": 8192, "max_position_embeddings": 2048, "seed": 0}
+DEFAULT_CACHE = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def ensure_model(path: Path) -> Path:
+    if (path / "config.json").is_file():  # made earlier, or any Hugging Face model directory
+        return path
+    from executor_service.default_model import make_model
+
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    make_model(tmp, **MODEL_SPEC)
+    if path.exists():  # another run made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def write_requests(path: Path, args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    cfg = SyntheticConfig(num_prompts=args.num_requests, input_mean=args.input_mean, output_mean=args.output_mean,
+                          input_max=args.input_max, output_max=args.output_max, sigma=args.sigma,
+                          vocab_size=MODEL_SPEC["vocab_size"], seed=args.seed)
+    reqs = synthetic_requests(cfg)
+    data = {"requests": [{"prompt_token_ids": list(r.prompt_token_ids or ()), "max_tokens": r.max_tokens}
+                         for r in reqs]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return read_requests(path)
+
+
+def read_requests(path: Path) -> list[tuple[list[int], int]]:
+    return [(list(r.prompt_token_ids or ()), r.max_tokens) for r in load_file(path, "json")]
+
+
+# ---- pagedserve ---------------------------------------------------------------------------------------------
+
+async def drive(address: str, requests: list[tuple[list[int], int]]) -> tuple[float, int, int]:
+    """Submit everything at once; (seconds, output tokens received, requests that did not end by length)."""
+    from client.lib import PagedServeClient
+    from protos.pagedserve.v1 import generation_pb2
+
+    async def one(client: PagedServeClient, ids: list[int], max_tokens: int) -> tuple[int, bool]:
+        n, reason = 0, 0
+        async for r in client.generate(prompt_token_ids=ids, max_tokens=max_tokens, ignore_eos=True,
+                                       temperature=0.0):
+            n += len(r.token_ids)
+            reason = r.finish_reason or reason
+        return n, reason == generation_pb2.FINISH_REASON_LENGTH
+
+    async with PagedServeClient(address) as client:
+        await one(client, requests[0][0][:16], 4)  # warm-up, untimed
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, ids, m) for ids, m in requests))
+        seconds = time.perf_counter() - t0
+    return seconds, sum(n for n, _ in results), sum(1 for _, ok in results if not ok)
+
+
+def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    ex_args = ["--model", str(model), "--device", args.device, "--cpu-kv-cache-space", str(args.cpu_kv_cache_space)]
+    if args.num_gpu_blocks:
+        ex_args += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.device == "cuda":
+        ex_args += ["--dtype", "float32"]
+    sc_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    runs = []
+    with service("executor_service", ex_args, env=env, name="executor") as ex:
+        sc_args = ["--executor", ex.address, "--metrics-port", "-1", *sc_flags]
+        with service("scheduler_service", sc_args, name="scheduler") as sc:
+            for _ in range(args.repeats):
+                seconds, tokens, bad = asyncio.run(drive(sc.address, requests))
+                runs.append({"seconds": seconds, "output_tokens": tokens, "not_length": bad})
+        log_tail = ex.log.read_text(errors="replace").splitlines()[-3:]
+    useful = sum(m for _, m in requests)
+    for r in runs:
+        if r["output_tokens"] != useful or r["not_length"]:
+            raise RuntimeError(f"pagedserve returned {r['output_tokens']} tokens, expected {useful}: {log_tail}")
+    seconds = median([r["seconds"] for r in runs])
+    return {"seconds": seconds, "runs": [round(r["seconds"], 2) for r in runs], "useful_tokens": useful,
+            "useful_tokens_per_s": useful / seconds, "executor_flags": ex_args[2:],
+            "scheduler_flags": sc_flags}
+
+
+# ---- transformers ---------------------------------------------------------------------------------------------
+
+def run_transformers(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
+                     ) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    pad = 0
+    batches = [requests[i:i + args.hf_batch_size] for i in range(0, len(requests), args.hf_batch_size)]
+
+    def generate(batch: list[tuple[list[int], int]]) -> int:
+        width = max(len(ids) for ids, _ in batch)
+        new = max(m for _, m in batch)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+        if out.shape[1] != width + new:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, asked for {new}")
+        return len(batch) * new
+
+    generate([(requests[0][0][:16], 4)] * 2)  # warm-up, untimed
+    runs = []
+    computed = 0
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        computed = sum(generate(b) for b in batches)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t0)
+    useful = sum(m for _, m in requests)
+    seconds = median(runs)
+    return {"seconds": seconds, "runs": [round(r, 2) for r in runs], "useful_tokens": useful,
+            "computed_output_tokens": computed, "useful_fraction": useful / computed,
+            "padded_prompt_tokens": sum(len(b) * max(len(ids) for ids, _ in b) for b in batches),
+            "useful_tokens_per_s": useful / seconds, "batch_size": args.hf_batch_size}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
+    p.add_argument("--requests", type=Path, default=None,
+                   help="request file (JSON) to use if it exists, else to write; by default one is generated "
+                   "into the temp directory from the flags below")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--input-mean", type=float, default=64.0)
+    p.add_argument("--input-max", type=int, default=256)
+    p.add_argument("--output-mean", type=float, default=64.0)
+    p.add_argument("--output-max", type=int, default=256)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="both sides on this device (float32 either way, so the comparison stays like for like)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per side (the median is used)")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="executor KV cache GiB")
+    p.add_argument("--num-gpu-blocks", type=int, default=0, help="override the executor's KV block count (0: off)")
+    p.add_argument("--only", choices=["pagedserve", "transformers"], default=None)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    model = ensure_model(args.model_dir)
+    if args.requests is not None and args.requests.is_file():
+        requests = read_requests(args.requests)
+        source = str(args.requests)
+    else:
+        tag = "-".join(f"{getattr(args, k):g}" for k in ("num_requests", "input_mean", "input_max", "output_mean",
+                                                       "output_max", "sigma", "seed"))
+        path = args.requests or Path(tempfile.gettempdir()) / f"pagedserve-vs-hf-{tag}.json"
+        requests = write_requests(path, args)
+        source = str(path)
+    prompt = [len(ids) for ids, _ in requests]
+    output = [m for _, m in requests]
+    shape = {"requests": len(requests), "request_file": source, "prompt_mean": sum(prompt) / len(prompt),
+             "prompt_max": max(prompt), "output_mean": sum(output) / len(output), "output_max": max(output),
+             "useful_tokens": sum(output)}
+    emit({"bench": "vs_transformers", "machine": machine(), "model": str(model), "threads": args.threads,
+          "device": args.device,
+          **shape}, args.json_out)
+    results: dict[str, dict[str, Any]] = {}
+    if args.only != "transformers":
+        results["pagedserve"] = run_pagedserve(model, requests, args)
+        emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+    if args.only != "pagedserve":
+        results["transformers"] = run_transformers(model, requests, args)
+        emit({"bench": "vs_transformers", "side": "transformers", **results["transformers"]}, args.json_out)
+    if len(results) == 2:
+        ratio = results["pagedserve"]["useful_tokens_per_s"] / results["transformers"]["useful_tokens_per_s"]
+        emit({"bench": "vs_transformers", "ratio": round(ratio, 2), "target": TARGET_RATIO,
+              "target_met": ratio >= TARGET_RATIO, "machine_after": machine()}, args.json_out)
+        print(f"\n| side | useful output tokens/s | seconds | notes |\n| --- | --- | --- | --- |\n"
+              f"| pagedserve | {results['pagedserve']['useful_tokens_per_s']:.1f} | "
+              f"{results['pagedserve']['seconds']:.1f} | {' '.join(results['pagedserve']['scheduler_flags'])} |\n"
+              f"| transformers static b={args.hf_batch_size} | "
+              f"{results['transformers']['useful_tokens_per_s']:.1f} | {results['transformers']['seconds']:.1f} | "
+              f"useful fraction of computed output rows "
+              f"{results['transformers']['useful_fraction']:.1%} |\n"
+              f"ratio {ratio:.2f}x (target >= {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()
