@@ -186,15 +186,20 @@ class Engine:
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         now = time.monotonic()
+        m = self.metrics
+        generated = 0
         for delta in deltas:
             stream = self.streams.get(delta.request_id)
             if stream is None:
                 continue
-            self._observe_tokens(stream, delta, now)
+            if m is not None:
+                generated += self._observe_tokens(stream, delta, now, m)
             if delta.finish_reason is not None:
                 del self.streams[delta.request_id]
                 self._log_finish(stream, delta, now)
             stream.queue.put_nowait(delta)
+        if m is not None and generated:
+            m.generation_tokens.inc(generated)
 
     def _log_finish(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         req = stream.request
@@ -205,32 +210,29 @@ class Engine:
                  else "", req.num_prompt_tokens, req.num_output_tokens, queue, ttft, now - stream.arrival,
                  req.num_preemptions, f" error={delta.error!r}" if delta.error else "")
 
-    def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        label = m.ttft.labels(m.model_name)
+    def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
+        """Latency metrics of one delta; the number of new tokens."""
         n = len(delta.new_token_ids)
         if n:
-            m.generation_tokens.labels(m.model_name).inc(n)
             if stream.first_token is None:
                 stream.first_token = now
-                label.observe(now - stream.arrival)
-                m.prompt_tokens.labels(m.model_name).inc(stream.request.num_prompt_tokens)
+                m.ttft.observe(now - stream.arrival)
+                m.prompt_tokens.inc(stream.request.num_prompt_tokens)
                 scheduled = stream.request.first_scheduled_time
                 if scheduled is not None:
-                    m.queue_time.labels(m.model_name).observe(max(0.0, scheduled - stream.arrival))
+                    m.queue_time.observe(max(0.0, scheduled - stream.arrival))
             elif stream.last_token is not None:
-                m.itl.labels(m.model_name).observe((now - stream.last_token) / n)
+                m.itl.observe((now - stream.last_token) / n)
             stream.last_token = now
         if delta.finish_reason is not None:
-            m.on_finish(delta.finish_reason, now - stream.arrival, stream.request.num_prompt_tokens)
+            m.on_finish(delta.finish_reason, now - stream.arrival)
+        return n
 
     def _observe(self, core_seconds: float, executor_seconds: float | None) -> None:
         m = self.metrics
         if m is None:
             return
-        m.step_time.labels(m.model_name).observe(core_seconds)
+        m.step_time.observe(core_seconds)
         if executor_seconds is not None:
-            m.executor_step_time.labels(m.model_name).observe(executor_seconds)
+            m.executor_step_time.observe(executor_seconds)
         self._refresh_gauges()

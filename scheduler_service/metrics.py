@@ -10,21 +10,25 @@ from scheduler_service.core.scheduler import SchedulerStats
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+MODEL = ["model_name"]
 
 
 class EngineMetrics:
+    """Every series is bound to the model name once, here: no label lookups on the hot path."""
+
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+        r, m = self.registry, model_name
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            return Gauge(name, doc, MODEL, registry=r).labels(m)
 
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
-            return Counter(name, doc, labels + (extra or []), registry=r)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, MODEL, registry=r).labels(m)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+            return Histogram(name, doc, MODEL, buckets=buckets, registry=r).labels(m)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the RUNNING state")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests in the WAITING state")
@@ -35,12 +39,15 @@ class EngineMetrics:
         self.device_blocks_used = gauge("pagedserve:device_blocks_used", "Device KV blocks held")
         self.cpu_blocks_used = gauge("pagedserve:cpu_blocks_used", "CPU swap blocks held")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
-        self.preemptions_by_mode = counter("pagedserve:num_preemptions_by_mode", "Preemptions by mode", ["mode"])
+        by_mode = Counter("pagedserve:num_preemptions_by_mode", "Preemptions by mode", [*MODEL, "mode"], registry=r)
+        self.preemptions_swap = by_mode.labels(m, "swap")
+        self.preemptions_recompute = by_mode.labels(m, "recompute")
         self.swap_in_blocks = counter("pagedserve:swap_in_blocks", "Blocks swapped in")
         self.swap_out_blocks = counter("pagedserve:swap_out_blocks", "Blocks swapped out")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
-        self.success = counter("vllm:request_success", "Finished requests", ["finished_reason"])
+        success = Counter("vllm:request_success", "Finished requests", [*MODEL, "finished_reason"], registry=r)
+        self.success = {reason: success.labels(m, reason.value) for reason in FinishReason}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
@@ -49,34 +56,31 @@ class EngineMetrics:
                                    STEP_BUCKETS)
         self.executor_step_time = histogram("pagedserve:executor_step_seconds",
                                             "Executor round trip per step", STEP_BUCKETS)
-        self.model_name = model_name
         self._seen = {"swap": 0, "recompute": 0, "in": 0, "out": 0, "total": 0}
 
     def observe_stats(self, s: SchedulerStats) -> None:
-        m = self.model_name
-        self.running.labels(m).set(s.num_running)
-        self.waiting.labels(m).set(s.num_waiting)
-        self.swapped.labels(m).set(s.num_swapped)
-        self.gpu_usage.labels(m).set(s.device_usage)
-        self.kv_usage.labels(m).set(s.device_usage)
-        self.cpu_usage.labels(m).set(s.cpu_usage)
-        self.device_blocks_used.labels(m).set(s.device_blocks_used)
-        self.cpu_blocks_used.labels(m).set(s.cpu_blocks_used)
-        self._advance("swap", s.num_preemptions_swap, self.preemptions_by_mode.labels(m, "swap"))
-        self._advance("recompute", s.num_preemptions_recompute, self.preemptions_by_mode.labels(m, "recompute"))
-        total = s.num_preemptions_swap + s.num_preemptions_recompute
-        self._advance("total", total, self.preemptions.labels(m))
-        self._advance("in", s.num_swapped_in_blocks, self.swap_in_blocks.labels(m))
-        self._advance("out", s.num_swapped_out_blocks, self.swap_out_blocks.labels(m))
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.swapped.set(s.num_swapped)
+        self.gpu_usage.set(s.device_usage)
+        self.kv_usage.set(s.device_usage)
+        self.cpu_usage.set(s.cpu_usage)
+        self.device_blocks_used.set(s.device_blocks_used)
+        self.cpu_blocks_used.set(s.cpu_blocks_used)
+        self._advance("swap", s.num_preemptions_swap, self.preemptions_swap)
+        self._advance("recompute", s.num_preemptions_recompute, self.preemptions_recompute)
+        self._advance("total", s.num_preemptions_swap + s.num_preemptions_recompute, self.preemptions)
+        self._advance("in", s.num_swapped_in_blocks, self.swap_in_blocks)
+        self._advance("out", s.num_swapped_out_blocks, self.swap_out_blocks)
 
     def _advance(self, key: str, value: int, child: Counter) -> None:
         if value > self._seen[key]:
             child.inc(value - self._seen[key])
         self._seen[key] = value
 
-    def on_finish(self, reason: FinishReason, e2e: float, prompt_tokens: int) -> None:
-        self.success.labels(self.model_name, reason.value).inc()
-        self.e2e.labels(self.model_name).observe(e2e)
+    def on_finish(self, reason: FinishReason, e2e: float) -> None:
+        self.success[reason].inc()
+        self.e2e.observe(e2e)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

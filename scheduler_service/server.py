@@ -129,15 +129,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for i, r in enumerate(requests)}
         remaining = len(seqs)
         while remaining:
-            delta = await queue.get()
-            seq = seqs.get(delta.request_id)
-            if seq is None or seq.done:
-                continue
-            response = self._respond(delta, seq, request.request_id or requests[0].request_id, len(prompt_ids))
-            if seq.done:
-                remaining -= 1
-            if response is not None:
-                yield response
+            for delta in coalesce([await queue.get(), *drain(queue)]):
+                seq = seqs.get(delta.request_id)
+                if seq is None or seq.done:
+                    continue
+                response = self._respond(delta, seq, request.request_id or requests[0].request_id, len(prompt_ids))
+                if seq.done:
+                    remaining -= 1
+                if response is not None:
+                    yield response
 
     def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
                  ) -> generation_pb2.GenerateResponse | None:
@@ -163,6 +163,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not (response.token_ids or response.text or seq.done):
             return None
         return response
+
+
+def drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """One delta per request: when the stream falls behind the engine, it sends what piled up as one
+    response instead of one per step."""
+    if len(deltas) == 1:
+        return deltas
+    merged: dict[str, RequestDelta] = {}
+    for d in deltas:
+        into = merged.get(d.request_id)
+        if into is None:
+            merged[d.request_id] = RequestDelta(d.request_id, list(d.new_token_ids), d.finish_reason, d.error,
+                                                list(d.logprobs))
+            continue
+        into.new_token_ids += d.new_token_ids
+        into.logprobs += d.logprobs
+        into.finish_reason, into.error = d.finish_reason, d.error
+    return list(merged.values())
 
 
 def _with_seed(sampling, seed: int):  # type: ignore[no-untyped-def]
