@@ -158,6 +158,8 @@ class Engine:
             self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
             if not out.scheduled:
                 await self._idle()
+            else:
+                await asyncio.sleep(0)
 
     async def _sleep_until_work_or_loss(self) -> bool:
         """Wait for a new request; True if the executor connection dropped first."""
