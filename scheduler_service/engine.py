@@ -63,13 +63,16 @@ class Engine:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def _connect(self) -> None:
-        delay = 0.05
+        delay, attempts = 0.05, 0
         while True:
             try:
                 describe = await self.connection.describe()
                 break
-            except Exception as e:
-                log.warning("executor %s not ready (%s); retrying in %.2fs", self.connection.address, e, delay)
+            except grpc.aio.AioRpcError as e:
+                if attempts % 10 == 0:
+                    log.warning("executor %s not answering Describe (%s); retrying with backoff",
+                                self.connection.address, e.code().name)
+                attempts += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.describe = describe
