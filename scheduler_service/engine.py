@@ -119,12 +119,12 @@ class Engine:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
 
-    def abort_all(self, reason: str) -> int:
-        """Abort every unfinished request, telling each stream why."""
+    def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
+        """End every unfinished request, telling each stream why."""
         streams = list(self.streams.values())
         for stream in streams:
             self.abort(stream.request.request_id)
-            stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], FinishReason.ABORTED, reason))
+            stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], reason, message))
         return len(streams)
 
     def _refresh_gauges(self) -> None:
@@ -144,25 +144,35 @@ class Engine:
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            t1 = time.perf_counter()
-            result = ExecutorResult()
-            if out.needs_executor:
-                try:
-                    result = await self.connection.execute(out)
-                except ExecutorLost as e:
-                    await self._recover(str(e))
-                    continue
-            t2 = time.perf_counter()
-            deltas = sched.update(out, result)
-            t3 = time.perf_counter()
-            self._route(deltas)
-            self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
-            if not out.scheduled:
-                await self._idle()
-            else:
-                await asyncio.sleep(0)
+            try:
+                await self._step(sched)
+            except (asyncio.CancelledError, ExecutorLost):
+                raise
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight and resetting the executor")
+                self.abort_all("internal error in the scheduler; see its log", FinishReason.ERROR)
+                await self._recover("engine step failed")
+
+    async def _step(self, sched: Scheduler) -> None:
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        result = ExecutorResult()
+        if out.needs_executor:
+            try:
+                result = await self.connection.execute(out)
+            except ExecutorLost as e:
+                await self._recover(str(e))
+                return
+        t2 = time.perf_counter()
+        deltas = sched.update(out, result)
+        t3 = time.perf_counter()
+        self._route(deltas)
+        self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
+        if not out.scheduled:
+            await self._idle()
+        else:
+            await asyncio.sleep(0)
 
     async def _sleep_until_work_or_loss(self) -> bool:
         """Wait for a new request; True if the executor connection dropped first."""

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -86,15 +86,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for req in requests:
                 self.engine.add(req, queue)
                 added.append(req.request_id)
-        except QueueFull as e:
+        except (QueueFull, ValueError) as e:
             for rid in added:
                 self.engine.abort(rid)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            return
-        except ValueError as e:
-            for rid in added:
-                self.engine.abort(rid)
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
+            await context.abort(code, str(e))
             return
         try:
             async for response in self._stream(request, prompt_ids, requests, queue):
@@ -115,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         now = time.monotonic()
         requests = []
         for i in range(n):
-            sub = sampling if n == 1 or sampling.seed is None else _with_seed(sampling, sampling.seed + i)
+            sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
             sub_id = rid if n == 1 else f"{rid}#{i}"
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint))
         return prompt_ids, requests
@@ -188,11 +184,6 @@ def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
         into.logprobs += d.logprobs
         into.finish_reason, into.error = d.finish_reason, d.error
     return list(merged.values())
-
-
-def _with_seed(sampling, seed: int):  # type: ignore[no-untyped-def]
-    from dataclasses import replace
-    return replace(sampling, seed=seed)
 
 
 @dataclass(slots=True)
