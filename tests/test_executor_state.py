@@ -48,8 +48,7 @@ def test_swap_out_then_in_moves_ownership() -> None:
     t.apply_swaps(executor_pb2.StepRequest(swap_in=[
         executor_pb2.BlockMapping(src=2, dst=5), executor_pb2.BlockMapping(src=3, dst=6)]))
     assert t._swap_owner == {}
-    run = executor_pb2.RunningRequest(request_id="a", new_block_ids=[5, 6], num_scheduled_tokens=0, resumed=True)
-    assert t.update_running(run) == ""
+    assert t.update_running("a", [5, 6], 0, resumed=True) == ""
     assert t.states["a"].block_table == [5, 6]
 
 
