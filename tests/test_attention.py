@@ -22,6 +22,8 @@ from executor_service.attention import (
 )
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# On a GPU machine: PAGEDSERVE_TEST_DEVICE=cuda TRITON_INTERPRET=0 runs the kernels compiled for real.
+DEVICE = torch.device(os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu"))
 
 
 @dataclass
@@ -114,15 +116,9 @@ def dense_attention(batch: Batch) -> Tensor:
 
 
 def run_attention(fn: PagedAttentionFn, batch: Batch) -> Tensor:
-    return fn(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        batch.scale,
-    )
+    """Run on DEVICE; the output comes back to the CPU."""
+    tensors = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    return fn(*(t.to(DEVICE) for t in tensors), batch.scale).cpu()
 
 
 CASES = [
@@ -231,7 +227,9 @@ def test_write_kv_touches_only_mapped_slots(write_fn: WriteKVFn, dtype: torch.dt
     key = torch.randn(len(slot_mapping), kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(len(slot_mapping), kv_heads, head_dim, generator=gen).to(dtype)
 
-    write_fn(key, value, k_cache, v_cache, slot_mapping)
+    on_device = [t.to(DEVICE) for t in (key, value, k_cache, v_cache, slot_mapping)]
+    write_fn(*on_device)
+    k_cache, v_cache = on_device[2].cpu(), on_device[3].cpu()
 
     k_expected = k_before.view(-1, kv_heads, head_dim).clone()
     v_expected = v_before.view(-1, kv_heads, head_dim).clone()

@@ -27,7 +27,8 @@ SEED = 1234
 SAMPLING = common_pb2.SamplingParams(temperature=0.0, seed=SEED, ignore_eos=True, max_tokens=4096)
 EXECUTORS: dict[str, list[str]] = {
     "simulated": ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64"],
-    "torch": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64"],
+    "torch": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64",
+              "--device", os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")],
 }
 
 

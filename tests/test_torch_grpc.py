@@ -12,6 +12,7 @@ transformers' `generate` token for token in every run; seeded outputs must be th
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import urllib.request
 from collections.abc import Iterator
@@ -155,7 +156,8 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                       vocab_size=TOKENIZER_VOCAB_SIZE, init_std=0.2, **MODELS[name])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    model = ["--model", str(path), "--device", "cpu", "--block-size", str(BLOCK_SIZE)]
+    device = os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")
+    model = ["--model", str(path), "--device", device, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
     with process("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as executor:
         runs["plenty"] = serve(executor, [], root / "scheduler-plenty.log")

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The CUDA path for real, as one script for a machine with an NVIDIA GPU (e.g. the device tool's H200):
+# Triton kernels compiled for real against the reference, greedy equality with transformers through the
+# whole gRPC stack with the executor on CUDA (swap to pinned CPU memory included), the executor conformance
+# suite on CUDA, and decode throughput. Writes its outputs under $OUT (default /tmp/gpu_check).
+#
+#   bash benchmarks/gpu_check.sh
+#
+# A machine without internet whose Python lacks this project's pins can take wheels from .gpu-wheels/
+# (made beforehand where PyPI is reachable, for that machine's Python, e.g.
+#  pip download --only-binary=:all: --python-version 3.12 -d .gpu-wheels grpcio==1.85.3 protobuf==7.36.2 \
+#      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 uvloop prometheus-client pytest-asyncio pytest-timeout)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if [ -d .gpu-wheels ]; then
+  "$PY" -m venv --system-site-packages /tmp/pagedserve-gpu-venv
+  PY=/tmp/pagedserve-gpu-venv/bin/python
+  "$PY" -m pip install -q --no-index --find-links .gpu-wheels .gpu-wheels/*.whl
+fi
+export PAGEDSERVE_TEST_DEVICE=cuda TRITON_INTERPRET=0 PAGEDSERVE_CACHE_DIR="$OUT/cache"
+status=0
+run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.txt"; status=$((status | PIPESTATUS[0])); }
+run nvidia-smi nvidia-smi
+run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py
+run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
+run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
+run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda
+exit $status
