@@ -213,8 +213,10 @@ class Engine:
                 del self.streams[delta.request_id]
                 self._log_finish(stream, delta, now)
             stream.queue.put_nowait(delta)
-        if m is not None and generated:
-            m.generation_tokens.inc(generated)
+        if m is not None:
+            if generated:
+                m.generation_tokens.inc(generated)
+            m.itl.flush()
 
     def _log_finish(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
         req = stream.request

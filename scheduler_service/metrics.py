@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Iterator
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from scheduler_service.core.request import FinishReason
 from scheduler_service.core.scheduler import SchedulerStats
@@ -11,6 +17,44 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 MODEL = ["model_name"]
+
+
+class StepHistogram:
+    """A histogram for per-token series: observe() only records the sample; flush(), once per engine step,
+    buckets the step's samples together. prometheus_client's Histogram costs ~0.7 µs per observe, which at
+    hundreds of running requests is a real share of a step."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._model_name = name, doc, model_name
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._sum = 0.0
+        self._pending: list[float] = []
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self._pending.append(value)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        values, self._pending = self._pending, []
+        index = np.searchsorted(self._bounds, values, side="left")
+        counts = np.bincount(index, minlength=len(self._counts))
+        with self._lock:
+            self._counts += counts
+            self._sum += math.fsum(values)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cumulative = np.cumsum(self._counts).tolist()
+            total = self._sum
+        family = HistogramMetricFamily(self._name, self._doc, labels=MODEL)
+        bounds = [*(repr(float(b)) for b in self._bounds), "+Inf"]
+        family.add_metric([self._model_name], list(zip(bounds, cumulative, strict=True)), total)
+        yield family
 
 
 class EngineMetrics:
@@ -49,7 +93,8 @@ class EngineMetrics:
         success = Counter("vllm:request_success", "Finished requests", [*MODEL, "finished_reason"], registry=r)
         self.success = {reason: success.labels(m, reason.value) for reason in FinishReason}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens")
+        self.itl = StepHistogram("vllm:inter_token_latency_seconds", "Time between output tokens", m,
+                                 LATENCY_BUCKETS, r)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time in WAITING before first scheduled")
         self.step_time = histogram("pagedserve:scheduler_step_seconds", "schedule()+update() time per step",
