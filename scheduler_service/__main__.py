@@ -52,6 +52,9 @@ async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine:
 
 
 async def main(config: SchedulerServiceConfig) -> None:
+    if len(config.executor) > 1:
+        log.warning("several --executor addresses given; this version serves from the first (%s) only",
+                    config.executor[0])
     public_creds, executor_creds = credentials(config)
     engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
                     executor_creds)
