@@ -76,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return
         await self.engine.ready.wait()
         try:
-            prompt_ids, requests = self._build(request)
+            rid, prompt_ids, requests = self._build(request)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
@@ -93,14 +93,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(code, str(e))
             return
         try:
-            async for response in self._stream(request, prompt_ids, requests, queue):
+            async for response in self._stream(request, rid, prompt_ids, requests, queue):
                 yield response
         finally:
             for req in requests:
                 if not req.is_finished:
                     self.engine.abort(req.request_id)
 
-    def _build(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[Request]]:
+    def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
         limits = self.limits()
         validate_prompt(request, limits)
         prompt_ids = list(request.prompt_token_ids) or self.tokenizer().encode(request.prompt)
@@ -114,9 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
             sub_id = rid if n == 1 else f"{rid}#{i}"
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint))
-        return prompt_ids, requests
+        return rid, prompt_ids, requests
 
-    async def _stream(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int],
+    async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
                       requests: list[Request], queue: asyncio.Queue[RequestDelta]
                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
@@ -129,7 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 seq = seqs.get(delta.request_id)
                 if seq is None or seq.done:
                     continue
-                response = self._respond(delta, seq, request.request_id or requests[0].request_id, len(prompt_ids))
+                response = self._respond(delta, seq, rid, len(prompt_ids))
                 if seq.done:
                     remaining -= 1
                 if response is not None:

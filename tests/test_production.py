@@ -92,10 +92,13 @@ async def test_n_sequences_stream_with_their_index(stack: Stack) -> None:
     async with PagedServeClient(stack.address) as client:
         per_index: dict[int, list[int]] = {}
         finals = 0
+        ids = set()
         async for r in client.generate("hi", max_tokens=5, n=3, seed=1):
             per_index.setdefault(r.index, []).extend(r.token_ids)
             finals += bool(r.finish_reason)
+            ids.add(r.request_id)
     assert sorted(per_index) == [0, 1, 2] and finals == 3
+    assert len(ids) == 1 and "#" not in ids.pop(), "every sequence reports the call's one request id"
     assert all(len(v) == 5 for v in per_index.values())
     assert len({tuple(v) for v in per_index.values()}) == 3
 
