@@ -190,8 +190,12 @@ class Engine:
             await asyncio.wait_for(self._wake.wait(), timeout=0.005)
 
     async def _recover(self, reason: str) -> None:
-        log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
-                  reason, len(self._sched().running), len(self._sched().swapped))
+        sched = self._sched()
+        if sched.running or sched.swapped:
+            log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
+                      reason, len(sched.running), len(sched.swapped))
+        else:
+            log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
