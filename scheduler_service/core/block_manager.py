@@ -152,8 +152,3 @@ class BlockManager:
         reads a block another mapping of the same step writes."""
         self.cpu.free(self._cpu_released_this_step)
         self._cpu_released_this_step = []
-
-    def drop_swapped(self) -> None:
-        for ids in self._cpu_tables.values():
-            self.cpu.free(ids)
-        self._cpu_tables.clear()
