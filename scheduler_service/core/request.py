@@ -73,10 +73,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
