@@ -26,7 +26,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         info = backend.info
-        self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size)
+        self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
+                                  info.vocab_size, info.max_model_len)
         self._inline = isinstance(backend, SimulatedBackend)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._generation = 0
@@ -71,6 +72,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.table.drop(rid)
         try:
             running = running_columns(step.running)
+            check_unique_ids(step, running)
             self.table.apply_swaps(step)
         except StepRefused as e:
             result.error = str(e)
@@ -83,8 +85,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             items = self._collect(step, running, result)
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
-        except ValueError as e:
-            log.error("step %d refused: %s", step.step_id, e)
+        except Exception as e:  # a backend failure (bad input it caught, CUDA OOM, ...) fails this step only
+            log.error("step %d failed: %s", step.step_id, e)
             for item_id in {*(n.request_id for n in step.new_requests), *step.running.request_ids}:
                 self.table.drop(item_id)
             return executor_pb2.StepResult(step_id=step.step_id, error=str(e))
@@ -120,6 +122,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
         outputs: dict[str, list[SampleOutput]] = {}
         states = self.table.states
+        max_model_len = self.backend.info.max_model_len
         for remaining in range(num_steps - 1, -1, -1):
             if not items:
                 break
@@ -132,7 +135,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     continue
                 state.token_ids.append(sample.token_id)
                 outputs.setdefault(item.request_id, []).append(sample)
-                if remaining:
+                if remaining and len(state.token_ids) < max_model_len:
                     follow = self.table.item(state, 1)
                     if isinstance(follow, BatchItem):
                         next_items.append(follow)
@@ -147,6 +150,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 await asyncio.sleep(delay)
             return samples
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.execute, items)
+
+
+def check_unique_ids(step: executor_pb2.StepRequest, running: list[tuple[str, list[int], int, bool]]) -> None:
+    ids = [n.request_id for n in step.new_requests] + [r[0] for r in running]
+    if len(set(ids)) != len(ids):
+        raise StepRefused("a request id appears more than once among new_requests and running")
 
 
 def running_columns(run: executor_pb2.RunningRequests) -> list[tuple[str, list[int], int, bool]]:

@@ -39,10 +39,13 @@ def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
 class RequestTable:
     """Tracks which live request owns each device and swap block, and rejects what breaks that."""
 
-    def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int) -> None:
+    def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
+                 max_model_len: int = 0) -> None:
         self.num_device_blocks = num_device_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
         self._device_owner: dict[int, str] = {}
         self._swap_owner: dict[int, str] = {}
@@ -76,6 +79,9 @@ class RequestTable:
         released = {b for rid in swapped_out for b in self.states[rid].block_table or ()
                     if self._device_owner.get(b) == rid}
         claimed = self._check_swap_out(step, swapped_out)
+        destinations = [m.dst for m in step.swap_in] + [m.dst for m in step.copy]
+        if len(set(destinations)) != len(destinations):
+            raise StepRefused("a device block is the destination of more than one swap_in or copy")
         freed: set[int] = set()
         for m in step.swap_in:
             if m.src not in self._swap_owner or m.src in freed:
@@ -119,7 +125,9 @@ class RequestTable:
             if not 0 <= block < self.num_device_blocks:
                 return f"block id {block} out of range [0, {self.num_device_blocks})"
             owner = self._device_owner.get(block)
-            if owner is not None and owner != request_id:
+            if owner == request_id:
+                return f"block {block} is already in this request's table"
+            if owner is not None:
                 return f"block {block} is held by live request {owner!r}"
         if len(set(blocks)) != len(blocks):
             return "block ids repeat within one request"
@@ -131,6 +139,9 @@ class RequestTable:
         self.drop(new.request_id)
         if new.num_computed_tokens + new.num_scheduled_tokens > len(new.token_ids):
             return "num_computed_tokens + num_scheduled_tokens exceeds the tokens sent"
+        bad = next((t for t in new.token_ids if t >= self.vocab_size), None) if self.vocab_size else None
+        if bad is not None:
+            return f"token id {bad} outside the vocabulary [0, {self.vocab_size})"
         error = self.claim(new.request_id, list(new.block_ids))
         if error:
             return error
@@ -144,6 +155,7 @@ class RequestTable:
         if state is None:
             return f"unknown request {request_id!r}: send it as a new request"
         if resumed:
+            self._release_device(state)
             state.block_table = []
         elif state.block_table is None:
             return "request is swapped out: resume it with its whole block table"
@@ -158,6 +170,10 @@ class RequestTable:
 
     def item(self, state: RequestState, num_tokens: int) -> BatchItem | str:
         end = state.num_computed + num_tokens
+        if num_tokens < 1:
+            return "num_scheduled_tokens must be at least 1"
+        if self.max_model_len and end > self.max_model_len:
+            return f"the step reaches {end} tokens, beyond max_model_len {self.max_model_len}"
         table = state.block_table or []
         if len(table) * self.block_size < end:
             return f"block table holds {len(table) * self.block_size} slots, step needs {end}"

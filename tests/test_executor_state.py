@@ -66,3 +66,38 @@ def test_bad_blocks_for_a_new_request(blocks: list[int], error: str) -> None:
     t = table_with_two()
     assert error in t.add_new(new("c", blocks))
     assert "c" not in t.states and t._device_owner == {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def test_resuming_a_request_that_was_not_swapped_releases_its_old_blocks() -> None:
+    t = table_with_two()
+    assert t.update_running("a", [4, 5], 0, resumed=True) == ""
+    t.drop("a")
+    assert t.claim("c", [0, 1, 4, 5]) == ""
+
+
+def test_a_request_cannot_claim_its_own_block_again() -> None:
+    t = table_with_two()
+    assert "already in this request's table" in t.update_running("a", [1], 0, resumed=False)
+
+
+def test_two_writes_to_one_destination_are_refused_before_anything_changes() -> None:
+    t = table_with_two()
+    before = snapshot(t)
+    twice = [executor_pb2.BlockMapping(src=0, dst=6), executor_pb2.BlockMapping(src=1, dst=6)]
+    step = executor_pb2.StepRequest(copy=twice)
+    with pytest.raises(StepRefused, match="more than one"):
+        t.apply_swaps(step)
+    assert snapshot(t) == before
+
+
+def test_vocabulary_and_max_model_len_are_checked_per_request() -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4, vocab_size=100, max_model_len=8)
+    bad = executor_pb2.NewRequest(request_id="x", token_ids=[5, 100], num_prompt_tokens=2, num_scheduled_tokens=2,
+                                  block_ids=[0])
+    assert "outside the vocabulary" in t.add_new(bad)
+    assert t.add_new(new("a", [0, 1], n=8)) == ""
+    state = t.states["a"]
+    state.token_ids.append(7)
+    state.num_computed = 8
+    assert "beyond max_model_len 8" in str(t.item(state, 1))
+    assert "at least 1" in str(t.item(state, 0))

@@ -1,0 +1,50 @@
+"""The executor shell in-process (simulated backend): a bad step never kills the stream or another request."""
+
+from __future__ import annotations
+
+from executor_service.config import ExecutorConfig
+from executor_service.server import ExecutorServicer
+from executor_service.simulated import SimulatedBackend
+from protos.pagedserve.v1 import executor_pb2
+
+
+def servicer(max_model_len: int = 64) -> ExecutorServicer:
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4,
+                            max_model_len=max_model_len)
+    return ExecutorServicer(SimulatedBackend(config))
+
+
+def new(rid: str, blocks: list[int], n: int = 4) -> executor_pb2.NewRequest:
+    return executor_pb2.NewRequest(request_id=rid, token_ids=[65] * n, num_prompt_tokens=n, num_scheduled_tokens=n,
+                                   block_ids=blocks)
+
+
+async def test_a_request_id_twice_in_one_step_is_refused_and_changes_nothing() -> None:
+    s = servicer()
+    step = executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), new("a", [1]), new("c", [2])])
+    result = await s.run_step(step)
+    assert "more than once" in result.error and not s.table.states
+    ok = await s.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[new("c", [0])]))
+    assert not ok.error and list(ok.sampled.request_ids) == ["c"]
+
+
+async def test_multi_step_stops_at_max_model_len_without_failing_the_step() -> None:
+    s = servicer(max_model_len=8)
+    prefill = executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1], n=5), new("b", [2, 3])])
+    first = await s.run_step(prefill)
+    assert not first.error
+    running = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_new_blocks=[0, 0])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=2, running=running, num_steps=4))
+    assert not result.error and not result.errors
+    counts = dict(zip(result.sampled.request_ids, result.sampled.num_tokens, strict=True))
+    assert counts == {"a": 2, "b": 3}
+    assert len(s.table.states["a"].token_ids) == 8
+
+
+async def test_a_bad_token_fails_only_its_request() -> None:
+    s = servicer()
+    bad = executor_pb2.NewRequest(request_id="b", token_ids=[10**6], num_prompt_tokens=1, num_scheduled_tokens=1,
+                                  block_ids=[1])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), bad]))
+    assert not result.error
+    assert [e.request_id for e in result.errors] == ["b"] and list(result.sampled.request_ids) == ["a"]
