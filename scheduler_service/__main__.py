@@ -43,8 +43,9 @@ async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine:
     log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
     public.generation.draining = True
     await set_health(public.health, False)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(engine.drained.wait(), timeout=config.shutdown_timeout)
+    if not engine.idle():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.drained.wait(), timeout=config.shutdown_timeout)
     aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
     log.info("drained; aborted %d unfinished requests", aborted)
     await public.server.stop(grace=2.0)
@@ -72,7 +73,14 @@ async def main(config: SchedulerServiceConfig) -> None:
         if config.metrics_port is not None and engine.metrics is not None:
             engine.metrics.serve(config.metrics_host, config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
-        engine.on_ready_change = lambda ready: asyncio.ensure_future(set_health(public.health, ready))
+        health_updates: set[asyncio.Task[None]] = set()
+
+        def on_ready_change(ready: bool) -> None:
+            task = asyncio.ensure_future(set_health(public.health, ready))
+            health_updates.add(task)
+            task.add_done_callback(health_updates.discard)
+
+        engine.on_ready_change = on_ready_change
         await set_health(public.health, True)
         freeze_startup_objects()
         log.info("scheduler ready on %s", config.listen)

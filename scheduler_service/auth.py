@@ -16,17 +16,18 @@ def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[str]:
     found = [k for k in keys or [] if k]
     if key_file:
         lines = Path(key_file).read_text().splitlines()
-        found += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        found += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     return found
 
 
 def _presented_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
     for name, value in metadata or ():
-        text = value.decode() if isinstance(value, bytes) else value
-        if name == "authorization" and text.lower().startswith("bearer "):
-            return text[7:].strip()
+        if name not in ("authorization", "x-api-key") or isinstance(value, bytes):
+            continue
         if name == "x-api-key":
-            return text.strip()
+            return value.strip()
+        if value.lower().startswith("bearer "):
+            return value[7:].strip()
     return ""
 
 

@@ -61,6 +61,19 @@ class Engine:
     async def start(self) -> None:
         await self._connect()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine loop died: %r; failing every request and refusing new ones", task.exception())
+        self.ready.clear()
+        if self.on_ready_change is not None:
+            self.on_ready_change(False)
+        self.abort_all("the scheduler's engine loop stopped; see its log", FinishReason.ERROR)
+
+    def idle(self) -> bool:
+        return self.scheduler is None or not self.scheduler.has_unfinished()
 
     async def _connect(self) -> None:
         delay, attempts = 0.05, 0
@@ -108,22 +121,23 @@ class Engine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        self.streams.pop(request_id, None)
-        if self.scheduler is not None and self.scheduler.abort(request_id):
-            self._refresh_gauges()
-            self._wake.set()
+        self.finish(request_id, FinishReason.ABORTED)
+        self._wake.set()
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
-        self.streams.pop(request_id, None)
+        """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown."""
+        stream = self.streams.pop(request_id, None)
         if self.scheduler is not None:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
+        if stream is not None and self.metrics is not None:
+            self.metrics.on_finish(reason, time.monotonic() - stream.arrival)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
         """End every unfinished request, telling each stream why."""
         streams = list(self.streams.values())
         for stream in streams:
-            self.abort(stream.request.request_id)
+            self.finish(stream.request.request_id, reason)
             stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], reason, message))
         return len(streams)
 
@@ -162,6 +176,7 @@ class Engine:
             try:
                 result = await self.connection.execute(out)
             except ExecutorLost as e:
+                self._route(out.rejected)
                 await self._recover(str(e))
                 return
         t2 = time.perf_counter()

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -39,9 +39,30 @@ class SequenceOutput:
     index: int
     detokenizer: Detokenizer
     stops: StopMatcher
+    min_tokens: int = 0
     num_tokens: int = 0
     done: bool = False
-    pending_ids: list[int] = field(default_factory=list)
+
+    def read(self, token_ids: list[int]) -> tuple[str, int | None]:
+        """Text to emit for new tokens, and how many of them to keep when a stop string ends the sequence.
+
+        Stop strings count only once min_tokens are out (as in vLLM); the tokens after the one that
+        completed a stop string are dropped, like the text after it."""
+        if not self.stops.active:
+            self.num_tokens += len(token_ids)
+            return self.detokenizer.step(token_ids), None
+        text = ""
+        for i, token in enumerate(token_ids):
+            self.num_tokens += 1
+            piece = self.detokenizer.step([token])
+            if self.num_tokens < self.min_tokens:
+                text += self.stops.feed_unchecked(piece)
+                continue
+            emitted, stopped = self.stops.feed(piece)
+            text += emitted
+            if stopped:
+                return text, i + 1
+        return text, None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -50,17 +71,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_logprobs = max_logprobs
         self.draining = False
         self._tokenizer: TextTokenizer | None = None
-        if tokenizer_dir:
-            self._tokenizer = HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
+        self._tokenizer_key: tuple[str, int, bool] | None = None
+        self._fixed_tokenizer = (HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
+                                 if tokenizer_dir else None)
 
     def tokenizer(self) -> TextTokenizer:
-        if self._tokenizer is None:
-            d = self.engine.describe
+        """--tokenizer's if given, else the one the connected executor ships (rebuilt if it changes)."""
+        if self._fixed_tokenizer is not None:
+            return self._fixed_tokenizer
+        d = self.engine.describe
+        key = (d.tokenizer_json, d.bos_token_id, d.add_bos_token) if d is not None else None
+        if self._tokenizer is None or key != self._tokenizer_key:
             if d is not None and d.tokenizer_json:
-                bos = d.bos_token_id if d.add_bos_token else None
-                self._tokenizer = HFTokenizer(d.tokenizer_json, bos)
+                self._tokenizer = HFTokenizer(d.tokenizer_json, d.bos_token_id if d.add_bos_token else None)
             else:
                 self._tokenizer = ByteTokenizer()
+            self._tokenizer_key = key
         return self._tokenizer
 
     def limits(self) -> Limits:
@@ -75,6 +101,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
             return
         await self.engine.ready.wait()
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            return
         try:
             rid, prompt_ids, requests = self._build(request)
         except InvalidArgument as e:
@@ -121,7 +150,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
-        seqs = {r.request_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops))
+        min_tokens = request.sampling.min_tokens
+        seqs = {r.request_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops), min_tokens)
                 for i, r in enumerate(requests)}
         remaining = len(seqs)
         while remaining:
@@ -137,19 +167,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
                  ) -> generation_pb2.GenerateResponse | None:
-        text, stopped = seq.stops.feed(seq.detokenizer.step(delta.new_token_ids))
-        seq.num_tokens += len(delta.new_token_ids)
+        text, keep = seq.read(delta.new_token_ids)
+        token_ids, logprobs = delta.new_token_ids, delta.logprobs
         reason = delta.finish_reason
-        if stopped and reason is None:
-            reason = FinishReason.STOPPED
-            self.engine.finish(delta.request_id, reason)
-        elif reason is not None and not stopped:
-            text += seq.stops.flush()
-        response = generation_pb2.GenerateResponse(
-            request_id=rid, index=seq.index, token_ids=delta.new_token_ids, text=text)
-        if delta.logprobs:
+        if keep is not None:
+            token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+            if reason is None:
+                self.engine.finish(delta.request_id, FinishReason.STOPPED)
+            if reason in (None, FinishReason.LENGTH):
+                reason = FinishReason.STOPPED
+        elif reason is not None:
+            text += seq.stops.feed_unchecked(seq.detokenizer.flush()) + seq.stops.flush()
+        response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
+        if logprobs:
             response.logprobs.extend(lp if isinstance(lp, common_pb2.TokenLogprobs) else
-                                     common_pb2.TokenLogprobs(token_id=lp) for lp in delta.logprobs)
+                                     common_pb2.TokenLogprobs(token_id=lp) for lp in logprobs)
         if reason is not None:
             seq.done = True
             response.finish_reason = FINISH_REASONS[reason]

@@ -8,6 +8,15 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._pending = ""
 
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
+    def feed_unchecked(self, text: str) -> str:
+        """Pass text through without matching (before min_tokens), after anything held back."""
+        out, self._pending = self._pending + text, ""
+        return out
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Text that is safe to emit now, and whether a stop string was reached."""
         if not self._stops:

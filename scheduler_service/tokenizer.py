@@ -69,3 +69,10 @@ class Detokenizer:
             self._read = len(self._ids)
             return delta
         return ""
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever was held back waiting for more bytes, as it decodes."""
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read])
+        full_text = self._tok.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read = len(self._ids)
+        return full_text[len(prefix_text):]

@@ -46,6 +46,7 @@ def validate_prompt(req: generation_pb2.GenerateRequest, limits: Limits) -> None
         _check(t < limits.vocab_size, f"prompt_token_ids[{i}]",
                f"token id {t} outside the vocabulary [0, {limits.vocab_size})")
     _check(len(req.request_id) <= 256, "request_id", "at most 256 characters")
+    _check("#" not in req.request_id, "request_id", "may not contain '#' (it names the sequences of n > 1)")
 
 
 def sampling_options(req: generation_pb2.GenerateRequest, limits: Limits, prompt_len: int) -> SamplingOptions:

@@ -82,3 +82,12 @@ def test_stop_matcher_holds_back_possible_prefixes() -> None:
     m3 = StopMatcher(["ab"])
     assert m3.feed("xa") == ("x", False)
     assert m3.flush() == "a"
+
+
+def test_flush_returns_what_was_held_back_at_the_end() -> None:
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok, [])
+    ids = [ord("x"), 0xE2, 0x82]
+    streamed = detok.step(ids[:1]) + detok.step(ids[1:])
+    assert streamed + detok.flush() == tok.decode(ids)
+    assert streamed == "x"

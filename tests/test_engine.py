@@ -60,3 +60,33 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(execu
         assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 5
     finally:
         await engine.stop()
+
+
+async def test_a_request_rejected_in_a_step_whose_executor_is_lost_still_gets_its_answer(executor: str) -> None:
+    from scheduler_service.executor_client import ExecutorLost
+
+    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        real_execute = engine.connection.execute
+        calls = {"n": 0}
+
+        async def lose_first(out):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ExecutorLost("injected")
+            return await real_execute(out)
+
+        engine.connection.execute = lose_first  # type: ignore[method-assign]
+        limit = engine._sched().limits.max_model_len
+        big: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        small: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("big", [65] * (limit + 1), SamplingOptions(max_tokens=1), 0.0), big)
+        engine.add(Request("small", [65] * 4, SamplingOptions(max_tokens=3), 0.0), small)
+        _, last = await asyncio.wait_for(collect(big), 30)
+        assert last.finish_reason is FinishReason.ERROR and "max_model_len" in last.error
+        tokens, last = await asyncio.wait_for(collect(small), 30)
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 3
+        assert "big" not in engine.streams
+    finally:
+        await engine.stop()

@@ -218,3 +218,40 @@ def test_server_healthy_after_fuzzing(stack: Stack) -> None:
         req = generation_pb2.GenerateRequest(prompt="ok", sampling=common_pb2.SamplingParams(max_tokens=3))
         assert sum(len(r.token_ids) for r in stub.Generate(req, timeout=30)) == 3
     wait_until(stack.idle, what="idle after fuzzing")
+
+
+def test_stop_strings_with_multi_step_cut_tokens_respect_min_tokens_and_count_in_metrics(tmp_path: Path) -> None:
+    with running_stack(tmp_path, ["--simulated"], ["--num-scheduler-steps", "4"]) as s:
+        async def main() -> None:
+            async with PagedServeClient(s.address) as client:
+                ids, full, _, _ = await run(client, prompt="q", max_tokens=40, seed=21)
+                stop = full[9]
+                first = full.index(stop)
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop])
+                assert reason == STOP and text == full[:first] and got == ids[:first + 1]
+                later = full.index(stop, first + 1) if stop in full[first + 1:] else None
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop],
+                                                 min_tokens=first + 2)
+                if later is None:
+                    assert reason == LENGTH and text == full
+                else:
+                    assert reason == STOP and text == full[:later] and got == ids[:later + 1]
+                last_char = full[-1]
+                if last_char not in full[:-1]:
+                    _, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[last_char])
+                    assert reason == STOP and text == full[:-1]
+
+        before = s.metrics().get("vllm:request_success_total{stop}", 0)
+        asyncio.run(main())
+        wait_until(lambda: s.metrics().get("vllm:request_success_total{stop}", 0) >= before + 2,
+                   what="stop-string finishes counted")
+
+
+def test_scheduler_without_executor_shuts_down_at_once(tmp_path: Path) -> None:
+    from tests.procs import free_port, start
+
+    proc = start("scheduler_service", ["--listen", f"127.0.0.1:{free_port()}", "--executor",
+                                       f"127.0.0.1:{free_port()}", "--metrics-port", "-1"], tmp_path / "s.log")
+    wait_until(lambda: "waiting for executor" in (tmp_path / "s.log").read_text(), what="listening")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0

@@ -52,6 +52,17 @@ async def test_wrong_or_missing_api_key_is_unauthenticated(tls_stack: Stack, pki
             assert await client.health()
 
 
+def test_binary_metadata_beside_a_valid_key_is_fine(tls_stack: Stack, pki: dict[str, CertPair]) -> None:
+    from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(pki["ca"].cert).read_bytes())
+    with grpc.secure_channel(tls_stack.address, creds) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2))
+        metadata = [("x-trace-bin", b"\xff\xfe"), ("authorization", "Bearer sekrit")]
+        assert sum(len(r.token_ids) for r in stub.Generate(request, metadata=metadata, timeout=30)) == 2
+
+
 async def test_plaintext_client_cannot_talk_to_tls_port(tls_stack: Stack) -> None:
     async with PagedServeClient(tls_stack.address, api_key="sekrit") as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
