@@ -58,7 +58,7 @@ async def main(config: SchedulerServiceConfig) -> None:
                     config.executor[0])
     public_creds, executor_creds = credentials(config)
     engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                    executor_creds)
+                    executor_creds, config.executor_step_timeout)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,

@@ -33,6 +33,7 @@ class SchedulerServiceConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None
     shutdown_timeout: float = 30.0
+    executor_step_timeout: float = 600.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the executor's)")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds SIGTERM lets running requests finish before aborting them")
+    p.add_argument("--executor-step-timeout", type=float, default=d.executor_step_timeout,
+                   help="seconds without an answer to a step before the executor counts as lost")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: public port over TLS; also the client "
                    "certificate toward the executor when --tls-ca is set")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")

@@ -43,9 +43,10 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 
 class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
-                 metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+                 metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 step_timeout: float | None = None) -> None:
         self.core_config = core_config
-        self.connection = ExecutorConnection(executor_address, credentials)
+        self.connection = ExecutorConnection(executor_address, credentials, step_timeout)
         self.max_queue_len = max_queue_len
         self.metrics_model_name = metrics_model_name
         self.describe: executor_pb2.DescribeResponse | None = None
@@ -194,9 +195,11 @@ class Engine:
         self._wake.clear()
         woken = asyncio.create_task(self._wake.wait())
         lost = asyncio.create_task(self.connection.wait_until_lost())
-        await asyncio.wait((woken, lost), return_when=asyncio.FIRST_COMPLETED)
-        for task in (woken, lost):
-            task.cancel()
+        try:
+            await asyncio.wait((woken, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (woken, lost):
+                task.cancel()
         return lost.done() and not lost.cancelled() and not woken.done()
 
     async def _idle(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -96,8 +98,10 @@ def _split(values: list[int], counts: list[int]) -> list[list[int]]:
 
 
 class ExecutorConnection:
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 step_timeout: float | None = None) -> None:
         self.address = address
+        self.step_timeout = step_timeout
         self._channel = open_channel(address, credentials)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -110,10 +114,13 @@ class ExecutorConnection:
             if self._call is None:
                 self._call = self._stub.Execute()
             await self._call.write(step_proto(out))
-            msg = await self._call.read()
+            msg = await asyncio.wait_for(self._call.read(), self.step_timeout)
         except grpc.aio.AioRpcError as e:
             self._call = None
             raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
+        except TimeoutError as e:
+            self.drop_stream()
+            raise ExecutorLost(f"no answer to step {out.step_id} within {self.step_timeout}s") from e
         if msg is grpc.aio.EOF or msg.step_id != out.step_id:
             self._call = None
             raise ExecutorLost("executor closed the step stream")

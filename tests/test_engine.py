@@ -90,3 +90,25 @@ async def test_a_request_rejected_in_a_step_whose_executor_is_lost_still_gets_it
         assert "big" not in engine.streams
     finally:
         await engine.stop()
+
+
+async def test_a_step_without_answer_within_the_timeout_counts_as_a_lost_executor(tmp_path: Path) -> None:
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "5000"],
+                 tmp_path / "slow.log")
+    try:
+        wait_healthy(address, proc)
+        connection = ExecutorConnection(address, step_timeout=0.3)
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ExecutorLost, match=r"no answer to step 1 within 0\.3s"):
+            await connection.execute(out)
+        assert loop.time() - started < 3
+        await connection.close()
+    finally:
+        stop(proc)
