@@ -16,7 +16,21 @@ from scheduler_service.core.outputs import (
     SchedulerOutput,
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
-from scheduler_service.core.request import FinishReason, Request, RequestStatus
+from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
+
+
+def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_tokens: int, max_model_len: int,
+                eos_ids: tuple[int, ...]) -> FinishReason | None:
+    """Why a request stops after appending token (now num_output outputs, num_tokens in all), or None."""
+    if num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    if num_output < sampling.min_tokens:
+        return None
+    if (not sampling.ignore_eos and token in eos_ids) or token in sampling.stop_token_ids:
+        return FinishReason.STOPPED
+    if num_output >= sampling.max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 @dataclass(slots=True)
@@ -424,17 +438,7 @@ class Scheduler:
             request.num_computed_tokens = computed
             token = tokens[0]
             output.append(token)
-            reason = None
-            if num_tokens + 1 >= max_model_len:
-                reason = FinishReason.LENGTH
-            else:
-                sampling = request.sampling
-                num_output = len(output)
-                if num_output >= sampling.min_tokens:
-                    if (not sampling.ignore_eos and token in eos_ids) or token in sampling.stop_token_ids:
-                        reason = FinishReason.STOPPED
-                    elif num_output >= sampling.max_tokens:
-                        reason = FinishReason.LENGTH
+            reason = stop_reason(request.sampling, token, len(output), num_tokens + 1, max_model_len, eos_ids)
             if reason is not None:
                 self._finish(request, reason)
             request.protected = False
@@ -470,18 +474,8 @@ class Scheduler:
         return RequestDelta(rid, new, reason, logprobs=logprobs)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        if request.num_tokens >= self.limits.max_model_len:
-            return FinishReason.LENGTH
-        sampling = request.sampling
-        if request.num_output_tokens < sampling.min_tokens:
-            return None
-        if not sampling.ignore_eos and token in self.limits.eos_token_ids:
-            return FinishReason.STOPPED
-        if token in sampling.stop_token_ids:
-            return FinishReason.STOPPED
-        if request.num_output_tokens >= sampling.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        return stop_reason(request.sampling, token, request.num_output_tokens, request.num_tokens,
+                           self.limits.max_model_len, self.limits.eos_token_ids)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         """Finish a request for a reason found outside the core (e.g. a stop string)."""
