@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.lib import PagedServeClient
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -133,3 +135,14 @@ def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list
     finally:
         stop(stack.scheduler)
         stop(stack.executor)
+
+
+async def run(client: PagedServeClient, **kwargs: object) -> tuple[list[int], str, int, str]:
+    """One whole generation: (token ids, text, finish reason, error)."""
+    ids: list[int] = []
+    text, reason, error = "", 0, ""
+    async for r in client.generate(**kwargs):  # type: ignore[arg-type]
+        ids += r.token_ids
+        text += r.text
+        reason, error = r.finish_reason or reason, r.error or error
+    return ids, text, reason, error

@@ -12,7 +12,7 @@ import pytest
 
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import generation_pb2
-from tests.procs import Stack, running_stack, wait_until
+from tests.procs import Stack, run, running_stack, wait_until
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 
@@ -24,14 +24,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 async def collect(client: PagedServeClient, prompt_len: int, max_tokens: int) -> tuple[list[int], str, int]:
-    ids: list[int] = []
-    text = ""
-    reason = 0
-    async for r in client.generate(prompt_token_ids=[65 + i % 26 for i in range(prompt_len)],
-                                   max_tokens=max_tokens):
-        ids += r.token_ids
-        text += r.text
-        reason = r.finish_reason or reason
+    ids, text, reason, _ = await run(client, prompt_token_ids=[65 + i % 26 for i in range(prompt_len)],
+                                     max_tokens=max_tokens)
     return ids, text, reason
 
 

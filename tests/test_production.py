@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.procs import Stack, running_stack, wait_until
+from tests.procs import Stack, run, running_stack, wait_until
 
 LENGTH, STOP, ABORT = (generation_pb2.FINISH_REASON_LENGTH, generation_pb2.FINISH_REASON_STOP,
                        generation_pb2.FINISH_REASON_ABORT)
@@ -27,16 +27,6 @@ LENGTH, STOP, ABORT = (generation_pb2.FINISH_REASON_LENGTH, generation_pb2.FINIS
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(tmp_path_factory.mktemp("prod"), ["--simulated", "--num-gpu-blocks", "1024"]) as s:
         yield s
-
-
-async def run(client: PagedServeClient, **kwargs: object) -> tuple[list[int], str, int, str]:
-    ids: list[int] = []
-    text, reason, error = "", 0, ""
-    async for r in client.generate(**kwargs):  # type: ignore[arg-type]
-        ids += r.token_ids
-        text += r.text
-        reason, error = r.finish_reason or reason, r.error or error
-    return ids, text, reason, error
 
 
 async def test_half_of_100_streams_cancelled_leave_nothing_held(stack: Stack) -> None:
