@@ -97,13 +97,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            return
+        await self._refuse_if_draining(context)
         await self.engine.ready.wait()
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-            return
+        await self._refuse_if_draining(context)
         try:
             rid, prompt_ids, requests = self._build(request)
         except InvalidArgument as e:
@@ -128,6 +124,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for req in requests:
                 if not req.is_finished:
                     self.engine.abort(req.request_id)
+
+    async def _refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
     def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
         limits = self.limits()
