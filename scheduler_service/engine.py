@@ -33,6 +33,7 @@ class RequestStream:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
 
 
 def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
@@ -44,9 +45,13 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 step_timeout: float | None = None) -> None:
+                 step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
+                 executor_secret: str | None = None) -> None:
         self.core_config = core_config
-        self.connection = ExecutorConnection(executor_address, credentials, step_timeout)
+        self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
+        self.executor_wait_timeout = executor_wait_timeout
+        self._lost_since: float | None = None  # when the executor was lost; None while steps succeed
+        self._losses = 0  # losses in a row without a successful step: sets the reconnect back-off
         self.max_queue_len = max_queue_len
         self.metrics_model_name = metrics_model_name
         self.describe: executor_pb2.DescribeResponse | None = None
@@ -79,15 +84,16 @@ class Engine:
     async def _connect(self) -> None:
         delay, attempts = 0.05, 0
         while True:
+            self._fail_if_lost_too_long()
             try:
-                describe = await self.connection.describe()
+                describe = await self.connection.describe(timeout=self._patience(5.0))
                 break
             except grpc.aio.AioRpcError as e:
                 if attempts % 10 == 0:
-                    log.warning("executor %s not answering Describe (%s); retrying with backoff",
-                                self.connection.address, e.code().name)
+                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
+                                self.connection.address, e.code().name, e.details())
                 attempts += 1
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._patience(delay))
                 delay = min(delay * 2, 2.0)
         self.describe = describe
         limits = limits_from(describe)
@@ -180,6 +186,7 @@ class Engine:
                 self._route(out.rejected)
                 await self._recover(str(e))
                 return
+            self._executor_answered()
         t2 = time.perf_counter()
         deltas = sched.update(out, result)
         t3 = time.perf_counter()
@@ -209,17 +216,48 @@ class Engine:
 
     async def _recover(self, reason: str) -> None:
         sched = self._sched()
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
         if sched.running or sched.swapped:
             log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
                       reason, len(sched.running), len(sched.swapped))
-        else:
+        elif self._losses % 10 == 0:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
-        self._sched().reset_executor()
+        sched.reset_executor()
+        self._refresh_gauges()
         self.connection.drop_stream()
+        if self._losses:
+            await asyncio.sleep(min(0.05 * 2 ** min(self._losses, 6), 2.0))
+        self._losses += 1
+        self._fail_if_lost_too_long()
         await self._connect()
+
+    def _fail_if_lost_too_long(self) -> None:
+        """Requests in flight wait for a lost executor at most executor_wait_timeout, then end UNAVAILABLE."""
+        if self._lost_since is None or not self.streams:
+            return
+        waited = time.monotonic() - self._lost_since
+        if waited < self.executor_wait_timeout:
+            return
+        for stream in self.streams.values():
+            stream.executor_unavailable = True
+        n = self.abort_all(f"no executor for {waited:.1f}s (--executor-wait-timeout {self.executor_wait_timeout}s)"
+                           "; the request was dropped, retry it", FinishReason.ERROR)
+        log.error("executor %s away for %.1fs: failed %d requests in flight", self.connection.address, waited, n)
+
+    def _patience(self, seconds: float) -> float:
+        """`seconds`, shortened so that requests in flight are failed on time when the executor is away."""
+        if self._lost_since is None or not self.streams:
+            return seconds
+        left = self._lost_since + self.executor_wait_timeout - time.monotonic()
+        return min(seconds, max(0.05, left))
+
+    def _executor_answered(self) -> None:
+        self._lost_since = None
+        self._losses = 0
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         now = time.monotonic()
