@@ -27,7 +27,8 @@ KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
                      ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.max_pings_without_data", 0),
                      ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-                     ("grpc.http2.max_ping_strikes", 0)]
+                     ("grpc.http2.max_ping_strikes", 0),
+                     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]
 # A restarted executor is found within ~2 s, not after gRPC's default back-off of up to 120 s.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 2_000)]

@@ -131,20 +131,24 @@ class Engine:
         self.finish(request_id, FinishReason.ABORTED)
         self._wake.set()
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown."""
         stream = self.streams.pop(request_id, None)
         if self.scheduler is not None:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
-        if stream is not None and self.metrics is not None:
-            self.metrics.on_finish(reason, time.monotonic() - stream.arrival)
+        if stream is None:
+            return
+        now = time.monotonic()
+        self._log_finish(stream, reason, error, now)
+        if self.metrics is not None:
+            self.metrics.on_finish(reason, now - stream.arrival)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
         """End every unfinished request, telling each stream why."""
         streams = list(self.streams.values())
         for stream in streams:
-            self.finish(stream.request.request_id, reason)
+            self.finish(stream.request.request_id, reason, message)
             stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], reason, message))
         return len(streams)
 
@@ -236,23 +240,31 @@ class Engine:
         await self._connect()
 
     def _fail_if_lost_too_long(self) -> None:
-        """Requests in flight wait for a lost executor at most executor_wait_timeout, then end UNAVAILABLE."""
+        """A request waits for a lost executor at most executor_wait_timeout (from the loss, or from its
+        arrival if later), then ends UNAVAILABLE."""
         if self._lost_since is None or not self.streams:
             return
-        waited = time.monotonic() - self._lost_since
-        if waited < self.executor_wait_timeout:
-            return
-        for stream in self.streams.values():
+        now = time.monotonic()
+        expired = [s for s in self.streams.values() if now >= self._deadline(s)]
+        for stream in expired:
             stream.executor_unavailable = True
-        n = self.abort_all(f"no executor for {waited:.1f}s (--executor-wait-timeout {self.executor_wait_timeout}s)"
-                           "; the request was dropped, retry it", FinishReason.ERROR)
-        log.error("executor %s away for %.1fs: failed %d requests in flight", self.connection.address, waited, n)
+            rid = stream.request.request_id
+            message = (f"no executor for {now - max(self._lost_since, stream.arrival):.1f}s (--executor-wait-timeout "
+                       f"{self.executor_wait_timeout}s); the request was dropped, retry it")
+            self.finish(rid, FinishReason.ERROR, message)
+            stream.queue.put_nowait(RequestDelta(rid, [], FinishReason.ERROR, message))
+        if expired:
+            log.error("executor %s away: failed %d requests that waited --executor-wait-timeout %.1fs",
+                      self.connection.address, len(expired), self.executor_wait_timeout)
+
+    def _deadline(self, stream: RequestStream) -> float:
+        return max(self._lost_since or 0.0, stream.arrival) + self.executor_wait_timeout
 
     def _patience(self, seconds: float) -> float:
         """`seconds`, shortened so that requests in flight are failed on time when the executor is away."""
         if self._lost_since is None or not self.streams:
             return seconds
-        left = self._lost_since + self.executor_wait_timeout - time.monotonic()
+        left = min(self._deadline(s) for s in self.streams.values()) - time.monotonic()
         return min(seconds, max(0.05, left))
 
     def _executor_answered(self) -> None:
@@ -271,21 +283,22 @@ class Engine:
                 generated += self._observe_tokens(stream, delta, now, m)
             if delta.finish_reason is not None:
                 del self.streams[delta.request_id]
-                self._log_finish(stream, delta, now)
+                self._log_finish(stream, delta.finish_reason, delta.error, now)
             stream.queue.put_nowait(delta)
         if m is not None:
             if generated:
                 m.generation_tokens.inc(generated)
             m.itl.flush()
 
-    def _log_finish(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
+    def _log_finish(self, stream: RequestStream, reason: FinishReason, error: str, now: float) -> None:
+        """The one log line of each finished request, however it finished."""
         req = stream.request
         queue = (req.first_scheduled_time or now) - stream.arrival
         ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
         log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d queue=%.3fs ttft=%.3fs "
-                 "e2e=%.3fs preemptions=%d%s", req.request_id, delta.finish_reason.value if delta.finish_reason
-                 else "", req.num_prompt_tokens, req.num_output_tokens, queue, ttft, now - stream.arrival,
-                 req.num_preemptions, f" error={delta.error!r}" if delta.error else "")
+                 "e2e=%.3fs preemptions=%d%s", req.request_id, reason.value, req.num_prompt_tokens,
+                 req.num_output_tokens, queue, ttft, now - stream.arrival, req.num_preemptions,
+                 f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
         """Latency metrics of one delta; the number of new tokens."""
