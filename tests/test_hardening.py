@@ -4,6 +4,7 @@ metrics port, the executor going away, two schedulers on one executor, the execu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import socket
 import time
@@ -62,8 +63,9 @@ def log_text(stack: Stack) -> str:
 
 async def test_invalid_utf8_is_invalid_argument_naming_the_field_logged_at_info(stack: Stack) -> None:
     body = generation_pb2.GenerateRequest(prompt="hello", request_id="utf8").SerializeToString()
-    for bad, field in ((body.replace(b"hello", b"hel\xfflo"), "prompt"), (b"\x0a\x05\xff\xfe\xfd\xfc\xfb", "request_id"),
-                       (b"\xff\xff\xff", "request")):
+    bodies = ((body.replace(b"hello", b"hel\xfflo"), "prompt"), (b"\x0a\x05\xff\xfe\xfd\xfc\xfb", "request_id"),
+              (b"\xff\xff\xff", "request"))
+    for bad, field in bodies:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await raw_generate(stack.address, bad)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -247,7 +249,7 @@ async def _two_schedulers(stack: Stack, second_address: str, second: object) -> 
         assert refused == grpc.StatusCode.DEADLINE_EXCEEDED, "the second scheduler cannot serve meanwhile"
         stack.scheduler.send_signal(signal.SIGSTOP)  # hung: its connection stays open, pings go unanswered
         hung = time.monotonic()
-        ids, _, reason, error = await run(other, prompt_token_ids=[65] * 4, max_tokens=4, timeout=30)
+        ids, _, _, error = await run(other, prompt_token_ids=[65] * 4, max_tokens=4, timeout=30)
         assert (len(ids), error) == (4, "")
         assert time.monotonic() - hung < 12
 
@@ -303,7 +305,7 @@ def test_a_step_the_executor_refuses_fails_its_requests(tmp_path: Path) -> None:
             async with PagedServeClient(stack.address) as client:
                 return await run(client, prompt_token_ids=[65] * 4, max_tokens=100, ignore_eos=True)
 
-        ids, _, reason, error = asyncio.run(go())
+        _, _, reason, error = asyncio.run(go())
         assert reason == generation_pb2.FINISH_REASON_ERROR
         assert error == "executor refused the step: num_steps 65 exceeds max_num_steps 64 (Describe.capabilities)"
         wait_until(stack.idle, timeout=3, what="idle")
@@ -351,5 +353,5 @@ async def _canary(stack: Stack) -> tuple[float, list[grpc.StatusCode]]:
         stop_canary.set()
         await watcher
         await canary.aclose()
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return max(gaps), list(codes)
