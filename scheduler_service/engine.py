@@ -110,7 +110,7 @@ class Engine:
                  describe.num_swap_blocks, describe.block_size, describe.max_model_len)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():  # a loop that died was logged by _loop_ended
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task

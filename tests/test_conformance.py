@@ -380,6 +380,16 @@ async def test_finished_requests_free_their_blocks_within_the_step(session: Sess
     assert refused(await session.step(running_requests=[stale]), "a"), "a finished request must be forgotten"
 
 
+async def test_num_steps_above_max_num_steps_is_refused_quickly(session: Session) -> None:
+    a = session.seq("a", 6, seed=17)
+    await session.generate(a, 1)
+    limit = session.describe.capabilities.max_num_steps
+    started = asyncio.get_running_loop().time()
+    result = await session.step(running_requests=[Running("a", [], 1)], num_steps=10**9)
+    assert result.error and str(limit) in result.error and not sampled_tokens(result)
+    assert asyncio.get_running_loop().time() - started < STEP_TIMEOUT_S
+
+
 async def test_a_second_stream_is_refused_while_the_first_is_open(session: Session) -> None:
     a = session.seq("a", 10, seed=16)
     await session.generate(a, 2)
