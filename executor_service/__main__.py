@@ -11,10 +11,11 @@ import sys
 
 import uvloop
 
+from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
-from protos.wire import read_secret, server_credentials
+from protos.wire import server_credentials
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -34,7 +35,7 @@ async def main(config: ExecutorConfig) -> None:
         if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-    server, port = await serve(backend, config.listen, credentials, read_secret(config.executor_secret_file))
+    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file))
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,

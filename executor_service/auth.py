@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import logging
+import os
+import secrets
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,7 +16,27 @@ from protos.wire import EXECUTOR_SECRET_METADATA_KEY
 
 SECRET_METADATA_KEY = EXECUTOR_SECRET_METADATA_KEY
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+log = logging.getLogger("pagedserve.executor")
 REFUSAL = f"missing or wrong executor secret (metadata {SECRET_METADATA_KEY!r}; see --executor-secret-file)"
+
+
+def load_or_create_secret(path: str | None) -> str | None:
+    """The secret in `path`; a file that does not exist yet is created with a random secret (mode 0600),
+    for the scheduler to read: compose shares it through a volume."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        log.info("generated a new executor secret in %s", path)
+    secret = Path(path).read_text().strip()
+    if not secret:
+        raise SystemExit(f"secret file {path} is empty")
+    return secret
 
 
 def presented_secret(metadata: tuple[tuple[str, str | bytes], ...] | None) -> bytes:

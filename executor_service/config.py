@@ -68,5 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--tls-ca", default=None, help="PEM CA: require scheduler client certificates it signed (mTLS)")
     p.add_argument("--executor-secret-file", default=None,
-                   help="file holding a shared secret the scheduler must send (its --executor-secret-file)")
+                   help="file holding a shared secret the scheduler must send (its --executor-secret-file); "
+                   "created with a random secret if it does not exist")
     return p
