@@ -10,10 +10,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 EXECUTOR_SECRET_METADATA_KEY = "x-pagedserve-executor-secret"
 # gRPC core keeps calls the application has not picked up yet in a backlog; past its soft limit (1000 by
-# default) it cancels a random share of new calls, past the hard limit (3000) all of them, and the
-# application never sees them. These raise it so that a burst reaches the service, which then answers
-# each call or refuses it with a status it logs and counts.
+# default) it cancels a random share of new calls, past the hard limit (3000) all of them, and it cancels
+# a call still unpicked after 30 s; the application never sees any of them. Raised, so that a burst
+# reaches the service, which then answers each call or refuses it with a status it logs and counts.
 MAX_UNACCEPTED_CALLS = 32_768
+MAX_UNACCEPTED_SECONDS = 120
 # Keepalive pings on the executor link: a peer that stops answering (hung, partitioned) is found within
 # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even when no step is in flight.
 KEEPALIVE_TIME_MS = 2_000
@@ -21,7 +22,8 @@ KEEPALIVE_TIMEOUT_MS = 2_000
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.server.max_pending_requests", MAX_UNACCEPTED_CALLS),
-                ("grpc.server.max_pending_requests_hard_limit", MAX_UNACCEPTED_CALLS)]
+                ("grpc.server.max_pending_requests_hard_limit", MAX_UNACCEPTED_CALLS),
+                ("grpc.server_max_unrequested_time_in_server", MAX_UNACCEPTED_SECONDS)]
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
                      ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
                      ("grpc.keepalive_permit_without_calls", 1),

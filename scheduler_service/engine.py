@@ -96,6 +96,10 @@ class Engine:
                 await asyncio.sleep(self._patience(delay))
                 delay = min(delay * 2, 2.0)
         self.describe = describe
+        max_steps = describe.capabilities.max_num_steps
+        if max_steps and self.core_config.num_scheduler_steps > max_steps:
+            log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
+                      "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
         limits = limits_from(describe)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.core_config, limits)
