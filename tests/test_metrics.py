@@ -65,7 +65,7 @@ async def test_metrics_are_served_from_the_event_loop_without_a_thread_per_conne
         writer.close()
         assert response.startswith(b"HTTP/1.1 200 OK")
         assert b"vllm:num_requests_running" in response
-        assert threading.active_count() == threads
+        assert threading.active_count() < threads + 5, "no thread per connection (others may start their own)"
         assert len(server.writers) == 300
     finally:
         for _, w in idle:
