@@ -13,19 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch import Tensor
 
-import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from executor_service.default_model import DEFAULT_SPEC  # noqa: E402
+from executor_service.default_model import DEFAULT_SPEC
 
 BLOCK_SIZE = 16
 Args = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]

@@ -36,14 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
-from tests.procs import free_port, stop, wait_healthy  # noqa: E402
+from client.local import ROOT, free_port, stop, wait_healthy
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 WARMUP_STEPS = 2
 GREEDY = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True)

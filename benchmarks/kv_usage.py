@@ -24,16 +24,13 @@ utilisation, mean batch and the steps it needs, next to pagedserve's.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit, machine, percentile
 from client.bench.datasets import SyntheticConfig, synthetic_requests
+from client.bench.record import emit, machine
+from client.bench.stats import percentile
 from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions

@@ -32,24 +32,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop
 
 import scheduler_service.executor_client as executor_client
-from benchmarks.common import emit, free_port, machine, median, percentile, service
+from client.bench.record import emit, machine
+from client.bench.stats import median, percentile
 from client.lib import PagedServeClient
+from client.local import free_port, parse_metrics, service
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
 from scheduler_service.engine import Engine
-from tests.procs import parse_metrics
 
 PROMPT_LEN = 16
 SEED_BUDGET_S = 50e-6

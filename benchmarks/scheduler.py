@@ -15,12 +15,9 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from client.bench.stats import percentile
 from scheduler_service.core.config import CoreConfig, ModelLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
@@ -40,11 +37,6 @@ def fake_execute(out: SchedulerOutput) -> ExecutorResult:
         if req.num_computed_tokens + work.num_tokens >= req.num_tokens:
             sampled[req.request_id] = [TOKEN] * out.num_steps
     return ExecutorResult(sampled=sampled)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:

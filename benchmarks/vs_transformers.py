@@ -33,16 +33,15 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit, machine, median, service
 from client.bench.datasets import SyntheticConfig, load_file, synthetic_requests
+from client.bench.record import emit, machine
+from client.bench.stats import median
+from client.local import service
 
 TARGET_RATIO = 2.5
 MODEL_SPEC: dict[str, Any] = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,

@@ -10,6 +10,7 @@ import sys
 import time
 
 from client.lib import PagedServeClient
+from client.local import wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -22,21 +23,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", default="The scheduler decides", help="demo prompt streamed once ready")
     p.add_argument("--no-demo", action="store_true")
     return p.parse_args()
-
-
-async def wait_healthy(address: str, procs: list[subprocess.Popen[bytes]], timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with PagedServeClient(address) as client:
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise SystemExit("a service exited during start-up; see its log above")
-            try:
-                if await client.health(timeout=1.0):
-                    return
-            except Exception:
-                pass
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"{address} did not become healthy within {timeout:.0f}s")
 
 
 async def demo(address: str, prompt: str) -> None:
@@ -62,7 +48,10 @@ def main() -> int:
                                   args.executor_listen, "--metrics-port", str(args.metrics_port)])
     procs = [executor, scheduler]
     try:
-        asyncio.run(wait_healthy(args.listen, procs))
+        try:
+            wait_healthy(args.listen, *procs, timeout=300.0)
+        except (RuntimeError, TimeoutError) as e:
+            raise SystemExit(f"{e}; see the services' log above") from None
         if not args.no_demo:
             asyncio.run(demo(args.listen, args.prompt))
         print(f"\npagedserve ready on {args.listen} (metrics http://127.0.0.1:{args.metrics_port}/metrics)."

@@ -1,12 +1,11 @@
-"""Start the real services as processes on 127.0.0.1 for tests, and read their metrics."""
+"""The whole stack (executor + scheduler) as processes on 127.0.0.1 for tests; process helpers live in
+client/local.py."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,56 +13,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from client.lib import PagedServeClient
+from client.local import ROOT, free_port, parse_metrics, start, stop, wait_healthy
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(address: str, proc: subprocess.Popen[bytes], timeout: float = 120.0,
-                 tls_ca: str | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
-               if tls_ca else grpc.insecure_channel(address))
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before {address} was healthy")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise TimeoutError(f"{address} not healthy after {timeout}s")
-
-
-def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+__all__ = ["ROOT", "Stack", "free_port", "parse_metrics", "rss_bytes", "run", "running_stack", "start", "stop",
+           "thread_count", "wait_healthy", "wait_until"]
 
 
 @dataclass
@@ -90,22 +44,6 @@ class Stack:
         stop(self.executor, signal.SIGKILL)
         self.executor = start("executor_service", self.executor_args, self.log_dir / "executor.log")
         wait_healthy(self.executor_address, self.executor)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Metric samples summed over labels other than finished_reason/mode/code, keyed by name{value}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        for key in ("finished_reason", "mode", "code"):
-            marker = f'{key}="'
-            if marker in name_labels:
-                name += "{" + name_labels.split(marker, 1)[1].split('"', 1)[0] + "}"
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def thread_count(proc: subprocess.Popen[bytes]) -> int:

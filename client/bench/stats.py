@@ -6,6 +6,7 @@ All times in a RequestTrace are seconds on one monotonic clock; reported latenci
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -140,3 +141,16 @@ def parse_goodput(items: Sequence[str]) -> SLO:
 def percentile_label(p: float) -> str:
     """99 -> 'p99', 99.9 -> 'p99.9' (vLLM's JSON key spelling)."""
     return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of values (q in [0, 1]); nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,122 @@
+"""pagedserve's services as local processes on 127.0.0.1: start, wait until healthy, read metrics, stop.
+
+One home for what the launcher (scripts/launch.py), the tests and the benchmarks all do with processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+METRIC_LABELS_KEPT = ("finished_reason", "mode", "code")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_healthy(address: str, *procs: subprocess.Popen[bytes], timeout: float = 120.0,
+                 tls_ca: str | None = None) -> None:
+    """Poll gRPC health checking at address until SERVING; fail early when any of procs exits."""
+    deadline = time.monotonic() + timeout
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
+               if tls_ca else grpc.insecure_channel(address))
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            exited = next((p for p in procs if p.poll() is not None), None)
+            if exited is not None:
+                raise RuntimeError(f"process exited with {exited.returncode} before {address} was healthy")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not healthy after {timeout}s")
+
+
+def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """`python -m module *args` from the repository root, stdout and stderr to log_path."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus samples summed over labels other than finished_reason/mode/code, keyed by name{value}.
+    Counters keep their exposed `_total` name."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            for key in METRIC_LABELS_KEPT:
+                if key in sample.labels:
+                    name += "{" + sample.labels[key] + "}"
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+@dataclass
+class Service:
+    address: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@contextlib.contextmanager
+def service(module: str, args: list[str], log_dir: Path | None = None, env: dict[str, str] | None = None,
+            name: str | None = None) -> Iterator[Service]:
+    """Start `python -m module --listen 127.0.0.1:PORT *args`, wait until healthy, stop it afterwards."""
+    address = f"127.0.0.1:{free_port()}"
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedserve-")))
+        log = log_dir / f"{name or module}.log"
+        saved = dict(os.environ)
+        try:
+            os.environ.update(env or {})
+            proc = start(module, ["--listen", address, *args], log)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        try:
+            wait_healthy(address, proc, timeout=300.0)
+            yield Service(address, proc, log)
+        except BaseException:
+            sys.stderr.write(f"--- last lines of {log} ---\n")
+            with contextlib.suppress(OSError):
+                sys.stderr.write("\n".join(log.read_text(errors="replace").splitlines()[-30:]) + "\n")
+            raise
+        finally:
+            stop(proc)
