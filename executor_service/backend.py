@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-BlockMap = list[tuple[int, int]]
+from protos.contract import BlockMap
 
 
 @dataclass(slots=True, frozen=True)

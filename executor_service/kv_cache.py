@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from executor_service.backend import BlockMap
+from protos.contract import BlockMap
 
 GIB = 1 << 30
 

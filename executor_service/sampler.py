@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from executor_service.backend import SampleOutput, SamplingConfig
+from executor_service.seeding import MASK64, splitmix64
 
 GREEDY_EPS = 1e-5
-MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -88,13 +88,8 @@ def any_logprobs(requests: Sequence[SampleRequest]) -> bool:
 
 
 def mix_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): a 63-bit generator seed that depends on nothing else."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & MASK64
-    for _ in range(2):
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-        z ^= z >> 31
-    return z & (MASK64 >> 1)
+    """A 63-bit generator seed that depends on (seed, position) only."""
+    return splitmix64(seed, position) & (MASK64 >> 1)
 
 
 def apply_penalties(logits: Tensor, requests: Sequence[SampleRequest]) -> Tensor:

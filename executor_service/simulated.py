@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import zlib
 
-from executor_service.backend import BackendInfo, BatchItem, BlockMap, SampleOutput
+from executor_service.backend import BackendInfo, BatchItem, SampleOutput
 from executor_service.config import ExecutorConfig
+from executor_service.seeding import splitmix64
+from protos.contract import BlockMap
 
 PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
-
-
-MASK64 = (1 << 64) - 1
-
-
-def _mix(key: int, position: int) -> int:
-    """splitmix64 of (key, position): the same on every run and in every process."""
-    h = (key * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & MASK64
-    h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & MASK64
-    return h ^ (h >> 29)
 
 
 class SimulatedBackend:
@@ -56,7 +48,7 @@ class SimulatedBackend:
         return key
 
     def token_at(self, item: BatchItem, position: int) -> int:
-        h = _mix(self._key(item), position)
+        h = splitmix64(self._key(item), position)
         if self.config.sim_eos_rate > 0 and (h >> 32) / 2**32 < self.config.sim_eos_rate:
             return self.config.sim_eos_token_id
         return PRINTABLE_LOW + h % (PRINTABLE_HIGH - PRINTABLE_LOW)

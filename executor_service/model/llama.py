@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.nn.functional import silu
 
+from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
 
-WriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
-PagedAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 KVCaches = Sequence[tuple[Tensor, Tensor]]
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from protos.contract import BlockMap
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
-
-BlockMap = list[tuple[int, int]]
 
 
 @dataclass(slots=True)
