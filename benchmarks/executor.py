@@ -160,7 +160,7 @@ def bench_transformers(model_dir: Path, batch_sizes: list[int], args: argparse.N
     torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     dtype = torch.float32 if device == "cpu" else torch.float16
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
 
     def timed(ids: Any, new_tokens: int) -> float:
         if device == "cuda":

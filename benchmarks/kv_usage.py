@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         }
     record["mean_occupancy"] = sum(trace.occupancy) / len(trace.occupancy)
     record["mean_running_paged"] = mean_running
-    prompts, outputs = info.pop("prompt_lens"), info.pop("output_lens")  # type: ignore[misc]
+    prompts, outputs = info.pop("prompt_lens"), info.pop("output_lens")
     for label, reserve in (("static_max", [n + args.max_tokens for n in prompts]),
                            ("static_oracle", [n + m for n, m in zip(prompts, outputs, strict=True)])):
         record[f"{label}_system"] = simulate_static(prompts, outputs, reserve, slots, args.max_num_seqs,

@@ -140,7 +140,7 @@ def run_transformers(model_dir: Path, requests: list[tuple[list[int], int]], arg
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()  # type: ignore[arg-type]
     pad = 0
     batches = [requests[i:i + args.hf_batch_size] for i in range(0, len(requests), args.hf_batch_size)]
 

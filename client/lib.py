@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -49,7 +49,7 @@ class PagedServeClient:
 
     async def generate(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None, *,
                        timeout: float | None = None, **kwargs: Any
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       ) -> AsyncGenerator[generation_pb2.GenerateResponse]:
         request = build_request(prompt, prompt_token_ids, **kwargs)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:

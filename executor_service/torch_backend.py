@@ -16,7 +16,6 @@ from executor_service.attention import get_attention_ops
 from executor_service.backend import (
     BackendInfo,
     BatchItem,
-    BlockMap,
     SampleOutput,
     SamplingConfig,
 )
@@ -31,6 +30,7 @@ from executor_service.model import (
     load_model,
 )
 from executor_service.sampler import Sampler, SampleRequest
+from protos.contract import BlockMap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROFILE_SAMPLE_ROWS = 256

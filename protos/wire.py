@@ -70,9 +70,9 @@ def channel_credentials(ca: str | None, cert: str | None = None, key: str | None
 
 
 def add_port(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None) -> int:
-    if credentials is None:
-        return server.add_insecure_port(listen)
-    return server.add_secure_port(listen, credentials)
+    port: int = (server.add_insecure_port(listen) if credentials is None
+                  else server.add_secure_port(listen, credentials))
+    return port
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None,

@@ -119,7 +119,8 @@ def dense_attention(batch: Batch) -> Tensor:
 def run_attention(fn: PagedAttentionFn, batch: Batch) -> Tensor:
     """Run on DEVICE; the output comes back to the CPU."""
     tensors = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    return fn(*(t.to(DEVICE) for t in tensors), batch.scale).cpu()
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc = (t.to(DEVICE) for t in tensors)
+    return fn(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, batch.scale).cpu()
 
 
 CASES = [

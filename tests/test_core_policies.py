@@ -3,6 +3,8 @@ admission rules, delay factor, lookahead, multi-step and chunked prefill."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from scheduler_service.core.block_manager import AllocStatus, BlockManager
@@ -80,14 +82,14 @@ def expected_tokens(rid: str, prompt_len: int, n: int) -> list[int]:
 # ---- queue order ------------------------------------------------------------------------------
 
 
-def admission_order(policy: Policy, specs: list[tuple[str, float, dict[str, object]]],
-                    now: float | None = None, **config: object) -> list[str]:
+def admission_order(policy: Policy, specs: list[tuple[str, float, dict[str, Any]]],
+                    now: float | None = None, **config: Any) -> list[str]:
     """Admit one request per step (max_num_seqs=1, max_tokens=1) and return the order they ran in."""
     h = Harness(max_num_seqs=1, policy=policy, **config)
     for rid, arrival, sampling in specs:
         hint = sampling.pop("hint", None)
         request = make_request(rid, 8, arrival=arrival, **{"max_tokens": 1, **sampling})
-        request.output_len_hint = hint  # type: ignore[assignment]
+        request.output_len_hint = hint
         h.s.add_request(request)
     h.clock.now = now if now is not None else max(a for _, a, _ in specs)
     order: list[str] = []
@@ -239,7 +241,7 @@ def test_thrash_guard_a_resumed_request_is_not_a_victim_before_a_new_token() -> 
     for rid, n in [("a", 4), ("b", 6), ("c", 4)]:
         h.add(rid, n, max_tokens=8)
     c = h.s.requests["c"]
-    first = []
+    first: list[str] = []
     while not first:
         before = h.running_ids()
         h.step()

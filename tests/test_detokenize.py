@@ -36,7 +36,7 @@ def test_streamed_text_equals_one_shot_decode(hf: HFTokenizer, text: str) -> Non
     ids = hf.encode(text)
     prompt = hf.encode("Prompt: ")
     rng = random.Random(len(text))
-    chunks = []
+    chunks: list[int] = []
     while sum(chunks) < len(ids):
         chunks.append(rng.randint(1, 3))
     deltas = stream(hf, prompt, ids, chunks)

@@ -41,7 +41,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(execu
         real_update = sched.update
         calls = {"n": 0}
 
-        def update_failing_once(out, result):  # type: ignore[no-untyped-def]
+        def update_failing_once(out, result):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected")
@@ -71,7 +71,7 @@ async def test_a_request_rejected_in_a_step_whose_executor_is_lost_still_gets_it
         real_execute = engine.connection.execute
         calls = {"n": 0}
 
-        async def lose_first(out):  # type: ignore[no-untyped-def]
+        async def lose_first(out):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise ExecutorLost("injected")
@@ -122,7 +122,7 @@ async def test_a_dying_engine_loop_fails_its_requests_and_health(executor: str) 
     health: list[bool] = []
     engine.on_ready_change = health.append
     try:
-        async def lose(out):  # type: ignore[no-untyped-def]
+        async def lose(out):
             raise ExecutorLost("injected")
 
         async def broken_recover(reason: str) -> None:
@@ -172,7 +172,7 @@ async def test_every_kind_of_stream_failure_is_a_lost_executor(executor: str) ->
             def cancel(self) -> bool:
                 return True
 
-        intruder._call = FinishedCall()  # type: ignore[assignment]
+        intruder._call = FinishedCall()
         with pytest.raises(ExecutorLost, match="RPC already finished"):
             await intruder.execute(out)
         assert intruder._call is None, "a failed stream is dropped, so the next step opens a new one"

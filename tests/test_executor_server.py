@@ -54,7 +54,7 @@ async def test_a_backend_exception_fails_the_step_and_the_stream_carries_on() ->
     s = servicer()
     real_execute = s.backend.execute
 
-    def explode(items):  # type: ignore[no-untyped-def]
+    def explode(items):
         raise RuntimeError("device on fire")
 
     s.backend.execute = explode  # type: ignore[method-assign]

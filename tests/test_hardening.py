@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -192,7 +193,7 @@ def test_new_calls_without_an_executor_end_unavailable_after_the_wait(tmp_path: 
         stop(proc)
 
 
-def executor_stub_generation(channel: grpc.aio.Channel):  # type: ignore[no-untyped-def]
+def executor_stub_generation(channel: grpc.aio.Channel):
     return channel.unary_stream(GENERATE, request_serializer=generation_pb2.GenerateRequest.SerializeToString,
                                 response_deserializer=generation_pb2.GenerateResponse.FromString)
 
@@ -243,9 +244,10 @@ def test_one_scheduler_at_a_time_and_a_hung_one_is_replaced_within_seconds(tmp_p
 async def _two_schedulers(stack: Stack, second_address: str, second: object) -> None:
     async with PagedServeClient(stack.address) as first, PagedServeClient(second_address) as other:
         await run(first, prompt_token_ids=[65] * 4, max_tokens=4)  # the first scheduler holds the stream
-        served, refused = await asyncio.gather(
+        results: tuple[Any, ...] = await asyncio.gather(
             run(first, prompt_token_ids=[65] * 4, max_tokens=200, ignore_eos=True),
             _expect_error(other, timeout=2), return_exceptions=True)
+        served, refused = results
         assert not isinstance(served, BaseException)
         assert len(served[0]) == 200 and served[3] == "", "the second scheduler must not disturb the first"
         assert refused == grpc.StatusCode.DEADLINE_EXCEEDED, "the second scheduler cannot serve meanwhile"

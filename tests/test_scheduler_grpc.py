@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -106,7 +107,8 @@ async def test_a_prompt_that_can_never_fit_fails_alone_and_the_rest_complete(sta
 
     small = [(2000 + i, 20, 30) for i in range(4)]
     async with PagedServeClient(stack.address) as client:
-        failed, *rest = await asyncio.gather(huge(client), *(generate(client, s) for s in small))
+        results: list[Any] = await asyncio.gather(huge(client), *(generate(client, s) for s in small))
+    failed, *rest = results
     assert failed.finish_reason == generation_pb2.FINISH_REASON_ERROR
     assert "25 KV blocks of 16 tokens" in failed.error and "at most 24 blocks" in failed.error
     assert all(reason == LENGTH and len(ids) == 30 for ids, _, reason in rest)

@@ -3,6 +3,8 @@ and the request-level checks that run before any tokenization."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from protos.pagedserve.v1 import common_pb2, generation_pb2
@@ -19,7 +21,7 @@ from scheduler_service.validation import (
 LIMITS = Limits(vocab_size=1000, max_model_len=100, max_logprobs=5, max_prompt_bytes=400)
 
 
-def options(**sampling: object) -> None:
+def options(**sampling: Any) -> None:
     req = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(**sampling))
     sampling_options(req, LIMITS, 2)
 
