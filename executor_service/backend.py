@@ -78,3 +78,8 @@ class Backend(Protocol):
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass; one entry per item, None where item.sample is False."""
         ...
+
+    async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """execute() as the server's event loop calls it: on a worker thread where a pass blocks (torch),
+        inline where it does not (simulated, which then waits out its simulated latency)."""
+        ...

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,14 +13,14 @@ from grpc_reflection.v1alpha import reflection
 
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BatchItem, SampleOutput
-from executor_service.simulated import SimulatedBackend
-from executor_service.state import RequestTable, StepRefused
+from executor_service.state import RequestState, RequestTable
+from executor_service.validator import MAX_NUM_STEPS, RequestRefused, StepRefused, StepValidator, check_span
+from protos.contract import BlockMap
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import EXECUTOR_LINK_OPTIONS, add_port
 
 log = logging.getLogger("pagedserve.executor")
 EXECUTOR_VERSION = "pagedserve-executor/0.1"
-MAX_NUM_STEPS = 64
 HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end before it is refused
 
 
@@ -31,9 +30,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
-        self._inline = isinstance(backend, SimulatedBackend)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self._generation = 0
+        self.validator = StepValidator(self.table)
+        self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
@@ -60,7 +58,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         peer = context.peer()
         if self._owner is not None and not await self._wait_for_release():
             log.warning("refused an Execute stream from %s: stream %d from %s is still open", peer,
-                        self._generation, self._owner)
+                        self._stream_epoch, self._owner)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this executor already serves a scheduler (stream from {self._owner}); one "
                                 "scheduler at a time. It is released when that stream ends or stops answering "
@@ -69,9 +67,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._released.clear()
         try:
             async with self._step_lock:
-                self._generation += 1
+                self._stream_epoch += 1
                 self.table.reset()
-            log.info("scheduler %s connected (stream %d); request state cleared", peer, self._generation)
+            log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
             async for step in request_iterator:
                 async with self._step_lock:
                     result = await self.run_step(step)
@@ -79,7 +77,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         finally:
             self._owner = None
             self._released.set()
-            log.info("scheduler %s disconnected (stream %d)", peer, self._generation)
+            log.info("scheduler %s disconnected (stream %d)", peer, self._stream_epoch)
 
     async def _wait_for_release(self) -> bool:
         try:
@@ -94,27 +92,26 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for rid in step.finished_ids:
             self.table.drop(rid)
         try:
-            if step.num_steps > MAX_NUM_STEPS:
-                raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {MAX_NUM_STEPS} "
-                                  "(Describe.capabilities)")
-            running = running_columns(step.running)
-            check_unique_ids(step, running)
-            self.table.apply_swaps(step)
+            plan, running = self.validator.check(step)
         except StepRefused as e:
             result.error = str(e)
             return result
+        self.table.commit(plan)
+        for rid, message in plan.refused.items():
+            result.errors.append(executor_pb2.RequestError(request_id=rid, message=message))
         try:
-            self.backend.swap_out([(m.src, m.dst) for m in step.swap_out])
-            self.backend.swap_in([(m.src, m.dst) for m in step.swap_in])
-            self.backend.copy([(m.src, m.dst) for m in step.copy])
+            self.backend.swap_out(block_maps(step.swap_out))
+            self.backend.swap_in(block_maps(step.swap_in))
+            self.backend.copy(block_maps(step.copy))
             t_swap = time.perf_counter_ns()
-            items = self._collect(step, running, result)
+            states = self.table.states
+            items = [self.table.item(states[a.request_id], a.num_tokens) for a in plan.admitted]
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
-        except Exception as e:  # a backend failure (bad input it caught, CUDA OOM, ...) fails this step only
-            log.error("step %d failed: %s", step.step_id, e)
-            for item_id in {*(n.request_id for n in step.new_requests), *step.running.request_ids}:
-                self.table.drop(item_id)
+        except Exception as e:  # a backend failure (CUDA OOM, a bug, ...) fails this step only
+            log.exception("step %d failed", step.step_id)
+            for request_id in {*(n.request_id for n in step.new_requests), *(r.request_id for r in running)}:
+                self.table.drop(request_id)
             return executor_pb2.StepResult(step_id=step.step_id, error=str(e))
         t_fwd = time.perf_counter_ns()
         _fill_sampled(result, outputs)
@@ -124,35 +121,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.total_ns = time.perf_counter_ns() - t0
         return result
 
-    def _collect(self, step: executor_pb2.StepRequest, running: list[tuple[str, list[int], int, bool]],
-                 result: executor_pb2.StepResult) -> list[BatchItem]:
-        items: list[BatchItem] = []
-        for new in step.new_requests:
-            error = self.table.add_new(new)
-            self._add_item(new.request_id, new.num_scheduled_tokens, error, items, result)
-        for rid, new_blocks, n, resumed in running:
-            self._add_item(rid, n, self.table.update_running(rid, new_blocks, n, resumed), items, result)
-        return items
-
-    def _add_item(self, rid: str, num_tokens: int, error: str, items: list[BatchItem],
-                  result: executor_pb2.StepResult) -> None:
-        if not error:
-            item = self.table.item(self.table.states[rid], num_tokens)
-            if isinstance(item, BatchItem):
-                items.append(item)
-                return
-            error = item
-        self.table.drop(rid)
-        result.errors.append(executor_pb2.RequestError(request_id=rid, message=error))
-
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
         outputs: dict[str, list[SampleOutput]] = {}
-        states = self.table.states
-        max_model_len = self.backend.info.max_model_len
+        table = self.table
+        states = table.states
         for remaining in range(num_steps - 1, -1, -1):
             if not items:
                 break
-            samples = await self._forward(items)
+            samples = await self.backend.execute_async(items)
             next_items: list[BatchItem] = []
             for item, sample in zip(items, samples, strict=True):
                 state = states[item.request_id]
@@ -161,43 +137,26 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     continue
                 state.token_ids.append(sample.token_id)
                 outputs.setdefault(item.request_id, []).append(sample)
-                if remaining and len(state.token_ids) < max_model_len:
-                    follow = self.table.item(state, 1)
-                    if isinstance(follow, BatchItem):
-                        next_items.append(follow)
+                if remaining and self._fits_one_more(state):
+                    next_items.append(table.item(state, 1))
             items = next_items
         return outputs
 
-    async def _forward(self, items: list[BatchItem]) -> list[SampleOutput | None]:
-        if self._inline:
-            samples = self.backend.execute(items)
-            delay = self.backend.delay_s(sum(i.num_tokens for i in items))  # type: ignore[attr-defined]
-            if delay > 0:
-                await asyncio.sleep(delay)
-            return samples
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.backend.execute, items)
+    def _fits_one_more(self, state: RequestState) -> bool:
+        """Whether a multi-step pass may go on with one more token of this request: its block table holds
+        the next position, and the token it samples stays within max_model_len."""
+        t = self.table
+        if t.max_model_len and len(state.token_ids) >= t.max_model_len:
+            return False
+        try:
+            check_span(state.num_computed, 1, len(state.block_table or ()), t.block_size, t.max_model_len)
+        except RequestRefused:
+            return False
+        return True
 
 
-def check_unique_ids(step: executor_pb2.StepRequest, running: list[tuple[str, list[int], int, bool]]) -> None:
-    ids = [n.request_id for n in step.new_requests] + [r[0] for r in running]
-    if len(set(ids)) != len(ids):
-        raise StepRefused("a request id appears more than once among new_requests and running")
-
-
-def running_columns(run: executor_pb2.RunningRequests) -> list[tuple[str, list[int], int, bool]]:
-    """(request id, its new blocks, tokens to compute, resumed) for each running request of a step."""
-    ids, nums, counts = list(run.request_ids), list(run.num_scheduled_tokens), list(run.num_new_blocks)
-    blocks, resumed = list(run.new_block_ids), list(run.resumed) or [False] * len(ids)
-    if not len(ids) == len(nums) == len(counts) == len(resumed) or sum(counts) != len(blocks):
-        raise StepRefused("running: request_ids, num_scheduled_tokens, num_new_blocks and resumed must be "
-                          "columns of one length, and num_new_blocks must add up to len(new_block_ids)")
-    if not any(counts):
-        return [(rid, [], n, r) for rid, n, r in zip(ids, nums, resumed, strict=True)]
-    out, offset = [], 0
-    for rid, n, count, r in zip(ids, nums, counts, resumed, strict=True):
-        out.append((rid, blocks[offset:offset + count], n, r))
-        offset += count
-    return out
+def block_maps(mappings: Iterable[executor_pb2.BlockMapping]) -> BlockMap:
+    return [(m.src, m.dst) for m in mappings]
 
 
 def _token_logprobs(s: SampleOutput) -> common_pb2.TokenLogprobs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 from executor_service.backend import BackendInfo, BatchItem, SampleOutput
@@ -55,6 +56,13 @@ class SimulatedBackend:
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         return [self.sample(i) if i.sample else None for i in items]
+
+    async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        samples = self.execute(items)
+        delay = self.delay_s(sum(i.num_tokens for i in items))
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return samples
 
     def sample(self, item: BatchItem) -> SampleOutput:
         """The simulated model puts all probability on one token: with logprobs asked, that token has

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -30,6 +32,7 @@ from executor_service.model import (
     load_model,
 )
 from executor_service.sampler import Sampler, SampleRequest
+from executor_service.validator import RequestRefused, check_span
 from protos.contract import BlockMap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -53,6 +56,7 @@ class TorchBackend:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> TorchBackend:
@@ -85,6 +89,9 @@ class TorchBackend:
 
     def copy(self, mapping: BlockMap) -> None:
         self.kv_cache.copy(mapping)
+
+    async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        return await asyncio.get_running_loop().run_in_executor(self._forward_thread, self.execute, items)
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
@@ -274,21 +281,17 @@ def lookup_token_id(tokenizer: dict[str, Any], text: str) -> int | None:
 
 def validate_item(item: BatchItem, info: BackendInfo) -> None:
     end = item.start + item.num_tokens
-    if item.num_tokens <= 0 or item.start < 0 or end > len(item.token_ids):
+    if item.start < 0 or end > len(item.token_ids):
         raise ValueError(
             f"request {item.request_id}: cannot compute positions [{item.start}, {end}) of"
             f" {len(item.token_ids)} known tokens"
         )
-    if end > info.max_model_len:
-        raise ValueError(f"request {item.request_id}: {end} tokens exceed max_model_len {info.max_model_len}")
     if item.sample and end != len(item.token_ids):
         raise ValueError(f"request {item.request_id}: sample=True needs the pass to end at the last token")
-    needed = -(-end // info.block_size)
-    if len(item.block_table) < needed:
-        raise ValueError(
-            f"request {item.request_id}: {end} tokens need {needed} blocks,"
-            f" block_table has {len(item.block_table)}"
-        )
+    try:
+        check_span(item.start, item.num_tokens, len(item.block_table), info.block_size, info.max_model_len)
+    except RequestRefused as e:
+        raise ValueError(f"request {item.request_id}: {e}") from None
 
 
 def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:

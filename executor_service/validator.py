@@ -1,0 +1,218 @@
+"""The executor's one validator: a StepRequest checked against the request table before anything changes.
+
+A malformed step raises StepRefused (nothing in it runs). A request that breaks a rule is refused alone
+(RequestRefused, collected in the plan); the rest of the step runs. check_span is the rule for one request's
+span of positions, shared with the torch backend's guard on its own input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from executor_service.state import AdmittedRequest, RequestState, RequestTable, StepPlan, sampling_config
+from protos.contract import split_columns
+from protos.pagedserve.v1 import executor_pb2
+
+MAX_NUM_STEPS = 64
+
+
+class StepRefused(Exception):
+    """The step as a whole is malformed; nothing in it runs."""
+
+
+class RequestRefused(ValueError):
+    """One request's part of a step breaks a rule; that request is dropped, the others run."""
+
+
+@dataclass(slots=True, frozen=True)
+class RunningColumns:
+    """One running request of a step, read out of the RunningRequests columns."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_tokens: int
+    resumed: bool
+
+
+def check_span(start: int, num_tokens: int, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Positions [start, start + num_tokens) fit max_model_len and a block table of num_blocks blocks."""
+    end = start + num_tokens
+    if num_tokens < 1:
+        raise RequestRefused("num_scheduled_tokens must be at least 1")
+    if max_model_len and end > max_model_len:
+        raise RequestRefused(f"the step reaches {end} tokens, beyond max_model_len {max_model_len}")
+    needed = -(-end // block_size)
+    if num_blocks < needed:
+        raise RequestRefused(f"{end} tokens need {needed} blocks, the block table has {num_blocks}")
+
+
+def running_columns(run: executor_pb2.RunningRequests) -> list[RunningColumns]:
+    ids, nums, counts = list(run.request_ids), list(run.num_scheduled_tokens), list(run.num_new_blocks)
+    resumed = list(run.resumed) or [False] * len(ids)
+    if not len(ids) == len(nums) == len(counts) == len(resumed) or sum(counts) != len(run.new_block_ids):
+        raise StepRefused("running: request_ids, num_scheduled_tokens, num_new_blocks and resumed must be "
+                          "columns of one length, and num_new_blocks must add up to len(new_block_ids)")
+    blocks = split_columns(run.new_block_ids, counts) if any(counts) else [[] for _ in ids]
+    return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, strict=True)]
+
+
+class _Ownership:
+    """Device block ownership as the step would leave it, over the table's, without changing the table."""
+
+    def __init__(self, owners: dict[int, str]) -> None:
+        self.owners = owners
+        self.freed: set[int] = set()
+        self.taken: dict[int, str] = {}
+
+    def owner(self, block: int) -> str | None:
+        if block in self.taken:
+            return self.taken[block]
+        return None if block in self.freed else self.owners.get(block)
+
+    def free(self, request_id: str, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if self.owner(block) == request_id:
+                self.freed.add(block)
+                self.taken.pop(block, None)
+
+    def take(self, request_id: str, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self.taken[block] = request_id
+
+
+class StepValidator:
+    def __init__(self, table: RequestTable) -> None:
+        self.table = table
+
+    def check(self, step: executor_pb2.StepRequest) -> tuple[StepPlan, list[RunningColumns]]:
+        """The plan of a step (StepRefused if it is malformed) and its running requests, in step order."""
+        if step.num_steps > MAX_NUM_STEPS:
+            raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {MAX_NUM_STEPS} "
+                              "(Describe.capabilities)")
+        running = running_columns(step.running)
+        ids = [n.request_id for n in step.new_requests] + [r.request_id for r in running]
+        if len(set(ids)) != len(ids):
+            raise StepRefused("a request id appears more than once among new_requests and running")
+        plan = StepPlan()
+        ownership = _Ownership(self.table.device_owner)
+        self._check_swaps(step, plan, ownership)
+        checks: list[tuple[str, Callable[[], AdmittedRequest]]] = [
+            *((n.request_id, partial(self._new, n, ownership)) for n in step.new_requests),
+            *((r.request_id, partial(self._running, r, plan, ownership)) for r in running)]
+        for request_id, check in checks:
+            try:
+                admitted = check()
+            except RequestRefused as e:
+                self._refuse(plan, ownership, request_id, e)
+                continue
+            ownership.take(request_id, admitted.new_block_ids)
+            plan.admitted.append(admitted)
+        return plan, running
+
+    def _refuse(self, plan: StepPlan, ownership: _Ownership, request_id: str, error: RequestRefused) -> None:
+        plan.refused[request_id] = str(error)
+        plan.dropped_ids.append(request_id)
+        state = self.table.states.get(request_id)
+        if state is not None:
+            ownership.free(request_id, state.block_table or ())
+
+    def _new(self, new: executor_pb2.NewRequest, ownership: _Ownership) -> AdmittedRequest:
+        old = self.table.states.get(new.request_id)
+        if old is not None:  # sent again as new: its old state goes first
+            ownership.free(new.request_id, old.block_table or ())
+        if new.num_computed_tokens + new.num_scheduled_tokens > len(new.token_ids):
+            raise RequestRefused("num_computed_tokens + num_scheduled_tokens exceeds the tokens sent")
+        vocab = self.table.vocab_size
+        bad = next((t for t in new.token_ids if t >= vocab), None) if vocab else None
+        if bad is not None:
+            raise RequestRefused(f"token id {bad} outside the vocabulary [0, {vocab})")
+        blocks = list(new.block_ids)
+        self._check_claim(new.request_id, blocks, ownership)
+        self._check_span(new.num_computed_tokens, new.num_scheduled_tokens, len(blocks))
+        state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                             [], sampling_config(new.sampling))
+        return AdmittedRequest(new.request_id, new.num_scheduled_tokens, blocks, new=state)
+
+    def _running(self, r: RunningColumns, plan: StepPlan, ownership: _Ownership) -> AdmittedRequest:
+        state = self.table.states.get(r.request_id)
+        if state is None:
+            raise RequestRefused(f"unknown request {r.request_id!r}: send it as a new request")
+        held = state.block_table or []
+        if r.resumed:
+            ownership.free(r.request_id, held)
+            held = []
+        elif state.block_table is None or r.request_id in plan.swapped_out_ids:
+            raise RequestRefused("request is swapped out: resume it with its whole block table")
+        self._check_claim(r.request_id, r.new_block_ids, ownership)
+        if state.num_computed + r.num_tokens > len(state.token_ids):
+            raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
+        self._check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids))
+        return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed)
+
+    def _check_span(self, start: int, num_tokens: int, num_blocks: int) -> None:
+        check_span(start, num_tokens, num_blocks, self.table.block_size, self.table.max_model_len)
+
+    def _check_claim(self, request_id: str, blocks: Sequence[int], ownership: _Ownership) -> None:
+        num_device_blocks = self.table.num_device_blocks
+        for block in blocks:
+            if not 0 <= block < num_device_blocks:
+                raise RequestRefused(f"block id {block} out of range [0, {num_device_blocks})")
+            owner = ownership.owner(block)
+            if owner == request_id:
+                raise RequestRefused(f"block {block} is already in this request's table")
+            if owner is not None:
+                raise RequestRefused(f"block {block} is held by live request {owner!r}")
+        if len(set(blocks)) != len(blocks):
+            raise RequestRefused("block ids repeat within one request")
+
+    def _check_swaps(self, step: executor_pb2.StepRequest, plan: StepPlan, ownership: _Ownership) -> None:
+        """swap_out, swap_in and copy against block ownership: a mapping that would overwrite a live
+        request's KV, or read a block nobody holds, refuses the whole step."""
+        states, device_owner, swap_owner = self.table.states, self.table.device_owner, self.table.swap_owner
+        swapped_out = set(step.swapped_out_ids)
+        unknown = swapped_out - states.keys()
+        if unknown:
+            raise StepRefused(f"swapped_out_ids names unknown request {sorted(unknown)[0]!r}")
+        released = {b for rid in swapped_out for b in states[rid].block_table or () if device_owner.get(b) == rid}
+        claimed = self._check_swap_out(step, swapped_out)
+        destinations = [m.dst for m in step.swap_in] + [m.dst for m in step.copy]
+        if len(set(destinations)) != len(destinations):
+            raise StepRefused("a device block is the destination of more than one swap_in or copy")
+        freed: set[int] = set()
+        for m in step.swap_in:
+            if m.src not in swap_owner or m.src in freed:
+                raise StepRefused(f"swap_in source block {m.src} holds no swapped request")
+            self._check_destination(m.dst, released, "swap_in destination")
+            freed.add(m.src)
+        for m in step.copy:
+            if m.src not in device_owner or m.src in released:
+                raise StepRefused(f"copy source block {m.src} is not held by any running request")
+            self._check_destination(m.dst, released, "copy destination")
+        plan.swapped_out_ids, plan.swap_claims, plan.swap_frees = swapped_out, claimed, freed
+        for rid in swapped_out:
+            ownership.free(rid, states[rid].block_table or ())
+
+    def _check_swap_out(self, step: executor_pb2.StepRequest, swapped_out: set[str]) -> dict[int, str]:
+        claimed: dict[int, str] = {}
+        num_swap_blocks, swap_owner = self.table.num_swap_blocks, self.table.swap_owner
+        for m in step.swap_out:
+            owner = self.table.device_owner.get(m.src)
+            if owner is None or owner not in swapped_out:
+                raise StepRefused(f"swap_out source block {m.src} is not held by a request being swapped out")
+            if not 0 <= m.dst < num_swap_blocks:
+                raise StepRefused(f"swap block id {m.dst} out of range [0, {num_swap_blocks})")
+            holder = swap_owner.get(m.dst) or claimed.get(m.dst)
+            if holder is not None:
+                raise StepRefused(f"swap block {m.dst} is already held by {holder!r}")
+            claimed[m.dst] = owner
+        return claimed
+
+    def _check_destination(self, block: int, released: set[int], what: str) -> None:
+        num_device_blocks = self.table.num_device_blocks
+        if not 0 <= block < num_device_blocks:
+            raise StepRefused(f"{what} block id {block} out of range [0, {num_device_blocks})")
+        owner = self.table.device_owner.get(block)
+        if owner is not None and block not in released:  # writing it would corrupt a live request's KV
+            raise StepRefused(f"{what} block {block} is held by live request {owner!r}")
