@@ -58,7 +58,7 @@ class KVCache:
         """Copy device blocks to swap blocks: mapping = [(device_block, swap_block)]."""
         if not mapping:
             return
-        src, dst = self.split(mapping)
+        src, dst = self.split(mapping, self.num_device_blocks, self.num_swap_blocks, "swap_out")
         if self.swap_stream is None:
             self.swap_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
             return
@@ -77,7 +77,7 @@ class KVCache:
         """Copy swap blocks to device blocks: mapping = [(swap_block, device_block)]."""
         if not mapping:
             return
-        src, dst = self.split(mapping)
+        src, dst = self.split(mapping, self.num_swap_blocks, self.num_device_blocks, "swap_in")
         if self.swap_stream is None:
             self.device_kv.index_copy_(2, dst, self.swap_kv.index_select(2, src))
             return
@@ -94,13 +94,21 @@ class KVCache:
         """Copy device blocks to device blocks (copy-on-write): mapping = [(src_block, dst_block)]."""
         if not mapping:
             return
-        src, dst = self.split(mapping)
+        src, dst = self.split(mapping, self.num_device_blocks, self.num_device_blocks, "copy")
         src, dst = src.to(self.device), dst.to(self.device)
         self.device_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
 
     @staticmethod
-    def split(mapping: BlockMap) -> tuple[Tensor, Tensor]:
-        """Source and destination ids of a mapping the executor's validator checked (ranges, ownership,
-        one write per destination)."""
-        src, dst = torch.tensor(mapping, dtype=torch.long).t().contiguous()
+    def split(mapping: BlockMap, num_src: int, num_dst: int, what: str) -> tuple[Tensor, Tensor]:
+        src = torch.tensor([s for s, _ in mapping], dtype=torch.long)
+        dst = torch.tensor([d for _, d in mapping], dtype=torch.long)
+        check_range(src, num_src, f"{what} source")
+        check_range(dst, num_dst, f"{what} destination")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError(f"{what}: duplicate destination blocks in {mapping}")
         return src, dst
+
+
+def check_range(ids: Tensor, limit: int, what: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        raise ValueError(f"{what} block ids must be in [0, {limit}), got {ids.tolist()}")

@@ -6,9 +6,10 @@ import asyncio
 
 import grpc
 
+from protos.contract import split_columns
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import EXECUTOR_LINK_OPTIONS, EXECUTOR_SECRET_METADATA_KEY, open_channel
-from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput
+from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput, TokenLogprob
 from scheduler_service.core.request import SamplingOptions
 
 LOST_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE,
@@ -82,19 +83,15 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
     if len(tokens) == len(counts):
         result.sampled = {rid: [t] for rid, t in zip(s.request_ids, tokens, strict=True)}
     else:
-        result.sampled = dict(zip(s.request_ids, _split(tokens, counts), strict=True))
+        result.sampled = dict(zip(s.request_ids, split_columns(tokens, counts), strict=True))
     for lp in msg.logprobs:
-        result.logprobs[lp.request_id] = list(lp.tokens)
+        result.logprobs[lp.request_id] = [token_logprob(t) for t in lp.tokens]
     result.errors = {e.request_id: e.message for e in msg.errors}
     return result
 
 
-def _split(values: list[int], counts: list[int]) -> list[list[int]]:
-    out, i = [], 0
-    for n in counts:
-        out.append(values[i:i + n])
-        i += n
-    return out
+def token_logprob(msg: common_pb2.TokenLogprobs) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 class ExecutorConnection:

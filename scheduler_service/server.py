@@ -18,12 +18,12 @@ from grpc_reflection.v1alpha import reflection
 from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES, add_port, public_server_options
 from scheduler_service.auth import ApiKeyInterceptor
-from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.engine import Engine, QueueFull, RequestStream
 from scheduler_service.metrics import RefusalCounter
 from scheduler_service.stop_strings import StopMatcher
-from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer, encode_off_loop
+from scheduler_service.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.validation import (
     InvalidArgument,
     Limits,
@@ -47,7 +47,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 @dataclass(slots=True)
 class SequenceOutput:
     index: int
-    detokenizer: Detokenizer
+    detokenizer: TokenStream
     stops: StopMatcher
     min_tokens: int = 0
     num_tokens: int = 0
@@ -227,7 +227,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
         min_tokens = request.sampling.min_tokens
-        seqs = {sub_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops), min_tokens)
+        seqs = {sub_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops), min_tokens)
                 for i, sub_id in enumerate(streams)}
         remaining = len(seqs)
         while remaining:
@@ -258,8 +258,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             text += seq.stops.feed_unchecked(seq.detokenizer.flush()) + seq.stops.flush()
         response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
         if logprobs:
-            response.logprobs.extend(lp if isinstance(lp, common_pb2.TokenLogprobs) else
-                                     common_pb2.TokenLogprobs(token_id=lp) for lp in logprobs)
+            response.logprobs.extend(token_logprobs_proto(lp) for lp in logprobs)
         if reason is not None:
             seq.done = True
             response.finish_reason = FINISH_REASONS[reason]
@@ -269,6 +268,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not (response.token_ids or response.text or seq.done):
             return None
         return response
+
+
+def token_logprobs_proto(lp: TokenLogprob) -> common_pb2.TokenLogprobs:
+    top = [common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=top)
 
 
 def drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:

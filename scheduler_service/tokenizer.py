@@ -1,14 +1,24 @@
-"""Tokenizers the scheduler uses, and incremental detokenization."""
+"""Tokenizers the scheduler uses, and incremental detokenization (TokenStream)."""
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 from concurrent.futures import Executor
 from typing import Protocol
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 INLINE_ENCODE_CHARS = 4096
+
+
+class TokenStream(Protocol):
+    """Incremental detokenization of one sequence: text deltas that are whole characters."""
+
+    def step(self, new_ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class TextTokenizer(Protocol):
@@ -17,6 +27,8 @@ class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def stream(self, prompt_ids: list[int]) -> TokenStream: ...
 
 
 async def encode_off_loop(tokenizer: TextTokenizer, text: str, pool: Executor) -> list[int]:
@@ -48,6 +60,9 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def stream(self, prompt_ids: list[int]) -> TokenStream:
+        return ByteStream()
+
 
 class HFTokenizer:
     def __init__(self, tokenizer_json: str, bos_token_id: int | None = None) -> None:
@@ -64,34 +79,54 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def stream(self, prompt_ids: list[int]) -> TokenStream:
+        return HFStream(self._tok, prompt_ids)
 
-class Detokenizer:
-    """Turns a growing list of ids into text deltas that are whole characters.
 
-    The text of the last few tokens is decoded again with each new token, so byte-level tokens that
-    split a character are held back until the character is complete.
-    """
+class ByteStream:
+    """ByteTokenizer's stream: the standard library's incremental UTF-8 decoder holds a split character back."""
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int], context: int = 6) -> None:
-        self._tok = tokenizer
-        self._ids = list(prompt_ids[-context:])
-        self._read = len(self._ids)
-        self._prefix_offset = 0
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def step(self, new_ids: list[int]) -> str:
-        self._ids.extend(new_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read])
-        full_text = self._tok.decode(self._ids[self._prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text):]
-            self._prefix_offset = self._read
-            self._read = len(self._ids)
-            return delta
-        return ""
+        out: list[str] = []
+        for i in new_ids:
+            if i < 256:
+                out.append(self._utf8.decode(bytes((i,))))
+                continue
+            out.append(self.flush())
+            out.append(f"<{i}>")
+        return "".join(out)
 
     def flush(self) -> str:
-        """At the end of the sequence: whatever was held back waiting for more bytes, as it decodes."""
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read])
-        full_text = self._tok.decode(self._ids[self._prefix_offset:])
-        self._prefix_offset = self._read = len(self._ids)
-        return full_text[len(prefix_text):]
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+
+class HFStream:
+    """A Hugging Face tokenizer's stream: tokenizers' DecodeStream (as vLLM V1 uses it) holds back tokens
+    until they decode to whole characters."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 6) -> None:
+        self._tok = tokenizer
+        self._decode = DecodeStream(ids=prompt_ids[-context:], skip_special_tokens=True)
+        self._held: list[int] = []
+
+    def step(self, new_ids: list[int]) -> str:
+        out: list[str] = []
+        for i in new_ids:
+            piece = self._decode.step(self._tok, i)
+            if piece is None:
+                self._held.append(i)
+                continue
+            self._held.clear()
+            out.append(piece)
+        return "".join(out)
+
+    def flush(self) -> str:
+        """At the end of the sequence: the tokens held back waiting for more bytes, as they decode."""
+        text = self._tok.decode(self._held, skip_special_tokens=True) if self._held else ""
+        self._held.clear()
+        return text

@@ -8,7 +8,7 @@ import pytest
 
 from executor_service.default_model import ensure_default_model
 from scheduler_service.stop_strings import StopMatcher
-from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer
+from scheduler_service.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 
 TEXTS = [
     "Paged attention keeps the KV cache in blocks.",
@@ -23,7 +23,7 @@ def hf() -> HFTokenizer:
 
 
 def stream(tok: TextTokenizer, prompt: list[int], ids: list[int], chunks: list[int]) -> list[str]:
-    detok = Detokenizer(tok, prompt)
+    detok = tok.stream(prompt)
     out, i = [], 0
     for size in chunks:
         out.append(detok.step(ids[i:i + size]))
@@ -86,7 +86,7 @@ def test_stop_matcher_holds_back_possible_prefixes() -> None:
 
 def test_flush_returns_what_was_held_back_at_the_end() -> None:
     tok = ByteTokenizer()
-    detok = Detokenizer(tok, [])
+    detok = tok.stream([])
     ids = [ord("x"), 0xE2, 0x82]
     streamed = detok.step(ids[:1]) + detok.step(ids[1:])
     assert streamed + detok.flush() == tok.decode(ids)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from protos.contract import BlockMap
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
@@ -40,13 +39,22 @@ class ScheduledWork:
     resumed: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class RequestDelta:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str = ""
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -88,5 +96,5 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ExecutorResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
