@@ -94,7 +94,6 @@ class Engine:
             self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
         self.series = self.metrics.executor_series(self.label)
         self.series.device_blocks.set(describe.num_device_blocks)
-        self.series.serving.set(1)
         self.metrics.set_capacity(self.label, describe.num_device_blocks, describe.num_swap_blocks)
         self.ready.set()
         if self.on_ready_change is not None:
@@ -155,13 +154,14 @@ class Engine:
         return self.streams.pop(request_id, None)
 
     def release_waiting(self, limit: int | None = None) -> list[RequestStream]:
-        """Hand back up to `limit` WAITING requests, newest first (the oldest keep their place here)."""
+        """Hand back up to `limit` WAITING requests, oldest first: they gain most from a move."""
         if self.scheduler is None:
             return []
         ids = self.scheduler.waiting_ids()
-        ids.reverse()
-        released = (self.release(rid) for rid in ids[:limit])
-        return [stream for stream in released if stream is not None]
+        released = [stream for stream in (self.release(rid) for rid in ids[:limit]) if stream is not None]
+        if released:
+            self._refresh_gauges()
+        return released
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, device KV usage) of this executor's scheduler."""
@@ -268,8 +268,7 @@ class Engine:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         self._sched().reset_executor()
-        if self.series is not None:
-            self.series.serving.set(0)
+        self._refresh_gauges()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
         self.connection.drop_stream()

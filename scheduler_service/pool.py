@@ -191,6 +191,9 @@ class ExecutorPool:
         self._update_ready()
 
     def _update_ready(self) -> None:
+        for m in self.members.values():
+            if m.engine.series is not None:
+                m.engine.series.serving.set(1 if m.serving else 0)
         serving = any(m.serving for m in self.members.values())
         if serving == self.ready.is_set():
             return

@@ -1,0 +1,108 @@
+"""Several executors behind one scheduler, found through a dns:/// name whose addresses change at run time."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from protos.pagedserve.v1 import generation_pb2
+from tests.pool_procs import Pool, generate_all, running_pool
+from tests.procs import wait_until
+
+SIM = ["--simulated", "--sim-step-latency-ms", "5", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
+NUM, MAX_TOKENS = 120, 40
+LENGTH = generation_pb2.FINISH_REASON_LENGTH
+
+
+def steps(pool: Pool) -> dict[str, float]:
+    return pool.per_executor("pagedserve:executor_step_seconds_count")
+
+
+def assert_idle(pool: Pool) -> None:
+    wait_until(lambda: sum(pool.per_executor("pagedserve:executor_num_requests_running").values()) == 0,
+               what="no request running")
+    m = pool.metrics_text()
+    assert "\npagedserve:device_blocks_used{" in m
+    used = [line for line in m.splitlines() if line.startswith("pagedserve:device_blocks_used{")]
+    assert all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in used), used
+
+
+def test_sigkill_of_one_of_three_executors_mid_run_loses_nothing(tmp_path: Path) -> None:
+    with running_pool(tmp_path, 3, SIM, ["--max-num-seqs", "64"]) as pool:
+        reference = asyncio.run(generate_all(pool.address, NUM, MAX_TOKENS))
+        assert all(reason == LENGTH and len(ids) == MAX_TOKENS for ids, reason in reference)
+        victim = pool.executor_address(2)
+        killed: list[dict[str, float]] = []
+
+        async def maybe_kill(done: int) -> None:
+            if not killed and done >= NUM * MAX_TOKENS // 3:
+                killed.append(pool.per_executor("pagedserve:executor_num_requests_running"))
+                pool.kill_executor(victim)
+
+        disturbed = asyncio.run(generate_all(pool.address, NUM, MAX_TOKENS, maybe_kill))
+        assert killed and killed[0][victim] > 0, f"the victim ran nothing when killed: {killed}"
+        assert disturbed == reference
+        assert f"off executor {victim}" in (tmp_path / "scheduler.log").read_text()
+        assert pool.serving() == {pool.executor_address(1), pool.executor_address(3)}
+        assert_idle(pool)
+        assert pool.scheduler is not None and pool.scheduler.poll() is None
+
+
+def test_an_executor_joining_mid_run_takes_work_and_every_stream_is_exact(tmp_path: Path) -> None:
+    with running_pool(tmp_path, 2, SIM, ["--max-num-seqs", "16"]) as pool:
+        reference = asyncio.run(generate_all(pool.address, NUM, MAX_TOKENS))
+        newcomer = pool.start_executor(3)
+        joined: list[bool] = []
+
+        async def maybe_join(done: int) -> None:
+            if not joined and done >= NUM * MAX_TOKENS // 4:
+                joined.append(True)
+                pool.publish([pool.executor_address(1), pool.executor_address(2), newcomer])
+
+        disturbed = asyncio.run(generate_all(pool.address, NUM, MAX_TOKENS, maybe_join))
+        assert joined
+        assert disturbed == reference
+        assert steps(pool).get(newcomer, 0) > 0, "the new executor never ran a step"
+        assert_idle(pool)
+
+
+def test_the_dns_name_adds_and_drops_executors_and_drain_stops_new_work(tmp_path: Path) -> None:
+    with running_pool(tmp_path, 1, SIM) as pool:
+        one, two, three = (pool.executor_address(n) for n in (1, 2, 3))
+        pool.start_executor(2)
+        pool.start_executor(3)
+        pool.publish([one, two])
+        pool.wait_serving({one, two})
+        pool.publish([two, three])
+        pool.wait_serving({two, three})
+        wait_until(lambda: one not in pool.per_executor("pagedserve:executor_num_device_blocks"),
+                   what="the dropped executor's series removed")
+        results = asyncio.run(generate_all(pool.address, 40, 8))
+        assert all(reason == LENGTH and len(ids) == 8 for ids, reason in results)
+        before = steps(pool)
+        assert before[two] > 0 and before[three] > 0, before
+
+        pool.drain([three])
+        pool.wait_serving({two})
+        results = asyncio.run(generate_all(pool.address, 40, 8))
+        assert all(reason == LENGTH and len(ids) == 8 for ids, reason in results)
+        after = steps(pool)
+        assert after[three] == before[three], "a draining executor got new work"
+        assert after[two] > before[two]
+        pool.drain([])
+        pool.wait_serving({two, three})
+
+
+@pytest.mark.slow
+def test_greedy_outputs_of_two_torch_executors_equal_one_executors(tmp_path: Path) -> None:
+    torch_ex = ["--num-gpu-blocks", "256", "--num-cpu-blocks", "32", "--device", "cpu"]
+    with running_pool(tmp_path, 2, torch_ex, ["--max-num-seqs", "4"]) as pool:
+        two = asyncio.run(generate_all(pool.address, 12, 12))
+        assert all(s > 0 for s in steps(pool).values()) and len(steps(pool)) == 2, steps(pool)
+        pool.drain([pool.executor_address(2)])
+        pool.wait_serving({pool.executor_address(1)})
+        one = asyncio.run(generate_all(pool.address, 12, 12))
+    assert all(reason == LENGTH and len(ids) == 12 for ids, reason in one)
+    assert two == one
