@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from protos.pagedserve.v1 import generation_pb2
 from tests.pool_procs import Pool, generate_all, running_pool
-from tests.procs import wait_until
+from tests.procs import ROOT, free_port, stop, wait_until
 
 SIM = ["--simulated", "--sim-step-latency-ms", "5", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
 NUM, MAX_TOKENS = 120, 40
@@ -106,3 +109,22 @@ def test_greedy_outputs_of_two_torch_executors_equal_one_executors(tmp_path: Pat
         one = asyncio.run(generate_all(pool.address, 12, 12))
     assert all(reason == LENGTH and len(ids) == 12 for ids, reason in one)
     assert two == one
+
+
+def test_the_conformance_suite_runs_against_each_executor_of_a_pool(tmp_path: Path) -> None:
+    """PAGEDSERVE_EXECUTOR takes a list: the suite passes on each executor (here two of different sizes)."""
+    pool = Pool(tmp_path, free_port(), ["--simulated"], tmp_path / "hosts", tmp_path / "drain")
+    try:
+        small = pool.start_executor(1, ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64"])
+        large = pool.start_executor(2, ["--num-gpu-blocks", "256", "--num-cpu-blocks", "64"])
+        env = {**os.environ, "PAGEDSERVE_EXECUTOR": f"{small},{large}"}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                            "tests/test_conformance.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=240)
+    finally:
+        for proc in pool.executors.values():
+            stop(proc)
+    assert r.returncode == 0, r.stdout[-3000:]
+    passed = [line for line in r.stdout.splitlines() if " PASSED" in line]
+    per_executor = {a: sum(f"external:{a}" in line for line in passed) for a in (small, large)}
+    assert per_executor[small] >= 10 and per_executor[small] == per_executor[large], per_executor
