@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Request, SamplingOptions
 from scheduler_service.pool import ExecutorPool, PoolConfig
-from tests.procs import free_port, start, stop, wait_healthy
+from tests.procs import free_port, start, stop, wait_healthy, wait_until
 
 PROMPT_LEN = 16
 
@@ -104,6 +105,11 @@ def _steps(pool: ExecutorPool, address: str) -> float:
     return value or 0.0
 
 
+def serving_count(metrics_port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(line.startswith("pagedserve:executor_serving{") and line.endswith(" 1.0") for line in text.splitlines())
+
+
 def proc_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -112,14 +118,15 @@ def proc_cpu_s(pid: int) -> float:
 async def service_run(addresses: list[str], streams: int, output_len: int, max_num_seqs: int,
                       log_dir: Path) -> dict[str, float]:
     listen = f"127.0.0.1:{free_port()}"
-    args = ["--listen", listen, "--metrics-port", "-1", "--max-num-seqs", str(max_num_seqs),
+    metrics_port = free_port()
+    args = ["--listen", listen, "--metrics-port", str(metrics_port), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max(2048, streams * PROMPT_LEN))]
     for a in addresses:
         args += ["--executor", a]
     scheduler = start("scheduler_service", args, log_dir / f"scheduler-{len(addresses)}.log")
     try:
         wait_healthy(listen, scheduler)
-        await asyncio.sleep(1.0)  # every executor described (the pool serves from the first one)
+        wait_until(lambda: serving_count(metrics_port) == len(addresses), what="every executor serving")
         async with PagedServeClient(listen) as client:
             async def one(i: int) -> int:
                 n = 0

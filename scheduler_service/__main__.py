@@ -11,6 +11,7 @@ import sys
 
 import grpc
 import uvloop
+from grpc_health.v1 import health_pb2
 
 from protos.wire import channel_credentials, server_credentials
 from scheduler_service.auth import load_api_keys
@@ -19,6 +20,7 @@ from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
+LIVENESS = "liveness"
 
 
 def credentials(config: SchedulerServiceConfig) -> tuple[grpc.ServerCredentials | None,
@@ -60,6 +62,8 @@ async def main(config: SchedulerServiceConfig) -> None:
                           executor_creds, config.executor_step_timeout)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
+    # A liveness probe's health name: SERVING while the event loop answers, with or without executors.
+    await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              ", ".join(config.executor))
     stop = asyncio.Event()

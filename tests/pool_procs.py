@@ -25,6 +25,7 @@ class Pool:
     executor_args: list[str]
     hosts_file: Path
     drain_file: Path
+    name: str = NAME
     address: str = ""
     metrics_port: int = 0
     scheduler: subprocess.Popen[bytes] | None = None
@@ -46,7 +47,7 @@ class Pool:
 
     def publish(self, addresses: list[str]) -> None:
         """What NAME resolves to from now on (the scheduler re-reads it every resolve interval)."""
-        lines = [f"{a.rsplit(':', 1)[0]} {NAME}" for a in addresses]
+        lines = [f"{a.rsplit(':', 1)[0]} {self.name}" for a in addresses]
         tmp = self.hosts_file.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(self.hosts_file)
