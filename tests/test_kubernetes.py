@@ -37,8 +37,7 @@ BASE = [K8S / "config.yaml", K8S / "executor-service.yaml", K8S / "executor.yaml
 GPU = K8S / "gpu" / "executor.yaml"
 VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
-NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port", "executor_resolve_interval",
-                 "shutdown_timeout"}
+NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port"}
 REF = re.compile(r"\$\((\w+)\)")
 
 
