@@ -17,7 +17,8 @@ executor process's (includes its start-up and idle polling around the run, so an
 Mode `service` (the whole product): both services as processes and 512 streaming gRPC clients in this process.
 The scheduler process does per-client work on its one event loop (accept, detokenize, one response per
 token per stream): that is issue #12's subject, and on a small shared machine it, not the executors, sets
-the ceiling. The scheduler's own CPU use is read from /proc to show it.
+the ceiling. The scheduler's own CPU use is read from /proc to show it, and the clients' (this process) beside it:
+on two shared cores, scheduler + clients + executors compete for the same CPUs.
 
 Figures are ratios to the 1-executor run of the same mode in the same invocation.
 """
@@ -135,12 +136,14 @@ async def service_run(addresses: list[str], streams: int, output_len: int, max_n
                     n += len(r.token_ids)
                 return n
 
-            cpu0, t0 = proc_cpu_s(scheduler.pid), time.perf_counter()
+            cpu0, client0, t0 = proc_cpu_s(scheduler.pid), time.process_time(), time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(i) for i in range(streams))))
             wall, cpu = time.perf_counter() - t0, proc_cpu_s(scheduler.pid) - cpu0
+            client = time.process_time() - client0
     finally:
         stop(scheduler)
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "scheduler_cpu": cpu / wall}
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "scheduler_cpu": cpu / wall,
+            "client_cpu": client / wall}
 
 
 def report(mode: str, results: dict[int, dict[str, float]], args: argparse.Namespace) -> None:
@@ -154,6 +157,8 @@ def report(mode: str, results: dict[int, dict[str, float]], args: argparse.Names
                   "of_ideal": round(r["tokens_per_s"] / ideal, 2), "scheduler_cpu": round(r["scheduler_cpu"], 2),
                   "wall_s": round(r["wall_s"], 2), **machine()}
         record["executor_cpu"] = [round(c, 2) for c in r["executor_cpu"]]  # type: ignore[union-attr]
+        if "client_cpu" in r:
+            record["client_cpu"] = round(r["client_cpu"], 2)
         if "steps_per_executor" in r:
             record["executor_busy"] = [round(s * args.step_ms / 1e3 / r["wall_s"], 2)
                                        for s in r["steps_per_executor"]]  # type: ignore[union-attr]

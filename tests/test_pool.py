@@ -102,12 +102,12 @@ def test_the_dns_name_adds_and_drops_executors_and_drain_stops_new_work(tmp_path
 def test_greedy_outputs_of_two_torch_executors_equal_one_executors(tmp_path: Path) -> None:
     torch_ex = ["--num-gpu-blocks", "256", "--num-cpu-blocks", "32", "--device", "cpu"]
     with running_pool(tmp_path, 2, torch_ex, ["--max-num-seqs", "4"]) as pool:
-        two = asyncio.run(generate_all(pool.address, 12, 12))
+        two = asyncio.run(generate_all(pool.address, 8, 10))
         assert all(s > 0 for s in steps(pool).values()) and len(steps(pool)) == 2, steps(pool)
         pool.drain([pool.executor_address(2)])
         pool.wait_serving({pool.executor_address(1)})
-        one = asyncio.run(generate_all(pool.address, 12, 12))
-    assert all(reason == LENGTH and len(ids) == 12 for ids, reason in one)
+        one = asyncio.run(generate_all(pool.address, 8, 10))
+    assert all(reason == LENGTH and len(ids) == 10 for ids, reason in one)
     assert two == one
 
 
