@@ -20,7 +20,9 @@ token per stream): that is issue #12's subject, and on a small shared machine it
 the ceiling. The scheduler's own CPU use is read from /proc to show it, and the clients' (this process) beside it:
 on two shared cores, scheduler + clients + executors compete for the same CPUs.
 
-Figures are ratios to the 1-executor run of the same mode in the same invocation.
+Figures are ratios to the 1-executor run of the same mode in the same invocation. scheduler_cpu_us_per_token
+(scheduler CPU seconds per delivered token) is the load-independent figure: 1e6 / it is the most tokens/s one
+core could deliver through that mode.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ def report(mode: str, results: dict[int, dict[str, float]], args: argparse.Names
                   "step_ms": args.step_ms, "max_num_seqs": args.max_num_seqs, "output_len": args.output_len,
                   "tokens_per_s": round(r["tokens_per_s"]), "ratio_to_1": round(r["tokens_per_s"] / base, 2),
                   "of_ideal": round(r["tokens_per_s"] / ideal, 2), "scheduler_cpu": round(r["scheduler_cpu"], 2),
+                  "scheduler_cpu_us_per_token": round(r["scheduler_cpu"] * r["wall_s"] / r["tokens"] * 1e6, 1),
                   "wall_s": round(r["wall_s"], 2), **machine()}
         record["executor_cpu"] = [round(c, 2) for c in r["executor_cpu"]]  # type: ignore[union-attr]
         if "client_cpu" in r:
