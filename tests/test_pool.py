@@ -75,13 +75,14 @@ def test_the_dns_name_adds_and_drops_executors_and_drain_stops_new_work(tmp_path
     with running_pool(tmp_path, 1, SIM) as pool:
         one, two, three = (pool.executor_address(n) for n in (1, 2, 3))
         pool.start_executor(2)
-        pool.start_executor(3)
+        pool.start_executor(3, ["--num-gpu-blocks", "300"])  # executors may differ in pool size
         pool.publish([one, two])
         pool.wait_serving({one, two})
         pool.publish([two, three])
         pool.wait_serving({two, three})
         wait_until(lambda: one not in pool.per_executor("pagedserve:executor_num_device_blocks"),
                    what="the dropped executor's series removed")
+        assert pool.per_executor("pagedserve:executor_num_device_blocks") == {two: 1024, three: 300}
         results = asyncio.run(generate_all(pool.address, 40, 8))
         assert all(reason == LENGTH and len(ids) == 8 for ids, reason in results)
         before = steps(pool)
@@ -128,3 +129,17 @@ def test_the_conformance_suite_runs_against_each_executor_of_a_pool(tmp_path: Pa
     passed = [line for line in r.stdout.splitlines() if " PASSED" in line]
     per_executor = {a: sum(f"external:{a}" in line for line in passed) for a in (small, large)}
     assert per_executor[small] >= 10 and per_executor[small] == per_executor[large], per_executor
+
+
+def test_an_executor_of_another_model_is_refused_with_a_clear_log(tmp_path: Path) -> None:
+    with running_pool(tmp_path, 1, SIM) as pool:
+        other = pool.start_executor(2, ["--sim-vocab-size", "1000"])
+        pool.publish([pool.executor_address(1), other])
+        log = tmp_path / "scheduler.log"
+        wait_until(lambda: f"executor {other} refused" in log.read_text(), what="the refusal logged")
+        line = next(line for line in log.read_text().splitlines() if f"executor {other} refused" in line)
+        assert "ERROR" in line and "vocab 1000" in line and "same model" in line
+        assert pool.serving() == {pool.executor_address(1)}
+        results = asyncio.run(generate_all(pool.address, 8, 4))
+        assert all(len(ids) == 4 for ids, _ in results)
+        assert other not in steps(pool)
