@@ -167,8 +167,8 @@ class Engine:
         """(running, waiting, device KV usage) of this executor's scheduler."""
         if self.scheduler is None:
             return 0, 0, 0.0
-        sched = self.scheduler
-        return len(sched.running) + len(sched.swapped), len(sched.waiting), sched.blocks.device.usage()
+        s = self.scheduler.stats()
+        return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0

@@ -52,8 +52,8 @@ class Member:
         return self.engine.ready.is_set() and not (self.draining or self.leaving)
 
 
-def load_score(engine: Engine) -> int:
-    running, waiting, _ = engine.load()
+def load_score(running: int, waiting: int) -> int:
+    """vLLM's data parallel score: a waiting request weighs four running ones."""
     return 4 * waiting + running
 
 
@@ -214,14 +214,16 @@ class ExecutorPool:
         candidates = self.serving()
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        loads = [load_score(e) for e in candidates]
+        stats = [e.load() for e in candidates]
+        loads = [load_score(running, waiting) for running, waiting, _ in stats]
         lo, hi = min(loads), max(loads)
         if not (hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo):
-            cached, best = max(((e.cached_prefix_tokens(request.prompt_token_ids), i)
-                                for i, e in enumerate(candidates)), key=lambda x: x[0])
-            if cached > 0 and cached >= CACHE_THRESHOLD * request.num_prompt_tokens:
+            cached = [e.cached_prefix_tokens(request.prompt_token_ids) for e in candidates]
+            best = max(range(len(candidates)), key=lambda i: (cached[i], -loads[i]))
+            if cached[best] > 0 and cached[best] >= CACHE_THRESHOLD * request.num_prompt_tokens:
                 return candidates[best]
-        return min(zip(loads, candidates, strict=True), key=lambda x: (x[0], x[1].load()[2]))[1]
+        best = min(range(len(candidates)), key=lambda i: (loads[i], stats[i][2]))
+        return candidates[best]
 
     def _place(self, stream: RequestStream) -> bool:
         engine = self.choose(stream.request)
