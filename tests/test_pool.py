@@ -13,6 +13,7 @@ import pytest
 from protos.pagedserve.v1 import generation_pb2
 from tests.pool_procs import Pool, generate_all, running_pool
 from tests.procs import ROOT, free_port, stop, wait_until
+from tests.test_production import serving
 
 SIM = ["--simulated", "--sim-step-latency-ms", "5", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
 NUM, MAX_TOKENS = 120, 40
@@ -49,8 +50,12 @@ def test_sigkill_of_one_of_three_executors_mid_run_loses_nothing(tmp_path: Path)
         assert disturbed == reference
         assert f"off executor {victim}" in (tmp_path / "scheduler.log").read_text()
         assert pool.serving() == {pool.executor_address(1), pool.executor_address(3)}
+        assert serving(pool.address), "health stays SERVING while any executor serves"
         assert_idle(pool)
         assert pool.scheduler is not None and pool.scheduler.poll() is None
+        for n in (1, 3):
+            pool.kill_executor(pool.executor_address(n))
+        wait_until(lambda: not serving(pool.address), what="NOT_SERVING with no executor left")
 
 
 def test_an_executor_joining_mid_run_takes_work_and_every_stream_is_exact(tmp_path: Path) -> None:
