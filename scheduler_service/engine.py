@@ -140,9 +140,9 @@ class Engine:
         self._wake.set()
         return stream
 
-    def adopt(self, stream: RequestStream) -> None:
+    def adopt(self, stream: RequestStream, front: bool = False) -> None:
         """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""
-        self._sched().add_request(stream.request)
+        self._sched().add_request(stream.request, front)
         self.streams[stream.request.request_id] = stream
         self.drained.clear()
         self._wake.set()

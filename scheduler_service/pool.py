@@ -226,10 +226,11 @@ class ExecutorPool:
         return candidates[best]
 
     def _place(self, stream: RequestStream) -> bool:
+        """Queue a moved request at the head of the chosen executor's queue: it waited (or ran) already."""
         engine = self.choose(stream.request)
         if engine is None:
             return False
-        engine.adopt(stream)
+        engine.adopt(stream, front=True)
         return True
 
     def _move_waiting(self, member: Member) -> None:
@@ -238,9 +239,9 @@ class ExecutorPool:
         if not self.serving():
             return
         moved = member.engine.release_waiting()
-        for stream in moved:
+        for stream in reversed(moved):  # each goes to the front: newest first keeps the order
             if not self._place(stream):
-                member.engine.adopt(stream)
+                member.engine.adopt(stream, front=True)
         if moved:
             log.info("moved %d waiting requests off executor %s", len(moved), member.engine.label)
 

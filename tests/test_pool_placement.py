@@ -192,3 +192,16 @@ async def test_the_hosts_file_overrides_dns_and_is_reread(tmp_path: Path) -> Non
     assert await resolver.resolve(target) == {"127.0.0.2:7", "127.0.0.3:7"}
     hosts.write_text("127.0.0.4 POOL.TEST\n")
     assert await resolver.resolve(target) == {"127.0.0.4:7"}
+
+
+async def test_moved_requests_go_ahead_of_the_new_executors_queue_in_their_order() -> None:
+    pool = pool_of(2)
+    for i in range(6):
+        pool.add(request(f"r{i}"), queue())
+    lost, other = engines(pool)
+    assert sorted(lost.streams) == ["r0", "r2", "r4"]
+    lost.ready.clear()
+    pool._member_ready(pool.members[lost.label], False)
+    assert other.scheduler is not None
+    admitted = [w.request.request_id for w in other.scheduler.schedule().scheduled]
+    assert admitted == ["r0", "r2", "r4", "r1", "r3", "r5"]

@@ -83,11 +83,12 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queue a request; `front` for one that already ran (moved off a lost or draining executor)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        self.waiting.push(request, front=front)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
