@@ -76,7 +76,7 @@ def prompt(i: int) -> list[int]:
 
 async def engine_run(addresses: list[str], streams: int, output_len: int, max_num_seqs: int) -> dict[str, float]:
     core = CoreConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, streams * PROMPT_LEN))
-    pool = ExecutorPool(PoolConfig(addresses), core, max_queue_len=100_000)
+    pool = ExecutorPool(PoolConfig(addresses), core, max_queue_len=100_000)  # plain Engines
     await pool.start()
     await asyncio.wait_for(_all_serving(pool, len(addresses)), 30)
     queue: asyncio.Queue[RequestDelta] = asyncio.Queue()

@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2
 from protos.wire import channel_credentials, server_credentials
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
+from scheduler_service.engine import Engine
+from scheduler_service.metrics import EngineMetrics
 from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, serve, set_health
 
@@ -58,8 +60,12 @@ async def main(config: SchedulerServiceConfig) -> None:
     public_creds, executor_creds = credentials(config)
     pool_config = PoolConfig(config.executor, config.executor_resolve_interval, config.executor_hosts_file,
                              config.executor_drain_file)
-    engine = ExecutorPool(pool_config, config.core(), config.max_queue_len, config.served_model_name,
-                          executor_creds, config.executor_step_timeout)
+
+    def make_engine(address: str, metrics: EngineMetrics | None) -> Engine:
+        return Engine(config.core(), address, config.max_queue_len, config.served_model_name, executor_creds,
+                      config.executor_step_timeout, metrics=metrics)
+
+    engine = ExecutorPool(pool_config, config.core(), config.max_queue_len, make_engine, config.served_model_name)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
     # A liveness probe's health name: SERVING while the event loop answers, with or without executors.

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
@@ -30,6 +28,8 @@ from scheduler_service.metrics import EngineMetrics
 log = logging.getLogger("pagedserve.pool")
 BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD = 32, 1.5, 0.3
 REBALANCE_INTERVAL_S = 0.1
+# (executor address, the pool's metrics once known) -> an Engine for it: the service's flags live there.
+EngineFactory = Callable[[str, EngineMetrics | None], Engine]
 
 
 @dataclass(slots=True)
@@ -62,15 +62,15 @@ class ExecutorPool:
     describe/metrics) over a changing set of executors."""
 
     def __init__(self, pool_config: PoolConfig, core_config: CoreConfig, max_queue_len: int,
-                 metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 step_timeout: float | None = None, resolver: Resolver | None = None) -> None:
+                 make_engine: EngineFactory | None = None, metrics_model_name: str | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.config = pool_config
         self.targets: list[ExecutorTarget] = [parse_target(t) for t in pool_config.executors]
         self.core_config = core_config
         self.max_queue_len = max_queue_len
+        self.make_engine = make_engine or (lambda address, metrics: Engine(core_config, address, max_queue_len,
+                                                                           metrics=metrics))
         self.metrics_model_name = metrics_model_name
-        self.credentials = credentials
-        self.step_timeout = step_timeout
         self.resolver = resolver or Resolver(pool_config.hosts_file)
         self.members: dict[str, Member] = {}
         self.describe: executor_pb2.DescribeResponse | None = None
@@ -147,8 +147,7 @@ class ExecutorPool:
         return await self.resolver.resolve(targets)
 
     def _join(self, address: str) -> None:
-        engine = Engine(self.core_config, address, self.max_queue_len, self.metrics_model_name, self.credentials,
-                        self.step_timeout, metrics=self.metrics)
+        engine = self.make_engine(address, self.metrics)
         engine.admit = self._admit
         member = self.members[address] = Member(engine)
         engine.on_ready_change = lambda ready: self._member_ready(member, ready)
