@@ -37,7 +37,8 @@ BASE = [K8S / "config.yaml", K8S / "executor-service.yaml", K8S / "executor.yaml
 GPU = K8S / "gpu" / "executor.yaml"
 VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
-NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port"}
+# Flags whose manifest value deliberately differs from the command-line default (addresses, paths in the pod).
+NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port", "executor_drain_file"}
 REF = re.compile(r"\$\((\w+)\)")
 
 
@@ -132,6 +133,8 @@ def test_static_wiring() -> None:
     executor_port = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc")
     assert flag(sc_args, "--executor") == f"dns:///{headless['metadata']['name']}:{executor_port}"
     assert flag(sc_args, "--metrics-host") == "0.0.0.0"
+    drain_dir = str(Path(flag(sc_args, "--executor-drain-file")).parent)
+    assert any(m["mountPath"] == drain_dir for m in container(scheduler)["volumeMounts"]), "drain file not writable"
     assert port_of("x:" + flag(sc_args, "--metrics-port")) == next(
         p["containerPort"] for p in container(scheduler)["ports"] if p["name"] == "metrics")
 
@@ -225,7 +228,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         sc_cmd = argv(scheduler, env)
         sc_args = local(sc_cmd[3:], {"--listen": f"127.0.0.1:{listen}", "--metrics-host": "127.0.0.1",
                                      "--metrics-port": str(metrics), "--executor-resolve-interval": "0.2",
-                                     "--executor": f"dns:///{headless}:{pool.port}"})
+                                     "--executor": f"dns:///{headless}:{pool.port}",
+                                     "--executor-drain-file": str(pool.drain_file)})
         proc = start(sc_cmd[2], [*sc_args, "--executor-hosts-file", str(pool.hosts_file)], tmp / "scheduler.log")
         procs.append(proc)
         pool.scheduler, pool.metrics_port = proc, metrics
@@ -277,7 +281,8 @@ def test_a_scheduler_without_executors_is_live_but_not_ready(tmp_path: Path) -> 
     address = f"127.0.0.1:{free_port()}"
     (tmp_path / "hosts").write_text("")
     args = local(cmd[3:], {"--listen": address, "--metrics-port": "-1", "--executor-resolve-interval": "0.2",
-                           "--executor": "dns:///pagedserve-executor.invalid:50061"})
+                           "--executor": "dns:///pagedserve-executor.invalid:50061",
+                           "--executor-drain-file": str(tmp_path / "drain")})
     proc = start(cmd[2], [*args, "--executor-hosts-file", str(tmp_path / "hosts")], tmp_path / "scheduler.log")
     try:
         c = container(scheduler)
