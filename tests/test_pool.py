@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,15 @@ def test_an_executor_of_another_model_is_refused_with_a_clear_log(tmp_path: Path
         results = asyncio.run(generate_all(pool.address, 8, 4))
         assert all(len(ids) == 4 for ids, _ in results)
         assert other not in steps(pool)
+
+
+def test_sighup_applies_the_drain_file_at_once(tmp_path: Path) -> None:
+    with running_pool(tmp_path, 2, SIM, resolve_interval=600) as pool:
+        one, two = pool.executor_address(1), pool.executor_address(2)
+        pool.drain([two])
+        assert pool.scheduler is not None
+        pool.scheduler.send_signal(signal.SIGHUP)
+        pool.wait_serving({one}, timeout=10)
+        pool.drain([])
+        pool.scheduler.send_signal(signal.SIGHUP)
+        pool.wait_serving({one, two}, timeout=10)
