@@ -125,6 +125,11 @@ def test_static_wiring() -> None:
     assert headless["spec"]["clusterIP"] == "None" and executor["spec"]["serviceName"] == headless["metadata"]["name"]
     assert headless["spec"]["selector"].items() <= ex_labels.items()
     assert pdb["spec"]["selector"]["matchLabels"].items() <= ex_labels.items()
+    policy = one(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= ex_labels.items()
+    allowed = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert allowed.items() <= scheduler["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["ingress"][0]["ports"][0]["port"] in {p["name"] for p in container(executor)["ports"]}
     assert public["spec"]["selector"].items() <= scheduler["spec"]["template"]["metadata"]["labels"].items()
     assert {p["targetPort"] for p in public["spec"]["ports"]} <= {p["name"] for p in container(scheduler)["ports"]}
     assert container(executor)["lifecycle"]["preStop"], "an executor leaves DNS before it stops"
