@@ -31,24 +31,22 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from typing import Any
 
 import uvloop
 
-from benchmarks.common import emit, machine
+from client.bench.record import emit, machine
 from client.lib import PagedServeClient
+from client.local import free_port, start, stop, wait_healthy, wait_until
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Request, SamplingOptions
 from scheduler_service.pool import ExecutorPool, PoolConfig
-from tests.procs import free_port, start, stop, wait_healthy, wait_until
 
 PROMPT_LEN = 16
 
@@ -74,7 +72,7 @@ def prompt(i: int) -> list[int]:
     return [3 + (i * 31 + j) % 1000 for j in range(PROMPT_LEN)]
 
 
-async def engine_run(addresses: list[str], streams: int, output_len: int, max_num_seqs: int) -> dict[str, float]:
+async def engine_run(addresses: list[str], streams: int, output_len: int, max_num_seqs: int) -> dict[str, Any]:
     core = CoreConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, streams * PROMPT_LEN))
     pool = ExecutorPool(PoolConfig(addresses), core, max_queue_len=100_000)  # plain Engines
     await pool.start()
@@ -119,7 +117,7 @@ def proc_cpu_s(pid: int) -> float:
 
 
 async def service_run(addresses: list[str], streams: int, output_len: int, max_num_seqs: int,
-                      log_dir: Path) -> dict[str, float]:
+                      log_dir: Path) -> dict[str, Any]:
     listen = f"127.0.0.1:{free_port()}"
     metrics_port = free_port()
     args = ["--listen", listen, "--metrics-port", str(metrics_port), "--max-num-seqs", str(max_num_seqs),
@@ -141,14 +139,14 @@ async def service_run(addresses: list[str], streams: int, output_len: int, max_n
             cpu0, client0, t0 = proc_cpu_s(scheduler.pid), time.process_time(), time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(i) for i in range(streams))))
             wall, cpu = time.perf_counter() - t0, proc_cpu_s(scheduler.pid) - cpu0
-            client = time.process_time() - client0
+            client_cpu = time.process_time() - client0
     finally:
         stop(scheduler)
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "scheduler_cpu": cpu / wall,
-            "client_cpu": client / wall}
+            "client_cpu": client_cpu / wall}
 
 
-def report(mode: str, results: dict[int, dict[str, float]], args: argparse.Namespace) -> None:
+def report(mode: str, results: dict[int, dict[str, Any]], args: argparse.Namespace) -> None:
     base = results[min(results)]["tokens_per_s"]
     ceiling = 1000.0 / args.step_ms
     for k, r in sorted(results.items()):
@@ -159,12 +157,12 @@ def report(mode: str, results: dict[int, dict[str, float]], args: argparse.Names
                   "of_ideal": round(r["tokens_per_s"] / ideal, 2), "scheduler_cpu": round(r["scheduler_cpu"], 2),
                   "scheduler_cpu_us_per_token": round(r["scheduler_cpu"] * r["wall_s"] / r["tokens"] * 1e6, 1),
                   "wall_s": round(r["wall_s"], 2), **machine()}
-        record["executor_cpu"] = [round(c, 2) for c in r["executor_cpu"]]  # type: ignore[union-attr]
+        record["executor_cpu"] = [round(c, 2) for c in r["executor_cpu"]]
         if "client_cpu" in r:
             record["client_cpu"] = round(r["client_cpu"], 2)
         if "steps_per_executor" in r:
             record["executor_busy"] = [round(s * args.step_ms / 1e3 / r["wall_s"], 2)
-                                       for s in r["steps_per_executor"]]  # type: ignore[union-attr]
+                                       for s in r["steps_per_executor"]]
         emit(record, args.json_out)
     print(f"{mode}: " + "  ".join(f"{k} executors {r['tokens_per_s']:.0f} tok/s ({r['tokens_per_s'] / base:.2f}x)"
                                   for k, r in sorted(results.items())), flush=True)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,15 @@ def wait_healthy(address: str, *procs: subprocess.Popen[bytes], timeout: float =
                 pass
             time.sleep(0.05)
     raise TimeoutError(f"{address} not healthy after {timeout}s")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("pagedserve.membership")
 DNS_SCHEME = "dns:///"
 # getaddrinfo(host, port) -> [(family, type, proto, canonname, sockaddr)], as asyncio's loop.getaddrinfo.
-AddrInfo = list[tuple[int, int, int, str, tuple]]
+AddrInfo = Sequence[tuple[int, int, int, str, tuple[Any, ...]]]
 GetAddrInfo = Callable[[str, int], Awaitable[AddrInfo]]
 
 

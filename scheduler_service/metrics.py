@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -121,7 +122,7 @@ class EngineMetrics:
                                  LATENCY_BUCKETS, r)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time in WAITING before first scheduled")
-        self._families = {
+        self._families: dict[str, Any] = {
             "step_time": Histogram("pagedserve:scheduler_step_seconds", "schedule()+update() time per step",
                                    EXECUTOR, buckets=STEP_BUCKETS, registry=r),
             "executor_step_time": Histogram("pagedserve:executor_step_seconds", "Executor round trip per step",

@@ -22,6 +22,7 @@ from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.engine import Engine, QueueFull, RequestStream
 from scheduler_service.metrics import RefusalCounter
+from scheduler_service.pool import ExecutorPool
 from scheduler_service.stop_strings import StopMatcher
 from scheduler_service.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.validation import (
@@ -94,7 +95,7 @@ class ServingLimits:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, max_logprobs: int, tokenizer_dir: str | None = None,
+    def __init__(self, engine: Engine | ExecutorPool, max_logprobs: int, tokenizer_dir: str | None = None,
                  serving: ServingLimits | None = None) -> None:
         self.engine = engine
         self.max_logprobs = max_logprobs
@@ -318,7 +319,7 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
     server.add_registered_method_handlers(GENERATION_SERVICE, {"Generate": handler})
 
 
-async def serve(engine: Engine, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
+async def serve(engine: Engine | ExecutorPool, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
                 credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
                 serving: ServingLimits | None = None) -> PublicServer:
     serving = serving or ServingLimits()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.lib import PagedServeClient
-from tests.procs import free_port, start, stop, wait_healthy, wait_until
+from client.local import free_port, start, stop, wait_healthy, wait_until
 
 NAME = "executors.pool.test"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.lib import PagedServeClient
-from client.local import ROOT, free_port, parse_metrics, start, stop, wait_healthy
+from client.local import ROOT, free_port, parse_metrics, start, stop, wait_healthy, wait_until
 
 __all__ = ["ROOT", "Stack", "free_port", "parse_metrics", "rss_bytes", "run", "running_stack", "start", "stop",
            "thread_count", "wait_healthy", "wait_until"]
@@ -55,15 +54,6 @@ def rss_bytes(proc: subprocess.Popen[bytes]) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def wait_until(predicate: object, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @contextmanager

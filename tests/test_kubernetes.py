@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             pool.executors[pool.executor_address(n)] = proc
         probe = container(executor)["startupProbe"]["grpc"]
         for n in (1, 2):
-            wait_until(lambda n=n: probe_passes(pool.executor_address(n), probe), 180, "executor startup probe")
+            wait_until(partial(probe_passes, pool.executor_address(n), probe), 180, "executor startup probe")
         pool.publish([pool.executor_address(1), pool.executor_address(2)])
         listen, metrics = free_port(), free_port()
         sc_cmd = argv(scheduler, env)

@@ -55,7 +55,7 @@ async def test_new_requests_spread_by_load() -> None:
 async def test_cache_affinity_wins_while_balanced_and_load_wins_when_not() -> None:
     pool = pool_of(2)
     first, second = engines(pool)
-    second.cached_prefix_tokens = lambda ids: len(ids)  # type: ignore[method-assign]
+    second.cached_prefix_tokens = lambda token_ids: len(token_ids)  # type: ignore[method-assign]
     for i in range(9):
         pool.add(request(f"r{i}"), queue())
     # All go to the executor caching the prefix until the load gap (4 per waiting request) passes 32.
@@ -67,7 +67,7 @@ async def test_cache_affinity_wins_while_balanced_and_load_wins_when_not() -> No
 async def test_a_small_cached_fraction_does_not_attract() -> None:
     pool = pool_of(2)
     first, second = engines(pool)
-    second.cached_prefix_tokens = lambda ids: 1  # type: ignore[method-assign]
+    second.cached_prefix_tokens = lambda token_ids: 1  # type: ignore[method-assign]
     for i in range(10):
         pool.add(request(f"r{i}", prompt_len=100), queue())
     assert first.load()[1] == 5 and second.load()[1] == 5
@@ -154,11 +154,11 @@ def test_parse_target_refuses(text: str) -> None:
 
 
 async def test_resolver_follows_a_changing_answer_and_keeps_the_last_on_a_temporary_failure() -> None:
-    answers: list[object] = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"],
+    answers: list[list[str] | Exception] = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"],
                              socket.gaierror(socket.EAI_AGAIN, "try again"),
                              socket.gaierror(socket.EAI_NONAME, "no such name")]
 
-    async def fake(host: str, port: int) -> list:
+    async def fake(host: str, port: int) -> list[tuple[int, int, int, str, tuple[str, int]]]:
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
