@@ -12,10 +12,9 @@ from typing import Any
 
 import grpc
 
-from protos.wire import EXECUTOR_SECRET_METADATA_KEY
+from protos.wire import EXECUTOR_SECRET_METADATA_KEY, OPEN_METHOD_PREFIXES, unauthenticated
 
 SECRET_METADATA_KEY = EXECUTOR_SECRET_METADATA_KEY
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 log = logging.getLogger("pagedserve.executor")
 REFUSAL = f"missing or wrong executor secret (metadata {SECRET_METADATA_KEY!r}; see --executor-secret-file)"
 
@@ -59,19 +58,4 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if hmac.compare_digest(presented_secret(details.invocation_metadata), self._secret):
             return handler
-        return _refusal(handler)
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-
-    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                     handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer,
-                                               handler.response_serializer)
+        return unauthenticated(handler, REFUSAL)

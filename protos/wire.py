@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -81,3 +83,25 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None,
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+"""Methods every port answers without credentials: health checking and reflection."""
+
+
+def unauthenticated(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends every call with UNAUTHENTICATED and `message`."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await deny(request, context)
+        yield  # pragma: no cover - makes this an async generator
+
+    serializers = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, *serializers)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, *serializers)
+    return grpc.unary_unary_rpc_method_handler(deny, *serializers)

@@ -9,7 +9,9 @@ from typing import Any
 
 import grpc
 
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+from protos.wire import OPEN_METHOD_PREFIXES, unauthenticated
+
+REFUSAL = "missing or invalid API key (send metadata 'authorization: Bearer KEY')"
 
 
 def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[str]:
@@ -44,23 +46,5 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                                 details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith(OPEN_METHOD_PREFIXES) or self._valid(_presented_key(details.invocation_metadata)):
             return await continuation(details)
-        return _refusal(await continuation(details))
-
-
-def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
-    if handler is None:
-        return None
-
-    async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key "
-                            "(send metadata 'authorization: Bearer KEY')")
-
-    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await deny_unary(request, context)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                    handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer,
-                                               handler.response_serializer)
+        handler = await continuation(details)
+        return None if handler is None else unauthenticated(handler, REFUSAL)

@@ -3,7 +3,6 @@ through a dns:/// name answered by --executor-hosts-file, so tests can change th
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import urllib.request
@@ -12,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.lib import PagedServeClient
 from client.local import free_port, start, stop, wait_healthy, wait_until
 
 NAME = "executors.pool.test"
@@ -99,26 +97,3 @@ def running_pool(tmp_path: Path, num_executors: int, executor_args: list[str],
             stop(proc)
 
 
-def prompts(n: int) -> list[list[int]]:
-    return [[3 + (7 * i + j) % 1500 for j in range(4 + i % 29)] for i in range(n)]
-
-
-async def generate_all(address: str, num: int, max_tokens: int, on_progress: object = None
-                       ) -> list[tuple[list[int], int]]:
-    """Seeded streams (seed = index), so the simulated executor's tokens do not depend on where they ran."""
-    progress = [0]
-
-    async def one(client: PagedServeClient, i: int, prompt: list[int]) -> tuple[list[int], int]:
-        ids: list[int] = []
-        reason = 0
-        async for r in client.generate(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-                                       ignore_eos=True, seed=i):
-            ids += r.token_ids
-            reason = r.finish_reason or reason
-            progress[0] += len(r.token_ids)
-            if on_progress is not None:
-                await on_progress(progress[0])  # type: ignore[operator]
-        return ids, reason
-
-    async with PagedServeClient(address) as client:
-        return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts(num))))

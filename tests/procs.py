@@ -3,11 +3,12 @@ client/local.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,22 @@ from pathlib import Path
 from client.lib import PagedServeClient
 from client.local import ROOT, free_port, parse_metrics, start, stop, wait_healthy, wait_until
 
-__all__ = ["ROOT", "Stack", "free_port", "parse_metrics", "rss_bytes", "run", "running_stack", "start", "stop",
-           "thread_count", "wait_healthy", "wait_until"]
+__all__ = [
+    "ROOT",
+    "Stack",
+    "free_port",
+    "generate_all",
+    "parse_metrics",
+    "prompts",
+    "rss_bytes",
+    "run",
+    "running_stack",
+    "start",
+    "stop",
+    "thread_count",
+    "wait_healthy",
+    "wait_until",
+]
 
 
 @dataclass
@@ -85,3 +100,28 @@ async def run(client: PagedServeClient, **kwargs: object) -> tuple[list[int], st
         text += r.text
         reason, error = r.finish_reason or reason, r.error or error
     return ids, text, reason, error
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[3 + (7 * i + j) % 1500 for j in range(4 + i % 29)] for i in range(n)]
+
+
+async def generate_all(address: str, num: int, max_tokens: int,
+                       on_progress: Callable[[int], Awaitable[None]] | None = None) -> list[tuple[list[int], int]]:
+    """Seeded streams (seed = index), so the simulated executor's tokens do not depend on where they ran."""
+    progress = [0]
+
+    async def one(client: PagedServeClient, i: int, prompt: list[int]) -> tuple[list[int], int]:
+        ids: list[int] = []
+        reason = 0
+        async for r in client.generate(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True, seed=i):
+            ids += r.token_ids
+            reason = r.finish_reason or reason
+            progress[0] += len(r.token_ids)
+            if on_progress is not None:
+                await on_progress(progress[0])
+        return ids, reason
+
+    async with PagedServeClient(address) as client:
+        return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts(num))))

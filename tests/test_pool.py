@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from protos.pagedserve.v1 import generation_pb2
-from tests.pool_procs import Pool, generate_all, running_pool
-from tests.procs import ROOT, free_port, stop, wait_until
+from tests.pool_procs import Pool, running_pool
+from tests.procs import ROOT, free_port, generate_all, stop, wait_until
 from tests.test_production import serving
 
 SIM = ["--simulated", "--sim-step-latency-ms", "5", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
