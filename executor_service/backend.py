@@ -5,20 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protos.contract import BlockMap
+from protos.contract import SAMPLING, BlockMap
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
+    """What the sampler needs of a request's sampling parameters; defaults from protos/contract.py."""
+
+    temperature: float = SAMPLING.temperature.default
+    top_p: float = SAMPLING.top_p.default
+    top_k: int = SAMPLING.top_k.default
+    min_p: float = SAMPLING.min_p.default
+    seed: int | None = SAMPLING.seed.default
+    presence_penalty: float = SAMPLING.presence_penalty.default
+    frequency_penalty: float = SAMPLING.frequency_penalty.default
+    repetition_penalty: float = SAMPLING.repetition_penalty.default
+    logprobs: int | None = SAMPLING.logprobs.default
 
 
 @dataclass(slots=True)

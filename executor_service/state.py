@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from executor_service.backend import BatchItem, SamplingConfig
 from protos.pagedserve.v1 import common_pb2
 
+OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs")
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -45,17 +47,11 @@ class StepPlan:
 
 
 def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
-    return SamplingConfig(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else -1,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
+    """The sampler's view of a request's SamplingParams; an unset optional field is SamplingConfig's default
+    (protos/contract.py's SAMPLING table)."""
+    given = {name: getattr(p, name) for name in OPTIONAL_SAMPLING_FIELDS if p.HasField(name)}
+    return SamplingConfig(min_p=p.min_p, presence_penalty=p.presence_penalty,
+                          frequency_penalty=p.frequency_penalty, **given)
 
 
 class RequestTable:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 BlockMap = list[tuple[int, int]]
 """(source block, destination block) pairs of one swap-out, swap-in or copy."""
@@ -20,3 +22,48 @@ def split_columns(values: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
         out.append(list(values[i:i + n]))
         i += n
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParam(Generic[V]):
+    """One sampling parameter's default (what an unset proto field means) and allowed range."""
+
+    default: V
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    rule: str = ""  # how a refusal states the range, where the bounds alone do not say it
+
+    def allows(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self, high: float | None = None) -> str:
+        """The range as refusals state it; `high` replaces a bound known only at run time."""
+        if self.rule:
+            return self.rule
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high if high is None else high}]"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTable:
+    """vLLM's sampling parameters: the one table that validation, the scheduler core and the executor
+    read their defaults and ranges from (common.proto's SamplingParams carries them)."""
+
+    max_tokens: SamplingParam[int] = SamplingParam(16, low=1, rule=">= 1")
+    min_tokens: SamplingParam[int] = SamplingParam(0, low=0)
+    temperature: SamplingParam[float] = SamplingParam(1.0, low=0, rule=">= 0")  # 0 = greedy
+    top_p: SamplingParam[float] = SamplingParam(1.0, low=0, high=1, low_open=True)
+    top_k: SamplingParam[int] = SamplingParam(-1, low=-1, rule="-1 (off), 0 (off) or positive")
+    min_p: SamplingParam[float] = SamplingParam(0.0, low=0, high=1)
+    presence_penalty: SamplingParam[float] = SamplingParam(0.0, low=-2, high=2)
+    frequency_penalty: SamplingParam[float] = SamplingParam(0.0, low=-2, high=2)
+    repetition_penalty: SamplingParam[float] = SamplingParam(1.0, low=0, high=2, low_open=True)
+    logprobs: SamplingParam[int | None] = SamplingParam(None, low=0)  # high: the server's --max-logprobs
+    n: SamplingParam[int] = SamplingParam(1, low=1, high=16)
+    seed: SamplingParam[int | None] = SamplingParam(None)
+    priority: SamplingParam[int] = SamplingParam(0)
+
+
+SAMPLING = SamplingTable()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from protos.contract import SAMPLING
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -22,20 +24,22 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingOptions:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
+    """A request's sampling parameters, validated; defaults from protos/contract.py's SAMPLING table."""
+
+    max_tokens: int = SAMPLING.max_tokens.default
+    min_tokens: int = SAMPLING.min_tokens.default
+    temperature: float = SAMPLING.temperature.default
+    top_p: float = SAMPLING.top_p.default
+    top_k: int = SAMPLING.top_k.default
+    min_p: float = SAMPLING.min_p.default
+    seed: int | None = SAMPLING.seed.default
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    priority: int = 0
+    presence_penalty: float = SAMPLING.presence_penalty.default
+    frequency_penalty: float = SAMPLING.frequency_penalty.default
+    repetition_penalty: float = SAMPLING.repetition_penalty.default
+    logprobs: int | None = SAMPLING.logprobs.default
+    priority: int = SAMPLING.priority.default
 
 
 @dataclass(slots=True, eq=False)
