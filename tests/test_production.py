@@ -214,13 +214,13 @@ def test_stop_strings_with_multi_step_cut_tokens_respect_min_tokens_and_count_in
     with running_stack(tmp_path, ["--simulated"], ["--num-scheduler-steps", "4"]) as s:
         async def main() -> None:
             async with PagedServeClient(s.address) as client:
-                ids, full, _, _ = await run(client, prompt="q", max_tokens=40, seed=21)
+                ids, full, _, _ = await run(client, prompt="q", max_tokens=40, seed=23)
                 stop = full[9]
                 first = full.index(stop)
-                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop])
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[stop])
                 assert reason == STOP and text == full[:first] and got == ids[:first + 1]
                 later = full.index(stop, first + 1) if stop in full[first + 1:] else None
-                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop],
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[stop],
                                                  min_tokens=first + 2)
                 if later is None:
                     assert reason == LENGTH and text == full
@@ -228,7 +228,7 @@ def test_stop_strings_with_multi_step_cut_tokens_respect_min_tokens_and_count_in
                     assert reason == STOP and text == full[:later] and got == ids[:later + 1]
                 last_char = full[-1]
                 if last_char not in full[:-1]:
-                    _, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[last_char])
+                    _, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[last_char])
                     assert reason == STOP and text == full[:-1]
 
         before = s.metrics().get("vllm:request_success_total{stop}", 0)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from protos.flags import flag
 from scheduler_service.core.policy import Policy
 
 
@@ -21,6 +22,8 @@ class Victim(enum.Enum):
 
 @dataclass(slots=True)
 class CoreConfig:
+    """The scheduler core's knobs; each is also a flag of `python -m scheduler_service` (protos/flags.py)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: Policy = Policy.FCFS
@@ -32,8 +35,9 @@ class CoreConfig:
     num_scheduler_steps: int = 1
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    aging_rate: float = 0.0
-    max_waiting_time: float | None = None
+    aging_rate: float = field(default=0.0, metadata=flag("priority units gained per second of waiting (sjf, priority)"))
+    max_waiting_time: float | None = field(default=None, metadata=flag(
+        "seconds after which a waiting request goes to the head of the queue"))
 
 
 @dataclass(slots=True, frozen=True)
