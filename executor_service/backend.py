@@ -5,22 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protos.contract import SAMPLING, BlockMap
+from protos.contract import BlockMap, SamplingConfig
 
-
-@dataclass(slots=True, frozen=True)
-class SamplingConfig:
-    """What the sampler needs of a request's sampling parameters; defaults from protos/contract.py."""
-
-    temperature: float = SAMPLING.temperature.default
-    top_p: float = SAMPLING.top_p.default
-    top_k: int = SAMPLING.top_k.default
-    min_p: float = SAMPLING.min_p.default
-    seed: int | None = SAMPLING.seed.default
-    presence_penalty: float = SAMPLING.presence_penalty.default
-    frequency_penalty: float = SAMPLING.frequency_penalty.default
-    repetition_penalty: float = SAMPLING.repetition_penalty.default
-    logprobs: int | None = SAMPLING.logprobs.default
+__all__ = ["Backend", "BackendInfo", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig"]
 
 
 @dataclass(slots=True)

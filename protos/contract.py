@@ -67,3 +67,19 @@ class SamplingTable:
 
 
 SAMPLING = SamplingTable()
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingConfig:
+    """The parameters that shape a request's next-token distribution: what the executor's sampler reads.
+    The scheduler's SamplingOptions extends them with what only the scheduler needs (lengths, stops)."""
+
+    temperature: float = SAMPLING.temperature.default
+    top_p: float = SAMPLING.top_p.default
+    top_k: int = SAMPLING.top_k.default
+    min_p: float = SAMPLING.min_p.default
+    seed: int | None = SAMPLING.seed.default
+    presence_penalty: float = SAMPLING.presence_penalty.default
+    frequency_penalty: float = SAMPLING.frequency_penalty.default
+    repetition_penalty: float = SAMPLING.repetition_penalty.default
+    logprobs: int | None = SAMPLING.logprobs.default

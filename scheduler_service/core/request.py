@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.contract import SAMPLING
+from protos.contract import SAMPLING, SamplingConfig
 
 
 class RequestStatus(enum.Enum):
@@ -23,22 +23,14 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(slots=True, frozen=True)
-class SamplingOptions:
-    """A request's sampling parameters, validated; defaults from protos/contract.py's SAMPLING table."""
+class SamplingOptions(SamplingConfig):
+    """A request's validated sampling parameters: the sampler's (SamplingConfig) and the scheduler's own;
+    defaults from protos/contract.py's SAMPLING table."""
 
     max_tokens: int = SAMPLING.max_tokens.default
     min_tokens: int = SAMPLING.min_tokens.default
-    temperature: float = SAMPLING.temperature.default
-    top_p: float = SAMPLING.top_p.default
-    top_k: int = SAMPLING.top_k.default
-    min_p: float = SAMPLING.min_p.default
-    seed: int | None = SAMPLING.seed.default
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    presence_penalty: float = SAMPLING.presence_penalty.default
-    frequency_penalty: float = SAMPLING.frequency_penalty.default
-    repetition_penalty: float = SAMPLING.repetition_penalty.default
-    logprobs: int | None = SAMPLING.logprobs.default
     priority: int = SAMPLING.priority.default
 
 
