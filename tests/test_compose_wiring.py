@@ -28,6 +28,7 @@ import yaml
 
 from client.lib import PagedServeClient
 from executor_service.config import build_parser as executor_parser
+from protos.flags import env_name
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.config import build_parser as scheduler_parser
 from tests.procs import ROOT, free_port, stop
@@ -204,7 +205,7 @@ def test_env_variables_are_named_after_their_flags() -> None:
             text = raw if isinstance(raw, str) else " ".join(map(str, raw))
             for flag, var in re.findall(r"--([\w-]+)[ =]\$\{(\w+)", text):
                 pairs += 1
-                assert var == flag.upper().replace("-", "_"), f"{path.name} {name}: --{flag} is set from ${var}"
+                assert var == env_name(flag.replace("-", "_")), f"{path.name} {name}: --{flag} is set from ${var}"
     assert pairs >= 10
 
 

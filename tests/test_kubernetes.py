@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.lib import PagedServeClient
 from executor_service.config import build_parser as executor_parser
+from protos.flags import env_name
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.config import build_parser as scheduler_parser
 from tests.pool_procs import Pool
@@ -164,7 +165,7 @@ def test_config_variables_are_named_after_their_flags_and_match_compose() -> Non
             m = re.fullmatch(r"--([\w-]+)=\$\((\w+)\)", arg)
             if m:
                 pairs += 1
-                assert m.group(2) == m.group(1).upper().replace("-", "_"), arg
+                assert m.group(2) == env_name(m.group(1).replace("-", "_")), arg
     assert pairs >= 20
     compose_defaults: dict[str, str] = {}
     for svc in load(COMPOSE)["services"].values():
