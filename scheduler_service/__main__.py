@@ -16,6 +16,7 @@ from protos.wire import channel_credentials, server_credentials
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
+from scheduler_service.openai_api.app import HttpServer, OpenAIApi, serve_http
 from scheduler_service.server import PublicServer, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -37,6 +38,16 @@ def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)
+
+
+async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> HttpServer | None:
+    if not config.http_listen:
+        return None
+    api = OpenAIApi(public.generation, config.served_model_name,
+                    load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key)
+    log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
+    return http
 
 
 async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: Engine) -> None:
@@ -63,6 +74,7 @@ async def main(config: SchedulerServiceConfig) -> None:
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              config.executor[0])
+    http = await start_http(config, public)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -88,6 +100,8 @@ async def main(config: SchedulerServiceConfig) -> None:
     else:
         starting.cancel()
     await shutdown(config, public, engine)
+    if http is not None:
+        await http.stop()
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -65,6 +65,15 @@ class SequenceOutput:
         return text, None
 
 
+class RequestError(Exception):
+    """A call refused or failed, with the gRPC status code that says why (the HTTP API maps it too)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine, max_logprobs: int, tokenizer_dir: str | None = None) -> None:
         self.engine = engine
@@ -97,14 +106,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        await self._refuse_if_draining(context)
+        try:
+            async for response in self.generate(request):
+                yield response
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def generate(self, request: generation_pb2.GenerateRequest
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The public Generate logic, free of any transport: raises RequestError(status code, message)."""
+        self._refuse_if_draining()
         await self.engine.ready.wait()
-        await self._refuse_if_draining(context)
+        self._refuse_if_draining()
         try:
             rid, prompt_ids, requests = self._build(request)
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         added: list[str] = []
         try:
@@ -112,11 +129,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.engine.add(req, queue)
                 added.append(req.request_id)
         except (QueueFull, ValueError) as e:
-            for rid in added:
-                self.engine.abort(rid)
+            for sub_id in added:
+                self.engine.abort(sub_id)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
-            await context.abort(code, str(e))
-            return
+            raise RequestError(code, str(e)) from None
         try:
             async for response in self._stream(request, rid, prompt_ids, requests, queue):
                 yield response
@@ -125,9 +141,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if not req.is_finished:
                     self.engine.abort(req.request_id)
 
-    async def _refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+    def _refuse_if_draining(self) -> None:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
     def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
         limits = self.limits()
