@@ -23,7 +23,7 @@ from executor_service import default_model as dm
 
 @dataclass(slots=True, frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 3e-3

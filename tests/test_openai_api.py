@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
 import torch
 
@@ -84,8 +84,7 @@ async def test_greedy_completion_equals_grpc_and_transformers(http: HttpStack, c
     async with PagedServeClient(http.stack.address, api_key=KEY) as grpc_client:
         _, grpc_text, _, _ = await run(grpc_client, prompt=PROMPT, max_tokens=40, temperature=0.0)
     assert text == grpc_text
-    ids = hf_tokenizer(PROMPT)["input_ids"]
-    assert ids[0] == hf_tokenizer.bos_token_id
+    ids = [hf_tokenizer.bos_token_id, *hf_tokenizer(PROMPT, add_special_tokens=False)["input_ids"]]
     assert text == hf_greedy_text(hf, hf_tokenizer, ids, 40)
     assert completion.usage.prompt_tokens == len(ids)
     assert completion.usage.completion_tokens + completion.usage.prompt_tokens == completion.usage.total_tokens
@@ -109,12 +108,12 @@ async def test_streamed_completion_matches_and_reports_usage(client: openai.Asyn
 
 
 async def test_token_id_prompts_and_lists_of_prompts(client: openai.AsyncOpenAI, hf_tokenizer: Any) -> None:
-    ids = hf_tokenizer(PROMPT)["input_ids"][1:]
+    ids = [hf_tokenizer.bos_token_id, *hf_tokenizer(PROMPT, add_special_tokens=False)["input_ids"]]
     by_text = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     both = await client.completions.create(model=MODEL, prompt=[ids, ids[:4]], max_tokens=12, temperature=0)
     assert [c.index for c in both.choices] == [0, 1]
     assert both.choices[0].text == by_text.choices[0].text
-    assert both.usage.prompt_tokens == len(ids) + 4 + 2  # each prompt gets a BOS
+    assert both.usage.prompt_tokens == len(ids) + 4  # token-id prompts are taken as they are (no BOS added)
 
 
 async def test_n_seeded_choices(client: openai.AsyncOpenAI) -> None:
@@ -195,7 +194,7 @@ async def test_disconnected_stream_is_aborted_and_frees_blocks(http: HttpStack, 
 
 async def test_disconnected_plain_request_is_aborted(http: HttpStack) -> None:
     before = http.stack.metrics().get("vllm:request_success_total{abort}", 0)
-    async with http.client(timeout=httpx.Timeout(1.0)) as impatient:
+    async with http.client(timeout=1.0) as impatient:
         with pytest.raises(openai.APITimeoutError):
             await impatient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=900,
                                                extra_body={"ignore_eos": True})
@@ -236,9 +235,11 @@ async def test_missing_or_wrong_key_is_401(http: HttpStack) -> None:
     async with http.client(api_key="wrong") as wrong:
         with pytest.raises(openai.AuthenticationError):
             await wrong.models.list()
-    async with httpx.AsyncClient() as raw:
-        assert (await raw.get(f"{http.base_url}/models")).status_code == 401
-        assert (await raw.get(http.base_url.removesuffix("/v1") + "/health")).status_code == 200
+    async with aiohttp.ClientSession() as raw:
+        async with raw.get(f"{http.base_url}/models") as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        async with raw.get(http.base_url.removesuffix("/v1") + "/health") as r:
+            assert r.status == 200
 
 
 async def test_queue_full_is_429_and_no_executor_is_503(tmp_path: Path) -> None:
@@ -253,21 +254,22 @@ async def test_queue_full_is_429_and_no_executor_is_503(tmp_path: Path) -> None:
                                          "--metrics-port", "-1", "--http-listen", f"127.0.0.1:{port}"],
                    tmp_path / "lonely.log")
     try:
-        async with httpx.AsyncClient() as raw:
+        async with aiohttp.ClientSession() as raw:
             url = f"http://127.0.0.1:{port}"
-            health = await wait_for_http(raw, f"{url}/health")
-            assert health.status_code == 503
-            response = await raw.post(f"{url}/v1/completions", json={"prompt": "hi"})
-            assert response.status_code == 503
-            assert response.json()["error"]["type"] == "service_unavailable_error"
+            assert await wait_for_status(raw, f"{url}/health") == 503
+            async with raw.post(f"{url}/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["type"] == "service_unavailable_error"
     finally:
         stop(lonely)
 
 
-async def wait_for_http(client: httpx.AsyncClient, url: str) -> httpx.Response:
+async def wait_for_status(client: aiohttp.ClientSession, url: str) -> int:
+    """The status of GET url once the server listens (it is starting up)."""
     for _ in range(600):
         try:
-            return await client.get(url)
-        except httpx.TransportError:
+            async with client.get(url) as r:
+                return r.status
+        except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.05)
     raise TimeoutError(url)
