@@ -10,6 +10,9 @@ carry OpenAI error objects with the right HTTP status.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +21,10 @@ import aiohttp
 import pytest
 import torch
 
+from client.bench.datasets import SyntheticConfig, synthetic_requests
 from client.lib import PagedServeClient
 from executor_service.default_model import ensure_default_model
-from tests.procs import Stack, free_port, run, running_stack, start, stop, wait_until
+from tests.procs import ROOT, Stack, free_port, run, running_stack, start, stop, wait_until
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -273,3 +277,18 @@ async def wait_for_status(client: aiohttp.ClientSession, url: str) -> int:
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.05)
     raise TimeoutError(url)
+
+
+def test_bench_over_http_sends_the_same_requests(http: HttpStack, tmp_path: Path) -> None:
+    result_json = tmp_path / "http.json"
+    args = ["--num-prompts", "6", "--synthetic-input-mean", "16", "--synthetic-output-mean", "8",
+            "--synthetic-vocab-size", "2048", "--ignore-eos", "--disable-tqdm", "--api-key", KEY]
+    proc = subprocess.run([sys.executable, "-m", "client", "bench", "--backend", "openai", "--base-url",
+                           http.base_url.removesuffix("/v1"), "--result-json", str(result_json), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(result_json.read_text())
+    expected = synthetic_requests(SyntheticConfig(num_prompts=6, input_mean=16, output_mean=8, vocab_size=2048))
+    assert (result["completed"], result["failed"], result["backend"]) == (6, 0, "openai")
+    assert result["output_lens"] == [r.max_tokens for r in expected]
+    assert result["mean_ttft_ms"] > 0
