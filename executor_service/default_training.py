@@ -96,7 +96,8 @@ def train(out_dir: Path, cfg: TrainConfig, spec: dm.ModelSpec = dm.TRAINED_SPEC)
 
 def write_trained(out_dir: Path, model: torch.nn.Module, tokenizer: Tokenizer, spec: dm.ModelSpec) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = {name: tensor.detach().to(torch.bfloat16).contiguous() for name, tensor in model.state_dict().items()}
+    weights = {name: tensor.detach().to(torch.bfloat16).contiguous() for name, tensor in model.state_dict().items()
+               if not (spec.tie_word_embeddings and name == "lm_head.weight")}
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = dm.build_config(spec)
     config["dtype"] = "bfloat16"
