@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 from client.lib import PagedServeClient
@@ -41,13 +42,15 @@ async def wait_healthy(address: str, procs: list[subprocess.Popen[bytes]], timeo
 
 
 async def demo(address: str, prompt: str) -> None:
-    """The prompt, then the greedy continuation as it streams in, between two rules."""
-    rule = "-" * 72
-    print(f"\n{rule}\ndemo: greedy continuation of the prompt, streamed\n{rule}\n{prompt}", end="", flush=True)
+    """The prompt and its greedy continuation, wrapped, printed in one piece once it is complete (the
+    services log to the same terminal, so streamed text would be interleaved with their lines)."""
+    text = ""
     async with PagedServeClient(address) as client:
         async for r in client.generate(prompt, max_tokens=64, temperature=0.0):
-            print(r.text, end="", flush=True)
-    print(f"\n{rule}", flush=True)
+            text += r.text
+    rule = "-" * 72
+    body = "\n".join(textwrap.wrap(prompt + text, width=72))
+    print(f"\n{rule}\ndemo: {prompt!r}, continued greedily by the model\n{rule}\n{body}\n{rule}", flush=True)
 
 
 def ready_message(args: argparse.Namespace) -> str:
