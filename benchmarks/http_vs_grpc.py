@@ -3,8 +3,9 @@
 Starts an executor (the model-free simulated one by default, so the front end's own cost is what shows; or
 --torch for the embedded default model on CPU) and one scheduler with --http-listen, then sends the same
 requests with `client bench`'s runner once per path, alternating --rounds times. For each path it prints
-output tokens/s, TTFT and TPOT, and the scheduler process's CPU time per output token (from /proc), and the
-HTTP/gRPC ratios. The difference in CPU per token is the HTTP layer's per-token cost.
+output tokens/s, TTFT and TPOT, the scheduler process's CPU time per output token (from /proc) and the
+benchmark client's own, and the HTTP/gRPC ratios. The difference in the scheduler's CPU per token is the HTTP
+layer's per-token cost on the server.
 
     python benchmarks/http_vs_grpc.py [--num-prompts 200] [--output-len 128] [--rounds 2] [--torch]
 """
@@ -47,13 +48,14 @@ def requests(n: int, prompt_len: int, output_len: int) -> list[BenchRequest]:
 async def one_run(client: PagedServeClient | OpenAIBenchClient, reqs: list[BenchRequest], pid: int,
                   concurrency: int | None) -> dict[str, float]:
     cfg = RunConfig(ignore_eos=True, show_progress=False, max_concurrency=concurrency)
-    before = cpu_seconds(pid)
+    before, client_before = cpu_seconds(pid), cpu_seconds(os.getpid())
     result = await run_benchmark(client, reqs, cfg)
-    cpu = cpu_seconds(pid) - before
+    cpu, client_cpu = cpu_seconds(pid) - before, cpu_seconds(os.getpid()) - client_before
     m = compute_metrics(result.traces, result.duration, [50.0], SLO())
     tokens = sum(t.output_len for t in result.traces)
     return {"completed": m.completed, "output_tok_s": m.output_throughput, "ttft_ms": m.ttft.mean,
-            "tpot_ms": m.tpot.mean, "cpu_us_per_token": 1e6 * cpu / max(tokens, 1)}
+            "tpot_ms": m.tpot.mean, "cpu_us_per_token": 1e6 * cpu / max(tokens, 1),
+            "client_cpu_us_per_token": 1e6 * client_cpu / max(tokens, 1)}
 
 
 async def compare(grpc_address: str, http_url: str, pid: int, args: argparse.Namespace) -> dict[str, list]:

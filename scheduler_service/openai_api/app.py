@@ -187,10 +187,11 @@ class OpenAIApi:
         requests = [generate_request(f"{call_id}-{i}", prompt, api) for i, prompt in enumerate(api.prompts)]
         n = api.sampling.n if api.sampling.HasField("n") else 1
         responses = merged([self.generation.generate(r) for r in requests])
-        async with contextlib.aclosing(responses):
+        async with contextlib.aclosing(responses):  # type: ignore[type-var]
             first = await anext(responses, None)
             formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
             stream = Stream(call_id, self.model_name() or "", endpoint, n, formatter, api.include_usage)
+            stream.prompt_index = {r.request_id: i for i, r in enumerate(requests)}
             if api.stream:
                 return await stream.send(request, first, responses)
             return web.json_response(await stream.collect(first, responses))
@@ -206,31 +207,39 @@ class Stream:
         self.created = int(time.time())
         self.usage = Usage()
         self.offsets: dict[int, int] = {}
+        self.prompt_index: dict[str, int] = {}
 
-    async def collect(self, first: tuple[int, generation_pb2.GenerateResponse] | None,
-                      rest: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]) -> dict[str, Any]:
+    async def collect(self, first: generation_pb2.GenerateResponse | None,
+                      rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
         choices: dict[int, Choice] = {}
-        async for prompt_index, response in prepend(first, rest):
-            index = prompt_index * self.n + response.index
-            choice = choices.setdefault(index, Choice(index))
-            choice.text.append(response.text)
-            choice.logprobs.extend(response.logprobs)
-            choice.finish_reason = finish_reason(response) or choice.finish_reason
-            self.usage.add(prompt_index, response)
+        if first is not None:
+            self._gather(first, choices)
+            async for response in rest:
+                self._gather(response, choices)
         build = chat_choice if self.endpoint.chat else completion_choice
         return {"id": self.call_id, "object": self.endpoint.object, "created": self.created, "model": self.model,
                 "choices": [build(choices[i], self.formatter) for i in sorted(choices)], "usage": self.usage.body()}
 
-    async def send(self, request: web.Request, first: tuple[int, generation_pb2.GenerateResponse] | None,
-                   rest: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]) -> web.StreamResponse:
+    def _gather(self, response: generation_pb2.GenerateResponse, choices: dict[int, Choice]) -> None:
+        prompt_index = self.prompt_index.get(response.request_id, 0)
+        index = prompt_index * self.n + response.index
+        choice = choices.setdefault(index, Choice(index))
+        choice.text.append(response.text)
+        choice.logprobs.extend(response.logprobs)
+        choice.finish_reason = finish_reason(response) or choice.finish_reason
+        self.usage.add(prompt_index, response)
+
+    async def send(self, request: web.Request, first: generation_pb2.GenerateResponse | None,
+                   rest: AsyncIterator[generation_pb2.GenerateResponse]) -> web.StreamResponse:
         out = web.StreamResponse(headers=SSE_HEADERS)
         await out.prepare(request)
         try:
-            if self.endpoint.chat and first is not None:
-                await out.write(self._event(self._role_chunk()))
-            async for prompt_index, response in prepend(first, rest):
-                self.usage.add(prompt_index, response)
-                await out.write(self._event(self._chunk(prompt_index * self.n + response.index, response)))
+            if first is not None:
+                if self.endpoint.chat:
+                    await out.write(self._event(self._role_chunk()))
+                await out.write(self._event(self._chunk(first)))
+                async for response in rest:
+                    await out.write(self._event(self._chunk(response)))
             if self.include_usage:
                 await out.write(self._event({**self._head(), "choices": [], "usage": self.usage.body()}))
         except (ApiError, RequestError) as e:
@@ -251,7 +260,10 @@ class Stream:
                     "finish_reason": None} for i in range(self.n)]
         return {**self._head(), "choices": choices, **({"usage": None} if self.include_usage else {})}
 
-    def _chunk(self, index: int, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+    def _chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+        prompt_index = self.prompt_index.get(response.request_id, 0)
+        index = prompt_index * self.n + response.index
+        self.usage.add(prompt_index, response)
         reason = finish_reason(response)
         f = self.formatter
         if self.endpoint.chat:
@@ -277,51 +289,44 @@ def generate_request(request_id: str, prompt: str | list[int], api: ApiRequest) 
     return request
 
 
-async def prepend(first: tuple[int, generation_pb2.GenerateResponse] | None,
-                  rest: AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]
-                  ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-    if first is None:
-        return
-    yield first
-    async for item in rest:
-        yield item
-
-
-async def merged(streams: list[AsyncIterator[generation_pb2.GenerateResponse]]
-                 ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-    """(prompt index, response) from every stream as they come; closing this closes them all."""
+def merged(streams: list[AsyncIterator[generation_pb2.GenerateResponse]]
+           ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The responses of every stream as they come (one stream is passed through as it is); closing the
+    result closes them all."""
     if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
-            async for response in only:
-                yield 0, response
-        return
-    queue: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | RequestError | None]] = asyncio.Queue()
-    tasks = [asyncio.create_task(pump(i, s, queue)) for i, s in enumerate(streams)]
+        return streams[0]
+    return interleaved(streams)
+
+
+async def interleaved(streams: list[AsyncIterator[generation_pb2.GenerateResponse]]
+                      ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | RequestError | None] = asyncio.Queue()
+    tasks = [asyncio.create_task(pump(s, queue)) for s in streams]
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
+            item = await queue.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, RequestError):
                 raise item
             else:
-                yield index, item
+                yield item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def pump(index: int, stream: AsyncIterator[generation_pb2.GenerateResponse],
-               queue: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | RequestError | None]]) -> None:
+async def pump(stream: AsyncIterator[generation_pb2.GenerateResponse],
+               queue: asyncio.Queue[generation_pb2.GenerateResponse | RequestError | None]) -> None:
     try:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for response in stream:
-                queue.put_nowait((index, response))
+                queue.put_nowait(response)
     except RequestError as e:
-        queue.put_nowait((index, e))
-    queue.put_nowait((index, None))
+        queue.put_nowait(e)
+    queue.put_nowait(None)
 
 
 def presented_key(request: web.Request) -> str:
