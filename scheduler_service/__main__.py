@@ -8,6 +8,7 @@ import gc
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
 import uvloop
@@ -18,9 +19,11 @@ from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
 from scheduler_service.metrics import EngineMetrics, MetricsServer
-from scheduler_service.openai_api.app import HttpServer, OpenAIApi, serve_http
 from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
+
+if TYPE_CHECKING:
+    from scheduler_service.openai_api.app import HttpServer
 
 log = logging.getLogger("pagedserve.scheduler")
 LIVENESS = "liveness"
@@ -47,6 +50,8 @@ def freeze_startup_objects() -> None:
 async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> HttpServer | None:
     if not config.http_listen:
         return None
+    from scheduler_service.openai_api.app import OpenAIApi, serve_http
+
     api = OpenAIApi(public.generation, config.served_model_name,
                     load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
     http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key)
