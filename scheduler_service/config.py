@@ -16,6 +16,9 @@ class SchedulerServiceConfig(CoreConfig):
     """The scheduler service's settings: the core's knobs (CoreConfig) and the service's own."""
 
     listen: str = field(default="127.0.0.1:50051", metadata=flag("HOST:PORT for the public Generation API"))
+    http_listen: str | None = field(default=None, metadata=flag(
+        "HOST:PORT for the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health); off by default"))
     executor: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"], metadata=flag(
         "executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to (repeatable; the pool "
         "follows DNS at run time)"))
