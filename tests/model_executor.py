@@ -1,15 +1,19 @@
 """An in-process executor model for core tests: it keeps a fake KV cache whose every slot records
-(request, position, token), checks before each forward that a request's cached positions hold exactly
-its tokens, and applies swap and copy mappings the way a real executor must."""
+(position, digest of the tokens up to it) -- what a real model's KV at that slot depends on. Before
+each forward it checks that a request's computed positions hold exactly what computing them itself
+would have written (so a shared or cached block must equal a recompute), and that every block it
+writes is held by no other live request (a shared block is copied first). It applies swap and copy
+mappings the way a real executor must."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 
-Slot = tuple[str, int, int] | None
+Slot = tuple[int, int] | None
 
 
 def token_at(rid: str, position: int, eos: int | None = None, eos_every: int = 0) -> int:
@@ -28,6 +32,13 @@ class _State:
     tokens: list[int]
     num_computed: int
     table: list[int] | None
+    digests: list[int] = field(default_factory=list)
+
+    def digest(self, p: int) -> int:
+        while len(self.digests) <= p:
+            i = len(self.digests)
+            self.digests.append(hash((self.digests[i - 1] if i else 0, self.tokens[i])))
+        return self.digests[p]
 
 
 class ModelExecutor:
@@ -37,6 +48,7 @@ class ModelExecutor:
         self.device: list[Slot] = [None] * (num_device * block_size)
         self.cpu: list[Slot] = [None] * (num_cpu * block_size)
         self.states: dict[str, _State] = {}
+        self._holders: Counter[int] = Counter()
         self.eos = eos
         self.eos_every = eos_every
 
@@ -66,6 +78,7 @@ class ModelExecutor:
                 if st.table is None:
                     raise CacheCorrupted(f"{r.request_id} scheduled while swapped out")
                 st.table.extend(r.new_block_ids)
+        self._holders = Counter(b for st in self.states.values() if st.table is not None for b in set(st.table))
         result = ExecutorResult()
         for work in out.scheduled:
             rid = work.request.request_id
@@ -85,10 +98,14 @@ class ModelExecutor:
         sampled: list[int] = []
         for _ in range(num_steps):
             for p in range(st.num_computed):
-                if self.device[self._slot(st, p)] != (rid, p, st.tokens[p]):
-                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}")
+                if self.device[self._slot(st, p)] != (p, st.digest(p)):
+                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}, "
+                                         "not what computing it would write")
             for p in range(st.num_computed, st.num_computed + n):
-                self.device[self._slot(st, p)] = (rid, p, st.tokens[p])
+                slot = self._slot(st, p)
+                if self._holders[slot // self.bs] != 1:
+                    raise CacheCorrupted(f"{rid} writes block {slot // self.bs}, which another live request holds")
+                self.device[slot] = (p, st.digest(p))
             st.num_computed += n
             if st.num_computed < len(st.tokens):
                 return sampled
