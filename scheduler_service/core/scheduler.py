@@ -498,7 +498,7 @@ class Scheduler:
 
     def _release_held(self, source_id: str) -> None:
         """The sibling computed the prompt (or finished): its held n > 1 siblings join the queue."""
-        for request in self._held.pop(source_id, ()):
+        for request in reversed(self._held.pop(source_id, [])):
             self.waiting.push(request, front=True)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
