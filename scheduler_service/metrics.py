@@ -83,6 +83,9 @@ class EngineMetrics:
         self.device_blocks_used = gauge("pagedserve:device_blocks_used", "Device KV blocks held")
         self.cpu_blocks_used = gauge("pagedserve:cpu_blocks_used", "CPU swap blocks held")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache on admission")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         by_mode = Counter("pagedserve:num_preemptions_by_mode", "Preemptions by mode", [*MODEL, "mode"], registry=r)
         self.preemptions_swap = by_mode.labels(m, "swap")
         self.preemptions_recompute = by_mode.labels(m, "recompute")
@@ -101,7 +104,7 @@ class EngineMetrics:
                                    STEP_BUCKETS)
         self.executor_step_time = histogram("pagedserve:executor_step_seconds",
                                             "Executor round trip per step", STEP_BUCKETS)
-        self._seen = {"swap": 0, "recompute": 0, "in": 0, "out": 0, "total": 0}
+        self._seen = {"swap": 0, "recompute": 0, "in": 0, "out": 0, "total": 0, "prefix_queries": 0, "prefix_hits": 0}
 
     def observe_stats(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
@@ -117,6 +120,8 @@ class EngineMetrics:
         self._advance("total", s.num_preemptions_swap + s.num_preemptions_recompute, self.preemptions)
         self._advance("in", s.num_swapped_in_blocks, self.swap_in_blocks)
         self._advance("out", s.num_swapped_out_blocks, self.swap_out_blocks)
+        self._advance("prefix_queries", s.prefix_cache_queries, self.prefix_cache_queries)
+        self._advance("prefix_hits", s.prefix_cache_hits, self.prefix_cache_hits)
 
     def _advance(self, key: str, value: int, child: Counter) -> None:
         if value > self._seen[key]:

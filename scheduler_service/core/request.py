@@ -41,7 +41,8 @@ class SamplingOptions:
 @dataclass(slots=True, eq=False)
 class Request:
     """share_prompt_with names a sibling of the same n > 1 request (same prompt): this sequence
-    shares the sibling's computed prompt blocks instead of computing them again."""
+    shares the sibling's computed prompt blocks instead of computing them again. num_cached_tokens:
+    prompt tokens it found computed at its first admission (-1 before it)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +55,7 @@ class Request:
     error: str = ""
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = -1
     first_scheduled_time: float | None = None
     share_prompt_with: str | None = None
 

@@ -428,6 +428,8 @@ class Scheduler:
         self.waiting.discard(request)
         self.kv.admit(request, hit, slots)
         request.num_computed_tokens = hit.num_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit.num_tokens
         self._start_running(request, n, scheduled, budget, is_new=True)
 
     def _start_running(self, request: Request, n: int, scheduled: dict[str, ScheduledWork], budget: Budget,
