@@ -114,9 +114,9 @@ class KVCacheManager:
         self.device.touch(hit.blocks)
         table = self._tables[rid] = list(hit.blocks)
         self._num_cached[rid] = len(hit.blocks) if self.enable_caching else 0
-        stats = self.prefix_stats
-        stats.queries += request.num_tokens
-        stats.hits += hit.num_tokens
+        if self.enable_caching:
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += hit.num_tokens
         fresh = self.device.allocate(self.blocks_for(num_slots) - len(table))
         if fresh is None:
             raise RuntimeError(f"device pool short admitting {rid}: call can_admit first")
