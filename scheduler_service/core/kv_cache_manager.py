@@ -130,12 +130,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, num_lookahead: int = 0) -> list[int] | None:
         """Extend a running request's table to hold its computed tokens, num_new_tokens more and the
         lookahead slots; the new block ids (often none), or None if the pool is short."""
-        rid = request.request_id
-        table = self._tables[rid]
-        computed = request.num_computed_tokens
-        if self.enable_caching and computed >= (self._num_cached[rid] + 1) * self.block_size:
-            self._cache_computed(request, table)
-        missing = -(-(computed + num_new_tokens + num_lookahead) // self.block_size) - len(table)
+        table = self._tables[request.request_id]
+        missing = -(-(request.num_computed_tokens + num_new_tokens + num_lookahead) // self.block_size) - len(table)
         if missing <= 0:
             return NO_BLOCKS
         new = self.device.allocate(missing)
@@ -149,6 +145,13 @@ class KVCacheManager:
         if table and num_blocks > 0:
             self.device.release(table[-num_blocks:])
             del table[-num_blocks:]
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks computed so far (call when its computed count crosses a
+        block boundary); they are then found by look-ups and stay cached after it frees them."""
+        table = self._tables.get(request.request_id)
+        if self.enable_caching and table is not None:
+            self._cache_computed(request, table)
 
     def _cache_computed(self, request: Request, table: list[int]) -> None:
         rid = request.request_id
@@ -219,6 +222,8 @@ class KVCacheManager:
         self.cpu.release_after_step(cpu_ids)
         self._tables[rid] = table
         self._num_cached[rid] = 0
+        if self.enable_caching:
+            self._cache_computed(request, table)
         return mapping
 
     def _reusable(self, request: Request, num_blocks: int) -> list[int | None]:

@@ -453,50 +453,70 @@ class Scheduler:
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
         max_model_len, eos_ids = self.limits.max_model_len, self.limits.eos_token_ids
         protected, held = self._protected, self._held
-        finish = self._finish
+        block_size = self.limits.block_size
+        delta = RequestDelta
         for work in out.scheduled:
             request = work.request
             if request.status is not RUNNING:
                 continue
             rid = request.request_id
             if errors and rid in errors:
-                finish(request, FinishReason.ERROR, errors[rid])
-                append(RequestDelta(rid, [], FinishReason.ERROR, errors[rid]))
+                self._fail(request, errors[rid], append)
                 continue
             output = request.output_token_ids
-            num_tokens = len(request.prompt_token_ids) + len(output)
-            computed = request.num_computed_tokens + work.num_tokens
+            before = request.num_computed_tokens
+            computed = before + work.num_tokens
             request.num_computed_tokens = computed
+            if computed // block_size != before // block_size:
+                self.kv.cache_blocks(request)
+            num_tokens = len(request.prompt_token_ids) + len(output)
             if computed < num_tokens:
                 continue
             tokens = sampled.get(rid)
             if not tokens:
-                error = "executor returned no token for a completed step"
-                finish(request, FinishReason.ERROR, error)
-                append(RequestDelta(rid, [], FinishReason.ERROR, error))
+                self._fail(request, "executor returned no token for a completed step", append)
                 continue
             if protected:
                 protected.discard(rid)
             if held and rid in held:
                 self._release_held(rid)
-            reason = None
+            output += tokens
             sampling = request.sampling
-            for i, token in enumerate(tokens):
-                if i:
-                    request.num_computed_tokens += 1
-                output.append(token)
-                num_tokens += 1
-                reason = stop_reason(sampling, token, len(output), num_tokens, max_model_len, eos_ids)
-                if reason is not None:
-                    tokens = tokens[:i + 1]
-                    finish(request, reason)
-                    break
+            token = tokens[0]
+            reason = None
+            # Only a request that may have met a stop rule walks its tokens through them.
+            if len(tokens) > 1 or len(output) >= sampling.max_tokens or num_tokens + 1 >= max_model_len \
+                    or token in eos_ids or token in sampling.stop_token_ids:
+                tokens, reason = self._append_checked(request, tokens)
             if logprobs:
-                append(RequestDelta(rid, tokens, reason, "", logprobs.get(rid, [])[:len(tokens)]))
+                append(delta(rid, tokens, reason, "", logprobs.get(rid, [])[:len(tokens)]))
             else:
-                append(RequestDelta(rid, tokens, reason))
+                append(delta(rid, tokens, reason))
         self._compact_running()
         return deltas
+
+    def _append_checked(self, request: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Check the tokens just appended in order; keep those up to a stop (finishing the request
+        there). Tokens after the first were computed by the executor's extra decode steps."""
+        output = request.output_token_ids
+        first = len(output) - len(tokens)
+        num_tokens = len(request.prompt_token_ids) + first
+        for i, token in enumerate(tokens):
+            reason = stop_reason(request.sampling, token, first + i + 1, num_tokens + i + 1,
+                                 self.limits.max_model_len, self.limits.eos_token_ids)
+            if reason is not None or i == len(tokens) - 1:
+                del output[first + i + 1:]
+                request.num_computed_tokens += i
+                if reason is not None:
+                    self._finish(request, reason)
+                elif i:
+                    self.kv.cache_blocks(request)
+                return tokens[:i + 1], reason
+        return tokens, None
+
+    def _fail(self, request: Request, error: str, append: Callable[[RequestDelta], None]) -> None:
+        self._finish(request, FinishReason.ERROR, error)
+        append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
 
     def _release_held(self, source_id: str) -> None:
         """The sibling computed the prompt (or finished): its held n > 1 siblings join the queue."""
