@@ -212,14 +212,15 @@ class Scheduler:
         max_slots = self.kv.usable_blocks * self.kv.block_size
         allocate = self.kv.allocate_slots
         works = self._decode_works
+        tokens_left = budget.tokens
         for request in list(self.running):
-            if budget.tokens <= 0:
+            if tokens_left <= 0:
                 break
             if request.status is not RUNNING:
                 continue
             computed = request.num_computed_tokens
             remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
-            n = 1 if remaining == 1 else self._chunk(remaining, budget.tokens)
+            n = 1 if remaining == 1 else self._chunk(remaining, tokens_left)
             if n == 0:
                 continue
             if computed + n + extra > max_slots:
@@ -227,7 +228,9 @@ class Scheduler:
                 continue
             new = allocate(request, n, extra)
             if new is None:
+                budget.tokens = tokens_left
                 new = self._make_room(request, n, extra, scheduled, budget, out)
+                tokens_left = budget.tokens
                 if new is None:
                     continue
             rid = request.request_id
@@ -238,8 +241,9 @@ class Scheduler:
             else:
                 work = ScheduledWork(request, n, new)
             scheduled[rid] = work
-            budget.tokens -= n
-            budget.seqs -= 1
+            tokens_left -= n
+        budget.tokens = tokens_left
+        budget.seqs = self.config.max_num_seqs - len(scheduled)  # the first phase: only running work so far
 
     def _make_room(self, request: Request, n: int, extra: int, scheduled: dict[str, ScheduledWork],
                    budget: Budget, out: SchedulerOutput) -> list[int] | None:
