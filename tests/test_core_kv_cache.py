@@ -60,7 +60,7 @@ def test_a_second_request_takes_the_cached_full_blocks_and_computes_only_the_res
     a = req("a", PROMPT)
     run.add(a)
     run.finish_all()
-    b = req("b", PROMPT[:16] + [99, 98])
+    b = req("b", [*PROMPT[:16], 99, 98])
     run.add(b)
     run.step()
     new = run.new[0]
@@ -92,7 +92,7 @@ def test_caching_off_computes_everything() -> None:
 
 def test_freed_blocks_are_evicted_uncached_first_then_least_recently_freed() -> None:
     kv = KVCacheManager(6, 0, BS)
-    a, b = req("a", list(range(8)) + [50]), req("b", list(range(100, 108)) + [51])
+    a, b = req("a", [*list(range(8)), 50]), req("b", [*list(range(100, 108)), 51])
     for r in (a, b):
         kv.admit(r, PrefixHit(), r.num_tokens)
         r.num_computed_tokens = r.num_tokens
@@ -145,10 +145,10 @@ def test_recompute_preemption_refinds_its_own_blocks() -> None:
 
 def test_swap_out_of_a_shared_prefix_leaves_the_other_holder_intact() -> None:
     run = Run(num_blocks=8, cpu_blocks=16, preemption_mode=PreemptionMode.SWAP)
-    a = req("a", PROMPT[:12] + [1], max_tokens=10)
+    a = req("a", [*PROMPT[:12], 1], max_tokens=10)
     run.add(a)
     run.step()
-    b = req("b", PROMPT[:12] + [2], max_tokens=10)
+    b = req("b", [*PROMPT[:12], 2], max_tokens=10)
     run.add(b)
     run.step()
     shared = set(run.s.kv.block_table("a")) & set(run.s.kv.block_table("b"))
