@@ -161,7 +161,7 @@ def test_swap_out_of_a_shared_prefix_leaves_the_other_holder_intact() -> None:
 
 def test_n_siblings_share_the_prompt_and_copy_its_partial_block_once_each() -> None:
     run = Run(num_blocks=40)
-    prompt = PROMPT + [27]  # 18 tokens: 4 full blocks and 2 in a fifth
+    prompt = [*PROMPT, 27]  # 18 tokens: 4 full blocks and 2 in a fifth
     seqs = [req("s0", prompt, max_tokens=6)] + [req(f"s{i}", prompt, max_tokens=6, share="s0") for i in (1, 2, 3)]
     run.add(*seqs)
     run.step()
