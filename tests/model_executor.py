@@ -49,6 +49,7 @@ class ModelExecutor:
         self.cpu: list[Slot] = [None] * (num_cpu * block_size)
         self.states: dict[str, _State] = {}
         self._holders: Counter[int] = Counter()
+        self.cpu_owner: dict[int, str] = {}
         self.eos = eos
         self.eos_every = eos_every
 
@@ -60,9 +61,11 @@ class ModelExecutor:
     def step(self, out: SchedulerOutput) -> ExecutorResult:
         for rid in out.finished_ids:
             self.states.pop(rid, None)
+            self._release_swap_blocks(rid)
         if {b for _, b in out.swap_out} & {a for a, _ in out.swap_in} or \
                 {a for a, _ in out.swap_out} & {b for _, b in out.swap_in}:
             raise CacheCorrupted("a swap-in and a swap-out of one step touch the same block")
+        self._claim_swap_blocks(out)
         self._move(self.device, self.cpu, out.swap_out)
         for rid in out.swapped_out_ids:
             self.states[rid].table = None
@@ -86,6 +89,24 @@ class ModelExecutor:
             if tokens:
                 result.sampled[rid] = tokens
         return result
+
+    def _claim_swap_blocks(self, out: SchedulerOutput) -> None:
+        """Swap blocks belong to the request swapped into them until a swap-in reads them or it is
+        dropped, as in the real executor; a swap-out into a block still owned is corruption."""
+        for _, b in out.swap_out:
+            if b in self.cpu_owner:
+                raise CacheCorrupted(f"swap-out into swap block {b}, still held by {self.cpu_owner[b]}")
+        mappings = iter(out.swap_out)
+        for rid in out.swapped_out_ids:
+            for _ in self.states[rid].table or ():
+                self.cpu_owner[next(mappings)[1]] = rid
+        for a, _ in out.swap_in:
+            if self.cpu_owner.pop(a, None) is None:
+                raise CacheCorrupted(f"swap-in from swap block {a}, which holds no swapped request")
+
+    def _release_swap_blocks(self, rid: str) -> None:
+        for b in [b for b, owner in self.cpu_owner.items() if owner == rid]:
+            del self.cpu_owner[b]
 
     def _slot(self, st: _State, p: int) -> int:
         assert st.table is not None

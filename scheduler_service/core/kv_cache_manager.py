@@ -201,37 +201,18 @@ class KVCacheManager:
         return self.device.num_free - need >= self.watermark_blocks
 
     def swap_in(self, request: Request) -> BlockMap:
-        """Bring a swapped request back. A full computed block still cached on the device is taken as
-        it is; the others are copied in from the swap pool."""
+        """Bring a swapped request back into fresh device blocks (its swap blocks free at the step's end)."""
         rid = request.request_id
         cpu_ids = self._cpu_tables.pop(rid)
-        table: list[int] = []
-        mapping: BlockMap = []
-        reusable = self._reusable(request, len(cpu_ids))
-        for i, cpu_id in enumerate(cpu_ids):
-            block = reusable[i] if i < len(reusable) else None
-            if block is not None:
-                self.device.touch([block])
-                table.append(block)
-                continue
-            new = self.device.allocate(1)
-            if new is None:
-                raise RuntimeError(f"device pool short for {rid}: call can_swap_in first")
-            table.append(new[0])
-            mapping.append((cpu_id, new[0]))
+        table = self.device.allocate(len(cpu_ids))
+        if table is None:
+            raise RuntimeError(f"device pool short for {rid}: call can_swap_in first")
         self.cpu.release_after_step(cpu_ids)
         self._tables[rid] = table
         self._num_cached[rid] = 0
         if self.enable_caching:
             self._cache_computed(request, table)
-        return mapping
-
-    def _reusable(self, request: Request, num_blocks: int) -> list[int | None]:
-        if not self.enable_caching:
-            return []
-        full = min(request.num_computed_tokens // self.block_size, num_blocks)
-        keys = extend_keys(self._keys.setdefault(request.request_id, []), request, full, self.block_size)
-        return [self.device.lookup(k) for k in keys[:full]]
+        return list(zip(cpu_ids, table, strict=True))
 
     # ---- step and lifetime -------------------------------------------------------------
 
