@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
@@ -97,6 +97,7 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
     requests: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
+    copies = shared_swaps = 0
     for step in range(600):
         clock.now = step * 0.01
         for i, (arrive, plen, max_tokens, prio, ignore_eos, _, prefix, n) in enumerate(specs):
@@ -117,6 +118,8 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         out = s.schedule()
         check_invariants(s, out, cfg, before)
+        copies += len(out.copy)
+        shared_swaps += sum(1 for a, _ in out.swap_out if s.kv.device.ref_count(a) > 0)
         for d in s.update(out, ex.step(out)):
             outputs[d.request_id] += d.new_token_ids
             if d.finish_reason is not None:
@@ -124,6 +127,9 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
         if step > max(sp[0] for sp in specs) and not s.has_unfinished():
             break
     assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
+    event(f"prefix cache hits: {s.stats().prefix_cache_hits > 0}")
+    event(f"n > 1 copy-on-write: {copies > 0}")
+    event(f"swap-out of a block another request kept: {shared_swaps > 0}")
     assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
     for rid, req in requests.items():
         reason = reasons[rid]
