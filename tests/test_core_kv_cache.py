@@ -102,7 +102,7 @@ def test_freed_blocks_are_evicted_uncached_first_then_least_recently_freed() -> 
     # a's and b's partial third blocks hold nothing reusable: they go first; then a (freed first),
     # tail before head, then b.
     order = kv.device.allocate(6)
-    assert order == [table_b[2], table_a[2], table_a[1], table_a[0], table_b[1], table_b[0]]
+    assert order == [table_a[2], table_b[2], table_a[1], table_a[0], table_b[1], table_b[0]]
     assert kv.device.num_cached == 0
 
 

@@ -58,7 +58,7 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
     assert all(refs[b] == c for b, c in held.items()), "a reference count differs from the tables holding it"
     assert sum(1 for r in refs if r > 0) == len(held)
     assert bm.device.num_free + len(held) == bm.device.num_blocks
-    assert set(bm.device._free) == {b for b in range(bm.device.num_blocks) if refs[b] == 0}
+    assert bm.device.free_blocks() == {b for b in range(bm.device.num_blocks) if refs[b] == 0}
     assert all(bm.device._keys[b] == k for k, b in bm.device._cached.items())
     cpu_held = Counter(b for ids in bm._cpu_tables.values() for b in ids)
     assert all(c == 1 for c in cpu_held.values()), "a swap block is held twice"

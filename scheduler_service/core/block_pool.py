@@ -1,8 +1,8 @@
 """The device pool with reference counts and a prefix cache, and the CPU swap pool.
 
-A device block is free when no request holds it. Free blocks wait in one queue: blocks holding
-nothing worth keeping at the front, freed cached blocks behind them in the order they were freed, so
-allocation takes the least recently used cached block last and evicts its hash only then.
+A device block is free when no request holds it. Allocation takes free blocks holding nothing worth
+keeping first (a plain FIFO), then freed cached blocks in the order they were freed (an LRU queue), so
+the least recently used cached block goes last and its key is evicted only then.
 """
 
 from __future__ import annotations
@@ -18,15 +18,19 @@ class DevicePool:
         self._refs = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    def free_blocks(self) -> set[int]:
+        return {*self._empty, *self._lru}
 
     @property
     def num_cached(self) -> int:
@@ -40,10 +44,15 @@ class DevicePool:
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks (each held once), evicting cached contents; None if fewer are free."""
-        if n > len(self._free):
+        empty = self._empty
+        if n > len(empty) + len(self._lru):
             return None
-        pop, refs, keys = self._free.popitem, self._refs, self._keys
-        ids = [pop(last=False)[0] for _ in range(n)]
+        if n <= len(empty):
+            ids = [empty.popleft() for _ in range(n)]
+        else:
+            ids = [*empty, *(self._lru.popitem(last=False)[0] for _ in range(n - len(empty)))]
+            empty.clear()
+        refs, keys = self._refs, self._keys
         for i in ids:
             refs[i] = 1
             key = keys[i]
@@ -55,21 +64,22 @@ class DevicePool:
 
     def touch(self, ids: list[int]) -> None:
         """Hold blocks another request (or the cache) already has; a free one leaves the free queue."""
-        refs, free = self._refs, self._free
+        refs, lru = self._refs, self._lru
         for i in ids:
             if refs[i] == 0:
-                del free[i]
+                del lru[i]  # only a cached block can be found while free
             refs[i] += 1
 
     def release(self, ids: list[int]) -> None:
         """Drop one hold on each block, last first, so a request's tail is evicted before its head."""
-        refs, free, keys = self._refs, self._free, self._keys
+        refs, lru, empty, keys = self._refs, self._lru, self._empty, self._keys
         for i in reversed(ids):
             refs[i] -= 1
             if refs[i] == 0:
-                free[i] = None
                 if keys[i] is None:
-                    free.move_to_end(i, last=False)
+                    empty.append(i)
+                else:
+                    lru[i] = None
 
     def cache(self, block_id: int, key: BlockKey) -> None:
         """Record that block_id holds the KV of the full block key (the first block to do so keeps it)."""
