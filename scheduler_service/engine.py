@@ -302,9 +302,9 @@ class Engine:
         stats = self.scheduler.stats() if self.scheduler is not None else None
         queries = stats.prefix_cache_queries if stats is not None else 0
         hit_rate = 100 * stats.prefix_cache_hits / queries if stats is not None and queries else 0.0
-        log.info("request %s finished: reason=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d queue=%.3fs "
+        log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d queue=%.3fs "
                  "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s", req.request_id, reason.value,
-                 req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_output_tokens, queue, ttft,
+                 req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), queue, ttft,
                  now - stream.arrival, req.num_preemptions, hit_rate, f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
