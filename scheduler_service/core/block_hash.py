@@ -25,6 +25,17 @@ def token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
     return tuple(prompt[start:]) + tuple(output[:end - p])
 
 
+def prefix_keys(token_ids: list[int], block_size: int) -> list[BlockKey]:
+    """The keys of every full block of a token list."""
+    keys: list[BlockKey] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        key = (parent, tuple(token_ids[start:start + block_size]))
+        keys.append(key)
+        parent = hash(key)
+    return keys
+
+
 def extend_keys(keys: list[BlockKey], request: Request, num_blocks: int, block_size: int) -> list[BlockKey]:
     """keys (the request's first block keys) extended in place to num_blocks full blocks."""
     parent = hash(keys[-1]) if keys else ROOT_HASH

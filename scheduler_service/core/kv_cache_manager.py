@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler_service.core.block_hash import BlockKey, extend_keys
+from scheduler_service.core.block_hash import BlockKey, extend_keys, prefix_keys
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
@@ -89,6 +89,17 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids sit in cached full blocks (0 with caching off)."""
+        if not self.enable_caching:
+            return 0
+        found = 0
+        for key in prefix_keys(token_ids, self.block_size):
+            if self.device.lookup(key) is None:
+                break
+            found += self.block_size
+        return found
 
     def fork_blocks(self, request: Request, source_id: str) -> PrefixHit | None:
         """Share a running sibling's prompt blocks (same prompt, already computed): every full block

@@ -98,9 +98,10 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. One whose share_prompt_with names a sibling still computing that prompt
-        waits beside the queue until the sibling has it, then shares its blocks."""
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queue a request; `front` for one that already ran (moved off a lost or draining executor).
+        One whose share_prompt_with names a sibling still computing that prompt waits beside the
+        queue until the sibling has it, then shares its blocks."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"duplicate request_id {rid!r}")
@@ -110,7 +111,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self._held.setdefault(source.request_id, []).append(request)
             return
-        self.waiting.push(request)
+        self.waiting.push(request, front=front)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -152,6 +153,28 @@ class Scheduler:
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(self.limits)
         self.kv.prefix_stats = stats
+
+    def release(self, request_id: str) -> Request | None:
+        """Take a WAITING request out of this scheduler, to hand it to another executor's; None if the
+        request is not here or not waiting (a running request finishes where its blocks are)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING:
+            return None
+        self._leave_waiting(request)
+        self.kv.free(request)
+        self._forget_in_executor(request_id)
+        self._protected.discard(request_id)
+        if request_id in self._held:
+            self._release_held(request_id)
+        del self.requests[request_id]
+        return request
+
+    def waiting_ids(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if r.status is RequestStatus.WAITING]
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt this executor's KV cache already holds (placement hint)."""
+        return self.kv.cached_prefix_tokens(token_ids)
 
     def set_limits(self, limits: ModelLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""
