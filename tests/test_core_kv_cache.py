@@ -223,3 +223,31 @@ def test_reset_executor_forgets_every_cached_block() -> None:
     run.add(req("b", PROMPT))
     run.step()
     assert run.new[0].num_computed_tokens == 0
+
+
+def test_cached_prefix_tokens_answers_from_the_cache_for_placement() -> None:
+    run = Run()
+    assert run.s.cached_prefix_tokens(PROMPT) == 0
+    run.add(req("a", PROMPT, max_tokens=2))
+    run.finish_all()
+    assert run.s.cached_prefix_tokens(PROMPT) == 16
+    assert run.s.cached_prefix_tokens(PROMPT[:9]) == 8
+    assert run.s.cached_prefix_tokens([99, *PROMPT[1:]]) == 0
+    off = Run(enable_prefix_caching=False)
+    off.add(req("a", PROMPT, max_tokens=2))
+    off.finish_all()
+    assert off.s.cached_prefix_tokens(PROMPT) == 0
+
+
+def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
+    run = Run()
+    a, b, c = (req(r, PROMPT * 3, max_tokens=2, share=None if r == "a" else "a") for r in "abc")
+    run.s.config.long_prefill_token_threshold = 8
+    run.add(a, b, c)
+    assert run.s.waiting_ids() == ["a", "b", "c"]
+    assert run.s.release("b") is b and run.s.waiting_ids() == ["a", "c"]
+    run.step()
+    assert run.s.release("a") is None  # running: it finishes here
+    run.finish_all()
+    assert run.tokens["a"] == run.expect(a) and run.tokens["c"] == run.expect(c)
+    assert run.s.kv.device.num_used == 0 and run.s.requests == {}
