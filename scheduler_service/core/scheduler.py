@@ -137,6 +137,11 @@ class Scheduler:
             device_blocks_cached=kv.device.num_cached,
         )
 
+    def prefix_cache_hit_rate(self) -> float:
+        """Percent of the prompt tokens looked up on admission that were found cached, so far."""
+        stats = self.kv.prefix_stats
+        return 100 * stats.hits / stats.queries if stats.queries else 0.0
+
     def reset_executor(self) -> None:
         """The executor lost its state (and so every cached block): running and swapped requests
         recompute from WAITING."""
