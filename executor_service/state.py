@@ -55,7 +55,8 @@ def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
 
 
 class RequestTable:
-    """The executor's requests and block ownership; the validator reads it, commit() changes it."""
+    """The executor's requests, which live requests hold each device block (several share a cached prefix
+    or an n > 1 prompt) and which request owns each swap block; the validator reads it, commit() changes it."""
 
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
                  max_model_len: int = 0) -> None:
@@ -65,7 +66,7 @@ class RequestTable:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
-        self.device_owner: dict[int, str] = {}
+        self.device_owner: dict[int, set[str]] = {}
         self.swap_owner: dict[int, str] = {}
 
     def reset(self) -> None:
@@ -83,8 +84,11 @@ class RequestTable:
 
     def _release_device(self, state: RequestState) -> None:
         for block in state.block_table or ():
-            if self.device_owner.get(block) == state.request_id:
-                del self.device_owner[block]
+            holders = self.device_owner.get(block)
+            if holders is not None:
+                holders.discard(state.request_id)
+                if not holders:
+                    del self.device_owner[block]
         state.block_table = None
 
     def commit(self, plan: StepPlan) -> None:
@@ -111,7 +115,7 @@ class RequestTable:
             state.block_table = []
         state.block_table.extend(admitted.new_block_ids)
         for block in admitted.new_block_ids:
-            self.device_owner[block] = rid
+            self.device_owner.setdefault(block, set()).add(rid)
 
     def item(self, state: RequestState, num_tokens: int) -> BatchItem:
         """The batch item of a request the validator admitted (or check_span accepted) for num_tokens."""

@@ -59,27 +59,26 @@ def running_columns(run: executor_pb2.RunningRequests) -> list[RunningColumns]:
 
 
 class _Ownership:
-    """Device block ownership as the step would leave it, over the table's, without changing the table."""
+    """Who holds each device block as the step would leave it, over the table's, without changing the table."""
 
-    def __init__(self, owners: dict[int, str]) -> None:
-        self.owners = owners
-        self.freed: set[int] = set()
-        self.taken: dict[int, str] = {}
+    def __init__(self, holders: dict[int, set[str]]) -> None:
+        self._holders = holders
+        self._freed: dict[int, set[str]] = {}
+        self._taken: dict[int, set[str]] = {}
 
-    def owner(self, block: int) -> str | None:
-        if block in self.taken:
-            return self.taken[block]
-        return None if block in self.freed else self.owners.get(block)
+    def holds(self, request_id: str, block: int) -> bool:
+        if request_id in self._taken.get(block, ()):
+            return True
+        return request_id in self._holders.get(block, ()) and request_id not in self._freed.get(block, ())
 
     def free(self, request_id: str, blocks: Iterable[int]) -> None:
         for block in blocks:
-            if self.owner(block) == request_id:
-                self.freed.add(block)
-                self.taken.pop(block, None)
+            self._freed.setdefault(block, set()).add(request_id)
+            self._taken.get(block, set()).discard(request_id)
 
     def take(self, request_id: str, blocks: Iterable[int]) -> None:
         for block in blocks:
-            self.taken[block] = request_id
+            self._taken.setdefault(block, set()).add(request_id)
 
 
 class StepValidator:
@@ -156,14 +155,11 @@ class StepValidator:
 
     def _check_claim(self, request_id: str, blocks: Sequence[int], ownership: _Ownership) -> None:
         num_device_blocks = self.table.num_device_blocks
-        for block in blocks:
+        for block in blocks:  # another live request may hold the block too: a shared prefix
             if not 0 <= block < num_device_blocks:
                 raise RequestRefused(f"block id {block} out of range [0, {num_device_blocks})")
-            owner = ownership.owner(block)
-            if owner == request_id:
+            if ownership.holds(request_id, block):
                 raise RequestRefused(f"block {block} is already in this request's table")
-            if owner is not None:
-                raise RequestRefused(f"block {block} is held by live request {owner!r}")
         if len(set(blocks)) != len(blocks):
             raise RequestRefused("block ids repeat within one request")
 
@@ -175,8 +171,9 @@ class StepValidator:
         unknown = swapped_out - states.keys()
         if unknown:
             raise StepRefused(f"swapped_out_ids names unknown request {sorted(unknown)[0]!r}")
-        released = {b for rid in swapped_out for b in states[rid].block_table or () if device_owner.get(b) == rid}
-        claimed = self._check_swap_out(step, swapped_out)
+        released = {b for rid in swapped_out for b in states[rid].block_table or ()
+                    if device_owner.get(b, set()) <= swapped_out}
+        claimed = self._check_swap_out(step)
         destinations = [m.dst for m in step.swap_in] + [m.dst for m in step.copy]
         if len(set(destinations)) != len(destinations):
             raise StepRefused("a device block is the destination of more than one swap_in or copy")
@@ -194,13 +191,19 @@ class StepValidator:
         for rid in swapped_out:
             ownership.free(rid, states[rid].block_table or ())
 
-    def _check_swap_out(self, step: executor_pb2.StepRequest, swapped_out: set[str]) -> dict[int, str]:
+    def _check_swap_out(self, step: executor_pb2.StepRequest) -> dict[int, str]:
+        """Each swap block's owner: a shared source block is copied once per holder being swapped out,
+        its mappings in the order swapped_out_ids names them."""
         claimed: dict[int, str] = {}
+        taken: dict[int, set[str]] = {}
         num_swap_blocks, swap_owner = self.table.num_swap_blocks, self.table.swap_owner
         for m in step.swap_out:
-            owner = self.table.device_owner.get(m.src)
-            if owner is None or owner not in swapped_out:
+            holders = self.table.device_owner.get(m.src, set())
+            done = taken.setdefault(m.src, set())
+            owner = next((r for r in step.swapped_out_ids if r in holders and r not in done), None)
+            if owner is None:
                 raise StepRefused(f"swap_out source block {m.src} is not held by a request being swapped out")
+            done.add(owner)
             if not 0 <= m.dst < num_swap_blocks:
                 raise StepRefused(f"swap block id {m.dst} out of range [0, {num_swap_blocks})")
             holder = swap_owner.get(m.dst) or claimed.get(m.dst)
@@ -213,6 +216,6 @@ class StepValidator:
         num_device_blocks = self.table.num_device_blocks
         if not 0 <= block < num_device_blocks:
             raise StepRefused(f"{what} block id {block} out of range [0, {num_device_blocks})")
-        owner = self.table.device_owner.get(block)
-        if owner is not None and block not in released:  # writing it would corrupt a live request's KV
-            raise StepRefused(f"{what} block {block} is held by live request {owner!r}")
+        holders = self.table.device_owner.get(block)
+        if holders and block not in released:  # writing it would corrupt a live request's KV
+            raise StepRefused(f"{what} block {block} is held by live request {sorted(holders)[0]!r}")

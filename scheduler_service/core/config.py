@@ -34,6 +34,8 @@ class CoreConfig:
     num_lookahead_slots: int = 0
     num_scheduler_steps: int = 1
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "reuse the KV of cached full blocks of a prompt's prefix (on by default)"))
     long_prefill_token_threshold: int = 0
     aging_rate: float = field(default=0.0, metadata=flag("priority units gained per second of waiting (sjf, priority)"))
     max_waiting_time: float | None = field(default=None, metadata=flag(
