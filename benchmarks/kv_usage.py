@@ -31,7 +31,7 @@ from typing import Any
 from client.bench.datasets import SyntheticConfig, synthetic_requests
 from client.bench.record import emit, machine
 from client.bench.stats import percentile
-from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
@@ -92,7 +92,7 @@ def simulate(args: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
     reqs = synthetic_requests(cfg)
     config = CoreConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=PreemptionMode(args.preemption_mode), watermark=args.watermark)
-    limits = ModelLimits(block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
+    limits = ExecutorLimits(block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
                          num_cpu_blocks=args.num_cpu_blocks, max_model_len=args.input_max + args.max_tokens + 8,
                          eos_token_ids=(EOS,))
     sched = Scheduler(config, limits)

@@ -33,7 +33,7 @@ from benchmarks.common import emit, machine, median, service
 from client.bench.datasets import PrefixRepetitionConfig, prefix_repetition_requests
 from client.bench.runner import RunConfig, run_benchmark
 from client.lib import PagedServeClient
-from scheduler_service.core.config import CoreConfig, ModelLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
@@ -97,7 +97,7 @@ def fake_execute(out: SchedulerOutput) -> ExecutorResult:
 
 
 def peak_blocks(prompt_len: int, output_len: int, n: int, share: bool) -> int:
-    limits = ModelLimits(BLOCK_SIZE, num_device_blocks=4096, num_cpu_blocks=0,
+    limits = ExecutorLimits(BLOCK_SIZE, num_device_blocks=4096, num_cpu_blocks=0,
                          max_model_len=prompt_len + output_len + 16)
     s = Scheduler(CoreConfig(max_num_batched_tokens=16384, watermark=0.0), limits)
     prompt = [10 + i % 200 for i in range(prompt_len)]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from client.bench.stats import percentile
-from scheduler_service.core.config import CoreConfig, ModelLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
@@ -62,7 +62,7 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     num_blocks = running * blocks_per_request + 64
     config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * PROMPT_LEN),
                         watermark=0.0)
-    limits = ModelLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
+    limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
                          max_model_len=tokens_per_request + 1024, eos_token_ids=(EOS,))
     scheduler = Scheduler(config, limits)
     options = SamplingOptions(max_tokens=10**9, ignore_eos=True)

@@ -61,7 +61,7 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> Ht
 
 async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: ExecutorPool) -> None:
     log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
-    public.generation.draining = True
+    public.generation.shutting_down = True
     await set_health(public.health, False)
     if not engine.idle():
         with contextlib.suppress(TimeoutError):

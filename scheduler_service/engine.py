@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2
-from scheduler_service.core.config import CoreConfig, ModelLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
@@ -36,8 +36,8 @@ class RequestStream:
     executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
 
 
-def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
-    return ModelLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
+def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
+    return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
                        num_cpu_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
                        eos_token_ids=tuple(describe.eos_token_ids))
 
@@ -63,7 +63,7 @@ class Engine:
         self.series: ExecutorSeries | None = None
         self.streams: dict[str, RequestStream] = {}
         self.ready = asyncio.Event()
-        self.drained = asyncio.Event()
+        self.became_idle = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.on_ready_change: Callable[[bool], object] | None = None
@@ -94,11 +94,11 @@ class Engine:
         if max_steps and self.core_config.num_scheduler_steps > max_steps:
             log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
                       "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
-        limits = limits_from(describe)
+        limits = executor_limits(describe)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.core_config, limits)
         else:
-            self.scheduler.set_limits(limits)
+            self.scheduler.set_executor_limits(limits)
         if self.metrics is None:
             self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
         self.series = self.metrics.executor_series(self.label)
@@ -146,7 +146,7 @@ class Engine:
         sched.add_request(request)
         stream = RequestStream(request, queue)
         self.streams[request.request_id] = stream
-        self.drained.clear()
+        self.became_idle.clear()
         self._wake.set()
         return stream
 
@@ -154,7 +154,7 @@ class Engine:
         """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""
         self._sched().add_request(stream.request, front)
         self.streams[stream.request.request_id] = stream
-        self.drained.clear()
+        self.became_idle.clear()
         self._wake.set()
 
     def release(self, request_id: str) -> RequestStream | None:
@@ -221,7 +221,7 @@ class Engine:
         sched = self._sched()
         while True:
             if not sched.has_unfinished():
-                self.drained.set()
+                self.became_idle.set()
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue

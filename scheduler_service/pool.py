@@ -312,5 +312,5 @@ class ExecutorPool:
 
     async def wait_idle(self) -> None:
         while not self.idle():
-            await asyncio.gather(*(e.drained.wait() for e in self._engines() if not e.idle()))
+            await asyncio.gather(*(e.became_idle.wait() for e in self._engines() if not e.idle()))
             await asyncio.sleep(0.01)

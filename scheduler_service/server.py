@@ -27,8 +27,8 @@ from scheduler_service.stop_strings import StopMatcher
 from scheduler_service.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.validation import (
     InvalidArgument,
-    Limits,
     MalformedRequest,
+    RequestLimits,
     max_prompt_bytes,
     parse_generate_request,
     sampling_options,
@@ -100,7 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
         self.max_logprobs = max_logprobs
         self.serving = serving or ServingLimits()
-        self.draining = False
+        self.shutting_down = False
         self.open_calls = 0
         self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
                                        (engine.describe.model_id if engine.describe else ""))
@@ -124,13 +124,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._tokenizer_key = key
         return self._tokenizer
 
-    def limits(self) -> Limits:
+    def request_limits(self) -> RequestLimits:
         d = self.engine.describe
         if d is None:
             raise RuntimeError("no executor described yet")
         prompt_bytes = max_prompt_bytes(d.max_model_len, self.tokenizer().max_token_bytes,
                                         self.serving.max_request_bytes)
-        return Limits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs,
+        return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs,
                       max_prompt_bytes=prompt_bytes)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
@@ -158,9 +158,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request: generation_pb2.GenerateRequest
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        self._refuse_if_draining()
+        self._refuse_if_shutting_down()
         await self._wait_for_executor()
-        self._refuse_if_draining()
+        self._refuse_if_shutting_down()
         try:
             rid, prompt_ids, requests = await self._build(request)
         except InvalidArgument as e:
@@ -188,8 +188,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.refusals.add(code.name, message)
         return RequestError(code, message)
 
-    def _refuse_if_draining(self) -> None:
-        if self.draining:
+    def _refuse_if_shutting_down(self) -> None:
+        if self.shutting_down:
             raise self.refuse(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
     async def _wait_for_executor(self) -> None:
@@ -204,7 +204,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               ) from None
 
     async def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
-        limits = self.limits()
+        limits = self.request_limits()
         validate_prompt(request, limits)
         if request.prompt_token_ids:
             prompt_ids = list(request.prompt_token_ids)

@@ -26,7 +26,7 @@ class InvalidArgument(ValueError):
 
 
 @dataclass(slots=True, frozen=True)
-class Limits:
+class RequestLimits:
     vocab_size: int
     max_model_len: int
     max_logprobs: int
@@ -48,7 +48,7 @@ def max_prompt_bytes(max_model_len: int, max_token_bytes: int, max_request_bytes
     return max(1, min(max_model_len * max_token_bytes, max_request_bytes))
 
 
-def validate_prompt(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
+def validate_prompt(req: generation_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Cheap checks, before any tokenization: sizes first, so oversized input costs nothing."""
     has_text, has_ids = bool(req.prompt), bool(req.prompt_token_ids)
     _check(has_text or has_ids, "prompt", "give exactly one of prompt or prompt_token_ids (neither was set)")
@@ -81,7 +81,7 @@ def _given(p: common_pb2.SamplingParams, name: str) -> Any:
     return getattr(p, name) if p.HasField(name) else getattr(SAMPLING, name).default
 
 
-def sampling_options(req: generation_pb2.GenerateRequest, limits: Limits, prompt_len: int) -> SamplingOptions:
+def sampling_options(req: generation_pb2.GenerateRequest, limits: RequestLimits, prompt_len: int) -> SamplingOptions:
     p = req.sampling
     room = limits.max_model_len - prompt_len
     _check(prompt_len >= 1, "prompt", "the prompt encodes to no tokens")

@@ -3,7 +3,7 @@ with cached blocks, n > 1 prompt sharing with copy-on-write."""
 
 from __future__ import annotations
 
-from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import NewRequestData, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions
@@ -22,7 +22,7 @@ def req(rid: str, prompt: list[int], max_tokens: int = 4, share: str | None = No
 class Run:
     def __init__(self, num_blocks: int = 32, cpu_blocks: int = 0, **config: object) -> None:
         cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
-        self.s = Scheduler(cfg, ModelLimits(BS, num_blocks, cpu_blocks, max_model_len=512), clock=FakeClock())
+        self.s = Scheduler(cfg, ExecutorLimits(BS, num_blocks, cpu_blocks, max_model_len=512), clock=FakeClock())
         self.ex = ModelExecutor(num_blocks, max(cpu_blocks, 1), BS)
         self.tokens: dict[str, list[int]] = {}
         self.outs: list[SchedulerOutput] = []

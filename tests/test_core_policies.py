@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
 from scheduler_service.core.policy import Policy
@@ -26,7 +26,7 @@ class Harness:
                  max_model_len: int = 4096, **config: object) -> None:
         self.clock = FakeClock()
         cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
-        limits = ModelLimits(block_size=block_size, num_device_blocks=num_blocks, num_cpu_blocks=cpu_blocks,
+        limits = ExecutorLimits(block_size=block_size, num_device_blocks=num_blocks, num_cpu_blocks=cpu_blocks,
                              max_model_len=max_model_len, eos_token_ids=(EOS,))
         self.s = Scheduler(cfg, limits, clock=self.clock)
         self.ex = ModelExecutor(num_blocks, max(cpu_blocks, 1), block_size)
@@ -247,15 +247,15 @@ def test_thrash_guard_a_resumed_request_is_not_a_victim_before_a_new_token() -> 
         h.step()
         first = preempted_in(h, before)
     assert first == ["c"]
-    assert "c" in h.s._protected and c.num_preemptions == 1
+    assert "c" in h.s._thrash_guarded and c.num_preemptions == 1
     guarded_steps = 0
-    while "c" in h.s._protected:
-        running_protected = c.status is RequestStatus.RUNNING
+    while "c" in h.s._thrash_guarded:
+        running_guarded = c.status is RequestStatus.RUNNING
         latest = max(h.s.running, key=lambda r: h.s._admitted[r.request_id]) if h.s.running else None
         before = h.running_ids()
         h.step()
         victims = preempted_in(h, before)
-        if running_protected and victims:
+        if running_guarded and victims:
             assert latest is c and victims == ["b"]
             guarded_steps += 1
     assert guarded_steps == 1, "the scenario no longer exercises the guard"
@@ -265,19 +265,19 @@ def test_thrash_guard_a_resumed_request_is_not_a_victim_before_a_new_token() -> 
         assert h.tokens[rid] == expected_tokens(rid, n, 8)
 
 
-def test_protected_flag_set_on_preemption_and_cleared_by_a_new_token() -> None:
+def test_thrash_guard_flag_set_on_preemption_and_cleared_by_a_new_token() -> None:
     h = Harness(num_blocks=2, block_size=4)
     h.add("a", 3, max_tokens=5)
     h.add("b", 4, max_tokens=4)
     h.step()
     h.step()  # b preempts itself (recompute)
     b = h.s.requests["b"]
-    assert "b" in h.s._protected and b.status is RequestStatus.WAITING
+    assert "b" in h.s._thrash_guarded and b.status is RequestStatus.WAITING
     n = len(h.tokens["b"])
     while len(h.tokens["b"]) == n:
-        assert "b" in h.s._protected
+        assert "b" in h.s._thrash_guarded
         h.step()
-    assert "b" not in h.s._protected
+    assert "b" not in h.s._thrash_guarded
 
 
 def swap_setup(mode: PreemptionMode, cpu_blocks: int) -> tuple[Harness, SchedulerOutput]:
@@ -483,7 +483,7 @@ def test_lookahead_slots_are_reserved_at_admission_and_every_step() -> None:
 def test_multi_step_truncates_at_a_stop_and_frees_blocks() -> None:
     clock = FakeClock()
     cfg = CoreConfig(watermark=0.0, num_scheduler_steps=4)
-    s = Scheduler(cfg, ModelLimits(16, 64, 0, 4096, (EOS,)), clock=clock)
+    s = Scheduler(cfg, ExecutorLimits(16, 64, 0, 4096, (EOS,)), clock=clock)
     s.add_request(make_request("a", 10, max_tokens=50, stop_token_ids=(9,)))
     out = s.schedule()
     assert out.num_steps == 1  # a prefill step is one step
@@ -500,7 +500,7 @@ def test_multi_step_truncates_at_a_stop_and_frees_blocks() -> None:
 
 
 def test_multi_step_reserves_slots_across_a_block_boundary() -> None:
-    s = Scheduler(CoreConfig(watermark=0.0, num_scheduler_steps=4), ModelLimits(4, 64, 0, 4096, (EOS,)),
+    s = Scheduler(CoreConfig(watermark=0.0, num_scheduler_steps=4), ExecutorLimits(4, 64, 0, 4096, (EOS,)),
                   clock=FakeClock())
     ex = ModelExecutor(64, 1, 4)
     s.add_request(make_request("a", 3, max_tokens=9, ignore_eos=True))

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
 from scheduler_service.core.outputs import SchedulerOutput
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
@@ -90,7 +90,7 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
                                                   cfg_kwargs: dict[str, object], device_blocks: int,
                                                   cpu_blocks: int) -> None:
     cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
-    limits = ModelLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
+    limits = ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
     clock = FakeClock()
     s = Scheduler(cfg, limits, clock=clock)
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)

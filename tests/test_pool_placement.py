@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from protos.pagedserve.v1 import executor_pb2
-from scheduler_service.core.config import CoreConfig, ModelLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
@@ -18,7 +18,7 @@ from scheduler_service.engine import Engine, QueueFull
 from scheduler_service.membership import ExecutorTarget, Resolver, parse_target, pick_family
 from scheduler_service.pool import ExecutorPool, Member, PoolConfig
 
-LIMITS = ModelLimits(block_size=16, num_device_blocks=256, num_cpu_blocks=16, max_model_len=4096)
+LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_cpu_blocks=16, max_model_len=4096)
 
 
 def pool_of(n: int, max_num_seqs: int = 8, max_queue_len: int = 1000) -> ExecutorPool:

@@ -10,15 +10,15 @@ import pytest
 from protos.pagedserve.v1 import common_pb2, generation_pb2
 from scheduler_service.validation import (
     InvalidArgument,
-    Limits,
     MalformedRequest,
+    RequestLimits,
     max_prompt_bytes,
     parse_generate_request,
     sampling_options,
     validate_prompt,
 )
 
-LIMITS = Limits(vocab_size=1000, max_model_len=100, max_logprobs=5, max_prompt_bytes=400)
+LIMITS = RequestLimits(vocab_size=1000, max_model_len=100, max_logprobs=5, max_prompt_bytes=400)
 
 
 def options(**sampling: Any) -> None:

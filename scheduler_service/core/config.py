@@ -43,7 +43,7 @@ class CoreConfig:
 
 
 @dataclass(slots=True, frozen=True)
-class ModelLimits:
+class ExecutorLimits:
     block_size: int
     num_device_blocks: int
     num_cpu_blocks: int

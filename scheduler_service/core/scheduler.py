@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
 from scheduler_service.core.kv_cache_manager import NO_BLOCKS, AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import (
     ExecutorResult,
@@ -64,7 +64,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: CoreConfig, limits: ModelLimits,
+    def __init__(self, config: CoreConfig, limits: ExecutorLimits,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.limits = limits
@@ -75,12 +75,12 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._admitted: dict[str, int] = {}
-        self._protected: set[str] = set()
+        self._thrash_guarded: set[str] = set()
         self._held: dict[str, list[Request]] = {}
-        self._decode_works: dict[str, ScheduledWork] = {}
+        self._decode_work_by_id: dict[str, ScheduledWork] = {}
         self._known_by_executor: set[str] = set()
         self._to_drop: list[str] = []
-        self._entered: list[ScheduledWork] = []
+        self._entered_running: list[ScheduledWork] = []
         self._step_id = 0
         self._admissions = 0
         self._step_first_admission = 0
@@ -92,7 +92,7 @@ class Scheduler:
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
 
-    def _new_kv(self, limits: ModelLimits) -> KVCacheManager:
+    def _new_kv(self, limits: ExecutorLimits) -> KVCacheManager:
         return KVCacheManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
                               self.config.watermark, self.config.enable_prefix_caching)
 
@@ -152,7 +152,7 @@ class Scheduler:
             self.waiting.push(request, front=True)
         self.running.clear()
         self.swapped.clear()
-        self._decode_works.clear()
+        self._decode_work_by_id.clear()
         self._known_by_executor.clear()
         self._to_drop.clear()
         stats = self.kv.prefix_stats
@@ -168,7 +168,7 @@ class Scheduler:
         self._leave_waiting(request)
         self.kv.free(request)
         self._forget_in_executor(request_id)
-        self._protected.discard(request_id)
+        self._thrash_guarded.discard(request_id)
         if request_id in self._held:
             self._release_held(request_id)
         del self.requests[request_id]
@@ -181,10 +181,10 @@ class Scheduler:
         """How many leading tokens of a prompt this executor's KV cache already holds (placement hint)."""
         return self.kv.cached_prefix_tokens(token_ids)
 
-    def set_limits(self, limits: ModelLimits) -> None:
+    def set_executor_limits(self, limits: ExecutorLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""
         if self.running or self.swapped:
-            raise RuntimeError("set_limits needs every request out of RUNNING and SWAPPED")
+            raise RuntimeError("set_executor_limits needs every request out of RUNNING and SWAPPED")
         self.limits = limits
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(limits)
@@ -211,12 +211,12 @@ class Scheduler:
         out.copy = self.kv.end_step()
         out.scheduled = list(scheduled.values())
         # Only work that entered RUNNING this step can be new to the executor (this keeps it O(changes)).
-        for work in self._entered:
+        for work in self._entered_running:
             if scheduled.get(work.request.request_id) is work:
                 self._known_by_executor.add(work.request.request_id)
                 if work.request.first_scheduled_time is None:
                     work.request.first_scheduled_time = now
-        self._entered.clear()
+        self._entered_running.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
         self._compact_running()
         return out
@@ -239,7 +239,7 @@ class Scheduler:
         extra = out.num_steps - 1 + self.config.num_lookahead_slots
         max_slots = self.kv.usable_blocks * self.kv.block_size
         allocate = self.kv.allocate_slots
-        works = self._decode_works
+        works = self._decode_work_by_id
         tokens_left = budget.tokens
         for request in list(self.running):
             if tokens_left <= 0:
@@ -294,11 +294,11 @@ class Scheduler:
 
     def _pick_victim(self, admitted_before: int | None = None) -> Request | None:
         """The running request the victim rule picks, the one asking for room included (it then preempts
-        itself, as in vLLM); requests protected by the thrash guard are never picked, nor, with
+        itself, as in vLLM); requests the thrash guard holds are never picked, nor, with
         admitted_before, requests admitted at or after that admission number."""
-        admitted, protected = self._admitted, self._protected
+        admitted, guarded = self._admitted, self._thrash_guarded
         limit = admitted_before if admitted_before is not None else self._admissions
-        candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in protected
+        candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in guarded
                       and admitted[r.request_id] < limit]
         if not candidates:
             return None
@@ -329,7 +329,7 @@ class Scheduler:
                 self.kv.release_tail(rid, len(work.new_block_ids))
         self.running.remove(request)
         self._admitted.pop(rid, None)
-        self._decode_works.pop(rid, None)
+        self._decode_work_by_id.pop(rid, None)
         mode = self._preemption_mode(request)
         if mode is PreemptionMode.SWAP:
             mapping = self.kv.swap_out(request)
@@ -345,7 +345,7 @@ class Scheduler:
             self.waiting.push(request, front=True)
         self._preemptions[mode] += 1
         request.num_preemptions += 1
-        self._protected.add(rid)
+        self._thrash_guarded.add(rid)
         out.num_preempted += 1
 
     def _forget_in_executor(self, request_id: str) -> None:
@@ -419,7 +419,7 @@ class Scheduler:
         forked = self.kv.fork_blocks(request, source.request_id)
         if forked is None or forked.num_tokens <= cached.num_tokens:
             return cached
-        self._protected.add(source.request_id)  # its block is this step's copy source
+        self._thrash_guarded.add(source.request_id)  # its block is this step's copy source
         return forked
 
     def _reject_if_never(self, request: Request, out: SchedulerOutput) -> bool:
@@ -473,7 +473,7 @@ class Scheduler:
         self._admissions += 1
         table = list(self.kv.block_table(request.request_id))
         work = scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=is_new, resumed=resumed)
-        self._entered.append(work)
+        self._entered_running.append(work)
         budget.tokens -= n
         budget.seqs -= 1
 
@@ -484,7 +484,7 @@ class Scheduler:
         append = deltas.append
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
         max_model_len, eos_ids = self.limits.max_model_len, self.limits.eos_token_ids
-        protected, held = self._protected, self._held
+        guarded, held = self._thrash_guarded, self._held
         block_size = self.limits.block_size
         delta = RequestDelta
         for work in out.scheduled:
@@ -508,8 +508,8 @@ class Scheduler:
             if not tokens:
                 self._fail(request, "executor returned no token for a completed step", append)
                 continue
-            if protected:
-                protected.discard(rid)
+            if guarded:
+                guarded.discard(rid)
             if held and rid in held:
                 self._release_held(rid)
             output += tokens
@@ -572,9 +572,9 @@ class Scheduler:
             self._running_dirty = True
         self.kv.free(request)
         self._forget_in_executor(rid)
-        self._decode_works.pop(rid, None)
+        self._decode_work_by_id.pop(rid, None)
         self._admitted.pop(rid, None)
-        self._protected.discard(rid)
+        self._thrash_guarded.discard(rid)
         if rid in self._held:
             self._release_held(rid)
         request.status = RequestStatus.FINISHED

@@ -107,7 +107,7 @@ class OpenAIApi:
         return self.served_model_name or (describe.model_id if describe is not None else None)
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.generation.draining or not self.generation.engine.ready.is_set():
+        if self.generation.shutting_down or not self.generation.engine.ready.is_set():
             raise ApiError(503, "not ready: no executor connected, or shutting down")
         return web.json_response({"status": "ok"})
 
