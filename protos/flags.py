@@ -22,11 +22,14 @@ class FlagSpec:
     help: str = ""
     choices: tuple[str, ...] = ()
     exclusive: str = ""  # flags with the same name here are mutually exclusive
+    group: str = ""  # the --help section the flag is listed under
+    aliases: tuple[str, ...] = ()  # further option strings, e.g. "-tp"
 
 
-def flag(help: str = "", *, choices: Sequence[str] = (), exclusive: str = "") -> dict[str, FlagSpec]:
+def flag(help: str = "", *, choices: Sequence[str] = (), exclusive: str = "", group: str = "",
+         aliases: Sequence[str] = ()) -> dict[str, FlagSpec]:
     """A config field's flag metadata."""
-    return {"flag": FlagSpec(help, tuple(choices), exclusive)}
+    return {"flag": FlagSpec(help, tuple(choices), exclusive, group, tuple(aliases))}
 
 
 def env_name(field_name: str) -> str:
@@ -70,15 +73,21 @@ def _argument(f: Field[Any], hint: Any, spec: FlagSpec) -> dict[str, Any]:
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per field of the dataclass cls (its base classes' fields first)."""
     hints = get_type_hints(cls)
-    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
     for f in fields(cls):
         spec = f.metadata.get("flag", FlagSpec())
         target: Any = parser
+        if spec.group:
+            if spec.group not in sections:
+                sections[spec.group] = parser.add_argument_group(spec.group)
+            target = sections[spec.group]
         if spec.exclusive:
-            if spec.exclusive not in groups:
-                groups[spec.exclusive] = parser.add_mutually_exclusive_group()
-            target = groups[spec.exclusive]
-        target.add_argument("--" + f.name.replace("_", "-"), **_argument(f, hints[f.name], spec))
+            if spec.exclusive not in exclusive:
+                exclusive[spec.exclusive] = target.add_mutually_exclusive_group()
+            target = exclusive[spec.exclusive]
+        names = ["--" + f.name.replace("_", "-"), *spec.aliases]
+        target.add_argument(*names, **_argument(f, hints[f.name], spec))
 
 
 def config_from(cls: type[C], args: argparse.Namespace) -> C:
