@@ -1,0 +1,327 @@
+#!/usr/bin/env bash
+# Builds the image from the Dockerfile and runs compose.yaml for real, with Debian's podman serving the
+# Docker API and Debian's docker-compose driving it; then checks the stack through its published ports:
+# a streamed generation, /metrics, and an executor restart with a stream in flight (which must finish with
+# exactly the tokens of an undisturbed greedy run). Prints one line per stage with its time.
+#
+#   bash scripts/compose_check.sh            # needs root or sudo; .venv must exist (scripts/setup.sh)
+#
+# Everything engine-specific lives here, not in the Dockerfile: the locally made base image (no image
+# registry is reachable), podman's settings, the machine's pip set-up mounted into the build, and the
+# healthcheck loop (podman runs healthchecks from systemd timers; there is no systemd here).
+# Kept between runs: the installed packages, the base image, the image and its build cache.
+# Removed on exit, pass or fail: the containers, the network, the API service and every process started.
+#
+# Settings (environment): GRPC_PORT / METRICS_PORT publish the scheduler on 127.0.0.1 (default: free
+# ports), BASE_IMAGE (default localhost/debian:bookworm, made with debootstrap when missing),
+# DEBIAN_MIRROR, TORCH_INDEX_URL (default: the index pip uses here), PAGEDSERVE_TAG (default
+# compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 1500),
+# COMPOSE_CHECK_KEEP_LOGS=1 keeps the log directory on success too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PY" ] || { echo "[compose_check] $PY is missing: run scripts/setup.sh first"; exit 1; }
+BASE_IMAGE=${BASE_IMAGE:-localhost/debian:bookworm}
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+export PAGEDSERVE_TAG=${PAGEDSERVE_TAG:-compose-check}
+IMAGE=pagedserve:$PAGEDSERVE_TAG
+RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-1500}
+PACKAGES=(podman runc debootstrap docker-compose catatonit netavark aardvark-dns)
+PROJECT=pagedservecheck$$
+WORK=$(mktemp -d /tmp/compose-check.XXXXXX)
+chmod 755 "$WORK"
+LOG=$WORK/log
+SOCK=$WORK/podman.sock
+export CONTAINERS_CONF=$WORK/containers.conf
+export DOCKER_HOST=unix://$SOCK
+export COMPOSE_PROJECT_NAME=$PROJECT
+export PUBLISH_ADDRESS=127.0.0.1
+: >"$LOG"
+
+podman_() { $SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" podman "$@"; }
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+GRPC_PORT=${GRPC_PORT:-$(free_port)}
+METRICS_PORT=${METRICS_PORT:-$(free_port)}
+while [ "$METRICS_PORT" = "$GRPC_PORT" ]; do METRICS_PORT=$(free_port); done
+export GRPC_PORT METRICS_PORT
+SERVER=127.0.0.1:$GRPC_PORT
+COMPOSE=($SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
+  PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT"
+  PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file /dev/null -f "$ROOT/compose.yaml")
+compose() { "${COMPOSE[@]}" "$@"; }
+
+log() { echo "[compose_check] $*"; }
+
+# stage NAME FUNCTION: runs FUNCTION under `set -e` with its output in the log; one line with its time.
+# Stages run in subshells, so a stage that starts a process records its pid under $WORK for cleanup.
+stage() {
+  local name=$1 t0=$EPOCHREALTIME rc
+  shift
+  echo "=== $name" >>"$LOG"
+  set +e
+  (set -e; "$@") >>"$LOG" 2>&1
+  rc=$?
+  set -e
+  local secs
+  secs=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+  if [ "$rc" -ne 0 ]; then
+    log "$(printf '%-26s FAILED after %ss (exit %s); log: %s' "$name" "$secs" "$rc" "$LOG")"
+    tail -n 60 "$LOG" | sed 's/^/    /'
+    FAILED=1
+    exit "$rc"
+  fi
+  log "$(printf '%-26s %7ss  %s' "$name" "$secs" "$(cat "$WORK/note" 2>/dev/null)")"
+  rm -f "$WORK/note"
+}
+note() { echo "$*" >"$WORK/note"; echo "$*"; }
+
+# ------------------------------------------------------------------------------------------- stages
+install_packages() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then note "all present"; return; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  note "installed ${missing[*]}"
+}
+
+# crun refuses this machine's hybrid cgroups, setting rlimits is not permitted, and there is no systemd.
+configure_podman() {
+  cat >"$CONTAINERS_CONF" <<'EOF'
+[containers]
+default_ulimits = []
+default_sysctls = ["net.ipv4.ping_group_range=0 0"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+
+[network]
+network_backend = "netavark"
+EOF
+  podman_ info --format '{{.Host.OCIRuntime.Name}} {{.Host.CgroupManager}} {{.Host.NetworkBackend}}' | tee "$WORK/note"
+}
+
+# A Debian base image from Debian's own packages: no image registry is reachable from here.
+make_base_image() {
+  if podman_ image exists "$BASE_IMAGE"; then note "reused $BASE_IMAGE"; return; fi
+  case $BASE_IMAGE in localhost/debian:*) ;; *) podman_ pull "$BASE_IMAGE"; note "pulled"; return ;; esac
+  local suite=${BASE_IMAGE#localhost/debian:}
+  $SUDO debootstrap --variant=minbase "$suite" "$WORK/rootfs" "$DEBIAN_MIRROR"
+  $SUDO find "$WORK/rootfs/var/cache/apt/archives" "$WORK/rootfs/var/lib/apt/lists" -type f -delete
+  $SUDO tar -C "$WORK/rootfs" -c . | podman_ import - "$BASE_IMAGE"
+  $SUDO rm -rf "$WORK/rootfs"
+  note "made $BASE_IMAGE with debootstrap"
+}
+
+# The machine's pip set-up, read-only, at the same paths inside the build: its configuration files, the
+# local wheel and index directories they name, and the directory of the CA bundle pip trusts.
+pip_mounts() {
+  "$PY" -m pip config debug 2>/dev/null | sed -n 's/^  \(\/[^,]*\), exists: True$/\1/p'
+  "$PY" -m pip config list 2>/dev/null | while IFS= read -r line; do
+    local key=${line%%=*} value=${line#*=}
+    value=${value#\'}; value=${value%\'}
+    case ${key##*.} in
+      find-links|extra-index-url|index-url|constraint|requirement)
+        for v in $value; do echo "${v#file://}"; done ;;
+      cert|client-cert) dirname "$value" ;;
+    esac
+  done
+}
+torch_index_url() {
+  local url
+  url=$("$PY" -m pip config get global.index-url 2>/dev/null || true)
+  echo "${TORCH_INDEX_URL:-${PIP_INDEX_URL:-${url:-https://pypi.org/simple}}}"
+}
+
+build_image() {
+  local args=() path old new
+  while IFS= read -r path; do
+    [ -e "$path" ] && args+=(-v "$path:$path:ro")
+  done < <(pip_mounts | sort -u)
+  echo "pip mounts: ${args[*]}"
+  old=$(podman_ image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+  podman_ build --network host --layers "${args[@]}" \
+    --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL="$(torch_index_url)" \
+    -t "$IMAGE" -f Dockerfile .
+  new=$(podman_ image inspect --format '{{.Id}}' "$IMAGE")
+  if [ -n "$old" ] && [ "$old" != "$new" ]; then
+    podman_ rmi "$old" >/dev/null 2>&1 || true
+    note "$IMAGE rebuilt ($(grep -c '^--> Using cache' "$LOG" || true) cached steps)"
+  else
+    note "$IMAGE ${old:+unchanged}${old:-built}"
+  fi
+}
+
+start_api_service() {
+  podman_ system service --time=0 "unix://$SOCK" >"$WORK/service.log" 2>&1 &
+  echo $! >"$WORK/service.pid"
+  local i
+  for i in $(seq 300); do
+    [ -S "$SOCK" ] && break
+    sleep 0.1
+  done
+  [ -S "$SOCK" ]
+  $SUDO chmod 666 "$SOCK"
+  note "$SOCK"
+}
+
+# podman runs healthchecks from systemd timers; with no systemd they run only when asked, so ask.
+start_healthchecks() {
+  (
+    while :; do
+      for c in $(podman_ ps -q --filter "label=com.docker.compose.project=$PROJECT"); do
+        podman_ healthcheck run "$c" >/dev/null 2>&1 || true
+      done
+      sleep 3
+    done
+  ) >/dev/null 2>&1 &
+  echo $! >"$WORK/healthchecks.pid"
+}
+
+compose_up() {
+  start_healthchecks
+  timeout 600 "${COMPOSE[@]}" up -d --no-build
+  note "project $PROJECT, grpc 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"
+}
+
+health_of() { podman_ inspect --format '{{.State.Health.Status}}' "$(compose ps -q "$1")"; }
+wait_healthy() {
+  local deadline=$((SECONDS + ${1:-300})) service
+  for service in executor scheduler; do
+    until [ "$(health_of "$service")" = healthy ]; do
+      [ $SECONDS -lt $deadline ] || { echo "$service is not healthy"; compose logs --tail 50; return 1; }
+      sleep 1
+    done
+  done
+  "$PY" -m client health --server "$SERVER"
+}
+
+generate() { "$PY" -m client generate --server "$SERVER" --json "$@"; }
+
+check_generate() {
+  generate --max-tokens 32 --temperature 0 "Hello from compose" >"$WORK/hello.jsonl"
+  "$PY" - "$WORK/hello.jsonl" <<'EOF'
+import json, sys
+lines = [json.loads(x) for x in open(sys.argv[1])]
+tokens = [t for x in lines for t in x["token_ids"]]
+assert lines and lines[-1]["finish_reason"] in ("length", "stop"), lines[-1:]
+assert 0 < len(tokens) <= 32 and lines[-1]["usage"]["completion_tokens"] == len(tokens), lines[-1]
+print(f"{len(tokens)} tokens in {len(lines)} messages")
+EOF
+  note "$(tail -n 1 "$LOG")"
+}
+
+check_metrics() {
+  "$PY" - "http://127.0.0.1:$METRICS_PORT/metrics" <<'EOF' | tee "$WORK/note"
+import sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+def total(name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+done, tokens = total("vllm:request_success_total"), total("vllm:generation_tokens_total")
+assert done >= 1 and tokens >= 1, (done, tokens)
+print(f"{done:.0f} requests, {tokens:.0f} generation tokens")
+EOF
+}
+
+RESTART_ARGS=(--max-tokens "$RESTART_MAX_TOKENS" --temperature 0 --ignore-eos "The executor restarts while this streams")
+
+# The undisturbed greedy run the restarted stream must equal, token for token.
+reference_run() {
+  local t0=$EPOCHREALTIME
+  generate "${RESTART_ARGS[@]}" >"$WORK/reference.jsonl"
+  note "$(awk -v a="$t0" -v b="$EPOCHREALTIME" -v n="$RESTART_MAX_TOKENS" \
+    'BEGIN { printf "%d tokens in %.1fs", n, b - a }')"
+}
+
+# Start the same request, restart the executor container once tokens flow, and require the stream to be
+# still open after the restart (so the executor went away under it) and to end with the reference tokens.
+check_restart() {
+  generate "${RESTART_ARGS[@]}" >"$WORK/restart.jsonl" 2>"$WORK/restart.err" &
+  local client=$! i
+  echo $client >"$WORK/client.pid"
+  for i in $(seq 600); do
+    [ -s "$WORK/restart.jsonl" ] && break
+    kill -0 $client 2>/dev/null || break
+    sleep 0.05
+  done
+  local before
+  before=$(wc -l <"$WORK/restart.jsonl")
+  compose restart -t 10 executor
+  kill -0 $client 2>/dev/null || { echo "the stream ended before the executor came back: raise RESTART_MAX_TOKENS"; return 1; }
+  wait $client
+  "$PY" - "$WORK/reference.jsonl" "$WORK/restart.jsonl" "$before" <<'EOF' | tee "$WORK/note"
+import json, sys
+ref, got = ([json.loads(x) for x in open(p)] for p in sys.argv[1:3])
+tokens = lambda msgs: [t for m in msgs for t in m["token_ids"]]
+assert got[-1]["finish_reason"] == ref[-1]["finish_reason"] == "length", (got[-1], ref[-1])
+assert tokens(got) == tokens(ref), "the restarted stream differs from the undisturbed run"
+print(f"{len(tokens(got))} tokens equal the undisturbed run; {sys.argv[3]} messages had arrived at the restart")
+EOF
+  compose logs scheduler | grep -c "executor stream lost" >/dev/null || echo "warning: no 'executor stream lost' in the scheduler log"
+}
+
+compose_down() {
+  kill "$(cat "$WORK/healthchecks.pid")" 2>/dev/null || true
+  compose down --timeout 10 --volumes --remove-orphans
+}
+
+# ------------------------------------------------------------------------------------------- cleanup
+stop_pid_file() {
+  local f=$WORK/$1.pid pid
+  [ -f "$f" ] || return 0
+  pid=$(cat "$f")
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
+  rm -f "$f"
+}
+
+cleanup() {
+  local rc=$? left
+  set +e
+  stop_pid_file client
+  stop_pid_file healthchecks
+  if [ -S "$SOCK" ]; then
+    [ -n "$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ] && compose down --timeout 5 --volumes --remove-orphans >>"$LOG" 2>&1
+  fi
+  for c in $(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do podman_ rm -f "$c" >>"$LOG" 2>&1; done
+  for n in $(podman_ network ls -q --filter "label=com.docker.compose.project=$PROJECT"); do podman_ network rm -f "$n" >>"$LOG" 2>&1; done
+  stop_pid_file service
+  left=$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT" | wc -l)
+  left=$((left + $(podman_ network ls -q --filter "label=com.docker.compose.project=$PROJECT" | wc -l)))
+  if [ "$rc" -eq 0 ] && [ "$left" -eq 0 ] && [ -z "${COMPOSE_CHECK_KEEP_LOGS:-}" ]; then
+    $SUDO rm -rf "$WORK"
+  else
+    log "logs kept in $WORK"
+  fi
+  [ "$left" -eq 0 ] || { log "cleanup left $left containers/networks of $PROJECT"; rc=1; }
+  log "$(printf '%-26s %7ss  %s' "total" "$SECONDS" "$([ "$rc" -eq 0 ] && echo passed || echo FAILED)")"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# -------------------------------------------------------------------------------------------- main
+stage "install packages" install_packages
+stage "configure podman" configure_podman
+stage "base image" make_base_image
+stage "build image" build_image
+stage "podman API service" start_api_service
+stage "compose up" compose_up
+stage "wait healthy" wait_healthy 300
+stage "generate" check_generate
+stage "metrics" check_metrics
+stage "reference greedy run" reference_run
+stage "restart executor" check_restart
+stage "healthy after restart" wait_healthy 120
+# Once the scheduler serves a pool of executors (issue 14), add here:
+#   stage "scale executors" check_scale   # docker-compose up -d --scale executor=2; both serve
+stage "compose down" compose_down
