@@ -41,6 +41,7 @@ export DOCKER_HOST=unix://$SOCK
 export COMPOSE_PROJECT_NAME=$PROJECT
 export PUBLISH_ADDRESS=127.0.0.1
 : >"$LOG"
+: >"$WORK/no.env"  # compose reads no .env: the check runs the defaults plus the ports chosen here
 
 podman_() { $SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" podman "$@"; }
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -51,7 +52,7 @@ export GRPC_PORT METRICS_PORT
 SERVER=127.0.0.1:$GRPC_PORT
 COMPOSE=($SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
   PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT"
-  PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file /dev/null -f "$ROOT/compose.yaml")
+  PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file "$WORK/no.env" -f "$ROOT/compose.yaml")
 compose() { "${COMPOSE[@]}" "$@"; }
 
 log() { echo "[compose_check] $*"; }
@@ -59,9 +60,10 @@ log() { echo "[compose_check] $*"; }
 # stage NAME FUNCTION: runs FUNCTION under `set -e` with its output in the log; one line with its time.
 # Stages run in subshells, so a stage that starts a process records its pid under $WORK for cleanup.
 stage() {
-  local name=$1 t0=$EPOCHREALTIME rc
+  local name=$1 t0=$EPOCHREALTIME rc first
   shift
   echo "=== $name" >>"$LOG"
+  first=$(wc -l <"$LOG")
   set +e
   (set -e; "$@") >>"$LOG" 2>&1
   rc=$?
@@ -70,7 +72,7 @@ stage() {
   secs=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
   if [ "$rc" -ne 0 ]; then
     log "$(printf '%-26s FAILED after %ss (exit %s); log: %s' "$name" "$secs" "$rc" "$LOG")"
-    tail -n 60 "$LOG" | sed 's/^/    /'
+    tail -n +"$first" "$LOG" | tail -n 60 | sed 's/^/    /'
     FAILED=1
     exit "$rc"
   fi
@@ -121,19 +123,55 @@ make_base_image() {
   note "made $BASE_IMAGE with debootstrap"
 }
 
-# The machine's pip set-up, read-only, at the same paths inside the build: its configuration files, the
-# local wheel and index directories they name, and the directory of the CA bundle pip trusts.
+# The machine's pip set-up for the build: its settings (`pip config list`: files and PIP_* variables) as
+# root's pip.conf in a scratch home mounted over /root, and what they name (wheel directories, local index
+# roots, constraint files, the CA bundle pip trusts) mounted read-only under it. /root exists in any Debian
+# base, so the build leaves no mount point behind in the image, and the image's /etc stays its own.
+# Prints one `-v` argument a line.
 pip_mounts() {
-  "$PY" -m pip config debug 2>/dev/null | sed -n 's/^  \(\/[^,]*\), exists: True$/\1/p'
-  "$PY" -m pip config list 2>/dev/null | while IFS= read -r line; do
-    local key=${line%%=*} value=${line#*=}
-    value=${value#\'}; value=${value%\'}
-    case ${key##*.} in
-      find-links|extra-index-url|index-url|constraint|requirement)
-        for v in $value; do echo "${v#file://}"; done ;;
-      cert|client-cert) dirname "$value" ;;
-    esac
-  done
+  "$PY" - "$WORK/home" <<'EOF'
+import configparser, os, subprocess, sys
+home, inside = sys.argv[1], "/root"
+listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
+rows = [line.partition("=") for line in listing.stdout.splitlines() if "=" in line]
+rows.sort(key=lambda row: row[0].startswith(":env:"))  # the environment overrides the files, as in pip
+conf, mounts = configparser.ConfigParser(), {}
+
+def mount(path: str) -> str:
+    """The path inside the build where the host's `path` appears (read-only)."""
+    if path not in mounts:
+        mounts[path] = f".host/{len(mounts)}"
+        target = os.path.join(home, mounts[path])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.makedirs(target, exist_ok=True) if os.path.isdir(path) else open(target, "w").close()
+    return f"{inside}/{mounts[path]}"
+
+def translate(name: str, value: str) -> str:
+    if name in ("cert", "client-cert", "constraint", "requirement"):
+        return mount(value) if os.path.isfile(value) else value
+    if name == "find-links":
+        return " ".join(mount(v) if os.path.isdir(v) else v for v in value.split())
+    out = []  # index URLs: a local index's pages link to files beside `simple/`, so mount its parent
+    for url in value.split():
+        path = url.removeprefix("file://").rstrip("/")
+        root = os.path.dirname(path)
+        local = url.startswith("file:///") and os.path.isdir(root)
+        out.append(f"file://{mount(root)}/{os.path.basename(path)}" if local else url)
+    return " ".join(out)
+
+for key, _, value in rows:
+    section, _, name = key.partition(".")
+    section = "global" if section == ":env:" else section
+    if name in ("cert", "client-cert", "constraint", "requirement", "find-links", "index-url", "extra-index-url"):
+        value = translate(name, value.strip("'"))
+    conf.setdefault(section, {})[name] = value.strip("'")
+os.makedirs(os.path.join(home, ".config/pip"), exist_ok=True)
+with open(os.path.join(home, ".config/pip/pip.conf"), "w") as f:
+    conf.write(f)
+print(f"{home}:{inside}")
+for host, rel in mounts.items():
+    print(f"{host}:{inside}/{rel}:ro")
+EOF
 }
 torch_index_url() {
   local url
@@ -142,10 +180,8 @@ torch_index_url() {
 }
 
 build_image() {
-  local args=() path old new
-  while IFS= read -r path; do
-    [ -e "$path" ] && args+=(-v "$path:$path:ro")
-  done < <(pip_mounts | sort -u)
+  local args=() mount old new
+  while IFS= read -r mount; do args+=(-v "$mount"); done < <(pip_mounts)
   echo "pip mounts: ${args[*]}"
   old=$(podman_ image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
   podman_ build --network host --layers "${args[@]}" \
@@ -156,12 +192,12 @@ build_image() {
     podman_ rmi "$old" >/dev/null 2>&1 || true
     note "$IMAGE rebuilt ($(grep -c '^--> Using cache' "$LOG" || true) cached steps)"
   else
-    note "$IMAGE ${old:+unchanged}${old:-built}"
+    note "$IMAGE $([ -n "$old" ] && echo "unchanged, from cache" || echo built)"
   fi
 }
 
 start_api_service() {
-  podman_ system service --time=0 "unix://$SOCK" >"$WORK/service.log" 2>&1 &
+  $SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" podman system service --time=0 "unix://$SOCK" >"$WORK/service.log" 2>&1 &
   echo $! >"$WORK/service.pid"
   local i
   for i in $(seq 300); do
@@ -244,7 +280,7 @@ reference_run() {
 # Start the same request, restart the executor container once tokens flow, and require the stream to be
 # still open after the restart (so the executor went away under it) and to end with the reference tokens.
 check_restart() {
-  generate "${RESTART_ARGS[@]}" >"$WORK/restart.jsonl" 2>"$WORK/restart.err" &
+  "$PY" -m client generate --server "$SERVER" --json "${RESTART_ARGS[@]}" >"$WORK/restart.jsonl" 2>"$WORK/restart.err" &
   local client=$! i
   echo $client >"$WORK/client.pid"
   for i in $(seq 600); do
@@ -265,7 +301,7 @@ assert got[-1]["finish_reason"] == ref[-1]["finish_reason"] == "length", (got[-1
 assert tokens(got) == tokens(ref), "the restarted stream differs from the undisturbed run"
 print(f"{len(tokens(got))} tokens equal the undisturbed run; {sys.argv[3]} messages had arrived at the restart")
 EOF
-  compose logs scheduler | grep -c "executor stream lost" >/dev/null || echo "warning: no 'executor stream lost' in the scheduler log"
+  compose logs scheduler | grep "executor stream lost" || echo "warning: no 'executor stream lost' in the scheduler log"
 }
 
 compose_down() {
