@@ -305,7 +305,8 @@ EOF
 }
 
 compose_down() {
-  kill "$(cat "$WORK/healthchecks.pid")" 2>/dev/null || true
+  stop_pid_file healthchecks
+  compose logs --no-color --timestamps >"$WORK/containers.log" 2>&1
   compose down --timeout 10 --volumes --remove-orphans
 }
 
@@ -325,8 +326,9 @@ cleanup() {
   set +e
   stop_pid_file client
   stop_pid_file healthchecks
-  if [ -S "$SOCK" ]; then
-    [ -n "$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ] && compose down --timeout 5 --volumes --remove-orphans >>"$LOG" 2>&1
+  if [ -S "$SOCK" ] && [ -n "$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ]; then
+    compose logs --no-color --timestamps >"$WORK/containers.log" 2>&1
+    compose down --timeout 5 --volumes --remove-orphans >>"$LOG" 2>&1
   fi
   for c in $(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do podman_ rm -f "$c" >>"$LOG" 2>&1; done
   for n in $(podman_ network ls -q --filter "label=com.docker.compose.project=$PROJECT"); do podman_ network rm -f "$n" >>"$LOG" 2>&1; done
