@@ -281,27 +281,32 @@ reference_run() {
 # still open after the restart (so the executor went away under it) and to end with the reference tokens.
 check_restart() {
   "$PY" -m client generate --server "$SERVER" --json "${RESTART_ARGS[@]}" >"$WORK/restart.jsonl" 2>"$WORK/restart.err" &
-  local client=$! i
+  local client=$! alive=yes before
   echo $client >"$WORK/client.pid"
-  for i in $(seq 600); do
-    [ -s "$WORK/restart.jsonl" ] && break
-    kill -0 $client 2>/dev/null || break
+  for _ in $(seq 600); do
+    if [ -s "$WORK/restart.jsonl" ] || ! kill -0 $client 2>/dev/null; then break; fi
     sleep 0.05
   done
-  local before
   before=$(wc -l <"$WORK/restart.jsonl")
   compose restart -t 10 executor
-  kill -0 $client 2>/dev/null || { echo "the stream ended before the executor came back: raise RESTART_MAX_TOKENS"; return 1; }
-  wait $client
-  "$PY" - "$WORK/reference.jsonl" "$WORK/restart.jsonl" "$before" <<'EOF' | tee "$WORK/note"
+  kill -0 $client 2>/dev/null || alive=no
+  wait $client || true
+  rm -f "$WORK/client.pid"
+  "$PY" - "$WORK/reference.jsonl" "$WORK/restart.jsonl" "$before" "$alive" <<'PYEOF' | tee "$WORK/note"
 import json, sys
 ref, got = ([json.loads(x) for x in open(p)] for p in sys.argv[1:3])
+before, alive = sys.argv[3:5]
 tokens = lambda msgs: [t for m in msgs for t in m["token_ids"]]
-assert got[-1]["finish_reason"] == ref[-1]["finish_reason"] == "length", (got[-1], ref[-1])
-assert tokens(got) == tokens(ref), "the restarted stream differs from the undisturbed run"
-print(f"{len(tokens(got))} tokens equal the undisturbed run; {sys.argv[3]} messages had arrived at the restart")
-EOF
-  compose logs scheduler | grep "executor stream lost" || echo "warning: no 'executor stream lost' in the scheduler log"
+last = got[-1] if got else {}
+if last.get("finish_reason") != "length":
+    sys.exit(f"the stream did not complete across the restart: {last.get('finish_reason')}: {last.get('error')}")
+if tokens(got) != tokens(ref):
+    sys.exit("the restarted stream's tokens differ from the undisturbed run's")
+if alive != "yes":
+    sys.exit("the stream ended before the executor went down: raise RESTART_MAX_TOKENS")
+print(f"{len(tokens(got))} tokens equal the undisturbed run; {before} messages had arrived at the restart")
+PYEOF
+  compose logs scheduler | grep "executor stream lost" || echo "note: no 'executor stream lost' line in the scheduler log"
 }
 
 compose_down() {
