@@ -32,7 +32,7 @@ IMAGE=pagedserve:$PAGEDSERVE_TAG
 RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-1500}
 PACKAGES=(podman runc debootstrap docker-compose catatonit netavark aardvark-dns)
 PROJECT=pagedservecheck$$
-WORK=$(mktemp -d /tmp/compose-check.XXXXXX)
+WORK=$(mktemp -d "/tmp/compose-check.$$.XXXXXX")
 chmod 755 "$WORK"
 LOG=$WORK/log
 SOCK=$WORK/podman.sock
@@ -109,6 +109,35 @@ events_logger = "file"
 network_backend = "netavark"
 EOF
   podman_ info --format '{{.Host.OCIRuntime.Name}} {{.Host.CgroupManager}} {{.Host.NetworkBackend}}' | tee "$WORK/note"
+}
+
+# What earlier runs killed before their cleanup left (their pid is gone): containers, networks, processes.
+clear_stale_runs() {
+  local id project net n=0
+  while read -r id project; do
+    case $project in pagedservecheck[0-9]*) ;; *) continue ;; esac
+    [ -d "/proc/${project#pagedservecheck}" ] && continue
+    podman_ rm -f "$id" >/dev/null && n=$((n + 1))
+  done < <(podman_ ps -a --format '{{.ID}} {{index .Labels "com.docker.compose.project"}}')
+  for net in $(podman_ network ls --format '{{.Name}}' | grep -E '^pagedservecheck[0-9]+_default$' || true); do
+    project=${net%_default}
+    [ -d "/proc/${project#pagedservecheck}" ] && continue
+    podman_ network rm -f "$net" >/dev/null && n=$((n + 1))
+  done
+  local dir f pid
+  for dir in /tmp/compose-check.*.*; do  # the API service and loops of killed runs: pid files in their dirs
+    pid=${dir#/tmp/compose-check.}
+    [ -d "/proc/${pid%%.*}" ] && continue
+    for f in "$dir"/*.pid; do
+      [ -f "$f" ] || continue
+      pid=$(cat "$f")
+      if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE "$dir|compose_check|client generate"; then
+        $SUDO kill "$pid" && n=$((n + 1))
+      fi
+      $SUDO rm -f "$f"
+    done
+  done
+  note "removed $n left by killed runs"
 }
 
 # A Debian base image from Debian's own packages: no image registry is reachable from here.
@@ -238,6 +267,7 @@ wait_healthy() {
     done
   done
   "$PY" -m client health --server "$SERVER"
+  note "executor and scheduler healthy"
 }
 
 generate() { "$PY" -m client generate --server "$SERVER" --json "$@"; }
@@ -306,7 +336,7 @@ if alive != "yes":
     sys.exit("the stream ended before the executor went down: raise RESTART_MAX_TOKENS")
 print(f"{len(tokens(got))} tokens equal the undisturbed run; {before} messages had arrived at the restart")
 PYEOF
-  compose logs scheduler | grep "executor stream lost" || echo "note: no 'executor stream lost' line in the scheduler log"
+  compose logs --no-color scheduler | grep "executor stream lost" || echo "note: no 'executor stream lost' line in the scheduler log"
 }
 
 compose_down() {
@@ -355,6 +385,7 @@ trap 'exit 130' INT TERM
 # -------------------------------------------------------------------------------------------- main
 stage "install packages" install_packages
 stage "configure podman" configure_podman
+stage "clear stale runs" clear_stale_runs
 stage "base image" make_base_image
 stage "build image" build_image
 stage "podman API service" start_api_service
