@@ -23,6 +23,8 @@ ROOT=$PWD
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+AS_ROOT=()
+[ -z "$SUDO" ] || AS_ROOT=(sudo)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || { echo "[compose_check] $PY is missing: run scripts/setup.sh first"; exit 1; }
 BASE_IMAGE=${BASE_IMAGE:-localhost/debian:bookworm}
@@ -33,7 +35,6 @@ RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-1500}
 PACKAGES=(podman runc debootstrap docker-compose catatonit netavark aardvark-dns)
 PROJECT=pagedservecheck$$
 WORK=$(mktemp -d "/tmp/compose-check.$$.XXXXXX")
-chmod 755 "$WORK"
 LOG=$WORK/log
 SOCK=$WORK/podman.sock
 export CONTAINERS_CONF=$WORK/containers.conf
@@ -50,7 +51,7 @@ METRICS_PORT=${METRICS_PORT:-$(free_port)}
 while [ "$METRICS_PORT" = "$GRPC_PORT" ]; do METRICS_PORT=$(free_port); done
 export GRPC_PORT METRICS_PORT
 SERVER=127.0.0.1:$GRPC_PORT
-COMPOSE=($SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
+COMPOSE=("${AS_ROOT[@]}" env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
   PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT"
   PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file "$WORK/no.env" -f "$ROOT/compose.yaml")
 compose() { "${COMPOSE[@]}" "$@"; }
@@ -73,7 +74,6 @@ stage() {
   if [ "$rc" -ne 0 ]; then
     log "$(printf '%-26s FAILED after %ss (exit %s); log: %s' "$name" "$secs" "$rc" "$LOG")"
     tail -n +"$first" "$LOG" | tail -n 60 | sed 's/^/    /'
-    FAILED=1
     exit "$rc"
   fi
   log "$(printf '%-26s %7ss  %s' "$name" "$secs" "$(cat "$WORK/note" 2>/dev/null)")"
@@ -228,13 +228,11 @@ build_image() {
 start_api_service() {
   $SUDO env CONTAINERS_CONF="$CONTAINERS_CONF" podman system service --time=0 "unix://$SOCK" >"$WORK/service.log" 2>&1 &
   echo $! >"$WORK/service.pid"
-  local i
-  for i in $(seq 300); do
+  for _ in $(seq 300); do
     [ -S "$SOCK" ] && break
     sleep 0.1
   done
   [ -S "$SOCK" ]
-  $SUDO chmod 666 "$SOCK"
   note "$SOCK"
 }
 
@@ -346,13 +344,14 @@ compose_down() {
 }
 
 # ------------------------------------------------------------------------------------------- cleanup
+alive() { [ -d "/proc/$1" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
 stop_pid_file() {
   local f=$WORK/$1.pid pid
   [ -f "$f" ] || return 0
   pid=$(cat "$f")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -9 "$pid" 2>/dev/null || true
+  $SUDO kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do alive "$pid" || break; sleep 0.1; done
+  $SUDO kill -9 "$pid" 2>/dev/null || true
   rm -f "$f"
 }
 
