@@ -16,6 +16,7 @@
 # ports), BASE_IMAGE (default localhost/debian:bookworm, made with debootstrap when missing),
 # DEBIAN_MIRROR, TORCH_INDEX_URL (default: the index pip uses here), PAGEDSERVE_TAG (default
 # compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 1500),
+# EXECUTOR_WAIT_TIMEOUT (the scheduler's --executor-wait-timeout, default 120 here; see below),
 # COMPOSE_CHECK_KEEP_LOGS=1 keeps the log directory on success too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,10 @@ DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 export PAGEDSERVE_TAG=${PAGEDSERVE_TAG:-compose-check}
 IMAGE=pagedserve:$PAGEDSERVE_TAG
 RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-1500}
+# How long the scheduler holds a call while the executor restarts. On a busy two-core machine the new
+# executor container needed up to ~30 s to serve again (mostly importing torch): past compose's default of
+# 30 s the restarted stream would end UNAVAILABLE, which is the timeout working, not the recovery failing.
+EXECUTOR_WAIT_TIMEOUT=${EXECUTOR_WAIT_TIMEOUT:-120}
 PACKAGES=(podman runc debootstrap docker-compose catatonit netavark aardvark-dns)
 PROJECT=pagedservecheck$$
 WORK=$(mktemp -d "/tmp/compose-check.$$.XXXXXX")
@@ -52,7 +57,7 @@ while [ "$METRICS_PORT" = "$GRPC_PORT" ]; do METRICS_PORT=$(free_port); done
 export GRPC_PORT METRICS_PORT
 SERVER=127.0.0.1:$GRPC_PORT
 COMPOSE=("${AS_ROOT[@]}" env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
-  PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT"
+  PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT" EXECUTOR_WAIT_TIMEOUT="$EXECUTOR_WAIT_TIMEOUT"
   PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file "$WORK/no.env" -f "$ROOT/compose.yaml")
 compose() { "${COMPOSE[@]}" "$@"; }
 
