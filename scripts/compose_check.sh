@@ -2,7 +2,8 @@
 # Builds the image from the Dockerfile and runs compose.yaml for real, with Debian's podman serving the
 # Docker API and Debian's docker-compose driving it; then checks the stack through its published ports:
 # a streamed generation, /metrics, and an executor restart with a stream in flight (which must finish with
-# exactly the tokens of an undisturbed greedy run). Prints one line per stage with its time.
+# exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving.
+# Prints one line per stage with its time.
 #
 #   bash scripts/compose_check.sh            # needs root or sudo; .venv must exist (scripts/setup.sh)
 #
@@ -342,6 +343,39 @@ PYEOF
   compose logs --no-color scheduler | grep "executor stream lost" || echo "note: no 'executor stream lost' line in the scheduler log"
 }
 
+# Data parallel: a second executor joins through compose's DNS (dns:///executor:50061), and requests sent
+# at once are served by both (each executor's own step count in /metrics grows).
+executor_metrics() {
+  "$PY" - "http://127.0.0.1:$METRICS_PORT/metrics" "$1" <<'PYEOF'
+import re, sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+pattern = re.compile(r'^pagedserve:%s\{[^}]*executor="([^"]+)"[^}]*\} (\S+)$' % re.escape(sys.argv[2]), re.M)
+for executor, value in pattern.findall(text):
+    print(executor, value)
+PYEOF
+}
+
+check_scale() {
+  compose up -d --no-build --scale executor=2
+  local deadline=$((SECONDS + 300)) i pids=()
+  until [ "$(executor_metrics executor_serving | awk '$2 == 1' | wc -l)" -eq 2 ]; do
+    [ $SECONDS -lt $deadline ] || { echo "two executors are not both serving"; executor_metrics executor_serving; return 1; }
+    sleep 1
+  done
+  executor_metrics executor_step_seconds_count >"$WORK/steps.before"
+  for i in $(seq 8); do
+    "$PY" -m client generate --server "$SERVER" --json --max-tokens 64 --temperature 0 --ignore-eos "replica $i" \
+      >"$WORK/scale.$i.jsonl" &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i"; done
+  [ "$(cat "$WORK"/scale.*.jsonl | grep -c '"finish_reason": "length"')" -eq 8 ] || { echo "not all 8 completed"; return 1; }
+  executor_metrics executor_step_seconds_count >"$WORK/steps.after"
+  awk 'FILENAME == ARGV[1] { before[$1] = $2; next } { d = $2 - before[$1]; n += d > 0; printf "%s +%d steps\n", $1, d }
+       END { exit n != 2 }' "$WORK/steps.before" "$WORK/steps.after" | tee "$WORK/steps"
+  note "8 requests served by both executors: $(awk '{ printf "%s ", $2 }' "$WORK/steps")"
+}
+
 compose_down() {
   stop_pid_file healthchecks
   compose logs --no-color --timestamps >"$WORK/containers.log" 2>&1
@@ -400,6 +434,5 @@ stage "metrics" check_metrics
 stage "reference greedy run" reference_run
 stage "restart executor" check_restart
 stage "healthy after restart" wait_healthy 120
-# Once the scheduler serves a pool of executors (issue 14), add here:
-#   stage "scale executors" check_scale   # docker-compose up -d --scale executor=2; both serve
+stage "scale executors" check_scale
 stage "compose down" compose_down
