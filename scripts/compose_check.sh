@@ -16,7 +16,8 @@
 # Settings (environment): GRPC_PORT / METRICS_PORT publish the scheduler on 127.0.0.1 (default: free
 # ports), BASE_IMAGE (default localhost/debian:bookworm, made with debootstrap when missing),
 # DEBIAN_MIRROR, TORCH_INDEX_URL (default: the index pip uses here), PAGEDSERVE_TAG (default
-# compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 1500),
+# compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 960;
+# prompt + it must fit the default model's max_model_len, 1024),
 # EXECUTOR_WAIT_TIMEOUT (the scheduler's --executor-wait-timeout, default 120 here; see below),
 # COMPOSE_CHECK_KEEP_LOGS=1 keeps the log directory on success too.
 set -euo pipefail
@@ -33,7 +34,7 @@ BASE_IMAGE=${BASE_IMAGE:-localhost/debian:bookworm}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 export PAGEDSERVE_TAG=${PAGEDSERVE_TAG:-compose-check}
 IMAGE=pagedserve:$PAGEDSERVE_TAG
-RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-1500}
+RESTART_MAX_TOKENS=${RESTART_MAX_TOKENS:-960}
 # How long the scheduler holds a call while the executor restarts. On a busy two-core machine the new
 # executor container needed up to ~30 s to serve again (mostly importing torch): past compose's default of
 # 30 s the restarted stream would end UNAVAILABLE, which is the timeout working, not the recovery failing.
