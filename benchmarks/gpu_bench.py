@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
