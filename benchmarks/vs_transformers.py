@@ -30,7 +30,9 @@ request's own max_tokens output tokens (EOS never stops either side).
   the model's linear shapes. Each side's model FLOP/s = the FLOPs the requests need (every prompt token and
   every output token but the last through the linears and attention, one LM-head row per output token; no
   recompute or padding counted) / its seconds, printed as a % of that peak.
-Each side gets one untimed warm-up request/batch first. Prints useful output tokens/s of both and the ratio.
+Each side gets one untimed warm-up request/batch first; with both sides, their --repeats timed runs alternate
+(pagedserve, transformers, pagedserve, ...) so that both see the same machine load. Prints useful output
+tokens/s of both (medians) and the ratio.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +115,9 @@ async def drive(address: str, requests: list[tuple[list[int], int]]) -> tuple[fl
     return seconds, sum(n for n, _ in results), sum(1 for _, ok in results if not ok)
 
 
-def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-                   ) -> dict[str, Any]:
+def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace,
+                   between: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Timed runs of the services; `between` runs after each (the peer's run, interleaved)."""
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     ex_args = ["--model", str(model), "--device", args.device, "--cpu-kv-cache-space", str(args.cpu_kv_cache_space)]
     if args.num_gpu_blocks:
@@ -128,6 +132,7 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
             for _ in range(args.repeats):
                 seconds, tokens, bad = asyncio.run(drive(sc.address, requests))
                 runs.append({"seconds": seconds, "output_tokens": tokens, "not_length": bad})
+                between()
         log_tail = ex.log.read_text(errors="replace").splitlines()[-3:]
     useful = sum(m for _, m in requests)
     for r in runs:
@@ -152,8 +157,11 @@ def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
 
-def run_transformers_continuous(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-                                ) -> dict[str, Any]:
+Peer = tuple[Callable[[], float], dict[str, Any]]
+
+
+def continuous_peer(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace) -> Peer:
+    """(one timed run, what describes it), after an untimed warm-up."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -182,21 +190,19 @@ def run_transformers_continuous(model_dir: Path, requests: list[tuple[list[int],
             return time.perf_counter() - t0, tokens
 
     generate([(requests[0][0][:16], 4)] * 2)  # warm-up, untimed
-    runs = []
     useful = sum(m for _, m in requests)
-    for _ in range(args.repeats):
+
+    def once() -> float:
         seconds, tokens = generate(requests)
         if tokens != useful:
             raise RuntimeError(f"transformers generated {tokens} tokens, expected {useful}")
-        runs.append(seconds)
-    seconds = median(runs)
-    return {"mode": "continuous", "seconds": seconds, "runs": [round(r, 2) for r in runs], "useful_tokens": useful,
-            "useful_tokens_per_s": useful / seconds, "max_requests_per_batch": args.max_num_seqs,
-            "max_batch_tokens": args.max_num_batched_tokens}
+        return seconds
+
+    return once, {"mode": "continuous", "max_requests_per_batch": args.max_num_seqs,
+                  "max_batch_tokens": args.max_num_batched_tokens}
 
 
-def run_transformers_static(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-                            ) -> dict[str, Any]:
+def static_peer(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace) -> Peer:
     import torch
 
     model = load_hf(model_dir, args)
@@ -217,20 +223,20 @@ def run_transformers_static(model_dir: Path, requests: list[tuple[list[int], int
         return len(batch) * new
 
     generate([(requests[0][0][:16], 4)] * 2)  # warm-up, untimed
-    runs = []
-    computed = 0
-    for _ in range(args.repeats):
+
+    def once() -> float:
         t0 = time.perf_counter()
-        computed = sum(generate(b) for b in batches)
+        for b in batches:
+            generate(b)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t0)
-    useful = sum(m for _, m in requests)
-    seconds = median(runs)
-    return {"mode": "static", "seconds": seconds, "runs": [round(r, 2) for r in runs], "useful_tokens": useful,
-            "computed_output_tokens": computed, "useful_fraction": useful / computed,
-            "padded_prompt_tokens": sum(len(b) * max(len(ids) for ids, _ in b) for b in batches),
-            "useful_tokens_per_s": useful / seconds, "batch_size": args.hf_batch_size}
+        return time.perf_counter() - t0
+
+    computed = sum(len(b) * max(m for _, m in b) for b in batches)
+    return once, {"mode": "static", "computed_output_tokens": computed,
+                  "useful_fraction": sum(m for _, m in requests) / computed,
+                  "padded_prompt_tokens": sum(len(b) * max(len(ids) for ids, _ in b) for b in batches),
+                  "batch_size": args.hf_batch_size}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,12 +288,22 @@ def main(argv: list[str] | None = None) -> None:
           "device": args.device, "model_gflop": round(flops / 1e9, 1), "limits": limits_record(limits),
           **shape}, args.json_out)
     results: dict[str, dict[str, Any]] = {}
-    if args.only != "transformers":
-        results["pagedserve"] = with_flops(run_pagedserve(model, requests, args), flops, limits)
-        emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+    peer_runs: list[float] = []
+    once: Callable[[], float] | None = None
     if args.only != "pagedserve":
-        run = run_transformers_continuous if args.hf_mode == "continuous" else run_transformers_static
-        results["transformers"] = with_flops(run(model, requests, args), flops, limits)
+        once, info = (continuous_peer if args.hf_mode == "continuous" else static_peer)(model, requests, args)
+    if args.only != "transformers":
+        between = (lambda: peer_runs.append(once())) if once is not None else (lambda: None)
+        results["pagedserve"] = with_flops(run_pagedserve(model, requests, args, between), flops, limits)
+        emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+    elif once is not None:
+        peer_runs = [once() for _ in range(args.repeats)]
+    if once is not None:
+        useful = sum(m for _, m in requests)
+        seconds = median(peer_runs)
+        peer = {**info, "seconds": seconds, "runs": [round(r, 2) for r in peer_runs], "useful_tokens": useful,
+                "useful_tokens_per_s": useful / seconds}
+        results["transformers"] = with_flops(peer, flops, limits)
         emit({"bench": "vs_transformers", "side": "transformers", **results["transformers"]}, args.json_out)
     if len(results) == 2:
         summarize(results, args, limits)
