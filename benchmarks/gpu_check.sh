@@ -36,7 +36,7 @@ run() {
 }
 run nvidia-smi nvidia-smi
 run gpu_bench "$PY" benchmarks/gpu_bench.py --json-out "$OUT/gpu_bench.json"
-run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py
+run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_forward_path.py
 run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
 run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda
