@@ -112,22 +112,24 @@ class Limits:
         return 100.0 * bytes_per_s / (self.read_gbs * 1e9)
 
 
-def best_time(fn: Callable[[], object], sync: Callable[[], None], reps: int, rounds: int = 5) -> float:
+def best_time(fn: Callable[[], object], sync: Callable[[], None], reps: int, rounds: int = 5,
+              clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     sync()
     best = float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        best = min(best, (clock() - t0) / reps)
     return best
 
 
 def measure_limits(shape: ModelShape, threads: int, device: str = "cpu", rows: Iterable[int] = PEAK_ROWS,
-                   bandwidth_mib: int = BANDWIDTH_MIB) -> Limits:
-    """Matmul peak on the model's linear shapes and streaming memory bandwidth, on `threads` torch threads."""
+                   bandwidth_mib: int = BANDWIDTH_MIB, clock: Callable[[], float] = time.perf_counter) -> Limits:
+    """Matmul peak on the model's linear shapes and streaming memory bandwidth, on `threads` torch threads.
+    clock=time.thread_time (one thread, CPU) counts only this thread's CPU time: robust on a shared machine."""
     import torch
 
     torch.set_num_threads(threads)
@@ -146,12 +148,12 @@ def measure_limits(shape: ModelShape, threads: int, device: str = "cpu", rows: I
                 for x, w in zip(inputs, weights, strict=True):
                     torch.nn.functional.linear(x, w)
 
-            by_rows[m] = flops / best_time(layer, sync, reps=3) / 1e9
+            by_rows[m] = flops / best_time(layer, sync, reps=3, clock=clock) / 1e9
         numel = bandwidth_mib * (1 << 20) // 4
         src = torch.rand(numel, device=dev)
         dst = torch.empty_like(src)
-        read = best_time(src.sum, sync, reps=1, rounds=4)
-        copy = best_time(lambda: dst.copy_(src), sync, reps=1, rounds=4)
+        read = best_time(src.sum, sync, reps=1, rounds=4, clock=clock)
+        copy = best_time(lambda: dst.copy_(src), sync, reps=1, rounds=4, clock=clock)
     return Limits(device=dev.type, threads=threads, matmul_peak_gflops=max(by_rows.values()),
                   matmul_gflops_by_rows={m: round(v, 1) for m, v in by_rows.items()},
                   read_gbs=numel * 4 / read / 1e9, copy_gbs=2 * numel * 4 / copy / 1e9)

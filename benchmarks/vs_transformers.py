@@ -181,9 +181,11 @@ def continuous_peer(model_dir: Path, requests: list[tuple[list[int], int]], args
                 manager.add_request(list(ids), request_id=f"r{i}", max_new_tokens=m)
             tokens = finished = 0
             while finished < len(batch):
-                result = manager.get_result(timeout=60)
+                result = manager.get_result(timeout=1)
                 if result is None:
-                    raise RuntimeError("transformers continuous batching stopped answering")
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching loop stopped")
+                    continue
                 if result.is_finished():
                     finished += 1
                     tokens += len(result.generated_tokens)
