@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig, PreemptionMode, Victim
 from scheduler_service.core.policy import Policy
+from scheduler_service.membership import parse_target
 
 
 @dataclass(slots=True)
@@ -34,6 +36,12 @@ class SchedulerServiceConfig:
     tokenizer: str | None = None
     shutdown_timeout: float = 30.0
     executor_step_timeout: float = 600.0
+    executor_resolve_interval: float = 5.0
+    executor_hosts_file: str | None = None
+    executor_drain_file: str | None = None
+    executor_wait_timeout: float = 30.0
+    executor_secret_file: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -63,7 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
     p.add_argument("--listen", default=d.listen, help="HOST:PORT for the public Generation API")
     p.add_argument("--executor", action="append", default=None,
-                   help="executor HOST:PORT (repeatable; the first is used for now)")
+                   help="executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to "
+                   "(repeatable; the pool follows DNS at run time)")
+    p.add_argument("--executor-resolve-interval", type=float, default=d.executor_resolve_interval,
+                   help="seconds between re-resolutions of dns:/// executors and re-reads of the drain file")
+    p.add_argument("--executor-hosts-file", default=None,
+                   help="hosts(5)-format file consulted before DNS for dns:/// names, re-read at every resolution")
+    p.add_argument("--executor-drain-file", default=None,
+                   help="file of executors (HOST:PORT or dns:///NAME:PORT, one a line) to drain: no new work, "
+                   "waiting requests move, running ones finish; re-read every interval and on SIGHUP")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port; -1 disables")
     p.add_argument("--metrics-host", default=d.metrics_host)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -90,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds SIGTERM lets running requests finish before aborting them")
     p.add_argument("--executor-step-timeout", type=float, default=d.executor_step_timeout,
                    help="seconds without an answer to a step before the executor counts as lost")
+    p.add_argument("--executor-wait-timeout", type=float, default=d.executor_wait_timeout,
+                   help="seconds a call waits for an executor (new calls, and calls in flight when it is lost) "
+                   "before it ends with UNAVAILABLE")
+    p.add_argument("--executor-secret-file", default=None,
+                   help="file holding the shared secret the executor requires (its --executor-secret-file)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest GenerateRequest message accepted on the public port")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: public port over TLS; also the client "
                    "certificate toward the executor when --tls-ca is set")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -103,4 +126,11 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
+    for text in config.executor:
+        try:
+            parse_target(text)
+        except ValueError as e:
+            raise SystemExit(f"--executor: {e}") from None
+    if config.executor_resolve_interval <= 0:
+        raise SystemExit("--executor-resolve-interval must be > 0")
     return config
