@@ -11,7 +11,8 @@ float32. Slots past a sequence's length are never read, so stale or non-finite c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -64,21 +65,12 @@ class Scratch:
                                                        dtype=dtype)
         return buffer[:numel].view(shape)
 
-    def plan(self, key: tuple[Tensor, ...], build: _PlanBuilder) -> Plan:
+    def plan(self, key: tuple[Tensor, ...], build: Callable[[], Plan]) -> Plan:
         """The plan for these metadata tensors (compared by identity; they are held, so ids cannot be reused)."""
         if self._plan is None or len(key) != len(self._plan_key) or any(
                 a is not b for a, b in zip(key, self._plan_key, strict=True)):
             self._plan, self._plan_key = build(), key
         return self._plan
-
-
-class _PlanBuilder:
-    def __init__(self, query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 query_start_loc: Tensor) -> None:
-        self.args = (query, k_cache, block_tables, seq_lens, query_start_loc)
-
-    def __call__(self) -> Plan:
-        return build_plan(*self.args)
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -115,7 +107,7 @@ def paged_attention(
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return torch.empty_like(query)
-    build = _PlanBuilder(query, k_cache, block_tables, seq_lens, query_start_loc)
+    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc)
     plan = build() if scratch is None else scratch.plan((block_tables, seq_lens, query_start_loc), build)
     if len(plan.groups) == 1 and plan.groups[0].query_rows is None:
         return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch).to(query.dtype)
