@@ -23,16 +23,14 @@ import asyncio
 import os
 import sys
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import emit, machine, median, service
-
 from client.bench.datasets import PrefixRepetitionConfig, prefix_repetition_requests
+from client.bench.record import emit, machine
 from client.bench.runner import RunConfig, run_benchmark
+from client.bench.stats import median
 from client.lib import PagedServeClient
+from client.local import service
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions

@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 from protos.flags import add_flags, config_from, flag
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8); '' -> () (CUDA graphs off)."""
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if sizes and sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"CUDA graph sizes must be positive, got {text!r}")
+    return sizes
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     listen: str = field(default="127.0.0.1:50061", metadata=flag("HOST:PORT to serve the Executor API on"))
@@ -25,6 +36,9 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
+        "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
+        "with Triton attention only)", parse=parse_sizes))
     sim_vocab_size: int = 32000
     sim_max_model_len: int = 8192
     sim_step_latency_ms: float = 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import enum
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -24,12 +24,13 @@ class FlagSpec:
     exclusive: str = ""  # flags with the same name here are mutually exclusive
     group: str = ""  # the --help section the flag is listed under
     aliases: tuple[str, ...] = ()  # further option strings, e.g. "-tp"
+    parse: Callable[[str], Any] | None = None  # the flag's text to the field's value, where the type alone cannot
 
 
 def flag(help: str = "", *, choices: Sequence[str] = (), exclusive: str = "", group: str = "",
-         aliases: Sequence[str] = ()) -> dict[str, FlagSpec]:
+         aliases: Sequence[str] = (), parse: Callable[[str], Any] | None = None) -> dict[str, FlagSpec]:
     """A config field's flag metadata."""
-    return {"flag": FlagSpec(help, tuple(choices), exclusive, group, tuple(aliases))}
+    return {"flag": FlagSpec(help, tuple(choices), exclusive, group, tuple(aliases), parse)}
 
 
 def env_name(field_name: str) -> str:
@@ -64,7 +65,7 @@ def _argument(f: Field[Any], hint: Any, spec: FlagSpec) -> dict[str, Any]:
     elif isinstance(kind, type) and issubclass(kind, enum.Enum):
         kw.update(choices=[e.value for e in kind], default=default.value)
     else:
-        kw.update(type=kind, default=default)
+        kw.update(type=spec.parse or kind, default=default)
         if spec.choices:
             kw["choices"] = list(spec.choices)
     return kw
