@@ -287,7 +287,7 @@ class Guard:
         sentinels = {child.sentinel: child for child in self.children}
         ready = multiprocessing.connection.wait(list(sentinels))
         child = sentinels[ready[0]]  # type: ignore[index]
-        child.join(0)
+        child.join(1.0)
         if not self.stopping:
             self.fail(f"{child.name} (pid {child.pid}) exited with code {child.exitcode}")
 
