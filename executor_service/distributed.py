@@ -142,7 +142,7 @@ def launch(config: ExecutorConfig, serve: Callable[[Backend], None]) -> int:
     topo = resolve_topology(config, os.environ)
     config = replace(config, model=config.model or str(ensure_default_model()))
     check_model(config, topo.world_size)
-    if topo.nnodes == 1 and topo.torchrun_rank is None:
+    if topo.nnodes == 1:  # every rank on this host: keep gloo's traffic on the loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     guard = Guard()
     if topo.torchrun_rank is None:
