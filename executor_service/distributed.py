@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -49,6 +50,8 @@ DEFAULT_MASTER_PORT = 29500
 MAX_HEARTBEAT_S = 5.0
 STOP_GRACE_S = 10.0
 ALIGN = 16
+HEADER_BYTES = 16  # two int64: pickled Message length, frame length
+FRAME_BYTES = 1 << 16
 
 
 class LaunchError(RuntimeError):
@@ -316,31 +319,53 @@ class Guard:
 
 
 class StepChannel:
-    """Rank 0 to every rank, in order: one Message per backend call over the control group, then for a
-    batch one packed buffer of its tensors over the world group (on the device)."""
+    """Rank 0 to every rank, in order, one frame per backend call: a fixed-size byte buffer broadcast over
+    the control group holding the pickled Message and, on the CPU, the batch's tensors (a larger call
+    sends the rest in a second broadcast). On CUDA the tensors follow as one buffer over the world group.
+    One collective per call on the CPU: broadcast_object_list would cost two plus its own overhead."""
 
     def __init__(self, parallel: ParallelContext, control: dist.ProcessGroup, device: torch.device) -> None:
         self.parallel = parallel
         self.control = control
         self.device = device
+        self.inline = device.type == "cpu"
+        self._frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
 
     def send(self, op: Op, mapping: BlockMap | None = None, batch: Batch | None = None) -> None:
         tensors: list[Tensor] = []
         skeleton = None if batch is None else strip_tensors(batch, tensors)
-        dist.broadcast_object_list([Message(op, list(mapping or ()), skeleton)], src=0, group=self.control)
-        if tensors:
-            dist.broadcast(pack(tensors, self.device), src=0, group=self.parallel.group)
+        meta = pickle.dumps(Message(op, list(mapping or ()), skeleton), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pack(tensors, self.device) if tensors else None
+        body = HEADER_BYTES + aligned(len(meta))
+        total = body + (data.numel() if data is not None and self.inline else 0)
+        frame = torch.empty(max(FRAME_BYTES, total), dtype=torch.uint8)
+        frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([len(meta), total]))
+        frame[HEADER_BYTES : HEADER_BYTES + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        if data is not None and self.inline:
+            frame[body:total].copy_(data)
+        dist.broadcast(frame[:FRAME_BYTES], src=0, group=self.control)
+        if total > FRAME_BYTES:
+            dist.broadcast(frame[FRAME_BYTES:total], src=0, group=self.control)
+        if data is not None and not self.inline:
+            dist.broadcast(data, src=0, group=self.parallel.group)
 
     def receive(self) -> Message:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        message: Message = box[0]
+        frame = self._frame
+        dist.broadcast(frame, src=0, group=self.control)
+        meta_len, total = frame[:HEADER_BYTES].view(torch.int64).tolist()
+        if total > FRAME_BYTES:
+            frame = torch.cat([frame, torch.empty(total - FRAME_BYTES, dtype=torch.uint8)])
+            dist.broadcast(frame[FRAME_BYTES:], src=0, group=self.control)
+        message: Message = pickle.loads(frame[HEADER_BYTES : HEADER_BYTES + meta_len].numpy().tobytes())
         if message.batch is not None:
             specs: list[TensorSpec] = []
             collect_specs(message.batch, specs)
-            buffer = torch.empty(sum(aligned(s.nbytes) for s in specs), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, src=0, group=self.parallel.group)
-            message.batch = fill_tensors(message.batch, iter(unpack(buffer, specs)))
+            if self.inline:
+                data = frame[HEADER_BYTES + aligned(meta_len) : total].clone()
+            else:
+                data = torch.empty(sum(aligned(s.nbytes) for s in specs), dtype=torch.uint8, device=self.device)
+                dist.broadcast(data, src=0, group=self.parallel.group)
+            message.batch = fill_tensors(message.batch, iter(unpack(data, specs)))
         return message
 
 

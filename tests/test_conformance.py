@@ -2,9 +2,9 @@
 
 With `PAGEDSERVE_EXECUTOR=HOST:PORT` set, the suite tests that address only. Otherwise it starts the
 simulated executor, the torch executor on the embedded default model (small pools) and the same with
---tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test opens its own Execute stream
-(a new stream drops all state, so tests cannot leak into each other) and uses greedy, seeded
-requests, so two runs of the same request are comparable token for token.
+--tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test
+opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
+uses greedy, seeded requests, so two runs of the same request are comparable token for token.
 """
 
 from __future__ import annotations

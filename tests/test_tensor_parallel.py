@@ -8,6 +8,7 @@ Kept small (two ranks, few short requests): the test machine has two shared core
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -39,6 +40,7 @@ from executor_service.distributed import (
 from executor_service.model import AttentionOps, ModelConfig, ModelLoadError, ParallelContext, ShardLayout, load_model
 from executor_service.torch_backend import TorchBackend, build_batch
 from protos.pagedserve.v1 import generation_pb2
+from tests import tp_peer
 from tests.procs import ROOT, Stack, free_port, running_stack, start, stop, wait_healthy, wait_until
 
 transformers = pytest.importorskip("transformers")
@@ -155,6 +157,27 @@ def test_a_batch_crosses_the_channel_as_specs_and_one_buffer(tmp_path: Path) -> 
     strip_tensors(rebuilt, again)
     assert len(again) == len(tensors) >= 7
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(again, tensors, strict=True))
+
+
+def test_the_step_channel_delivers_every_call_in_order_across_two_processes() -> None:
+    """Block pairs, a small batch (one frame) and a batch over the frame size (two broadcasts), a heartbeat
+    and a stop arrive at rank 1 exactly as rank 0 sent them, over a real gloo group."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=tp_peer.channel_peer, args=(rank, port, out)) for rank in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        received = [out.get(timeout=120) for _ in tp_peer.channel_messages()]
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    expected = [(op, mapping, tp_peer.flatten(batch)) for op, mapping, batch in tp_peer.channel_messages()]
+    assert received == expected
+    assert [p.exitcode for p in ranks] == [0, 0]
 
 
 def test_topology_from_flags_and_from_torchrun() -> None:
