@@ -2,7 +2,8 @@
 # The CUDA path for real, as one script for a machine with an NVIDIA GPU (e.g. the device tool's H200):
 # Triton kernels compiled for real against the reference, greedy equality with transformers through the
 # whole gRPC stack with the executor on CUDA (swap to pinned CPU memory included), the executor conformance
-# suite on CUDA, and decode throughput. Writes its outputs under $OUT (default /tmp/gpu_check).
+# suite on CUDA, decode throughput, and with two or more GPUs tensor parallelism (TP=2) over NCCL.
+# Writes its outputs under $OUT (default /tmp/gpu_check).
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -28,4 +29,13 @@ run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py
 run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
 run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda
+# Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
+# still runs over gloo on the CPU in the conformance suite above.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  run tp2_equality env PAGEDSERVE_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
+  run tp2_decode "$PY" benchmarks/tensor_parallel.py --device cuda --batch-sizes 1,16,64,256 --steps 64
+else
+  echo "== tensor parallel on CUDA: skipped, ${ngpu:-0} GPU(s); it needs 2"
+fi
 exit $status

@@ -46,6 +46,7 @@ from tests.procs import ROOT, Stack, free_port, running_stack, start, stop, wait
 transformers = pytest.importorskip("transformers")
 
 TP2 = ["--tensor-parallel-size", "2"]
+DEVICE = os.environ.get("PAGEDSERVE_TP_DEVICE", "cpu")  # cuda needs two GPUs (benchmarks/gpu_check.sh)
 BLOCK_SIZE = 16
 PROMPT_LENGTHS = (100, 60, 33, 17, 7, 1)
 MAX_TOKENS = 16
@@ -293,7 +294,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     else:  # qkv bias, tied embeddings, 4 query heads over 2 KV heads
         path = make_model(root / "qwen2", arch="qwen2", tie_word_embeddings=True, hidden_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, vocab_size=TOKENIZER_VOCAB_SIZE, init_std=0.2, seed=2)
-    model = ["--model", str(path), "--device", "cpu", "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
+    model = ["--model", str(path), "--device", DEVICE, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
     for name, args in (("tp1", [*model, *PLENTY]), ("tp2", [*model, *PLENTY, *TP2])):
         log_dir = root / name
@@ -351,7 +352,7 @@ def gone(pid: int) -> bool:
 
 
 def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_path: Path) -> None:
-    args = ["--device", "cpu", "--num-gpu-blocks", "128", "--num-cpu-blocks", "16", *TP2]
+    args = ["--device", DEVICE, "--num-gpu-blocks", "128", "--num-cpu-blocks", "16", *TP2]
     with running_stack(tmp_path, args) as stack:
         reference = asyncio.run(generate_all(stack.address, KILL_RUN_TOKENS))
         assert all(len(ids) == KILL_RUN_TOKENS for ids, _ in reference)
@@ -376,7 +377,7 @@ def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_p
 def test_killed_rank_0_ends_the_other_ranks(tmp_path: Path) -> None:
     log = tmp_path / "executor.log"
     address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--listen", address, "--device", "cpu", "--num-gpu-blocks", "16", *TP2], log)
+    proc = start("executor_service", ["--listen", address, "--device", DEVICE, "--num-gpu-blocks", "16", *TP2], log)
     try:
         wait_healthy(address, proc)
         pid = worker_pid(log, proc)
