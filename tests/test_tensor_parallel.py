@@ -64,7 +64,7 @@ NO_OPS = AttentionOps(lambda *a: None, lambda *a: torch.empty(0))
 
 def make_prompt(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed * 1000 + length)
-    return torch.randint(3, TOKENIZER_VOCAB_SIZE, (length,), generator=g).tolist()
+    return torch.randint(3, TOKENIZER_VOCAB_SIZE - 1, (length,), generator=g).tolist()  # fits the odd vocab too
 
 
 PROMPTS = [make_prompt(n, 7) for n in PROMPT_LENGTHS]
@@ -330,6 +330,18 @@ def test_size_2_equals_transformers_under_preemption(case: Case, mode: str) -> N
         assert m["pagedserve:swap_out_blocks_total"] > 0 and m["pagedserve:swap_in_blocks_total"] > 0
     else:
         assert m[RECOMPUTE] > 0 and m[SWAP] == 0, f"no recompute-only preemption in {run.rounds} rounds"
+
+
+@pytest.mark.slow
+def test_size_2_with_one_kv_head_and_an_odd_vocabulary_equals_transformers(tmp_path: Path) -> None:
+    """One KV head for two ranks (replicated on both) and a vocabulary of 2047 (the second rank's shard of
+    the embedding and LM head padded by a zero row)."""
+    path = make_model(tmp_path / "mistral", arch="mistral", hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=1, vocab_size=TOKENIZER_VOCAB_SIZE - 1, init_std=0.2, seed=4)
+    args = ["--model", str(path), "--device", DEVICE, "--dtype", "float32", *PLENTY, *TP2]
+    with executor(args, tmp_path / "executor.log") as address:
+        run = serve(address, [], tmp_path)
+    assert run.outputs == hf_greedy(path)
 
 
 # ---- a rank that dies ends the executor --------------------------------------------------------------------
