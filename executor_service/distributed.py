@@ -111,6 +111,8 @@ def resolve_topology(config: ExecutorConfig, env: Mapping[str, str]) -> Topology
     size, nnodes = config.tensor_parallel_size, config.nnodes
     if config.simulated:
         raise LaunchError("--tensor-parallel-size needs the torch executor, not --simulated")
+    if not config.distributed_timeout > 0:
+        raise LaunchError(f"--distributed-timeout must be positive, got {config.distributed_timeout}")
     if all(k in env for k in TORCHRUN_ENV):
         world = int(env["WORLD_SIZE"])
         if world != size:
@@ -204,12 +206,17 @@ def rank_main(config: ExecutorConfig, topo: Topology, local_rank: int, parent_pi
 
 def run_rank(config: ExecutorConfig, topo: Topology, local_rank: int, serve: Callable[[Backend], None] | None,
              guard: Guard) -> None:
+    """Join the group, load this rank's shard, then serve (rank 0) or follow rank 0 (the others)."""
     rank = topo.rank_of(local_rank)
     device = pick_device(config, local_rank, topo.nproc_per_node)
     parallel, control = init_group(topo, rank, device, config.distributed_timeout)
     backend = TorchBackend.create(config, parallel)
     channel = StepChannel(parallel, control, backend.device)
-    if rank != 0:
+    if rank == 0:
+        if serve is None:
+            raise LaunchError("rank 0 must be the process that serves the Executor API")
+        lead(backend, channel, topo, serve, guard, heartbeat_interval(config.distributed_timeout))
+    else:
         log.info("rank %d of %d ready on %s: %d KV blocks", rank, topo.world_size, backend.device,
                  backend.info.num_device_blocks)
         try:
@@ -217,19 +224,19 @@ def run_rank(config: ExecutorConfig, topo: Topology, local_rank: int, serve: Cal
         except Exception as e:  # a collective failed or timed out: rank 0 or a peer is gone
             guard.fail(f"rank {rank}: {e}")
         guard.stopping = True
-        dist.destroy_process_group()
-        return
-    if serve is None:
-        raise LaunchError("rank 0 must be the process that serves the Executor API")
-    leader = TensorParallelBackend(backend, channel, guard.fail, heartbeat_interval(config.distributed_timeout))
-    log.info("tensor parallel: %d ranks on %d node(s), %s, %d KV heads per rank",
-             topo.world_size, topo.nnodes, dist.get_backend(), backend.model.layout.num_kv_heads)
+    dist.destroy_process_group()
+
+
+def lead(backend: TorchBackend, channel: StepChannel, topo: Topology, serve: Callable[[Backend], None],
+         guard: Guard, heartbeat_s: float) -> None:
+    leader = TensorParallelBackend(backend, channel, guard.fail, heartbeat_s)
+    log.info("tensor parallel: %d ranks on %d node(s), %s, %d KV heads per rank", topo.world_size, topo.nnodes,
+             dist.get_backend(), backend.model.layout.num_kv_heads)
     try:
         serve(leader)
     finally:
         guard.stopping = True
         leader.close()
-    dist.destroy_process_group()
 
 
 def heartbeat_interval(timeout: float) -> float:

@@ -197,6 +197,8 @@ def test_topology_from_flags_and_from_torchrun() -> None:
         resolve_topology(ExecutorConfig(tensor_parallel_size=2, nnodes=2, node_rank=2), {})
     with pytest.raises(LaunchError, match="simulated"):
         resolve_topology(ExecutorConfig(tensor_parallel_size=2, simulated=True), {})
+    with pytest.raises(LaunchError, match="--distributed-timeout"):
+        resolve_topology(ExecutorConfig(tensor_parallel_size=2, distributed_timeout=0), {})
 
 
 def test_a_size_the_model_cannot_take_fails_at_start_with_one_line(tmp_path: Path) -> None:
