@@ -8,8 +8,9 @@ gloo on the CPU; a gloo group carries the control messages.
 Rank 0 serves the Executor API. Every backend call it makes (a forward pass, a swap, a copy) first goes
 to the other ranks as one broadcast message (the op and its block pairs, or the batch with its tensors
 packed into one buffer), and they run it in step; the row-parallel all-reduces and the logits all-gather
-happen inside the forward pass. Idle, rank 0 broadcasts a heartbeat, so every collective wait is bounded
-by --distributed-timeout. Failure is fail-stop: a rank that dies or fails a collective ends the whole
+happen inside the forward pass. Idle, rank 0 broadcasts a heartbeat that every rank answers (a barrier),
+so every collective wait is bounded by --distributed-timeout, and a peer that hangs is found while idle.
+Failure is fail-stop: a rank that dies or fails a collective ends the whole
 executor (every rank exits, rank 0 without answering the step in flight), and the scheduler sees a lost
 executor and recomputes.
 """
@@ -48,6 +49,7 @@ log = logging.getLogger("pagedserve.executor")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 DEFAULT_MASTER_PORT = 29500
 MAX_HEARTBEAT_S = 5.0
+STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
 ALIGN = 16
 HEADER_BYTES = 16  # two int64: pickled Message length, frame length
@@ -211,6 +213,7 @@ def run_rank(config: ExecutorConfig, topo: Topology, local_rank: int, serve: Cal
     device = pick_device(config, local_rank, topo.nproc_per_node)
     parallel, control = init_group(topo, rank, device, config.distributed_timeout)
     backend = TorchBackend.create(config, parallel)
+    dist.barrier()  # every rank has loaded (start-up timeout) before the collective timeout applies
     channel = StepChannel(parallel, control, backend.device)
     if rank == 0:
         if serve is None:
@@ -257,14 +260,16 @@ def pick_device(config: ExecutorConfig, local_rank: int, nproc: int) -> torch.de
 
 def init_group(topo: Topology, rank: int, device: torch.device,
                timeout_s: float) -> tuple[ParallelContext, dist.ProcessGroup]:
-    """The world group (NCCL on CUDA, gloo on CPU) and a gloo group for control messages."""
+    """The model's group (NCCL on CUDA, gloo on CPU) and a gloo group for control messages, both with
+    the collective timeout. The world group, with a start-up timeout, only gathers the ranks."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
     init = "env://" if topo.torchrun_rank is not None else f"tcp://{topo.master_addr}:{topo.master_port}"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=topo.world_size, timeout=timeout)
-    world = dist.group.WORLD
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else world
-    return ParallelContext(rank, topo.world_size, world), control
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=topo.world_size,
+                            timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, timeout_s)))
+    timeout = timedelta(seconds=timeout_s)
+    model = dist.new_group(backend=backend, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else model
+    return ParallelContext(rank, topo.world_size, model), control
 
 
 # ---- failure -----------------------------------------------------------------------------------------
@@ -355,6 +360,11 @@ class StepChannel:
             dist.broadcast(frame[FRAME_BYTES:total], src=0, group=self.control)
         if data is not None and not self.inline:
             dist.broadcast(data, src=0, group=self.parallel.group)
+
+    def answer_heartbeat(self) -> None:
+        """Every rank meets here after a heartbeat: a peer that hangs (not only one that died) is found
+        within the collective timeout even while the executor is idle."""
+        dist.barrier(group=self.control)
 
     def receive(self) -> Message:
         frame = self._frame
@@ -450,6 +460,8 @@ def follow(backend: TorchBackend, channel: StepChannel) -> None:
                 backend.swap_in(message.mapping)
             case Op.COPY:
                 backend.copy(message.mapping)
+            case Op.HEARTBEAT:
+                channel.answer_heartbeat()
             case Op.STOP:
                 return
 
@@ -523,6 +535,7 @@ class TensorParallelBackend:
                     continue
                 try:
                     self._send(Op.HEARTBEAT)
+                    self.channel.answer_heartbeat()
                 except Exception as e:
                     self.on_failure(f"heartbeat: {e}")
                     return

@@ -403,3 +403,25 @@ def test_killed_rank_0_ends_the_other_ranks(tmp_path: Path) -> None:
         assert gone(pid), "rank 1 outlived rank 0"
     finally:
         stop(proc)
+
+
+def test_a_hung_rank_ends_the_executor_within_the_collective_timeout(tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP: alive but silent) while the executor is idle: rank 0's heartbeat is not
+    answered, and rank 0 exits after --distributed-timeout instead of hanging."""
+    log = tmp_path / "executor.log"
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--listen", address, "--device", DEVICE, "--num-gpu-blocks", "16", "--distributed-timeout", "3", *TP2]
+    proc = start("executor_service", args, log)
+    pid = 0
+    try:
+        wait_healthy(address, proc)
+        pid = worker_pid(log, proc)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert proc.wait(timeout=60) == 1
+        assert time.monotonic() - stopped >= 2.0, "rank 0 gave up before the timeout"
+        assert "going down" in log.read_text(errors="replace")
+    finally:
+        if pid and not gone(pid):  # rank 0 kills it on the way down; this is for a failed assertion
+            os.kill(pid, signal.SIGKILL)
+        stop(proc)
