@@ -269,7 +269,7 @@ def init_group(topo: Topology, rank: int, device: torch.device,
     timeout = timedelta(seconds=timeout_s)
     model = dist.new_group(backend=backend, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else model
-    return ParallelContext(rank, topo.world_size, model), control
+    return ParallelContext(rank, topo.world_size, model, dist.group.WORLD), control
 
 
 # ---- failure -----------------------------------------------------------------------------------------

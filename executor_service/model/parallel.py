@@ -21,11 +21,13 @@ from executor_service.model.config import ModelConfig, ModelLoadError
 
 @dataclass(slots=True, frozen=True)
 class ParallelContext:
-    """This process's place in the tensor-parallel group; group None means one rank (no communication)."""
+    """This process's place in the tensor-parallel group; group None means one rank (no communication).
+    setup_group (default: group) carries start-up agreements, which may wait for slower ranks to load."""
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    setup_group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: Tensor) -> Tensor:
         if self.world_size > 1:
@@ -46,7 +48,7 @@ class ParallelContext:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.setup_group or self.group)
         return int(t.item())
 
 
