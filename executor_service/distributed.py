@@ -213,7 +213,7 @@ def run_rank(config: ExecutorConfig, topo: Topology, local_rank: int, serve: Cal
     device = pick_device(config, local_rank, topo.nproc_per_node)
     parallel, control = init_group(topo, rank, device, config.distributed_timeout)
     backend = TorchBackend.create(config, parallel)
-    dist.barrier()  # every rank has loaded (start-up timeout) before the collective timeout applies
+    parallel.wait_for_all()  # every rank is ready (start-up timeout) before the collective timeout applies
     channel = StepChannel(parallel, control, backend.device)
     if rank == 0:
         if serve is None:

@@ -43,6 +43,11 @@ class ParallelContext:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def wait_for_all(self) -> None:
+        """Start-up: return when every rank got here (over setup_group: loading may take long)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.setup_group or self.group)
+
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value (e.g. KV blocks that fit on every device)."""
         if self.world_size == 1:
