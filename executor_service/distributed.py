@@ -411,37 +411,35 @@ def is_container(obj: Any) -> bool:
     return isinstance(obj, list | tuple) and bool(obj) and not isinstance(obj[0], int | float | str)
 
 
-def strip_tensors(obj: Any, tensors: list[Tensor]) -> Any:
-    """A copy of obj (dataclasses, lists, tuples) with each tensor replaced by its TensorSpec, in order."""
-    if isinstance(obj, Tensor):
-        tensors.append(obj)
-        return TensorSpec(obj.dtype, tuple(obj.shape))
+def map_leaves(obj: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """A copy of obj (dataclasses, dicts, lists, tuples, nested) with fn applied to each leaf, in order."""
+    if is_leaf(obj):
+        return fn(obj)
     if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: strip_tensors(getattr(obj, f.name), tensors) for f in fields(obj) if f.init})
+        return replace(obj, **{f.name: map_leaves(getattr(obj, f.name), is_leaf, fn) for f in fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: map_leaves(v, is_leaf, fn) for k, v in obj.items()}
     if is_container(obj):
-        return type(obj)(strip_tensors(x, tensors) for x in obj)
+        return type(obj)(map_leaves(x, is_leaf, fn) for x in obj)
     return obj
+
+
+def strip_tensors(obj: Any, tensors: list[Tensor]) -> Any:
+    """obj with each tensor replaced by its TensorSpec; the tensors are appended to `tensors` in order."""
+
+    def spec(t: Tensor) -> TensorSpec:
+        tensors.append(t)
+        return TensorSpec(t.dtype, tuple(t.shape))
+
+    return map_leaves(obj, lambda x: isinstance(x, Tensor), spec)
 
 
 def collect_specs(obj: Any, specs: list[TensorSpec]) -> None:
-    if isinstance(obj, TensorSpec):
-        specs.append(obj)
-    elif is_dataclass(obj) and not isinstance(obj, type):
-        for f in fields(obj):
-            collect_specs(getattr(obj, f.name), specs)
-    elif is_container(obj):
-        for x in obj:
-            collect_specs(x, specs)
+    map_leaves(obj, lambda x: isinstance(x, TensorSpec), specs.append)
 
 
 def fill_tensors(obj: Any, tensors: Iterator[Tensor]) -> Any:
-    if isinstance(obj, TensorSpec):
-        return next(tensors)
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: fill_tensors(getattr(obj, f.name), tensors) for f in fields(obj) if f.init})
-    if is_container(obj):
-        return type(obj)(fill_tensors(x, tensors) for x in obj)
-    return obj
+    return map_leaves(obj, lambda x: isinstance(x, TensorSpec), lambda _: next(tensors))
 
 
 # ---- the ranks ---------------------------------------------------------------------------------------------

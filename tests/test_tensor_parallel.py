@@ -30,6 +30,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.default_model import TOKENIZER_VOCAB_SIZE, ensure_default_model, make_model
 from executor_service.distributed import (
     LaunchError,
+    TensorSpec,
     collect_specs,
     fill_tensors,
     pack,
@@ -158,6 +159,11 @@ def test_a_batch_crosses_the_channel_as_specs_and_one_buffer(tmp_path: Path) -> 
     strip_tensors(rebuilt, again)
     assert len(again) == len(tensors) >= 7
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(again, tensors, strict=True))
+    nested = {"pair": (torch.ones(2), [torch.zeros(1, dtype=torch.bool)]), "n": 3}
+    found: list[torch.Tensor] = []
+    assert strip_tensors(nested, found) == {"pair": (TensorSpec(torch.float32, (2,)), [TensorSpec(torch.bool, (1,))]),
+                                            "n": 3}
+    assert [t.dtype for t in found] == [torch.float32, torch.bool]
 
 
 def test_the_step_channel_delivers_every_call_in_order_across_two_processes() -> None:
