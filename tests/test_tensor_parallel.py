@@ -352,6 +352,24 @@ def test_size_2_with_one_kv_head_and_an_odd_vocabulary_equals_transformers(tmp_p
     assert run.outputs == hf_greedy(path)
 
 
+@pytest.mark.slow
+def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m executor_service -tp 2`: each process is one rank (RANK, WORLD_SIZE,
+    LOCAL_RANK from torchrun); greedy outputs through a scheduler equal transformers'."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "executor_service", *TP2, "--listen", address,
+           "--device", DEVICE, "--dtype", "float32", *PLENTY]
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(address, proc)
+        run = serve(address, [], tmp_path)
+    finally:
+        stop(proc)  # torchrun ends its workers with SIGTERM: its own exit status is not ours to check
+    assert run.outputs == hf_greedy(ensure_default_model())
+
+
 # ---- a rank that dies ends the executor --------------------------------------------------------------------
 
 
