@@ -370,6 +370,32 @@ def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
     assert run.outputs == hf_greedy(ensure_default_model())
 
 
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_serve_like_one(tmp_path: Path) -> None:
+    """--nnodes 2 with one rank per node, both nodes on this machine (gloo kept on the loopback): node 0
+    serves, node 1 only follows; greedy outputs equal transformers'."""
+    port, address = free_port(), f"127.0.0.1:{free_port()}"
+    common = [*TP2, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--device", DEVICE,
+              "--dtype", "float32", *PLENTY]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    procs = []
+    for node in (1, 0):
+        args = [*common, "--node-rank", str(node), *(["--listen", address] if node == 0 else [])]
+        with open(tmp_path / f"node{node}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "executor_service", *args], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    node1, node0 = procs
+    try:
+        wait_healthy(address, node0)
+        run = serve(address, [], tmp_path)
+        assert stop(node0) == 0
+        assert node1.wait(timeout=30) == 0, "node 1 should exit when node 0 tells it to stop"
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert run.outputs == hf_greedy(ensure_default_model())
+
+
 # ---- a rank that dies ends the executor --------------------------------------------------------------------
 
 
