@@ -11,6 +11,7 @@ import sys
 
 import uvloop
 
+from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
@@ -35,7 +36,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
         if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-    server, port = await serve(backend, config.listen, credentials)
+    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file))
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
@@ -49,6 +50,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2.0)
+    log.info("executor stopped")
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -59,6 +61,9 @@ def run(argv: list[str] | None = None) -> int:
             from executor_service.distributed import launch
             return launch(config, lambda backend: uvloop.run(main(config, backend)))
         uvloop.run(main(config))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
+        log.info("executor interrupted while starting")
+        return 130
     except Exception as e:  # start-up errors: one clear line, not a stack trace
         if type(e).__name__ not in ("ModelLoadError", "LaunchError"):
             raise
@@ -67,5 +72,14 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_quietly(code: int) -> None:
+    """Exit without the interpreter's teardown: torch imports Triton when it is installed, and Triton's
+    bindings print a page of 'nanobind: leaked ...' lines at teardown. Everything is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_quietly(run())

@@ -12,11 +12,12 @@ import sys
 import grpc
 import uvloop
 
-from protos.wire import channel_credentials, server_credentials
+from protos.wire import channel_credentials, read_secret, server_credentials
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
-from scheduler_service.server import PublicServer, serve, set_health
+from scheduler_service.metrics import MetricsServer
+from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -58,9 +59,14 @@ async def main(config: SchedulerServiceConfig) -> None:
                     config.executor[0])
     public_creds, executor_creds = credentials(config)
     engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                    executor_creds, config.executor_step_timeout)
+                    executor_creds, config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
+                    executor_secret=read_secret(config.executor_secret_file))
+    serving = ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
+                            executor_wait_timeout=config.executor_wait_timeout,
+                            max_request_bytes=config.max_request_bytes)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
-                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
+                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
+                         serving=serving)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              config.executor[0])
     stop = asyncio.Event()
@@ -69,9 +75,13 @@ async def main(config: SchedulerServiceConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    metrics_server: MetricsServer | None = None
     if starting.done():
+        starting.result()
         if config.metrics_port is not None and engine.metrics is not None:
-            engine.metrics.serve(config.metrics_host, config.metrics_port)
+            engine.metrics.registry.register(public.generation.refusals)
+            metrics_server = MetricsServer(engine.metrics.registry)
+            await metrics_server.start(config.metrics_host, config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
         health_updates: set[asyncio.Task[None]] = set()
 
@@ -88,6 +98,8 @@ async def main(config: SchedulerServiceConfig) -> None:
     else:
         starting.cancel()
     await shutdown(config, public, engine)
+    if metrics_server is not None:
+        await metrics_server.close()
 
 
 def run(argv: list[str] | None = None) -> int:
