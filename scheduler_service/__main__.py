@@ -11,15 +11,18 @@ import sys
 
 import grpc
 import uvloop
+from grpc_health.v1 import health_pb2
 
 from protos.wire import channel_credentials, read_secret, server_credentials
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
-from scheduler_service.metrics import MetricsServer
+from scheduler_service.metrics import EngineMetrics, MetricsServer
+from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
+LIVENESS = "liveness"
 
 
 def credentials(config: SchedulerServiceConfig) -> tuple[grpc.ServerCredentials | None,
@@ -40,13 +43,13 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 50, 1000)
 
 
-async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: Engine) -> None:
+async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: ExecutorPool) -> None:
     log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
     public.generation.draining = True
     await set_health(public.health, False)
     if not engine.idle():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(engine.drained.wait(), timeout=config.shutdown_timeout)
+            await asyncio.wait_for(engine.wait_idle(), timeout=config.shutdown_timeout)
     aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
     log.info("drained; aborted %d unfinished requests", aborted)
     await public.server.stop(grace=2.0)
@@ -54,25 +57,32 @@ async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine:
 
 
 async def main(config: SchedulerServiceConfig) -> None:
-    if len(config.executor) > 1:
-        log.warning("several --executor addresses given; this version serves from the first (%s) only",
-                    config.executor[0])
     public_creds, executor_creds = credentials(config)
-    engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                    executor_creds, config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
-                    executor_secret=read_secret(config.executor_secret_file))
+    pool_config = PoolConfig(config.executor, config.executor_resolve_interval, config.executor_hosts_file,
+                             config.executor_drain_file)
+    secret = read_secret(config.executor_secret_file)
+
+    def make_engine(address: str, metrics: EngineMetrics | None) -> Engine:
+        return Engine(config.core(), address, config.max_queue_len, config.served_model_name, executor_creds,
+                      config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
+                      executor_secret=secret, metrics=metrics)
+
+    engine = ExecutorPool(pool_config, config.core(), config.max_queue_len, make_engine, config.served_model_name)
     serving = ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
                             executor_wait_timeout=config.executor_wait_timeout,
                             max_request_bytes=config.max_request_bytes)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
                          serving=serving)
+    # A liveness probe's health name: SERVING while the event loop answers, with or without executors.
+    await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
-             config.executor[0])
+             ", ".join(config.executor))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     metrics_server: MetricsServer | None = None
