@@ -304,11 +304,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                           num_heads=4, num_kv_heads=2, vocab_size=TOKENIZER_VOCAB_SIZE, init_std=0.2, seed=2)
     model = ["--model", str(path), "--device", DEVICE, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
-    for name, args in (("tp1", [*model, *PLENTY]), ("tp2", [*model, *PLENTY, *TP2])):
-        log_dir = root / name
-        log_dir.mkdir()
-        with executor(args, log_dir / "executor.log") as address:
-            runs[name] = serve(address, [], log_dir)
+    (root / "tp1").mkdir()
+    with executor([*model, *PLENTY], root / "tp1" / "executor.log") as address:
+        runs["tp1"] = serve(address, [], root / "tp1")
     with executor([*model, *TIGHT, *TP2], root / "executor-tight.log") as address:
         for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
             log_dir = root / mode
@@ -319,11 +317,13 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.slow
 def test_size_2_equals_size_1_and_transformers(case: Case) -> None:
+    """Size 1 with plenty of blocks against size 2 with few (its first round: every request, the
+    preempted and the never preempted ones)."""
     assert case.runs["tp1"].outputs == case.reference
-    assert case.runs["tp2"].outputs == case.reference
-    for name in ("tp1", "tp2"):
-        assert case.runs[name].reasons == [LENGTH] * len(PROMPTS)
-        assert case.runs[name].metrics["vllm:num_preemptions_total"] == 0
+    assert case.runs["tp1"].reasons == [LENGTH] * len(PROMPTS)
+    assert case.runs["tp1"].metrics["vllm:num_preemptions_total"] == 0
+    for mode in ("swap", "recompute"):
+        assert case.runs[mode].outputs[: len(PROMPTS)] == case.runs["tp1"].outputs
 
 
 @pytest.mark.slow
@@ -341,25 +341,17 @@ def test_size_2_equals_transformers_under_preemption(case: Case, mode: str) -> N
 
 
 @pytest.mark.slow
-def test_size_2_with_one_kv_head_and_an_odd_vocabulary_equals_transformers(tmp_path: Path) -> None:
-    """One KV head for two ranks (replicated on both) and a vocabulary of 2047 (the second rank's shard of
-    the embedding and LM head padded by a zero row)."""
-    path = make_model(tmp_path / "mistral", arch="mistral", hidden_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=1, vocab_size=TOKENIZER_VOCAB_SIZE - 1, init_std=0.2, seed=4)
-    args = ["--model", str(path), "--device", DEVICE, "--dtype", "float32", *PLENTY, *TP2]
-    with executor(args, tmp_path / "executor.log") as address:
-        run = serve(address, [], tmp_path)
-    assert run.outputs == hf_greedy(path)
-
-
-@pytest.mark.slow
 def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 2 -m executor_service -tp 2`: each process is one rank (RANK, WORLD_SIZE,
-    LOCAL_RANK from torchrun); greedy outputs through a scheduler equal transformers'."""
+    LOCAL_RANK from torchrun); greedy outputs through a scheduler equal transformers'. The model has one KV
+    head for the two ranks (replicated on both) and a vocabulary of 2047 (rank 1's shard of the embedding
+    and LM head padded by a zero row)."""
+    path = make_model(tmp_path / "mistral", arch="mistral", hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=1, vocab_size=TOKENIZER_VOCAB_SIZE - 1, init_std=0.2, seed=4)
     address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "executor_service", *TP2, "--listen", address,
-           "--device", DEVICE, "--dtype", "float32", *PLENTY]
+           "--model", str(path), "--device", DEVICE, "--dtype", "float32", *PLENTY]
     with open(tmp_path / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -367,7 +359,7 @@ def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
         run = serve(address, [], tmp_path)
     finally:
         stop(proc)  # torchrun ends its workers with SIGTERM: its own exit status is not ours to check
-    assert run.outputs == hf_greedy(ensure_default_model())
+    assert run.outputs == hf_greedy(path)
 
 
 @pytest.mark.slow
@@ -417,7 +409,8 @@ def gone(pid: int) -> bool:
 
 def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_path: Path) -> None:
     args = ["--device", DEVICE, "--num-gpu-blocks", "128", "--num-cpu-blocks", "16", *TP2]
-    with running_stack(tmp_path, args) as stack:
+    # requests wait for the restarted executor (two ranks starting on a loaded machine) instead of failing
+    with running_stack(tmp_path, args, ["--executor-wait-timeout", "600"]) as stack:
         reference = asyncio.run(generate_all(stack.address, KILL_RUN_TOKENS))
         assert all(len(ids) == KILL_RUN_TOKENS for ids, _ in reference)
         pid = worker_pid(tmp_path / "executor.log", stack.executor)
