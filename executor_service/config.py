@@ -23,6 +23,12 @@ class ExecutorConfig:
     max_model_len: int | None = None
     seed: int = 0
     cuda_graph_sizes: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout: float = 120.0
     sim_vocab_size: int = 32000
     sim_max_model_len: int = 8192
     sim_step_latency_ms: float = 0.0
@@ -72,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-sizes", type=parse_sizes, default=d.cuda_graph_sizes,
                    help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256"
                    " (default: none, eager; CUDA with Triton attention only)")
+    tp = p.add_argument_group("tensor parallelism (docs/operations.md)")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                    help="shard the model over this many ranks, one process per device (under torchrun: "
+                         "its WORLD_SIZE)")
+    tp.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the ranks are spread over")
+    tp.add_argument("--node-rank", type=int, default=d.node_rank,
+                    help="this machine's index in [0, nnodes); node 0 serves the Executor API")
+    tp.add_argument("--master-addr", default=d.master_addr, help="address of node 0 for the process group")
+    tp.add_argument("--master-port", type=int, default=None,
+                    help="port on node 0 for the process group (default: a free port on one node, 29500 on several)")
+    tp.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                    help="seconds a collective may wait for a peer before the executor gives up and exits")
     p.add_argument("--sim-vocab-size", type=int, default=d.sim_vocab_size)
     p.add_argument("--sim-max-model-len", type=int, default=d.sim_max_model_len)
     p.add_argument("--sim-step-latency-ms", type=float, default=d.sim_step_latency_ms)
