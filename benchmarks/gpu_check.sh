@@ -3,8 +3,9 @@
 # Triton kernels compiled for real against the reference, greedy equality with transformers through the
 # whole gRPC stack with the executor on CUDA (swap to pinned CPU memory included), the executor conformance
 # suite on CUDA, the device's limits and kernels (benchmarks/gpu_bench.py: matmul peak, HBM bandwidth, Triton
-# vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), and decode throughput. Writes its outputs under $OUT
-# (default /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left.
+# vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), decode throughput, and with two or more GPUs tensor
+# parallelism (TP=2) over NCCL. Writes its outputs under $OUT (default /tmp/gpu_check). The whole script stops
+# after LIMIT seconds (default 540): each step gets what is left.
 #
 #   bash benchmarks/gpu_check.sh            # LIMIT=900 bash benchmarks/gpu_check.sh for a longer budget
 #
@@ -40,4 +41,13 @@ run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py tes
 run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
 run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda
+# Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
+# still runs over gloo on the CPU in the conformance suite above.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  run tp2_equality env PAGEDSERVE_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
+  run tp2_decode "$PY" benchmarks/tensor_parallel.py --device cuda --batch-sizes 1,16,64,256 --steps 64
+else
+  echo "== tensor parallel on CUDA: skipped, ${ngpu:-0} GPU(s); it needs 2"
+fi
 exit $status

@@ -1,4 +1,4 @@
-"""python -m executor_service --listen HOST:PORT [--model DIR | --simulated] ..."""
+"""python -m executor_service --listen HOST:PORT [--model DIR | --simulated] [--tensor-parallel-size N] ..."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def build_backend(config: ExecutorConfig) -> Backend:
     return TorchBackend.create(config)
 
 
-async def main(config: ExecutorConfig) -> None:
-    backend = build_backend(config)
+async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
+    """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism."""
+    backend = backend or build_backend(config)
     credentials = None
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
@@ -56,12 +57,15 @@ def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
     try:
+        if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from executor_service.distributed import launch
+            return launch(config, lambda backend: uvloop.run(main(config, backend)))
         uvloop.run(main(config))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
         log.info("executor interrupted while starting")
         return 130
     except Exception as e:  # start-up errors: one clear line, not a stack trace
-        if type(e).__name__ != "ModelLoadError":
+        if type(e).__name__ not in ("ModelLoadError", "LaunchError"):
             raise
         log.error("%s", e)
         return 2

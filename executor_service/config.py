@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from protos.flags import add_flags, config_from, flag
 
+TP_GROUP = "tensor parallelism (docs/operations.md)"
+
 
 def parse_sizes(text: str) -> tuple[int, ...]:
     """'1,2,4,8' -> (1, 2, 4, 8); '' -> () (CUDA graphs off)."""
@@ -39,6 +41,19 @@ class ExecutorConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "shard the model over this many ranks, one process per device (under torchrun: its WORLD_SIZE)",
+        group=TP_GROUP, aliases=["-tp"]))
+    nnodes: int = field(default=1, metadata=flag("machines the ranks are spread over", group=TP_GROUP))
+    node_rank: int = field(default=0, metadata=flag(
+        "this machine's index in [0, nnodes); node 0 serves the Executor API", group=TP_GROUP))
+    master_addr: str = field(default="127.0.0.1", metadata=flag(
+        "address of node 0 for the process group", group=TP_GROUP))
+    master_port: int | None = field(default=None, metadata=flag(
+        "port on node 0 for the process group (default: a free port on one node, 29500 on several)",
+        group=TP_GROUP))
+    distributed_timeout: float = field(default=120.0, metadata=flag(
+        "seconds a collective may wait for a peer before the executor gives up and exits", group=TP_GROUP))
     sim_vocab_size: int = 32000
     sim_max_model_len: int = 8192
     sim_step_latency_ms: float = 0.0

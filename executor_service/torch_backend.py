@@ -26,10 +26,12 @@ from executor_service.cuda_graphs import DecodeGraphs
 from executor_service.default_model import ensure_default_model
 from executor_service.kv_cache import CacheShape, KVCache
 from executor_service.model import (
+    SINGLE,
     AttentionMetadata,
     AttentionOps,
     LlamaForCausalLM,
     ModelConfig,
+    ParallelContext,
     load_model,
 )
 from executor_service.sampler import Sampler, SampleRequest
@@ -62,8 +64,9 @@ class TorchBackend:
         self.graphs = graphs
 
     @classmethod
-    def create(cls, config: ExecutorConfig) -> TorchBackend:
-        """Load the model (config.model, or the embedded default), size and allocate the KV cache."""
+    def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
+        """Load the model (config.model, or the embedded default), size and allocate the KV cache.
+        Under tensor parallelism every rank calls this together and holds its shard of both."""
         if config.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
         device = resolve_device(config.device)
@@ -72,18 +75,20 @@ class TorchBackend:
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
         write_kv, paged_attention = get_attention_ops(device)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention))
-        shape = CacheShape(model_cfg.num_layers, config.block_size, model_cfg.num_kv_heads,
+        model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention),
+                           parallel=parallel)
+        parallel.wait_for_all()
+        shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
-        num_device_blocks = count_device_blocks(config, model, sampler, shape, device)
+        num_device_blocks = parallel.min_int(count_device_blocks(config, model, sampler, shape, device), device)
         num_swap_blocks = count_swap_blocks(config, shape)
         kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
                            device=device)
         info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                           num_swap_blocks)
         graphs = None
-        if config.cuda_graph_sizes and device.type == "cuda":
+        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
             graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
                                   -(-max_model_len // config.block_size), device)
         return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs)
@@ -104,21 +109,31 @@ class TorchBackend:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
         if not items:
             return []
+        batch = self.prepare(items)
+        return self.sample(items, batch, self.run_batch(batch))
+
+    def prepare(self, items: list[BatchItem]) -> Batch:
+        """Check the items and pack them into device tensors; raises ValueError before any work."""
         for item in items:
             validate_item(item, self.info)
-        batch = build_batch(items, self.info, self.device)
-        results: list[SampleOutput | None] = [None] * len(items)
+        return build_batch(items, self.info, self.device)
+
+    def run_batch(self, batch: Batch) -> Tensor | None:
+        """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
+        every rank runs this on the same batch, in step."""
         with torch.inference_mode():
             hidden = self.forward(batch)
-            if not batch.sample_items:
-                return results
-            logits = self.model.compute_logits(hidden)
-            requests = [sample_request(items[i]) for i in batch.sample_items]
-            samples = self.sampler.sample(logits, requests)
+            return self.model.compute_logits(hidden) if batch.sample_items else None
+
+    def sample(self, items: list[BatchItem], batch: Batch, logits: Tensor | None) -> list[SampleOutput | None]:
+        results: list[SampleOutput | None] = [None] * len(items)
+        if logits is None:
+            return results
+        with torch.inference_mode():
+            samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
         for i, sample in zip(batch.sample_items, samples, strict=True):
             results[i] = sample
         return results
-
 
     def forward(self, batch: Batch) -> Tensor:
         """Final hidden states of the sampled rows: a CUDA graph replay for decode steps that fit one."""

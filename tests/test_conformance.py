@@ -2,10 +2,10 @@
 
 With `PAGEDSERVE_EXECUTOR=HOST:PORT[,HOST:PORT...]` set, the suite tests those addresses only, each in turn
 (every executor of a pool: docs/operations.md shows how on Kubernetes). Otherwise it starts the
-simulated executor and the torch executor on the embedded default model (small pools) as real
-processes on loopback and runs every test against both. Every test opens its own Execute stream
-(a new stream drops all state, so tests cannot leak into each other) and uses greedy, seeded
-requests, so two runs of the same request are comparable token for token.
+simulated executor, the torch executor on the embedded default model (small pools) and the same with
+--tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test
+opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
+uses greedy, seeded requests, so two runs of the same request are comparable token for token.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ EXECUTORS: dict[str, list[str]] = {
     "simulated": ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64"],
     "torch": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64",
               "--device", os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")],
+    # two ranks over gloo (a CUDA run needs two devices: benchmarks/gpu_check.sh does that one)
+    "torch-tp2": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--device", "cpu", "--tensor-parallel-size", "2"],
 }
 
 

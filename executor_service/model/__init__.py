@@ -3,13 +3,17 @@
 from executor_service.model.config import ModelConfig, ModelLoadError, RopeScaling
 from executor_service.model.llama import AttentionMetadata, AttentionOps, LlamaForCausalLM
 from executor_service.model.loader import load_model
+from executor_service.model.parallel import SINGLE, ParallelContext, ShardLayout
 
 __all__ = [
+    "SINGLE",
     "AttentionMetadata",
     "AttentionOps",
     "LlamaForCausalLM",
     "ModelConfig",
     "ModelLoadError",
+    "ParallelContext",
     "RopeScaling",
+    "ShardLayout",
     "load_model",
 ]

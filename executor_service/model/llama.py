@@ -12,6 +12,14 @@ from torch.nn.functional import rms_norm, silu
 
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
+from executor_service.model.parallel import (
+    SINGLE,
+    ParallelContext,
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardLayout,
+    VocabParallelEmbedding,
+)
 
 KVCaches = Sequence[tuple[Tensor, Tensor]]
 
@@ -49,18 +57,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+    """This rank's query heads and the KV heads they use: QKV column-parallel, o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = layout.num_heads * cfg.head_dim
+        self.kv_size = layout.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.ops = ops
         qkv_out = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
@@ -79,12 +90,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """This rank's slice of the intermediate dimension: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        inter = cfg.intermediate_size
+        inter = self.intermediate_size = layout.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -92,10 +105,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, ops, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.self_attn = Attention(cfg, layout, ops, dtype, parallel)
+        self.mlp = MLP(cfg, layout, dtype, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -106,10 +120,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, dtype) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size, dtype, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ops, dtype, parallel) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -117,17 +132,20 @@ class LlamaForCausalLM(nn.Module):
     """Parameters are created uninitialised on `device`; fill them with the loader.
 
     Parameter names follow Hugging Face's, except the fused `qkv_proj` (q, k, v stacked on the
-    output dimension) and `gate_up_proj` (gate, up)."""
+    output dimension) and `gate_up_proj` (gate, up). Under tensor parallelism (`parallel`) each
+    parameter is this rank's shard, as `layout` describes."""
 
     inv_freq: Tensor
 
     def __init__(self, cfg: ModelConfig, ops: AttentionOps, *, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.parallel = parallel
+        self.layout = ShardLayout.of(cfg, parallel.rank, parallel.world_size)
         with torch.device("meta"):
-            self.model = LlamaModel(cfg, ops, dtype)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.model = LlamaModel(cfg, self.layout, ops, dtype, parallel)
+            self.lm_head = ParallelLMHead(self.layout, cfg.hidden_size, dtype, parallel)
         self.to_empty(device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -147,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""
         return self.lm_head(hidden).float()
 
     def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,9 @@
-"""Load a Hugging Face Llama-family checkpoint (safetensors, single or sharded) into LlamaForCausalLM."""
+"""Load a Hugging Face Llama-family checkpoint (safetensors, single or sharded) into LlamaForCausalLM.
+
+Under tensor parallelism each rank reads only its slice of each tensor (safetensors get_slice): whole
+query/KV heads and an intermediate slice of the column-parallel projections, the matching input columns of
+the row-parallel ones, and its vocabulary rows of the embedding and LM head (padding rows zeroed).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -13,6 +19,7 @@ from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
 from executor_service.model.llama import AttentionOps, LlamaForCausalLM
+from executor_service.model.parallel import SINGLE, ParallelContext, ShardLayout
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,20 +36,32 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(slots=True, frozen=True)
+class Split:
+    """This rank's part of a checkpoint tensor: [start, stop) of dimension dim, whose full size is total."""
+
+    dim: int
+    start: int
+    stop: int
+    total: int
+
+
+@dataclass(slots=True, frozen=True)
 class Target:
     param: str
     shard: int | None
+    split: Split | None = None
+    padded: bool = False
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
-               ops: AttentionOps) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+               ops: AttentionOps, parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+    """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
     cfg = ModelConfig.from_dir(directory)
     files = find_weight_files(directory)
-    model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype)
+    model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype, parallel=parallel)
     load_weights(model, files)
     return model.eval()
 
@@ -78,9 +97,9 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118
-                    target = map_name(name, params, model.config.tie_word_embeddings)
+                    target = map_name(name, params, model.config, model.layout)
                     if target is not None:
-                        copy_weight(params[target.param], target, slices, reader.get_tensor(name), name)
+                        copy_weight(params[target.param], target, slices, read_tensor(reader, name, target), name)
                         loaded.add((target.param, target.shard))
         except ModelLoadError:
             raise
@@ -89,22 +108,63 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     check_complete(params, loaded, files[0].parent)
 
 
-def map_name(name: str, params: dict[str, torch.nn.Parameter], tied: bool) -> Target | None:
-    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
+             layout: ShardLayout) -> Target | None:
+    if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
         return None
+    split = checkpoint_split(name, cfg, layout)
     match = FUSED_NAME.match(name)
     if match:
         fused, shard = FUSED[match.group(2)]
         param = f"{match.group(1)}.{fused}.{match.group(3)}"
-        return Target(param, shard) if param in params else None
-    return Target(name, None) if name in params else None
+        return Target(param, shard, split) if param in params else None
+    padded = split is not None and name in ("model.embed_tokens.weight", "lm_head.weight")
+    return Target(name, None, split, padded) if name in params else None
+
+
+def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split | None:
+    """Which part of checkpoint tensor `name` this rank holds; None for the whole tensor."""
+    if layout.world_size == 1:
+        return None
+    _, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split(".", 1))
+    d, rank = layout.head_dim, layout.rank
+    q, inter = layout.num_heads * d, layout.intermediate_size
+    match module:
+        case "q_proj":
+            return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "k_proj" | "v_proj":
+            start = layout.kv_head_start * d
+            return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
+        case "gate_proj" | "up_proj":
+            return Split(0, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+        case "o_proj" if kind == "weight":
+            return Split(1, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "down_proj" if kind == "weight":
+            return Split(1, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+        case "embed_tokens" | "lm_head":
+            return Split(0, layout.vocab_start, layout.vocab_start + layout.vocab_rows, cfg.vocab_size)
+    return None
+
+
+def read_tensor(reader: Any, name: str, target: Target) -> Tensor:
+    split = target.split
+    if split is None:
+        return reader.get_tensor(name)
+    view = reader.get_slice(name)
+    shape = tuple(view.get_shape())
+    if len(shape) <= split.dim or shape[split.dim] != split.total:
+        implied = list(shape)
+        if len(shape) > split.dim:
+            implied[split.dim] = split.total
+        raise ModelLoadError(f"weight {name} has shape {shape}, the config implies {tuple(implied)}")
+    return view[split.start : split.stop] if split.dim == 0 else view[:, split.start : split.stop]
 
 
 def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
-    cfg = model.config
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    inter = cfg.intermediate_size
+    layout = model.layout
+    q = layout.num_heads * layout.head_dim
+    kv = layout.num_kv_heads * layout.head_dim
+    inter = layout.intermediate_size
     return {
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
         "gate_up_proj": [(0, inter), (inter, 2 * inter)],
@@ -118,6 +178,9 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
         fused = target.param.rsplit(".", 2)[-2]
         lo, hi = slices[fused][target.shard]
         dest = dest[lo:hi]
+    if target.padded and dest.shape[0] > tensor.shape[0]:
+        dest[tensor.shape[0] :].zero_()
+        dest = dest[: tensor.shape[0]]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(
             f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
