@@ -6,16 +6,21 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
+import socket
 import sys
 
 import grpc
 import uvloop
 
 from protos.wire import channel_credentials, server_credentials
+from scheduler_service.api_servers import ApiServers
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
+from scheduler_service.engine_core import EngineCore
+from scheduler_service.ipc import ipc_address
 from scheduler_service.server import PublicServer, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -52,13 +57,82 @@ async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine:
     await engine.stop()
 
 
-async def main(config: SchedulerServiceConfig) -> None:
+async def main(config: SchedulerServiceConfig) -> int:
+    if config.api_server_count == 0:
+        await main_single_process(config)
+        return 0
+    return await main_core(config)
+
+
+def make_engine(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCredentials | None) -> Engine:
     if len(config.executor) > 1:
         log.warning("several --executor addresses given; this version serves from the first (%s) only",
                     config.executor[0])
+    return Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
+                  executor_creds, config.executor_step_timeout)
+
+
+def resolve_listen(listen: str) -> str:
+    """Front-ends share one port: a requested port 0 is fixed here, once, for all of them."""
+    host, _, port = listen.rpartition(":")
+    if port != "0":
+        return listen
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
+        s.bind((host.strip("[]") or "0.0.0.0", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+async def main_core(config: SchedulerServiceConfig) -> int:
+    """The engine core process: the Engine, the front-end socket, and the front-end processes."""
+    _, executor_creds = credentials(config)
+    engine = make_engine(config, executor_creds)
+    core = EngineCore(engine, ipc_address("core"))
+    core.bind()
+    core.start()
+    listen = resolve_listen(config.listen)
+    servers = ApiServers(config, core.address, listen, core.drop_frontend)
+    servers.start()
+    engine.on_ready_change = lambda ready: core.broadcast_status()
+    log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
+             config.api_server_count, listen, config.executor[0])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(engine.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        servers.kill()
+        core.close()
+        return 0
+    if config.metrics_port is not None and engine.metrics is not None:
+        engine.metrics.serve(config.metrics_host, config.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    freeze_startup_objects()
+    log.info("engine core ready; api servers on %s", listen)
+    died = asyncio.create_task(engine.loop_died.wait())
+    await asyncio.wait([died, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if died.done():
+        log.critical("ENGINE CORE FAILED: the engine loop died (see the error above); every request was failed "
+                     "and the service exits with status 1 so that it is restarted")
+        await asyncio.sleep(0.1)  # let the failed requests' deltas reach the api servers
+        servers.kill()
+        core.close()
+        return 1
+    log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+    await servers.drain(config.shutdown_timeout + 5.0)
+    aborted = engine.abort_all("server shut down")
+    log.info("api servers stopped; aborted %d requests left in the core", aborted)
+    await engine.stop()
+    core.close()
+    return 0
+
+
+async def main_single_process(config: SchedulerServiceConfig) -> None:
+    """--api-server-count 0: the public port and the engine loop in this one process."""
     public_creds, executor_creds = credentials(config)
-    engine = Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                    executor_creds, config.executor_step_timeout)
+    engine = make_engine(config, executor_creds)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
@@ -92,8 +166,7 @@ async def main(config: SchedulerServiceConfig) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(main(parse_config(argv)))
-    return 0
+    return uvloop.run(main(parse_config(argv)))
 
 
 if __name__ == "__main__":

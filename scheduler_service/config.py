@@ -39,6 +39,8 @@ class SchedulerServiceConfig:
     tls_ca: str | None = None
     api_key: list[str] = field(default_factory=list)
     api_key_file: str | None = None
+    api_server_count: int = 1
+    max_stream_buffer: int = 1024
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -96,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="PEM CA that signed the executor's certificate (mTLS)")
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
+    p.add_argument("--api-server-count", type=int, default=d.api_server_count,
+                   help="front-end processes serving the public port (SO_REUSEPORT) around one engine core "
+                   "process; 0 runs everything in one process (the layout before the split)")
+    p.add_argument("--max-stream-buffer", type=int, default=d.max_stream_buffer,
+                   help="responses one stream may have waiting for a slow client before it is aborted")
     return p
 
 
@@ -103,4 +110,8 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
+    if config.api_server_count < 0:
+        raise SystemExit("--api-server-count must be >= 0")
+    if config.max_stream_buffer < 1:
+        raise SystemExit("--max-stream-buffer must be >= 1")
     return config

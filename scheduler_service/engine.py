@@ -55,6 +55,7 @@ class Engine:
         self.streams: dict[str, RequestStream] = {}
         self.ready = asyncio.Event()
         self.drained = asyncio.Event()
+        self.loop_died = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.on_ready_change: Callable[[bool], object] | None = None
@@ -68,6 +69,7 @@ class Engine:
         if task.cancelled() or task.exception() is None:
             return
         log.error("engine loop died: %r; failing every request and refusing new ones", task.exception())
+        self.loop_died.set()
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)

@@ -9,17 +9,18 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
 from protos.wire import GRPC_OPTIONS, add_port
 from scheduler_service.auth import ApiKeyInterceptor
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.engine import Engine, QueueFull
+from scheduler_service.engine import QueueFull
 from scheduler_service.stop_strings import StopMatcher
 from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer
 from scheduler_service.validation import InvalidArgument, Limits, sampling_options, validate_prompt
@@ -65,11 +66,34 @@ class SequenceOutput:
         return text, None
 
 
+class RequestError(Exception):
+    """A call refused or failed, with the gRPC status code that says why (the HTTP API maps it too)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EngineHandle(Protocol):
+    """What the public API needs of an engine: the in-process Engine, or a front-end's CoreClient."""
+
+    describe: executor_pb2.DescribeResponse | None
+    ready: asyncio.Event
+
+    def add(self, request: Request, queue: asyncio.Queue[Any]) -> object: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str, reason: FinishReason) -> None: ...
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, max_logprobs: int, tokenizer_dir: str | None = None) -> None:
+    def __init__(self, engine: EngineHandle, max_logprobs: int, tokenizer_dir: str | None = None) -> None:
         self.engine = engine
         self.max_logprobs = max_logprobs
         self.draining = False
+        self.server_index: int | None = None
         self._tokenizer: TextTokenizer | None = None
         self._tokenizer_key: tuple[str, int, bool] | None = None
         self._fixed_tokenizer = (HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
@@ -97,26 +121,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        await self._refuse_if_draining(context)
+        if self.server_index is not None:
+            context.set_trailing_metadata((("pagedserve-api-server", str(self.server_index)),))
+        try:
+            async for response in self.generate(request):
+                yield response
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def generate(self, request: generation_pb2.GenerateRequest
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The public Generate logic, free of any transport: raises RequestError(status code, message)."""
+        self._refuse_if_draining()
         await self.engine.ready.wait()
-        await self._refuse_if_draining(context)
+        self._refuse_if_draining()
         try:
             rid, prompt_ids, requests = self._build(request)
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
         added: list[str] = []
         try:
             for req in requests:
                 self.engine.add(req, queue)
                 added.append(req.request_id)
         except (QueueFull, ValueError) as e:
-            for rid in added:
-                self.engine.abort(rid)
+            for sub_id in added:
+                self.engine.abort(sub_id)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
-            await context.abort(code, str(e))
-            return
+            raise RequestError(code, str(e)) from None
         try:
             async for response in self._stream(request, rid, prompt_ids, requests, queue):
                 yield response
@@ -125,9 +158,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if not req.is_finished:
                     self.engine.abort(req.request_id)
 
-    async def _refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+    def _refuse_if_draining(self) -> None:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
     def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
         limits = self.limits()
@@ -146,7 +179,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
-                      requests: list[Request], queue: asyncio.Queue[RequestDelta]
+                      requests: list[Request], queue: asyncio.Queue[RequestDelta | RequestError]
                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
@@ -155,7 +188,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for i, r in enumerate(requests)}
         remaining = len(seqs)
         while remaining:
-            for delta in coalesce([await queue.get(), *drain(queue)]):
+            for delta in coalesce(checked([await queue.get(), *drain(queue)])):
                 seq = seqs.get(delta.request_id)
                 if seq is None or seq.done:
                     continue
@@ -193,7 +226,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return response
 
 
-def drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
+def checked(items: list[RequestDelta | RequestError]) -> list[RequestDelta]:
+    """The deltas; a refusal that came instead (from an engine core in another process) is raised."""
+    for item in items:
+        if isinstance(item, RequestError):
+            raise item
+    return items  # type: ignore[return-value]
+
+
+def drain(queue: asyncio.Queue[RequestDelta | RequestError]) -> list[RequestDelta | RequestError]:
     items = []
     while not queue.empty():
         items.append(queue.get_nowait())
@@ -226,11 +267,13 @@ class PublicServer:
     generation: GenerationServicer
 
 
-async def serve(engine: Engine, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
-                credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None
-                ) -> PublicServer:
+async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
+                credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
+                reuse_port: bool = False) -> PublicServer:
+    """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     health_servicer = health.aio.HealthServicer()

@@ -1,0 +1,157 @@
+"""The engine core: the Engine (scheduler + executor stream) plus request intake from the front-end
+processes and delta routing back to them, one message per step per front-end each way. It does no
+per-client work: no tokenizing, no detokenizing, no stop strings, no gRPC to clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import FinishReason
+from scheduler_service.engine import Engine, QueueFull
+from scheduler_service.ipc import (
+    Delta,
+    NewRequest,
+    Refusal,
+    Refused,
+    Status,
+    ToCore,
+    ToFrontend,
+    delta_to_wire,
+    encoder,
+    request_from,
+    to_core_decoder,
+)
+
+log = logging.getLogger("pagedserve.core")
+
+
+class FrontendLink:
+    """One front-end process as the core sees it. The Engine routes each of its requests' deltas here
+    (it stands in for the request's queue); the link sends them all as one message per step."""
+
+    def __init__(self, identity: bytes, core: EngineCore) -> None:
+        self.identity = identity
+        self.request_ids: set[str] = set()
+        self.deltas: list[Delta] = []
+        self.refused: list[Refused] = []
+        self._core = core
+
+    def put_nowait(self, delta: RequestDelta) -> None:
+        if delta.finish_reason is not None:
+            self.request_ids.discard(delta.request_id)
+        self.deltas.append(delta_to_wire(delta))
+        if len(self.deltas) == 1:
+            self._core.mark_dirty(self)
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, address: str) -> None:
+        self.engine = engine
+        self.address = address
+        self.links: dict[bytes, FrontendLink] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            self._sock.setsockopt(opt, 0)
+        self._dirty: list[FrontendLink] = []
+        self._intake: asyncio.Task[None] | None = None
+
+    def bind(self) -> None:
+        self._sock.bind(self.address)
+
+    def start(self) -> None:
+        self._intake = asyncio.create_task(self._read(), name="core-intake")
+
+    def close(self) -> None:
+        if self._intake is not None:
+            self._intake.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # ---- front-ends in ---------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            identity, payload = await self._sock.recv_multipart(copy=False)
+            key = bytes(identity.bytes)
+            link = self.links.get(key)
+            if link is None:
+                link = self.links[key] = FrontendLink(key, self)
+            self._take(link, to_core_decoder.decode(payload.buffer))
+
+    def _take(self, link: FrontendLink, msg: ToCore) -> None:
+        if msg.hello:
+            self._send(link, ToFrontend(status=self.status()))
+        for ended in msg.ended:
+            if ended.request_id in link.request_ids:
+                link.request_ids.discard(ended.request_id)
+                self._end(ended.request_id, ended.reason)
+        for new in msg.new:
+            self._add(link, new)
+
+    def _end(self, request_id: str, reason: FinishReason) -> None:
+        if reason is FinishReason.ABORTED:
+            self.engine.abort(request_id)
+        else:
+            self.engine.finish(request_id, reason)
+
+    def _add(self, link: FrontendLink, new: NewRequest) -> None:
+        try:
+            self.engine.add(request_from(new), link)  # type: ignore[arg-type]
+        except QueueFull as e:
+            self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
+            return
+        except ValueError as e:
+            self._refuse(link, new.request_id, Refusal.DUPLICATE_ID, str(e))
+            return
+        except RuntimeError as e:
+            self._refuse(link, new.request_id, Refusal.NOT_READY, str(e))
+            return
+        link.request_ids.add(new.request_id)
+
+    def _refuse(self, link: FrontendLink, request_id: str, why: Refusal, message: str) -> None:
+        link.refused.append(Refused(request_id, why, message))
+        if len(link.refused) == 1 and not link.deltas:
+            self.mark_dirty(link)
+
+    # ---- front-ends out --------------------------------------------------------------------
+
+    def mark_dirty(self, link: FrontendLink) -> None:
+        """Called on a link's first delta of a step: the flush runs once the step's routing is done."""
+        if not self._dirty:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._dirty.append(link)
+
+    def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, []
+        for link in dirty:
+            if link.deltas or link.refused:
+                msg = ToFrontend(link.deltas, link.refused)
+                link.deltas, link.refused = [], []
+                self._send(link, msg)
+
+    def _send(self, link: FrontendLink, msg: ToFrontend) -> None:
+        self._sock.send_multipart([link.identity, encoder.encode(msg)], copy=False)
+
+    def status(self) -> Status:
+        d = self.engine.describe
+        return Status(self.engine.ready.is_set(), d.SerializeToString() if d is not None else b"")
+
+    def broadcast_status(self) -> None:
+        status = self.status()
+        for link in self.links.values():
+            self._send(link, ToFrontend(status=status))
+
+    def drop_frontend(self, identity: bytes) -> int:
+        """A front-end process died: abort its requests (their clients lost the connection with it)."""
+        link = self.links.pop(identity, None)
+        if link is None:
+            return 0
+        for request_id in list(link.request_ids):
+            self.engine.abort(request_id)
+        return len(link.request_ids)
