@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +32,12 @@ def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_toke
     if num_output >= sampling.max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+class Ahead(enum.Enum):
+    SCHEDULED = "scheduled"
+    WAITS = "waits"
+    ENDS = "ends"
 
 
 @dataclass(slots=True)
@@ -80,6 +87,8 @@ class Scheduler:
         self._preemptions = {PreemptionMode.SWAP: 0, PreemptionMode.RECOMPUTE: 0}
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
+        self._unupdated: list[SchedulerOutput] = []
+        self._inflight: dict[str, ScheduledWork] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -121,6 +130,8 @@ class Scheduler:
         self.swapped.clear()
         self._known_by_executor.clear()
         self._to_drop.clear()
+        self._unupdated.clear()
+        self._inflight = {}
 
     def set_limits(self, limits: ModelLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""
@@ -133,6 +144,10 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. With async scheduling it may run before update() of the step before it (the
+        executor is still running that one): see _schedule_ahead."""
+        self._inflight = ({w.request.request_id: w for o in self._unupdated for w in o.scheduled}
+                          if self._unupdated else {})
         self._step_id += 1
         self._step_first_admission = self._admissions
         now = self.clock()
@@ -159,11 +174,13 @@ class Scheduler:
                     work.request.first_scheduled_time = now
         self._entered.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
+        if self.config.async_scheduling:
+            self._unupdated.append(out)
         return out
 
     def _num_steps(self) -> int:
         k = self.config.num_scheduler_steps
-        if k > 1 and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if k > 1 and not self._inflight and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             return k
         return 1
 
@@ -190,12 +207,18 @@ class Scheduler:
         usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
         running_status = RequestStatus.RUNNING
         decode_works = self._decode_works
+        inflight = self._inflight
         tokens_left, seqs_used = budget.tokens, 0
         for request in list(self.running):
             if request.status is not running_status:
                 continue
             if tokens_left <= 0:
                 break
+            if inflight and request.request_id in inflight:
+                ahead = self._schedule_ahead(request, inflight[request.request_id], out, scheduled)
+                tokens_left -= ahead is Ahead.SCHEDULED
+                seqs_used += ahead is not Ahead.ENDS
+                continue
             computed = request.num_computed_tokens
             if len(request.prompt_token_ids) + len(request.output_token_ids) - computed == 1:
                 rid = request.request_id
@@ -212,6 +235,31 @@ class Scheduler:
             self._schedule_one_running(request, budget, scheduled, out)
             tokens_left = budget.tokens
         budget.tokens, budget.seqs = tokens_left, budget.seqs - seqs_used
+
+    def _schedule_ahead(self, request: Request, inflight: ScheduledWork, out: SchedulerOutput,
+                        scheduled: dict[str, ScheduledWork]) -> Ahead:
+        """Async scheduling: one more decode for a request whose last step the executor is still running.
+        The executor feeds it its own freshly sampled token; update() of that step runs first. Only when
+        that step samples, the request surely goes on (not at max_tokens or max_model_len: a token past an
+        EOS or stop is dropped by update()), and its blocks grow without preempting anyone. A request
+        that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
+        if out.num_steps > 1 or request.num_computed_tokens + inflight.num_tokens < request.num_tokens:
+            return Ahead.WAITS
+        total = request.num_tokens + 1
+        if request.num_output_tokens + 1 >= request.sampling.max_tokens or total >= self.limits.max_model_len:
+            return Ahead.ENDS
+        slots = total + self.config.num_lookahead_slots
+        rid = request.request_id
+        if not self.blocks.can_grow(rid, slots):
+            return Ahead.WAITS
+        new_ids = self.blocks.grow(rid, slots) or []
+        work = self._decode_works.get(rid) if not new_ids else None
+        if work is None:
+            work = ScheduledWork(request, 1, new_ids)
+            if not new_ids:
+                self._decode_works[rid] = work
+        scheduled[rid] = work
+        return Ahead.SCHEDULED
 
     def _schedule_one_running(self, request: Request, budget: Budget, scheduled: dict[str, ScheduledWork],
                               out: SchedulerOutput) -> None:
@@ -255,7 +303,8 @@ class Scheduler:
         """The running request the victim rule picks, the one asking for room included (it then preempts
         itself, as in vLLM); requests protected by the thrash guard are never picked, nor, with
         admitted_before, requests admitted at or after that admission number."""
-        candidates = [r for r in self.running if not r.protected
+        inflight = self._inflight
+        candidates = [r for r in self.running if not r.protected and r.request_id not in inflight
                       and (admitted_before is None or r.admitted_seq < admitted_before)]
         if not candidates:
             return None
@@ -413,6 +462,9 @@ class Scheduler:
     # ---- update --------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
+        """Apply a step's result; steps are updated in the order they were scheduled."""
+        if self._unupdated and self._unupdated[0] is out:
+            self._unupdated.pop(0)
         deltas = list(out.rejected)
         append = deltas.append
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
