@@ -40,6 +40,7 @@ class SchedulerServiceConfig:
     api_key: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     api_server_count: int = 1
+    async_scheduling: bool = True
     max_stream_buffer: int = 1024
 
     @classmethod
@@ -57,7 +58,8 @@ class SchedulerServiceConfig:
             scheduler_delay_factor=self.scheduler_delay_factor, num_lookahead_slots=self.num_lookahead_slots,
             num_scheduler_steps=self.num_scheduler_steps, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, aging_rate=self.aging_rate,
-            max_waiting_time=self.max_waiting_time)
+            max_waiting_time=self.max_waiting_time,
+            async_scheduling=self.async_scheduling and self.num_scheduler_steps == 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int, default=d.api_server_count,
                    help="front-end processes serving the public port (SO_REUSEPORT) around one engine core "
                    "process; 0 runs everything in one process (the layout before the split)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="schedule step N+1 while the executor runs step N (off with --num-scheduler-steps > 1)")
     p.add_argument("--max-stream-buffer", type=int, default=d.max_stream_buffer,
                    help="responses one stream may have waiting for a slow client before it is aborted")
     return p

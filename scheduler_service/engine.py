@@ -13,7 +13,7 @@ import grpc
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.config import CoreConfig, ModelLimits
-from scheduler_service.core.outputs import ExecutorResult, RequestDelta
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
@@ -58,6 +58,7 @@ class Engine:
         self.loop_died = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._pending: SchedulerOutput | None = None
         self.on_ready_change: Callable[[bool], object] | None = None
 
     async def start(self) -> None:
@@ -155,20 +156,59 @@ class Engine:
 
     async def _run(self) -> None:
         sched = self._sched()
+        step = self._step_async if self.core_config.async_scheduling else self._step
         while True:
-            if not sched.has_unfinished():
+            if not sched.has_unfinished() and self._pending is None:
                 self.drained.set()
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue
             try:
-                await self._step(sched)
+                await step(sched)
             except (asyncio.CancelledError, ExecutorLost):
                 raise
             except Exception:
                 log.exception("engine step failed; failing the requests in flight and resetting the executor")
                 self.abort_all("internal error in the scheduler; see its log", FinishReason.ERROR)
                 await self._recover("engine step failed")
+
+    async def _step_async(self, sched: Scheduler) -> None:
+        """Async scheduling: send step N+1 before reading step N's result, so the executor always has the
+        next step queued and never waits for schedule()/update()/routing (Scheduler._schedule_ahead)."""
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        core = time.perf_counter() - t0
+        if out.needs_executor:
+            try:
+                await self.connection.send(out)
+            except ExecutorLost as e:
+                await self._lose(str(e), out)
+                return
+        else:
+            self._route(sched.update(out, ExecutorResult()))
+        prev, self._pending = self._pending, (out if out.needs_executor else None)
+        executor = None
+        if prev is not None:
+            t1 = time.perf_counter()
+            try:
+                result = await self.connection.receive(prev)
+            except ExecutorLost as e:
+                await self._lose(str(e), prev)
+                return
+            t2 = time.perf_counter()
+            self._route(sched.update(prev, result))
+            core += time.perf_counter() - t2
+            executor = t2 - t1
+        self._observe(core, executor)
+        if not out.scheduled and self._pending is None:
+            await self._idle()
+        else:
+            await asyncio.sleep(0)
+
+    async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
+        for out in {id(o): o for o in (*outs, self._pending) if o is not None}.values():
+            self._route(out.rejected)
+        await self._recover(reason)
 
     async def _step(self, sched: Scheduler) -> None:
         t0 = time.perf_counter()
@@ -219,6 +259,7 @@ class Engine:
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
+        self._pending = None
         self._sched().reset_executor()
         self.connection.drop_stream()
         await self._connect()

@@ -110,10 +110,27 @@ class ExecutorConnection:
         return await self._stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True)
 
     async def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        await self.send(out)
+        return await self.receive(out)
+
+    async def send(self, out: SchedulerOutput) -> None:
+        """Write a step; with async scheduling the next one is written before this one's result is read."""
         try:
             if self._call is None:
                 self._call = self._stub.Execute()
             await self._call.write(step_proto(out))
+        except grpc.aio.AioRpcError as e:
+            self._call = None
+            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self.drop_stream()
+            raise ExecutorLost(f"executor stream closed: {e}") from e
+
+    async def receive(self, out: SchedulerOutput) -> ExecutorResult:
+        """The result of step `out`: steps are answered in the order they were written."""
+        if self._call is None:
+            raise ExecutorLost("executor stream closed")
+        try:
             msg = await asyncio.wait_for(self._call.read(), self.step_timeout)
         except grpc.aio.AioRpcError as e:
             self._call = None

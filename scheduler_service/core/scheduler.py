@@ -463,8 +463,10 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
         """Apply a step's result; steps are updated in the order they were scheduled."""
-        if self._unupdated and self._unupdated[0] is out:
-            self._unupdated.pop(0)
+        for i, pending in enumerate(self._unupdated):
+            if pending is out:
+                del self._unupdated[i]
+                break
         deltas = list(out.rejected)
         append = deltas.append
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
