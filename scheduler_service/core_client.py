@@ -47,6 +47,7 @@ class CoreClient:
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         self.on_ready_change: Callable[[bool], object] | None = None
         self.num_overflowed = 0
+        self._unreported_overflows = 0
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity)
@@ -103,8 +104,8 @@ class CoreClient:
 
     def _flush(self) -> None:
         self._flush_pending = False
-        msg = ToCore(self._new, self._ended)
-        self._new, self._ended = [], []
+        msg = ToCore(self._new, self._ended, overflows=self._unreported_overflows)
+        self._new, self._ended, self._unreported_overflows = [], [], 0
         self._sock.send(encoder.encode(msg), copy=False)
 
     # ---- from the core ---------------------------------------------------------------------
@@ -153,6 +154,7 @@ class CoreClient:
     def _overflow(self, request_id: str, queue: asyncio.Queue[Any]) -> None:
         """The client stopped reading: abort in the core (frees its KV) and end the stream after what it has."""
         self.num_overflowed += 1
+        self._unreported_overflows += 1
         self.abort(request_id)
         queue.put_nowait(RequestDelta(request_id, [], FinishReason.ABORTED,
                                       f"client read too slowly: {self.max_buffered} responses were buffered "

@@ -9,6 +9,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
@@ -49,6 +50,17 @@ class FrontendLink:
             self._core.mark_dirty(self)
 
 
+class CoreCounters:
+    """Process-layout series, on the engine's registry: the one /metrics of the service."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.restarts = Counter("pagedserve:api_server_restarts", "Front-end processes that died and were restarted",
+                                registry=registry)
+        self.overflows = Counter("pagedserve:stream_buffer_overflows",
+                                 "Streams aborted because their client read too slowly (--max-stream-buffer)",
+                                 registry=registry)
+
+
 class EngineCore:
     def __init__(self, engine: Engine, address: str) -> None:
         self.engine = engine
@@ -59,6 +71,7 @@ class EngineCore:
         for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
             self._sock.setsockopt(opt, 0)
         self._dirty: list[FrontendLink] = []
+        self._counters: CoreCounters | None = None
         self._intake: asyncio.Task[None] | None = None
 
     def bind(self) -> None:
@@ -87,6 +100,8 @@ class EngineCore:
     def _take(self, link: FrontendLink, msg: ToCore) -> None:
         if msg.hello:
             self._send(link, ToFrontend(status=self.status()))
+        if msg.overflows:
+            self.counters().overflows.inc(msg.overflows)
         for ended in msg.ended:
             if ended.request_id in link.request_ids:
                 link.request_ids.discard(ended.request_id)
@@ -147,8 +162,17 @@ class EngineCore:
         for link in self.links.values():
             self._send(link, ToFrontend(status=status))
 
+    def counters(self) -> CoreCounters:
+        if self._counters is not None:
+            return self._counters
+        if self.engine.metrics is None:  # no executor met yet: nothing is served on /metrics either
+            return CoreCounters(CollectorRegistry())
+        self._counters = CoreCounters(self.engine.metrics.registry)
+        return self._counters
+
     def drop_frontend(self, identity: bytes) -> int:
         """A front-end process died: abort its requests (their clients lost the connection with it)."""
+        self.counters().restarts.inc()
         link = self.links.pop(identity, None)
         if link is None:
             return 0

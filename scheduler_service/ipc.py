@@ -41,6 +41,7 @@ class ToCore(msgspec.Struct, array_like=True, gc=False):
     new: list[NewRequest] = []
     ended: list[Ended] = []
     hello: bool = False
+    overflows: int = 0  # streams this front-end aborted for --max-stream-buffer since its last message
 
 
 class Delta(msgspec.Struct, array_like=True, gc=False):

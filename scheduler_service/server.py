@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ FINISH_REASONS = {
     FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
 }
+API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the front-end process serving the call
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -122,7 +124,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if self.server_index is not None:
-            context.set_trailing_metadata((("pagedserve-api-server", str(self.server_index)),))
+            await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
         try:
             async for response in self.generate(request):
                 yield response
