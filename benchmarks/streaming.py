@@ -60,9 +60,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
+    """The api server processes: children started by multiprocessing spawn (not its resource tracker)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+        out += [int(c) for c in (task / "children").read_text().split()
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     return out
 
 

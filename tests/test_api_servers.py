@@ -21,10 +21,24 @@ EXECUTOR = ["--simulated", "--sim-step-latency-ms", "5"]
 
 
 def api_server_pids(stack: Stack) -> set[int]:
+    """The scheduler's children started by multiprocessing spawn (not its resource tracker)."""
     out: set[int] = set()
     for task in Path(f"/proc/{stack.scheduler.pid}/task").iterdir():
-        out |= {int(c) for c in (task / "children").read_text().split()}
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                out.add(int(child))
     return out
+
+
+def listeners(port: int) -> int:
+    """Sockets listening on the port (one per api server, through SO_REUSEPORT), from /proc/net/tcp."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
 
 
 class Stream:
@@ -57,6 +71,8 @@ class Stream:
 
 async def streams_on_both(address: str, **kwargs: object) -> dict[int, Stream]:
     """Open calls on fresh connections until each of the two api servers serves one (others cancelled)."""
+    port = int(address.rsplit(":", 1)[1])
+    await asyncio.to_thread(wait_until, lambda: listeners(port) == 2, 30.0, "two api servers listening")
     found: dict[int, Stream] = {}
     for _ in range(64):
         stream = Stream(address, **kwargs)
