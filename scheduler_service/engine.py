@@ -59,6 +59,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._pending: SchedulerOutput | None = None
+        self._unrouted: list[RequestDelta] = []
         self.on_ready_change: Callable[[bool], object] | None = None
 
     async def start(self) -> None:
@@ -174,7 +175,8 @@ class Engine:
 
     async def _step_async(self, sched: Scheduler) -> None:
         """Async scheduling: send step N+1 before reading step N's result, so the executor always has the
-        next step queued and never waits for schedule()/update()/routing (Scheduler._schedule_ahead)."""
+        next step queued and never waits for schedule()/update()/routing (Scheduler._schedule_ahead).
+        Step N's deltas are routed after step N+2 is sent: routing is off the executor's critical path."""
         t0 = time.perf_counter()
         out = sched.schedule()
         core = time.perf_counter() - t0
@@ -186,26 +188,35 @@ class Engine:
                 return
         else:
             self._route(sched.update(out, ExecutorResult()))
+        self._route_unrouted()
         prev, self._pending = self._pending, (out if out.needs_executor else None)
         executor = None
         if prev is not None:
-            t1 = time.perf_counter()
+            t2 = time.perf_counter()
             try:
                 result = await self.connection.receive(prev)
             except ExecutorLost as e:
                 await self._lose(str(e), prev)
                 return
-            t2 = time.perf_counter()
-            self._route(sched.update(prev, result))
-            core += time.perf_counter() - t2
-            executor = t2 - t1
+            t3 = time.perf_counter()
+            self._unrouted = sched.update(prev, result)
+            executor = t3 - t2
+            core += time.perf_counter() - t3
+        if self._unrouted and self._pending is None:
+            self._route_unrouted()
         self._observe(core, executor)
         if not out.scheduled and self._pending is None:
             await self._idle()
         else:
             await asyncio.sleep(0)
 
+    def _route_unrouted(self) -> None:
+        if self._unrouted:
+            deltas, self._unrouted = self._unrouted, []
+            self._route(deltas)
+
     async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
+        self._route_unrouted()
         for out in {id(o): o for o in (*outs, self._pending) if o is not None}.values():
             self._route(out.rejected)
         await self._recover(reason)
@@ -260,6 +271,7 @@ class Engine:
         if self.on_ready_change is not None:
             self.on_ready_change(False)
         self._pending = None
+        self._unrouted = []
         self._sched().reset_executor()
         self.connection.drop_stream()
         await self._connect()
