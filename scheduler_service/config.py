@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from scheduler_service.core.config import CoreConfig, PreemptionMode, Victim
@@ -39,7 +40,7 @@ class SchedulerServiceConfig:
     tls_ca: str | None = None
     api_key: list[str] = field(default_factory=list)
     api_key_file: str | None = None
-    api_server_count: int = 1
+    api_server_count: int | None = None
     async_scheduling: bool = True
     max_stream_buffer: int = 1024
 
@@ -100,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="PEM CA that signed the executor's certificate (mTLS)")
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
-    p.add_argument("--api-server-count", type=int, default=d.api_server_count,
+    p.add_argument("--api-server-count", type=int, default=None,
                    help="front-end processes serving the public port (SO_REUSEPORT) around one engine core "
-                   "process; 0 runs everything in one process (the layout before the split)")
+                   "process (default: cores / 4, 1 to 8); 0 runs everything in one process (the layout "
+                   "before the split)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule step N+1 while the executor runs step N (off with --num-scheduler-steps > 1)")
     p.add_argument("--max-stream-buffer", type=int, default=d.max_stream_buffer,
@@ -110,10 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_api_server_count(cpus: int) -> int:
+    """One front-end per 4 cores, 1 to 8: the engine core and the executor's host process need a core
+    each, and a front-end streams ~30-80k tokens/s per core (docs/architecture.md)."""
+    return max(1, min(8, cpus // 4))
+
+
 def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
+    if config.api_server_count is None:
+        config.api_server_count = default_api_server_count(os.cpu_count() or 1)
     if config.api_server_count < 0:
         raise SystemExit("--api-server-count must be >= 0")
     if config.max_stream_buffer < 1:
