@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -146,12 +147,14 @@ async def run_case(layout: str, streams: int, step_ms: float, seconds: float) ->
             "frontend_processes": w["frontends"], "window_s": round(w["wall"], 2)}
 
 
-async def exact(streams: int, max_tokens: int = 50) -> dict[str, object]:
+async def exact(streams: int, layout: str, max_tokens: int = 50) -> dict[str, object]:
     ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", "5"]
-    with service("executor_service", ex_args, name="executor") as ex:
+    log_dir = Path(os.environ.get("PAGEDSERVE_BENCH_LOGS", tempfile.mkdtemp(prefix="pagedserve-bench-")))
+    with service("executor_service", ex_args, log_dir, name="executor") as ex:
         sc_args = ["--executor", ex.address, "--metrics-port", "-1", "--max-num-seqs", "4096",
-                   "--max-num-batched-tokens", "65536", "--watermark", "0", "--max-queue-len", "100000"]
-        with service("scheduler_service", sc_args, name="scheduler") as sc:
+                   "--max-num-batched-tokens", "65536", "--watermark", "0", "--max-queue-len", "100000",
+                   *LAYOUTS[layout]]
+        with service("scheduler_service", sc_args, log_dir, name="scheduler") as sc:
             clients = [PagedServeClient(sc.address) for _ in range(-(-streams // STREAMS_PER_CHANNEL))]
 
             async def one(i: int) -> tuple[int, list[int], int]:
@@ -159,8 +162,8 @@ async def exact(streams: int, max_tokens: int = 50) -> dict[str, object]:
                 reason = 0
                 prompt = [65 + (i % 8 + j) % 26 for j in range(PROMPT_LEN)]
                 async for r in clients[i // STREAMS_PER_CHANNEL].generate(
-                        prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
-                        timeout=300):
+                        prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.7,
+                        seed=1000 + i % 8, timeout=300):
                     ids += r.token_ids
                     reason = r.finish_reason or reason
                 return i % 8, ids, reason
@@ -177,7 +180,7 @@ async def exact(streams: int, max_tokens: int = 50) -> dict[str, object]:
         groups.setdefault(group, set()).add(tuple(ids))
     complete = sum(1 for _, ids, reason in done
                    if len(ids) == max_tokens and reason == generation_pb2.FINISH_REASON_LENGTH)
-    return {"bench": "streaming", "exact_streams": streams, "completed_exactly": complete,
+    return {"bench": "streaming", "layout": layout, "exact_streams": streams, "completed_exactly": complete,
             "identical_within_prompt": all(len(v) == 1 for v in groups.values()), "errors": len(failed),
             "first_error": repr(failed[0]) if failed else "", "wall_s": round(wall, 2),
             "all_exact": complete == streams and all(len(v) == 1 for v in groups.values())}
@@ -186,21 +189,26 @@ async def exact(streams: int, max_tokens: int = 50) -> dict[str, object]:
 async def run_all(args: argparse.Namespace) -> None:
     emit({"bench": "streaming", "machine": machine()})
     rows: list[dict[str, object]] = []
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):
         streams, step_ms = case.split("x")
         for layout in args.layouts.split(","):
             rec = await run_case(layout, int(streams), float(step_ms), args.window)
             emit(rec)
             rows.append(rec)
+    if rows:
+        print_table(rows)
+    if args.exact:
+        emit(await exact(args.exact, args.exact_layout))
+    emit({"bench": "streaming", "machine_after": machine()})
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
     print("| streams | step | layout | executor busy | delivered tok/s (ceiling) | tokens/response | "
           "front-end CPU us/token | core CPU us/token |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['streams']} | {r['sim_step_ms']:g} ms | {r['layout']} | {float(r['busy']) * 100:.0f}% | "  # type: ignore[arg-type]
               f"{r['delivered_tok_s']} ({r['ceiling_tok_s']}) | {r['tokens_per_response']} | "
               f"{r['frontend_cpu_us_per_token']} | {r['core_cpu_us_per_token']} |")
-    if args.exact:
-        emit(await exact(args.exact))
-    emit({"bench": "streaming", "machine_after": machine()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", default="before,after", help=f"comma-separated, of {sorted(LAYOUTS)}")
     p.add_argument("--window", type=float, default=4.0, help="seconds measured per case")
     p.add_argument("--exact", type=int, default=0, help="also open this many streams at once and check them")
+    p.add_argument("--exact-layout", default="after", help="the layout --exact runs against")
     uvloop.run(run_all(p.parse_args(argv)))
 
 

@@ -274,7 +274,11 @@ async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokeniz
                 reuse_port: bool = False) -> PublicServer:
     """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    # gRPC core cancels calls the application has not picked up past a backlog of 1000 (soft) / 3000;
+    # a burst of thousands of calls must reach the service instead.
+    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0),
+               ("grpc.server.max_pending_requests", 32_768),
+               ("grpc.server.max_pending_requests_hard_limit", 32_768)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
