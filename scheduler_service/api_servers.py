@@ -64,7 +64,7 @@ class ApiServers:
     def _ended(self, server: ApiServer) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(server.process.sentinel)
-        server.process.join(timeout=0)
+        server.process.join(timeout=1.0)
         if self.stopping:
             return
         aborted = self.on_death(server.identity)

@@ -106,7 +106,7 @@ class CoreClient:
         self._flush_pending = False
         msg = ToCore(self._new, self._ended, overflows=self._unreported_overflows)
         self._new, self._ended, self._unreported_overflows = [], [], 0
-        self._sock.send(encoder.encode(msg), copy=False)
+        self._sock.send(encoder.encode(msg))
 
     # ---- from the core ---------------------------------------------------------------------
 

@@ -151,7 +151,7 @@ class EngineCore:
                 self._send(link, msg)
 
     def _send(self, link: FrontendLink, msg: ToFrontend) -> None:
-        self._sock.send_multipart([link.identity, encoder.encode(msg)], copy=False)
+        self._sock.send_multipart([link.identity, encoder.encode(msg)])
 
     def status(self) -> Status:
         d = self.engine.describe

@@ -243,16 +243,22 @@ class Scheduler:
         that step samples, the request surely goes on (not at max_tokens or max_model_len: a token past an
         EOS or stop is dropped by update()), and its blocks grow without preempting anyone. A request
         that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
-        if out.num_steps > 1 or request.num_computed_tokens + inflight.num_tokens < request.num_tokens:
+        num_output = len(request.output_token_ids)
+        num_tokens = len(request.prompt_token_ids) + num_output
+        if out.num_steps > 1 or request.num_computed_tokens + inflight.num_tokens < num_tokens:
             return Ahead.WAITS
-        total = request.num_tokens + 1
-        if request.num_output_tokens + 1 >= request.sampling.max_tokens or total >= self.limits.max_model_len:
+        total = num_tokens + 1
+        if num_output + 1 >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
         slots = total + self.config.num_lookahead_slots
         rid = request.request_id
-        if not self.blocks.can_grow(rid, slots):
+        table = self.blocks._device_tables.get(rid)
+        if table is not None and slots <= len(table) * self.blocks.block_size:
+            new_ids: list[int] = []  # the table covers it: the common case, no block manager call
+        elif self.blocks.can_grow(rid, slots):
+            new_ids = self.blocks.grow(rid, slots) or []
+        else:
             return Ahead.WAITS
-        new_ids = self.blocks.grow(rid, slots) or []
         work = self._decode_works.get(rid) if not new_ids else None
         if work is None:
             work = ScheduledWork(request, 1, new_ids)
