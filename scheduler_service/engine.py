@@ -329,4 +329,7 @@ class Engine:
         m.step_time.observe(core_seconds)
         if executor_seconds is not None:
             m.executor_step_time.observe(executor_seconds)
+        if self.connection.busy_ns:
+            m.executor_busy.inc(self.connection.busy_ns / 1e9)
+            self.connection.busy_ns = 0
         self._refresh_gauges()

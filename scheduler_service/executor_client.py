@@ -105,6 +105,7 @@ class ExecutorConnection:
         self._channel = open_channel(address, credentials)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
+        self.busy_ns = 0  # the executor's own time in run_step (StepResult.timings.total_ns), summed
 
     async def describe(self, timeout: float = 5.0) -> executor_pb2.DescribeResponse:
         return await self._stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True)
@@ -141,6 +142,7 @@ class ExecutorConnection:
         if msg is grpc.aio.EOF or msg.step_id != out.step_id:
             self._call = None
             raise ExecutorLost("executor closed the step stream")
+        self.busy_ns += msg.timings.total_ns
         return result_from_proto(msg, out)
 
     async def wait_until_lost(self) -> None:

@@ -101,6 +101,9 @@ class EngineMetrics:
                                    STEP_BUCKETS)
         self.executor_step_time = histogram("pagedserve:executor_step_seconds",
                                             "Executor round trip per step", STEP_BUCKETS)
+        self.executor_busy = counter("pagedserve:executor_busy_seconds",
+                                     "Time the executor reports spending in its steps (its busy fraction is the "
+                                     "rate of this)")
         self._seen = {"swap": 0, "recompute": 0, "in": 0, "out": 0, "total": 0}
 
     def observe_stats(self, s: SchedulerStats) -> None:
