@@ -54,6 +54,8 @@ LAYOUTS = {
     "before": ["--api-server-count", "0", "--no-async-scheduling"],
     "after": ["--api-server-count", "1"],
     "after2": ["--api-server-count", "2"],
+    "after-3-in-flight": ["--api-server-count", "1", "--steps-in-flight", "3"],
+    "after-2-in-flight": ["--api-server-count", "1", "--steps-in-flight", "2"],
 }
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -69,7 +69,7 @@ def make_engine(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCred
         log.warning("several --executor addresses given; this version serves from the first (%s) only",
                     config.executor[0])
     return Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                  executor_creds, config.executor_step_timeout)
+                  executor_creds, config.executor_step_timeout, steps_in_flight=config.steps_in_flight)
 
 
 def resolve_listen(listen: str) -> str:

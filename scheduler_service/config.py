@@ -42,6 +42,7 @@ class SchedulerServiceConfig:
     api_key_file: str | None = None
     api_server_count: int | None = None
     async_scheduling: bool = True
+    steps_in_flight: int = 2
     max_stream_buffer: int = 1024
 
     @classmethod
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "before the split)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="schedule step N+1 while the executor runs step N (off with --num-scheduler-steps > 1)")
+    p.add_argument("--steps-in-flight", type=int, default=d.steps_in_flight,
+                   help="with --async-scheduling: steps written to the executor before the oldest one's result "
+                   "is read (2: one running, one queued)")
     p.add_argument("--max-stream-buffer", type=int, default=d.max_stream_buffer,
                    help="responses one stream may have waiting for a slow client before it is aborted")
     return p
@@ -126,6 +130,8 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
         config.api_server_count = default_api_server_count(os.cpu_count() or 1)
     if config.api_server_count < 0:
         raise SystemExit("--api-server-count must be >= 0")
+    if config.steps_in_flight < 2:
+        raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
     if config.max_stream_buffer < 1:
         raise SystemExit("--max-stream-buffer must be >= 1")
     return config

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +45,7 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 step_timeout: float | None = None) -> None:
+                 step_timeout: float | None = None, steps_in_flight: int = 2) -> None:
         self.core_config = core_config
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout)
         self.max_queue_len = max_queue_len
@@ -58,7 +59,8 @@ class Engine:
         self.loop_died = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._pending: SchedulerOutput | None = None
+        self.steps_in_flight = steps_in_flight
+        self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
         self._unrouted: list[RequestDelta] = []
         self.on_ready_change: Callable[[bool], object] | None = None
 
@@ -159,7 +161,7 @@ class Engine:
         sched = self._sched()
         step = self._step_async if self.core_config.async_scheduling else self._step
         while True:
-            if not sched.has_unfinished() and self._pending is None:
+            if not sched.has_unfinished() and not self._pending:
                 self.drained.set()
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
@@ -174,9 +176,10 @@ class Engine:
                 await self._recover("engine step failed")
 
     async def _step_async(self, sched: Scheduler) -> None:
-        """Async scheduling: send step N+1 before reading step N's result, so the executor always has the
-        next step queued and never waits for schedule()/update()/routing (Scheduler._schedule_ahead).
-        Step N's deltas are routed after step N+2 is sent: routing is off the executor's critical path."""
+        """Async scheduling: keep steps_in_flight steps written to the Execute stream before reading the
+        oldest one's result, so the executor finds the next step queued when it finishes one and never
+        waits for schedule()/update()/routing (Scheduler._schedule_ahead). A step's deltas are routed
+        after the next step is sent: routing is off the executor's critical path."""
         t0 = time.perf_counter()
         out = sched.schedule()
         core = time.perf_counter() - t0
@@ -186,26 +189,28 @@ class Engine:
             except ExecutorLost as e:
                 await self._lose(str(e), out)
                 return
+            self._pending.append(out)
         else:
             self._route(sched.update(out, ExecutorResult()))
         self._route_unrouted()
-        prev, self._pending = self._pending, (out if out.needs_executor else None)
         executor = None
-        if prev is not None:
-            t2 = time.perf_counter()
+        if self._pending and (len(self._pending) >= self.steps_in_flight or not out.needs_executor):
+            prev = self._pending[0]
+            t1 = time.perf_counter()
             try:
                 result = await self.connection.receive(prev)
             except ExecutorLost as e:
                 await self._lose(str(e), prev)
                 return
-            t3 = time.perf_counter()
+            t2 = time.perf_counter()
+            self._pending.popleft()
             self._unrouted = sched.update(prev, result)
-            executor = t3 - t2
-            core += time.perf_counter() - t3
-        if self._unrouted and self._pending is None:
+            executor = t2 - t1
+            core += time.perf_counter() - t2
+        if self._unrouted and not self._pending:
             self._route_unrouted()
         self._observe(core, executor)
-        if not out.scheduled and self._pending is None:
+        if not out.scheduled and not self._pending:
             await self._idle()
         else:
             await asyncio.sleep(0)
@@ -217,7 +222,7 @@ class Engine:
 
     async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
         self._route_unrouted()
-        for out in {id(o): o for o in (*outs, self._pending) if o is not None}.values():
+        for out in {id(o): o for o in (*outs, *self._pending)}.values():
             self._route(out.rejected)
         await self._recover(reason)
 
@@ -270,7 +275,7 @@ class Engine:
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
-        self._pending = None
+        self._pending.clear()
         self._unrouted = []
         self._sched().reset_executor()
         self.connection.drop_stream()

@@ -21,14 +21,14 @@ Trace = tuple[dict[str, list[int]], dict[str, FinishReason]]
 
 
 def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, device_blocks: int,
-          cpu_blocks: int) -> Trace:
+          cpu_blocks: int, steps_in_flight: int = 1) -> Trace:
     limits = ModelLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
     clock = FakeClock()
     s = Scheduler(cfg, limits, clock=clock)
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
-    pending: tuple[SchedulerOutput, ExecutorResult] | None = None
+    pending: list[tuple[SchedulerOutput, ExecutorResult]] = []
 
     def apply(out: SchedulerOutput, result: ExecutorResult) -> None:
         for d in s.update(out, result):
@@ -55,16 +55,13 @@ def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, de
         ending = {*s._inflight} - {w.request.request_id for w in out.scheduled}
         check_invariants(s, out, replace(cfg, max_num_seqs=cfg.max_num_seqs + len(ending)), before)
         result = ex.step(out)  # the executor runs steps in the order they are sent
-        if not cfg.async_scheduling:
-            apply(out, result)
-        else:
-            if pending is not None:
-                apply(*pending)
-            pending = (out, result)
+        pending.append((out, result))
+        if len(pending) >= steps_in_flight:
+            apply(*pending.pop(0))
         if step > max(sp[0] for sp in specs) and not s.has_unfinished():
             break
-    if pending is not None:
-        apply(*pending)
+    for late in pending:
+        apply(*late)
     assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
     assert s.blocks.device.num_free == device_blocks and s.blocks.cpu.num_free == cpu_blocks
     return outputs, reasons
@@ -72,14 +69,14 @@ def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, de
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
-       device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30))
+       device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), steps_in_flight=st.integers(2, 4))
 def test_async_traces_give_the_tokens_of_sync_mode(specs: list[tuple[int, int, int, int, bool, int]],
                                                    cfg_kwargs: dict[str, object], device_blocks: int,
-                                                   cpu_blocks: int) -> None:
+                                                   cpu_blocks: int, steps_in_flight: int) -> None:
     kwargs = {**cfg_kwargs, "num_scheduler_steps": 1}
     sync_out, sync_reasons = drive(specs, CoreConfig(**kwargs), device_blocks, cpu_blocks)  # type: ignore[arg-type]
     async_out, async_reasons = drive(specs, CoreConfig(**kwargs, async_scheduling=True),  # type: ignore[arg-type]
-                                     device_blocks, cpu_blocks)
+                                     device_blocks, cpu_blocks, steps_in_flight)
     skip = (FinishReason.ABORTED, FinishReason.ERROR)
     for rid, reason in sync_reasons.items():
         if reason in skip or async_reasons[rid] in skip:
@@ -105,3 +102,21 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_blocks_stay_held_for_the_exe
     assert s.update(second, r2) == [], "the token sampled past the stop never reaches a client"
     assert s.schedule().finished_ids == ["r"]
     assert s.blocks.device.num_free == 16
+
+
+def test_with_three_steps_in_flight_a_request_decodes_ahead_twice_and_stops_at_max_tokens() -> None:
+    cfg = CoreConfig(max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0, async_scheduling=True)
+    s = Scheduler(cfg, ModelLimits(BLOCK, 16, 0, max_model_len=96, eos_token_ids=(EOS,)))
+    ex = ModelExecutor(16, 0, BLOCK)
+    request = Request("r", [5] * 6, SamplingOptions(max_tokens=4, ignore_eos=True), 0.0)
+    s.add_request(request)
+    sent = [s.schedule() for _ in range(3)]  # nothing updated yet: the executor has all three
+    assert [[w.num_tokens for w in out.scheduled] for out in sent] == [[6], [1], [1]]
+    results = [ex.step(out) for out in sent]
+    tokens = [t for out, res in zip(sent, results, strict=True) for d in s.update(out, res) for t in d.new_token_ids]
+    assert len(tokens) == 3 and not request.is_finished
+    last = s.schedule()
+    assert [w.num_tokens for w in last.scheduled] == [1], "the 4th token, and no 5th (max_tokens is known)"
+    assert s.schedule().scheduled == [], "it surely ends with the step in flight"
+    deltas = s.update(last, ex.step(last))
+    assert deltas[0].finish_reason is FinishReason.LENGTH and len(tokens) + len(deltas[0].new_token_ids) == 4

@@ -88,7 +88,7 @@ class Scheduler:
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
         self._unupdated: list[SchedulerOutput] = []
-        self._inflight: dict[str, ScheduledWork] = {}
+        self._inflight: dict[str, tuple[ScheduledWork, int]] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -146,8 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. With async scheduling it may run before update() of the step before it (the
         executor is still running that one): see _schedule_ahead."""
-        self._inflight = ({w.request.request_id: w for o in self._unupdated for w in o.scheduled}
-                          if self._unupdated else {})
+        self._inflight = self._works_in_flight() if self._unupdated else {}
         self._step_id += 1
         self._step_first_admission = self._admissions
         now = self.clock()
@@ -177,6 +176,17 @@ class Scheduler:
         if self.config.async_scheduling:
             self._unupdated.append(out)
         return out
+
+    def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
+        """Per request with steps not yet updated: its first such work and how many steps it is in."""
+        first, *later = self._unupdated
+        inflight = {w.request.request_id: (w, 1) for w in first.scheduled}
+        for out in later:
+            for w in out.scheduled:
+                rid = w.request.request_id
+                known = inflight.get(rid)
+                inflight[rid] = (w, 1) if known is None else (known[0], known[1] + 1)
+        return inflight
 
     def _num_steps(self) -> int:
         k = self.config.num_scheduler_steps
@@ -215,7 +225,7 @@ class Scheduler:
             if tokens_left <= 0:
                 break
             if inflight and request.request_id in inflight:
-                ahead = self._schedule_ahead(request, inflight[request.request_id], out, scheduled)
+                ahead = self._schedule_ahead(request, *inflight[request.request_id], out, scheduled)
                 tokens_left -= ahead is Ahead.SCHEDULED
                 seqs_used += ahead is not Ahead.ENDS
                 continue
@@ -236,19 +246,20 @@ class Scheduler:
             tokens_left = budget.tokens
         budget.tokens, budget.seqs = tokens_left, budget.seqs - seqs_used
 
-    def _schedule_ahead(self, request: Request, inflight: ScheduledWork, out: SchedulerOutput,
+    def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
                         scheduled: dict[str, ScheduledWork]) -> Ahead:
-        """Async scheduling: one more decode for a request whose last step the executor is still running.
-        The executor feeds it its own freshly sampled token; update() of that step runs first. Only when
-        that step samples, the request surely goes on (not at max_tokens or max_model_len: a token past an
+        """Async scheduling: one more decode for a request whose last step(s) the executor is still running
+        (the first of them `inflight`, num_inflight in all, each after the first a one-token decode). The
+        executor feeds it its own freshly sampled tokens; update() of those steps runs first. Only when
+        they sample, the request surely goes on (not at max_tokens or max_model_len: a token past an
         EOS or stop is dropped by update()), and its blocks grow without preempting anyone. A request
         that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
         num_output = len(request.output_token_ids)
         num_tokens = len(request.prompt_token_ids) + num_output
         if out.num_steps > 1 or request.num_computed_tokens + inflight.num_tokens < num_tokens:
             return Ahead.WAITS
-        total = num_tokens + 1
-        if num_output + 1 >= request.sampling.max_tokens or total >= self.limits.max_model_len:
+        total = num_tokens + num_inflight  # its tokens once the steps in flight are done
+        if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
         slots = total + self.config.num_lookahead_slots
         rid = request.request_id
