@@ -127,7 +127,7 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
     if config.api_server_count is None:
-        config.api_server_count = default_api_server_count(os.cpu_count() or 1)
+        config.api_server_count = default_api_server_count(len(os.sched_getaffinity(0)))
     if config.api_server_count < 0:
         raise SystemExit("--api-server-count must be >= 0")
     if config.steps_in_flight < 2:

@@ -154,3 +154,22 @@ def test_the_engine_core_dying_takes_the_api_servers_down(tmp_path: Path) -> Non
         assert "is gone; this api server exits" in (tmp_path / "scheduler.log").read_text()
         with pytest.raises(TimeoutError):
             wait_healthy(s.address, s.executor, timeout=1.0)
+
+
+def test_sigterm_drains_the_streams_of_every_api_server(tmp_path: Path) -> None:
+    with running_stack(tmp_path, EXECUTOR, ["--api-server-count", "2"]) as s:
+        async def main() -> list[tuple[list[int], int]]:
+            both = await streams_on_both(s.address, prompt="x", max_tokens=80, ignore_eos=True)
+            tasks = [asyncio.create_task(st.collect()) for st in both.values()]
+            await asyncio.to_thread(wait_until, lambda: s.metrics()["vllm:num_requests_running"] == 2, 10.0,
+                                    "both streams running")
+            s.scheduler.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            for st in both.values():
+                await st.close()
+            return results
+
+        results = asyncio.run(main())
+        assert results == [(results[0][0], LENGTH), (results[1][0], LENGTH)]
+        assert [len(ids) for ids, _ in results] == [80, 80]
+        assert s.scheduler.wait(timeout=30) == 0
