@@ -30,7 +30,12 @@ class ApiServer:
 
     @property
     def identity(self) -> bytes:
-        return f"api-{self.index}-{self.generation}".encode()
+        return api_server_identity(self.index, self.generation)
+
+
+def api_server_identity(index: int, generation: int) -> bytes:
+    """The api server's ZeroMQ identity: a restarted one is a new peer to the core."""
+    return f"api-{index}-{generation}".encode()
 
 
 class ApiServers:
@@ -53,11 +58,11 @@ class ApiServers:
             self.servers.append(self._spawn(index, 0, 0))
 
     def _spawn(self, index: int, generation: int, quick_deaths: int) -> ApiServer:
-        server = ApiServer(index, generation, None, time.monotonic(), quick_deaths)  # type: ignore[arg-type]
-        server.process = self._ctx.Process(
-            target=run_frontend, name=f"pagedserve-api-{index}", daemon=True,
-            args=(self.config, index, server.identity, self.core_address, self.listen))
-        server.process.start()
+        identity = api_server_identity(index, generation)
+        process = self._ctx.Process(target=run_frontend, name=f"pagedserve-api-{index}", daemon=True,
+                                    args=(self.config, index, identity, self.core_address, self.listen))
+        process.start()
+        server = ApiServer(index, generation, process, time.monotonic(), quick_deaths)
         asyncio.get_running_loop().add_reader(server.process.sentinel, self._ended, server)
         return server
 
