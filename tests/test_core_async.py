@@ -120,3 +120,21 @@ def test_with_three_steps_in_flight_a_request_decodes_ahead_twice_and_stops_at_m
     assert s.schedule().scheduled == [], "it surely ends with the step in flight"
     deltas = s.update(last, ex.step(last))
     assert deltas[0].finish_reason is FinishReason.LENGTH and len(tokens) + len(deltas[0].new_token_ids) == 4
+
+
+def test_a_new_request_reusing_a_finished_ones_id_is_not_taken_for_it() -> None:
+    cfg = CoreConfig(max_num_seqs=4, max_num_batched_tokens=64, watermark=0.0, async_scheduling=True)
+    s = Scheduler(cfg, ModelLimits(BLOCK, 16, 0, max_model_len=96, eos_token_ids=(EOS,)))
+    ex = ModelExecutor(16, 0, BLOCK)
+    options = SamplingOptions(max_tokens=8, ignore_eos=True)
+    s.add_request(Request("x", [5] * 6, options, 0.0))
+    sent = [s.schedule(), s.schedule()]
+    s.finish("x", FinishReason.STOPPED)  # a stop string, with two steps of the old "x" in flight
+    s.add_request(Request("x", [9] * 3, SamplingOptions(max_tokens=3, ignore_eos=True), 0.0))
+    sent.append(s.schedule())
+    assert [(w.num_tokens, w.is_new) for w in sent[2].scheduled] == [(3, True)]
+    sent.append(s.schedule())  # three steps unupdated; the new "x" has one of them
+    assert [(w.num_tokens, w.is_new) for w in sent[3].scheduled] == [(1, False)]
+    results = [ex.step(out) for out in sent]
+    deltas = [d for out, res in zip(sent, results, strict=True) for d in s.update(out, res)]
+    assert [len(d.new_token_ids) for d in deltas] == [1, 1], "the old x's tokens are dropped"

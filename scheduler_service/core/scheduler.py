@@ -180,9 +180,12 @@ class Scheduler:
     def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
         """Per request with steps not yet updated: its first such work and how many steps it is in."""
         first, *later = self._unupdated
-        inflight = {w.request.request_id: (w, 1) for w in first.scheduled}
+        running = RequestStatus.RUNNING  # a finished request's id may already name a new request
+        inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is running}
         for out in later:
             for w in out.scheduled:
+                if w.request.status is not running:
+                    continue
                 rid = w.request.request_id
                 known = inflight.get(rid)
                 inflight[rid] = (w, 1) if known is None else (known[0], known[1] + 1)
