@@ -74,7 +74,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/pagedserve
 RUN groupadd --system --gid 10001 pagedserve \
     && useradd --system --uid 10001 --gid pagedserve --home-dir /home/pagedserve --create-home \
-       --shell /usr/sbin/nologin pagedserve
+       --shell /usr/sbin/nologin pagedserve \
+    && install -d -o pagedserve -g pagedserve -m 700 /var/lib/pagedserve/secret
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/pagedserve /opt/pagedserve
 USER pagedserve

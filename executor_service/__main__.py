@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 
 import uvloop
 
+from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
@@ -33,7 +35,7 @@ async def main(config: ExecutorConfig) -> None:
         if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-    server, port = await serve(backend, config.listen, credentials)
+    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file))
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
@@ -47,6 +49,7 @@ async def main(config: ExecutorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2.0)
+    log.info("executor stopped")
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -54,6 +57,9 @@ def run(argv: list[str] | None = None) -> int:
     config = ExecutorConfig.from_args(argv)
     try:
         uvloop.run(main(config))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
+        log.info("executor interrupted while starting")
+        return 130
     except Exception as e:  # start-up errors: one clear line, not a stack trace
         if type(e).__name__ != "ModelLoadError":
             raise
@@ -62,5 +68,14 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_quietly(code: int) -> None:
+    """Exit without the interpreter's teardown: torch imports Triton when it is installed, and Triton's
+    bindings print a page of 'nanobind: leaked ...' lines at teardown. Everything is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_quietly(run())

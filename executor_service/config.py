@@ -31,6 +31,7 @@ class ExecutorConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    executor_secret_file: str | None = None
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
@@ -66,4 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve the Executor API over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--tls-ca", default=None, help="PEM CA: require scheduler client certificates it signed (mTLS)")
+    p.add_argument("--executor-secret-file", default=None,
+                   help="file holding a shared secret the scheduler must send (its --executor-secret-file); "
+                   "created with a random secret if it does not exist")
     return p

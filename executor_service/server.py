@@ -12,14 +12,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BatchItem, SampleOutput
 from executor_service.simulated import SimulatedBackend
 from executor_service.state import RequestTable, StepRefused
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from protos.wire import GRPC_OPTIONS, add_port
+from protos.wire import EXECUTOR_LINK_OPTIONS, add_port
 
 log = logging.getLogger("pagedserve.executor")
 EXECUTOR_VERSION = "pagedserve-executor/0.1"
+MAX_NUM_STEPS = 64
+HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end before it is refused
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
@@ -32,6 +35,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._generation = 0
         self._step_lock = asyncio.Lock()
+        self._owner: str | None = None  # the peer whose Execute stream is open
+        self._released = asyncio.Event()
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
@@ -44,26 +49,44 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             executor_version=EXECUTOR_VERSION, bos_token_id=info.bos_token_id or 0,
             add_bos_token=info.add_bos_token,
             capabilities=executor_pb2.Capabilities(
-                swap=True, copy=True, chunked_prefill=True, max_num_steps=64,
+                swap=True, copy=True, chunked_prefill=True, max_num_steps=MAX_NUM_STEPS,
                 max_logprobs=info.max_logprobs, seeded_sampling=True))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
-        async with self._step_lock:
-            self._generation += 1
-            generation = self._generation
-            self.table.reset()
-        log.info("scheduler connected (stream %d); request state cleared", generation)
-        async for step in request_iterator:
+        """One scheduler at a time: a second stream is refused with FAILED_PRECONDITION while the first is
+        open. A scheduler that dies or hangs loses its stream (closed connection, or keepalive pings
+        unanswered), and then the next one is accepted."""
+        peer = context.peer()
+        if self._owner is not None and not await self._wait_for_release():
+            log.warning("refused an Execute stream from %s: stream %d from %s is still open", peer,
+                        self._generation, self._owner)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this executor already serves a scheduler (stream from {self._owner}); one "
+                                "scheduler at a time. It is released when that stream ends or stops answering "
+                                "keepalive pings")
+        self._owner = peer
+        self._released.clear()
+        try:
             async with self._step_lock:
-                if generation != self._generation:
-                    result = executor_pb2.StepResult(step_id=step.step_id,
-                                                     error="superseded by a newer scheduler stream")
-                else:
+                self._generation += 1
+                self.table.reset()
+            log.info("scheduler %s connected (stream %d); request state cleared", peer, self._generation)
+            async for step in request_iterator:
+                async with self._step_lock:
                     result = await self.run_step(step)
-            yield result
-            if result.error.startswith("superseded"):
-                return
+                yield result
+        finally:
+            self._owner = None
+            self._released.set()
+            log.info("scheduler %s disconnected (stream %d)", peer, self._generation)
+
+    async def _wait_for_release(self) -> bool:
+        try:
+            await asyncio.wait_for(self._released.wait(), HANDOVER_WAIT_S)
+        except TimeoutError:
+            return False
+        return self._owner is None
 
     async def run_step(self, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
         t0 = time.perf_counter_ns()
@@ -71,6 +94,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for rid in step.finished_ids:
             self.table.drop(rid)
         try:
+            if step.num_steps > MAX_NUM_STEPS:
+                raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {MAX_NUM_STEPS} "
+                                  "(Describe.capabilities)")
             running = running_columns(step.running)
             check_unique_ids(step, running)
             self.table.apply_swaps(step)
@@ -193,9 +219,10 @@ def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[Sampl
     sampled.token_ids.extend(tokens)
 
 
-async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None
-                ) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,
+                secret: str | None = None) -> tuple[grpc.aio.Server, int]:
+    interceptors = [SecretInterceptor(secret)] if secret else []
+    server = grpc.aio.server(options=EXECUTOR_LINK_OPTIONS, interceptors=interceptors)
     executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -62,4 +62,12 @@ class SimulatedBackend:
         return PRINTABLE_LOW + h % (PRINTABLE_HIGH - PRINTABLE_LOW)
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
-        return [SampleOutput(self.token_at(i, len(i.token_ids))) if i.sample else None for i in items]
+        return [self.sample(i) if i.sample else None for i in items]
+
+    def sample(self, item: BatchItem) -> SampleOutput:
+        """The simulated model puts all probability on one token: with logprobs asked, that token has
+        logprob 0 and is the only alternative with a probability above zero."""
+        token = self.token_at(item, len(item.token_ids))
+        if item.sampling.logprobs is None:
+            return SampleOutput(token)
+        return SampleOutput(token, 0.0, [(token, 0.0)] if item.sampling.logprobs > 0 else [])

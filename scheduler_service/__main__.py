@@ -14,14 +14,15 @@ import sys
 import grpc
 import uvloop
 
-from protos.wire import channel_credentials, server_credentials
+from protos.wire import channel_credentials, read_secret, server_credentials
 from scheduler_service.api_servers import ApiServers
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
 from scheduler_service.engine_core import EngineCore
 from scheduler_service.ipc import ipc_address
-from scheduler_service.server import PublicServer, serve, set_health
+from scheduler_service.metrics import MetricsServer
+from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -69,11 +70,18 @@ def make_engine(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCred
         log.warning("several --executor addresses given; this version serves from the first (%s) only",
                     config.executor[0])
     return Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                  executor_creds, config.executor_step_timeout, steps_in_flight=config.steps_in_flight)
+                  executor_creds, config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
+                  executor_secret=read_secret(config.executor_secret_file), steps_in_flight=config.steps_in_flight)
+
+
+def serving_limits(config: SchedulerServiceConfig) -> ServingLimits:
+    return ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
+                         executor_wait_timeout=config.executor_wait_timeout,
+                         max_request_bytes=config.max_request_bytes)
 
 
 def resolve_listen(listen: str) -> str:
-    """Front-ends share one port: a requested port 0 is fixed here, once, for all of them."""
+    """Api servers share one port: a requested port 0 is fixed here, once, for all of them."""
     host, _, port = listen.rpartition(":")
     if port != "0":
         return listen
@@ -106,8 +114,12 @@ async def main_core(config: SchedulerServiceConfig) -> int:
         servers.kill()
         core.close()
         return 0
+    starting.result()
+    metrics_server: MetricsServer | None = None
     if config.metrics_port is not None and engine.metrics is not None:
-        engine.metrics.serve(config.metrics_host, config.metrics_port)
+        core.counters()  # its series on the registry from the start
+        metrics_server = MetricsServer(engine.metrics.registry)
+        await metrics_server.start(config.metrics_host, config.metrics_port)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
     freeze_startup_objects()
     log.info("engine core ready; api servers on %s", listen)
@@ -119,6 +131,8 @@ async def main_core(config: SchedulerServiceConfig) -> int:
         await asyncio.sleep(0.1)  # let the failed requests' deltas reach the api servers
         servers.kill()
         core.close()
+        if metrics_server is not None:
+            await metrics_server.close()
         return 1
     log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
     await servers.drain(config.shutdown_timeout + 5.0)
@@ -126,6 +140,8 @@ async def main_core(config: SchedulerServiceConfig) -> int:
     log.info("api servers stopped; aborted %d requests left in the core", aborted)
     await engine.stop()
     core.close()
+    if metrics_server is not None:
+        await metrics_server.close()
     return 0
 
 
@@ -133,8 +149,10 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
     """--api-server-count 0: the public port and the engine loop in this one process."""
     public_creds, executor_creds = credentials(config)
     engine = make_engine(config, executor_creds)
+    serving = serving_limits(config)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
-                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file))
+                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
+                         serving=serving)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              config.executor[0])
     stop = asyncio.Event()
@@ -143,9 +161,13 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    metrics_server: MetricsServer | None = None
     if starting.done():
+        starting.result()
         if config.metrics_port is not None and engine.metrics is not None:
-            engine.metrics.serve(config.metrics_host, config.metrics_port)
+            engine.metrics.registry.register(public.generation.refusals)
+            metrics_server = MetricsServer(engine.metrics.registry)
+            await metrics_server.start(config.metrics_host, config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
         health_updates: set[asyncio.Task[None]] = set()
 
@@ -162,6 +184,8 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
     else:
         starting.cancel()
     await shutdown(config, public, engine)
+    if metrics_server is not None:
+        await metrics_server.close()
 
 
 def run(argv: list[str] | None = None) -> int:

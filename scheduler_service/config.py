@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig, PreemptionMode, Victim
 from scheduler_service.core.policy import Policy
 
@@ -35,6 +36,9 @@ class SchedulerServiceConfig:
     tokenizer: str | None = None
     shutdown_timeout: float = 30.0
     executor_step_timeout: float = 600.0
+    executor_wait_timeout: float = 30.0
+    executor_secret_file: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -96,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds SIGTERM lets running requests finish before aborting them")
     p.add_argument("--executor-step-timeout", type=float, default=d.executor_step_timeout,
                    help="seconds without an answer to a step before the executor counts as lost")
+    p.add_argument("--executor-wait-timeout", type=float, default=d.executor_wait_timeout,
+                   help="seconds a call waits for an executor (new calls, and calls in flight when it is lost) "
+                   "before it ends with UNAVAILABLE")
+    p.add_argument("--executor-secret-file", default=None,
+                   help="file holding the shared secret the executor requires (its --executor-secret-file)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest GenerateRequest message accepted on the public port")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: public port over TLS; also the client "
                    "certificate toward the executor when --tls-ca is set")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")

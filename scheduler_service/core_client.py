@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -37,17 +38,27 @@ REFUSAL_CODES = {Refusal.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
                  Refusal.NOT_READY: grpc.StatusCode.UNAVAILABLE}
 
 
+@dataclass(slots=True)
+class RemoteStream:
+    """An api server's record of one sequence it added (what Engine.add's RequestStream is in-process)."""
+
+    queue: asyncio.Queue[Any]
+    executor_unavailable: bool = False
+
+
 class CoreClient:
     def __init__(self, address: str, identity: bytes, max_buffered: int) -> None:
         self.address = address
+        self.metrics_model_name: str | None = None
         self.identity = identity
         self.max_buffered = max_buffered
         self.describe: executor_pb2.DescribeResponse | None = None
         self.ready = asyncio.Event()
-        self.streams: dict[str, asyncio.Queue[Any]] = {}
+        self.streams: dict[str, RemoteStream] = {}
         self.on_ready_change: Callable[[bool], object] | None = None
         self.num_overflowed = 0
         self._unreported_overflows = 0
+        self._unreported_refusals: dict[str, int] = {}
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity)
@@ -74,17 +85,18 @@ class CoreClient:
 
     # ---- toward the core -------------------------------------------------------------------
 
-    def add(self, request: Request, queue: asyncio.Queue[Any]) -> None:
+    def add(self, request: Request, queue: asyncio.Queue[Any]) -> RemoteStream:
         if request.request_id in self.streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
-        self.streams[request.request_id] = queue
+        stream = self.streams[request.request_id] = RemoteStream(queue)
         self._new.append(new_request(request))
         self._schedule_flush()
+        return stream
 
     def abort(self, request_id: str) -> None:
         self.finish(request_id, FinishReason.ABORTED)
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         if self.streams.pop(request_id, None) is not None:
             self._ended.append(Ended(request_id, reason))
             self._schedule_flush()
@@ -92,10 +104,15 @@ class CoreClient:
     def abort_all(self, message: str) -> int:
         """End every open stream here (shutdown): each gets an ABORT with message, the core drops them."""
         streams = list(self.streams.items())
-        for rid, queue in streams:
+        for rid, stream in streams:
             self.abort(rid)
-            queue.put_nowait(RequestDelta(rid, [], FinishReason.ABORTED, message))
+            stream.queue.put_nowait(RequestDelta(rid, [], FinishReason.ABORTED, message))
         return len(streams)
+
+    def count_refusal(self, code: str) -> None:
+        """A call this api server refused: counted on the engine core's /metrics with the next message."""
+        self._unreported_refusals[code] = self._unreported_refusals.get(code, 0) + 1
+        self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending:
@@ -104,8 +121,9 @@ class CoreClient:
 
     def _flush(self) -> None:
         self._flush_pending = False
-        msg = ToCore(self._new, self._ended, overflows=self._unreported_overflows)
-        self._new, self._ended, self._unreported_overflows = [], [], 0
+        msg = ToCore(self._new, self._ended, overflows=self._unreported_overflows,
+                     refused=self._unreported_refusals)
+        self._new, self._ended, self._unreported_overflows, self._unreported_refusals = [], [], 0, {}
         self._sock.send(encoder.encode(msg))
 
     # ---- from the core ---------------------------------------------------------------------
@@ -134,18 +152,20 @@ class CoreClient:
 
     def _refuse(self, refused: list[Refused]) -> None:
         for r in refused:
-            queue = self.streams.pop(r.request_id, None)
-            if queue is not None:
-                queue.put_nowait(RequestError(REFUSAL_CODES[r.why], r.message))
+            stream = self.streams.pop(r.request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(RequestError(REFUSAL_CODES[r.why], r.message))
 
     def _deliver(self, msg: ToFrontend) -> None:
         streams = self.streams
         for d in msg.deltas:
-            queue = streams.get(d.request_id)
-            if queue is None:
+            stream = streams.get(d.request_id)
+            if stream is None:
                 continue
+            queue = stream.queue
             if d.finish_reason is not None:
                 del streams[d.request_id]
+                stream.executor_unavailable = d.unavailable
             elif queue.qsize() >= self.max_buffered:
                 self._overflow(d.request_id, queue)
                 continue

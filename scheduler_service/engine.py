@@ -34,6 +34,7 @@ class RequestStream:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
 
 
 def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
@@ -45,9 +46,13 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 step_timeout: float | None = None, steps_in_flight: int = 2) -> None:
+                 step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
+                 executor_secret: str | None = None, steps_in_flight: int = 2) -> None:
         self.core_config = core_config
-        self.connection = ExecutorConnection(executor_address, credentials, step_timeout)
+        self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
+        self.executor_wait_timeout = executor_wait_timeout
+        self._lost_since: float | None = None  # when the executor was lost; None while steps succeed
+        self._losses = 0  # losses in a row without a successful step: sets the reconnect back-off
         self.max_queue_len = max_queue_len
         self.metrics_model_name = metrics_model_name
         self.describe: executor_pb2.DescribeResponse | None = None
@@ -85,17 +90,22 @@ class Engine:
     async def _connect(self) -> None:
         delay, attempts = 0.05, 0
         while True:
+            self._fail_if_lost_too_long()
             try:
-                describe = await self.connection.describe()
+                describe = await self.connection.describe(timeout=self._patience(5.0))
                 break
             except grpc.aio.AioRpcError as e:
                 if attempts % 10 == 0:
-                    log.warning("executor %s not answering Describe (%s); retrying with backoff",
-                                self.connection.address, e.code().name)
+                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
+                                self.connection.address, e.code().name, e.details())
                 attempts += 1
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._patience(delay))
                 delay = min(delay * 2, 2.0)
         self.describe = describe
+        max_steps = describe.capabilities.max_num_steps
+        if max_steps and self.core_config.num_scheduler_steps > max_steps:
+            log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
+                      "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
         limits = limits_from(describe)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.core_config, limits)
@@ -110,7 +120,7 @@ class Engine:
                  describe.num_swap_blocks, describe.block_size, describe.max_model_len)
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():  # a loop that died was logged by _loop_ended
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -131,20 +141,24 @@ class Engine:
         self.finish(request_id, FinishReason.ABORTED)
         self._wake.set()
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown."""
         stream = self.streams.pop(request_id, None)
         if self.scheduler is not None:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
-        if stream is not None and self.metrics is not None:
-            self.metrics.on_finish(reason, time.monotonic() - stream.arrival)
+        if stream is None:
+            return
+        now = time.monotonic()
+        self._log_finish(stream, reason, error, now)
+        if self.metrics is not None:
+            self.metrics.on_finish(reason, now - stream.arrival)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
         """End every unfinished request, telling each stream why."""
         streams = list(self.streams.values())
         for stream in streams:
-            self.finish(stream.request.request_id, reason)
+            self.finish(stream.request.request_id, reason, message)
             stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], reason, message))
         return len(streams)
 
@@ -203,6 +217,7 @@ class Engine:
                 await self._lose(str(e), prev)
                 return
             t2 = time.perf_counter()
+            self._executor_answered()
             self._pending.popleft()
             self._unrouted = sched.update(prev, result)
             executor = t2 - t1
@@ -238,6 +253,7 @@ class Engine:
                 self._route(out.rejected)
                 await self._recover(str(e))
                 return
+            self._executor_answered()
         t2 = time.perf_counter()
         deltas = sched.update(out, result)
         t3 = time.perf_counter()
@@ -267,19 +283,58 @@ class Engine:
 
     async def _recover(self, reason: str) -> None:
         sched = self._sched()
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
         if sched.running or sched.swapped:
             log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
                       reason, len(sched.running), len(sched.swapped))
-        else:
+        elif self._losses % 10 == 0:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
         self._pending.clear()
         self._unrouted = []
-        self._sched().reset_executor()
+        sched.reset_executor()
+        self._refresh_gauges()
         self.connection.drop_stream()
+        if self._losses:
+            await asyncio.sleep(min(0.05 * 2 ** min(self._losses, 6), 2.0))
+        self._losses += 1
+        self._fail_if_lost_too_long()
         await self._connect()
+
+    def _fail_if_lost_too_long(self) -> None:
+        """A request waits for a lost executor at most executor_wait_timeout (from the loss, or from its
+        arrival if later), then ends UNAVAILABLE."""
+        if self._lost_since is None or not self.streams:
+            return
+        now = time.monotonic()
+        expired = [s for s in self.streams.values() if now >= self._deadline(s)]
+        for stream in expired:
+            stream.executor_unavailable = True
+            rid = stream.request.request_id
+            message = (f"no executor for {now - max(self._lost_since, stream.arrival):.1f}s (--executor-wait-timeout "
+                       f"{self.executor_wait_timeout}s); the request was dropped, retry it")
+            self.finish(rid, FinishReason.ERROR, message)
+            stream.queue.put_nowait(RequestDelta(rid, [], FinishReason.ERROR, message))
+        if expired:
+            log.error("executor %s away: failed %d requests that waited --executor-wait-timeout %.1fs",
+                      self.connection.address, len(expired), self.executor_wait_timeout)
+
+    def _deadline(self, stream: RequestStream) -> float:
+        return max(self._lost_since or 0.0, stream.arrival) + self.executor_wait_timeout
+
+    def _patience(self, seconds: float) -> float:
+        """`seconds`, shortened so that requests in flight are failed on time when the executor is away."""
+        if self._lost_since is None or not self.streams:
+            return seconds
+        left = min(self._deadline(s) for s in self.streams.values()) - time.monotonic()
+        return min(seconds, max(0.05, left))
+
+    def _executor_answered(self) -> None:
+        self._lost_since = None
+        self._losses = 0
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         now = time.monotonic()
@@ -293,21 +348,22 @@ class Engine:
                 generated += self._observe_tokens(stream, delta, now, m)
             if delta.finish_reason is not None:
                 del self.streams[delta.request_id]
-                self._log_finish(stream, delta, now)
+                self._log_finish(stream, delta.finish_reason, delta.error, now)
             stream.queue.put_nowait(delta)
         if m is not None:
             if generated:
                 m.generation_tokens.inc(generated)
             m.itl.flush()
 
-    def _log_finish(self, stream: RequestStream, delta: RequestDelta, now: float) -> None:
+    def _log_finish(self, stream: RequestStream, reason: FinishReason, error: str, now: float) -> None:
+        """The one log line of each finished request, however it finished."""
         req = stream.request
         queue = (req.first_scheduled_time or now) - stream.arrival
         ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
         log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d queue=%.3fs ttft=%.3fs "
-                 "e2e=%.3fs preemptions=%d%s", req.request_id, delta.finish_reason.value if delta.finish_reason
-                 else "", req.num_prompt_tokens, req.num_output_tokens, queue, ttft, now - stream.arrival,
-                 req.num_preemptions, f" error={delta.error!r}" if delta.error else "")
+                 "e2e=%.3fs preemptions=%d%s", req.request_id, reason.value, req.num_prompt_tokens,
+                 req.num_output_tokens, queue, ttft, now - stream.arrival, req.num_preemptions,
+                 f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
         """Latency metrics of one delta; the number of new tokens."""

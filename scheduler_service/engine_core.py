@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
-from scheduler_service.engine import Engine, QueueFull
+from scheduler_service.engine import Engine, QueueFull, RequestStream
 from scheduler_service.ipc import (
     Delta,
     NewRequest,
@@ -27,13 +27,27 @@ from scheduler_service.ipc import (
     request_from,
     to_core_decoder,
 )
+from scheduler_service.metrics import RefusalCounter
 
 log = logging.getLogger("pagedserve.core")
 
 
+class RequestSink:
+    """Stands in for one request's queue in the Engine: its deltas go to its api server's link."""
+
+    __slots__ = ("link", "stream")
+
+    def __init__(self, link: FrontendLink) -> None:
+        self.link = link
+        self.stream: RequestStream | None = None
+
+    def put_nowait(self, delta: RequestDelta) -> None:
+        self.link.put(delta, self.stream is not None and self.stream.executor_unavailable)
+
+
 class FrontendLink:
-    """One front-end process as the core sees it. The Engine routes each of its requests' deltas here
-    (it stands in for the request's queue); the link sends them all as one message per step."""
+    """One api server process as the core sees it: the deltas of its requests in this step, sent to it
+    as one message once the step's routing is done."""
 
     def __init__(self, identity: bytes, core: EngineCore) -> None:
         self.identity = identity
@@ -42,10 +56,10 @@ class FrontendLink:
         self.refused: list[Refused] = []
         self._core = core
 
-    def put_nowait(self, delta: RequestDelta) -> None:
+    def put(self, delta: RequestDelta, unavailable: bool) -> None:
         if delta.finish_reason is not None:
             self.request_ids.discard(delta.request_id)
-        self.deltas.append(delta_to_wire(delta))
+        self.deltas.append(delta_to_wire(delta, unavailable))
         if len(self.deltas) == 1:
             self._core.mark_dirty(self)
 
@@ -53,7 +67,9 @@ class FrontendLink:
 class CoreCounters:
     """Process-layout series, on the engine's registry: the one /metrics of the service."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "") -> None:
+        self.refusals = RefusalCounter(lambda: model_name)
+        registry.register(self.refusals)
         self.restarts = Counter("pagedserve:api_server_restarts", "Front-end processes that died and were restarted",
                                 registry=registry)
         self.overflows = Counter("pagedserve:stream_buffer_overflows",
@@ -102,6 +118,8 @@ class EngineCore:
             self._send(link, ToFrontend(status=self.status()))
         if msg.overflows:
             self.counters().overflows.inc(msg.overflows)
+        if msg.refused:
+            self.counters().refusals.merge(msg.refused)
         for ended in msg.ended:
             if ended.request_id in link.request_ids:
                 link.request_ids.discard(ended.request_id)
@@ -116,8 +134,9 @@ class EngineCore:
             self.engine.finish(request_id, reason)
 
     def _add(self, link: FrontendLink, new: NewRequest) -> None:
+        sink = RequestSink(link)
         try:
-            self.engine.add(request_from(new), link)  # type: ignore[arg-type]
+            sink.stream = self.engine.add(request_from(new), sink)  # type: ignore[arg-type]
         except QueueFull as e:
             self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
             return
@@ -167,7 +186,7 @@ class EngineCore:
             return self._counters
         if self.engine.metrics is None:  # no executor met yet: nothing is served on /metrics either
             return CoreCounters(CollectorRegistry())
-        self._counters = CoreCounters(self.engine.metrics.registry)
+        self._counters = CoreCounters(self.engine.metrics.registry, self.engine.metrics.model_name)
         return self._counters
 
     def drop_frontend(self, identity: bytes) -> int:

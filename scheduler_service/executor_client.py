@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from protos.wire import open_channel
+from protos.wire import EXECUTOR_LINK_OPTIONS, EXECUTOR_SECRET_METADATA_KEY, open_channel
 from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
 
@@ -99,18 +99,26 @@ def _split(values: list[int], counts: list[int]) -> list[list[int]]:
 
 class ExecutorConnection:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
-                 step_timeout: float | None = None) -> None:
+                 step_timeout: float | None = None, secret: str | None = None) -> None:
         self.address = address
         self.step_timeout = step_timeout
-        self._channel = open_channel(address, credentials)
+        self._channel = open_channel(address, credentials, EXECUTOR_LINK_OPTIONS)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self._metadata = ((EXECUTOR_SECRET_METADATA_KEY, secret),) if secret else None
         self._call: grpc.aio.StreamStreamCall | None = None
         self.busy_ns = 0  # the executor's own time in run_step (StepResult.timings.total_ns), summed
+        self._lost = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
 
     async def describe(self, timeout: float = 5.0) -> executor_pb2.DescribeResponse:
-        return await self._stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True)
+        describe = await self._stub.Describe(executor_pb2.DescribeRequest(), timeout=timeout, wait_for_ready=True,
+                                             metadata=self._metadata)
+        self._lost.clear()
+        return describe
 
     async def execute(self, out: SchedulerOutput) -> ExecutorResult:
+        """One step; ExecutorLost for every way the stream can fail (an error status, a refused stream,
+        a call already finished, a closed stream, no answer in time)."""
         await self.send(out)
         return await self.receive(out)
 
@@ -118,14 +126,15 @@ class ExecutorConnection:
         """Write a step; with async scheduling the next one is written before this one's result is read."""
         try:
             if self._call is None:
-                self._call = self._stub.Execute()
+                self._call = self._stub.Execute(metadata=self._metadata)
             await self._call.write(step_proto(out))
         except grpc.aio.AioRpcError as e:
-            self._call = None
-            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
-        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self.drop_stream()
-            raise ExecutorLost(f"executor stream closed: {e}") from e
+            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
+        except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
+            status = await self._status()
+            self.drop_stream()
+            raise ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})") from e
 
     async def receive(self, out: SchedulerOutput) -> ExecutorResult:
         """The result of step `out`: steps are answered in the order they were written."""
@@ -134,21 +143,45 @@ class ExecutorConnection:
         try:
             msg = await asyncio.wait_for(self._call.read(), self.step_timeout)
         except grpc.aio.AioRpcError as e:
-            self._call = None
+            self.drop_stream()
             raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
         except TimeoutError as e:
             self.drop_stream()
             raise ExecutorLost(f"no answer to step {out.step_id} within {self.step_timeout}s") from e
+        except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
+            status = await self._status()
+            self.drop_stream()
+            raise ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})") from e
         if msg is grpc.aio.EOF or msg.step_id != out.step_id:
-            self._call = None
-            raise ExecutorLost("executor closed the step stream")
+            status = await self._status()
+            self.drop_stream()
+            raise ExecutorLost(f"executor closed the step stream{f' ({status})' if status else ''}")
         self.busy_ns += msg.timings.total_ns
         return result_from_proto(msg, out)
 
+    async def _status(self) -> str:
+        """The finished stream's status and message, for the log; empty if it has not finished."""
+        call = self._call
+        if call is None or not call.done():
+            return ""
+        try:
+            return f"{(await call.code()).name}: {await call.details()}"
+        except (asyncio.CancelledError, grpc.RpcError):
+            return ""
+
     async def wait_until_lost(self) -> None:
-        """Return once a connection that was up has gone down (the executor died or restarted)."""
+        """Return once a connection that was up has gone down (the executor died, restarted, or stopped
+        answering keepalive pings). One watcher task per connection, not one per wait: watches started
+        and cancelled at every idle moment leaked memory inside grpc."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="executor-watch")
+        await self._lost.wait()
+
+    async def _watch(self) -> None:
         state = self._channel.get_state(try_to_connect=False)
-        while state not in LOST_STATES:
+        while True:
+            if state in LOST_STATES:
+                self._lost.set()
             await self._channel.wait_for_state_change(state)
             state = self._channel.get_state(try_to_connect=False)
 
@@ -159,4 +192,6 @@ class ExecutorConnection:
 
     async def close(self) -> None:
         self.drop_stream()
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self._channel.close()

@@ -31,15 +31,16 @@ def run_frontend(config: SchedulerServiceConfig, index: int, identity: bytes, co
 
 async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
                listen: str) -> None:
-    from scheduler_service.__main__ import credentials, freeze_startup_objects
+    from scheduler_service.__main__ import credentials, freeze_startup_objects, serving_limits
 
     public_creds, _ = credentials(config)
     core = CoreClient(core_address, identity, config.max_stream_buffer)
     await core.start()
     public = await serve(core, listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
-                         reuse_port=True)
+                         serving=serving_limits(config), reuse_port=True)
     public.generation.server_index = index
+    public.generation.refusals.listener = core.count_refusal
     health_updates: set[asyncio.Task[None]] = set()
 
     def on_ready_change(ready: bool) -> None:

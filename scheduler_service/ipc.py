@@ -41,7 +41,8 @@ class ToCore(msgspec.Struct, array_like=True, gc=False):
     new: list[NewRequest] = []
     ended: list[Ended] = []
     hello: bool = False
-    overflows: int = 0  # streams this front-end aborted for --max-stream-buffer since its last message
+    overflows: int = 0  # streams this api server aborted for --max-stream-buffer since its last message
+    refused: dict[str, int] = {}  # calls it refused since its last message, by gRPC status code name
 
 
 class Delta(msgspec.Struct, array_like=True, gc=False):
@@ -50,6 +51,7 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
     error: str = ""
     logprobs: list[bytes] = []
+    unavailable: bool = False  # ended because no executor came back within --executor-wait-timeout
 
 
 class Refused(msgspec.Struct, array_like=True, gc=False):
@@ -79,11 +81,11 @@ def new_request(request: Request) -> NewRequest:
                       request.output_len_hint)
 
 
-def delta_to_wire(d: RequestDelta) -> Delta:
+def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:
     if not d.logprobs:
-        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error)
+        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable)
     return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error,
-                 [lp.SerializeToString() for lp in d.logprobs])
+                 [lp.SerializeToString() for lp in d.logprobs], unavailable)
 
 
 def ipc_address(name: str) -> str:

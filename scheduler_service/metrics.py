@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from scheduler_service.core.request import FinishReason
 from scheduler_service.core.scheduler import SchedulerStats
@@ -17,6 +22,10 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 MODEL = ["model_name"]
+log = logging.getLogger("pagedserve.scheduler")
+MAX_METRICS_CONNECTIONS = 1024
+METRICS_IDLE_TIMEOUT_S = 10.0
+MAX_HTTP_HEADER_BYTES = 16 * 1024
 
 
 class StepHistogram:
@@ -130,5 +139,101 @@ class EngineMetrics:
         self.success[reason].inc()
         self.e2e.observe(e2e)
 
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+
+
+class RefusalCounter:
+    """Calls the public API refused or ended with a status, by status code: counted, and logged at INFO at
+    most once a second per code (a burst of refusals must not flood the log)."""
+
+    def __init__(self, model_name: Callable[[], str], log_interval: float = 1.0) -> None:
+        self._model_name = model_name
+        self._counts: dict[str, int] = {}
+        self._last_log: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+        self._interval = log_interval
+        self.listener: Callable[[str], None] | None = None  # an api server forwards each to the engine core
+
+    def add(self, code: str, message: str) -> None:
+        self._counts[code] = self._counts.get(code, 0) + 1
+        if self.listener is not None:
+            self.listener(code)
+        now = time.monotonic()
+        if now - self._last_log.get(code, -math.inf) < self._interval:
+            self._unlogged[code] = self._unlogged.get(code, 0) + 1
+            return
+        more = self._unlogged.pop(code, 0)
+        self._last_log[code] = now
+        log.info("refused a call with %s: %s%s", code, message,
+                 f" (and {more} more since the last such line)" if more else "")
+
+    def merge(self, counts: dict[str, int]) -> None:
+        """Counts an api server process refused (logged there)."""
+        for code, n in counts.items():
+            self._counts[code] = self._counts.get(code, 0) + n
+
+    def count(self, code: str) -> int:
+        return self._counts.get(code, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("pagedserve:requests_refused", "Generate calls refused or ended with a "
+                                     "non-OK status, by gRPC status code", labels=[*MODEL, "code"])
+        for code, n in sorted(self._counts.items()):
+            family.add_metric([self._model_name(), code], n)
+        yield family
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """/metrics over HTTP/1.1 on the service's own event loop: no thread per connection; at most
+    MAX_METRICS_CONNECTIONS open at once (more are closed at once), each closed after
+    METRICS_IDLE_TIMEOUT_S without a complete request."""
+
+    registry: CollectorRegistry
+    server: asyncio.Server | None = None
+    writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port, limit=MAX_HTTP_HEADER_BYTES)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for writer in list(self.writers):
+                writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.writers) >= MAX_METRICS_CONNECTIONS:
+            writer.close()
+            return
+        self.writers.add(writer)
+        try:
+            while await self._answer_one(reader, writer):
+                pass
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _answer_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; False when the connection should close."""
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), METRICS_IDLE_TIMEOUT_S)
+        request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+        if len(request_line) != 3:
+            return False
+        method, target = request_line[0], request_line[1].split("?", 1)[0]
+        keep_alive = b"connection: close" not in head.lower()
+        if method not in ("GET", "HEAD"):
+            status, body, ctype = "405 Method Not Allowed", b"GET only\n", "text/plain"
+        elif target in ("/metrics", "/"):
+            status, body, ctype = "200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST
+        else:
+            status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
+        header = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                  f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n").encode()
+        writer.write(header + (body if method == "GET" else b""))
+        await writer.drain()
+        return keep_alive

@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,14 +18,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
-from protos.wire import GRPC_OPTIONS, add_port
+from protos.wire import DEFAULT_MAX_REQUEST_BYTES, add_port, public_server_options
 from scheduler_service.auth import ApiKeyInterceptor
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.engine import QueueFull
+from scheduler_service.metrics import RefusalCounter
 from scheduler_service.stop_strings import StopMatcher
-from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer
-from scheduler_service.validation import InvalidArgument, Limits, sampling_options, validate_prompt
+from scheduler_service.tokenizer import ByteTokenizer, Detokenizer, HFTokenizer, TextTokenizer, encode_off_loop
+from scheduler_service.validation import (
+    InvalidArgument,
+    Limits,
+    MalformedRequest,
+    max_prompt_bytes,
+    parse_generate_request,
+    sampling_options,
+    validate_prompt,
+)
 
 log = logging.getLogger("pagedserve.scheduler")
 FINISH_REASONS = {
@@ -33,7 +43,7 @@ FINISH_REASONS = {
     FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
 }
-API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the front-end process serving the call
+API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the api server process serving the call
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -69,7 +79,7 @@ class SequenceOutput:
 
 
 class RequestError(Exception):
-    """A call refused or failed, with the gRPC status code that says why (the HTTP API maps it too)."""
+    """A Generate call refused or ended with a status: what any transport (gRPC, HTTP) turns into its own."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -77,29 +87,51 @@ class RequestError(Exception):
         self.message = message
 
 
+@dataclass(slots=True)
+class ServingLimits:
+    """Bounds on what the public API admits (docs/operations.md, "Limits")."""
+
+    max_open_calls: int = 10_000
+    executor_wait_timeout: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+class StreamHandle(Protocol):
+    """What add() returns: the engine's record of one sequence (RequestStream, or an api server's)."""
+
+    executor_unavailable: bool
+
+
 class EngineHandle(Protocol):
-    """What the public API needs of an engine: the in-process Engine, or a front-end's CoreClient."""
+    """What the public API needs of an engine: the in-process Engine, or an api server's CoreClient."""
 
     describe: executor_pb2.DescribeResponse | None
     ready: asyncio.Event
+    metrics_model_name: str | None
 
-    def add(self, request: Request, queue: asyncio.Queue[Any]) -> object: ...
+    def add(self, request: Request, queue: asyncio.Queue[Any]) -> StreamHandle: ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def finish(self, request_id: str, reason: FinishReason) -> None: ...
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None: ...
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: EngineHandle, max_logprobs: int, tokenizer_dir: str | None = None) -> None:
+    def __init__(self, engine: EngineHandle, max_logprobs: int, tokenizer_dir: str | None = None,
+                 serving: ServingLimits | None = None) -> None:
         self.engine = engine
         self.max_logprobs = max_logprobs
+        self.serving = serving or ServingLimits()
         self.draining = False
         self.server_index: int | None = None
+        self.open_calls = 0
+        self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
+                                       (engine.describe.model_id if engine.describe else ""))
         self._tokenizer: TextTokenizer | None = None
         self._tokenizer_key: tuple[str, int, bool] | None = None
         self._fixed_tokenizer = (HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
                                  if tokenizer_dir else None)
+        self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def tokenizer(self) -> TextTokenizer:
         """--tokenizer's if given, else the one the connected executor ships (rebuilt if it changes)."""
@@ -119,9 +151,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         d = self.engine.describe
         if d is None:
             raise RuntimeError("no executor described yet")
-        return Limits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs)
+        prompt_bytes = max_prompt_bytes(d.max_model_len, self.tokenizer().max_token_bytes,
+                                        self.serving.max_request_bytes)
+        return Limits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs,
+                      max_prompt_bytes=prompt_bytes)
 
-    async def Generate(self, request: generation_pb2.GenerateRequest,
+    async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if self.server_index is not None:
             await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
@@ -131,43 +166,75 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
 
-    async def generate(self, request: generation_pb2.GenerateRequest
+    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The public Generate logic, free of any transport: raises RequestError(status code, message)."""
+        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure."""
+        if isinstance(request, MalformedRequest):
+            raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
+        if self.open_calls >= self.serving.max_open_calls:
+            raise self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"too many open calls ({self.serving.max_open_calls}); retry later")
+        self.open_calls += 1
+        try:
+            async for response in self._generate(request):
+                yield response
+        finally:
+            self.open_calls -= 1
+
+    async def _generate(self, request: generation_pb2.GenerateRequest
+                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
-        await self.engine.ready.wait()
+        await self._wait_for_executor()
         self._refuse_if_draining()
         try:
-            rid, prompt_ids, requests = self._build(request)
+            rid, prompt_ids, requests = await self._build(request)
         except InvalidArgument as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
-        added: list[str] = []
+        streams: dict[str, StreamHandle] = {}
         try:
             for req in requests:
-                self.engine.add(req, queue)
-                added.append(req.request_id)
+                streams[req.request_id] = self.engine.add(req, queue)
         except (QueueFull, ValueError) as e:
-            for sub_id in added:
+            for sub_id in streams:
                 self.engine.abort(sub_id)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
-            raise RequestError(code, str(e)) from None
+            raise self.refuse(code, str(e)) from None
         try:
-            async for response in self._stream(request, rid, prompt_ids, requests, queue):
+            async for response in self._stream(request, rid, prompt_ids, streams, queue):
                 yield response
         finally:
             for req in requests:
                 if not req.is_finished:
                     self.engine.abort(req.request_id)
 
+    def refuse(self, code: grpc.StatusCode, message: str) -> RequestError:
+        """Count and log (at INFO, at most once a second per status) a call ended with `code`."""
+        self.refusals.add(code.name, message)
+        return RequestError(code, message)
+
     def _refuse_if_draining(self) -> None:
         if self.draining:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            raise self.refuse(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
 
-    def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
+    async def _wait_for_executor(self) -> None:
+        if self.engine.ready.is_set():
+            return
+        timeout = self.serving.executor_wait_timeout
+        try:
+            await asyncio.wait_for(self.engine.ready.wait(), timeout)
+        except TimeoutError:
+            raise self.refuse(grpc.StatusCode.UNAVAILABLE,
+                              f"no executor connected within --executor-wait-timeout {timeout}s; retry later"
+                              ) from None
+
+    async def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
         limits = self.limits()
         validate_prompt(request, limits)
-        prompt_ids = list(request.prompt_token_ids) or self.tokenizer().encode(request.prompt)
+        if request.prompt_token_ids:
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            prompt_ids = await encode_off_loop(self.tokenizer(), request.prompt, self._encode_pool)
         sampling = sampling_options(request, limits, len(prompt_ids))
         n = request.sampling.n if request.sampling.HasField("n") else 1
         rid = request.request_id or uuid.uuid4().hex
@@ -181,24 +248,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
-                      requests: list[Request], queue: asyncio.Queue[RequestDelta | RequestError]
+                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError]
                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
         min_tokens = request.sampling.min_tokens
-        seqs = {r.request_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops), min_tokens)
-                for i, r in enumerate(requests)}
+        seqs = {sub_id: SequenceOutput(i, Detokenizer(tok, prompt_ids), StopMatcher(stops), min_tokens)
+                for i, sub_id in enumerate(streams)}
         remaining = len(seqs)
         while remaining:
-            for delta in coalesce(checked([await queue.get(), *drain(queue)])):
+            for delta in coalesce(self._checked([await queue.get(), *drain(queue)])):
                 seq = seqs.get(delta.request_id)
                 if seq is None or seq.done:
                     continue
+                if streams[delta.request_id].executor_unavailable and delta.finish_reason is not None:
+                    raise self.refuse(grpc.StatusCode.UNAVAILABLE, delta.error)
                 response = self._respond(delta, seq, rid, len(prompt_ids))
                 if seq.done:
                     remaining -= 1
                 if response is not None:
                     yield response
+
+    def _checked(self, items: list[RequestDelta | RequestError]) -> list[RequestDelta]:
+        """The deltas; a refusal that came instead (from an engine core in another process) is raised."""
+        for item in items:
+            if isinstance(item, RequestError):
+                raise self.refuse(item.code, item.message)
+        return items  # type: ignore[return-value]
 
     def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
                  ) -> generation_pb2.GenerateResponse | None:
@@ -226,14 +302,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not (response.token_ids or response.text or seq.done):
             return None
         return response
-
-
-def checked(items: list[RequestDelta | RequestError]) -> list[RequestDelta]:
-    """The deltas; a refusal that came instead (from an engine core in another process) is raised."""
-    for item in items:
-        if isinstance(item, RequestError):
-            raise item
-    return items  # type: ignore[return-value]
 
 
 def drain(queue: asyncio.Queue[RequestDelta | RequestError]) -> list[RequestDelta | RequestError]:
@@ -269,19 +337,26 @@ class PublicServer:
     generation: GenerationServicer
 
 
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_GenerationServicer_to_server, with a deserializer that never raises."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse_generate_request,
+        response_serializer=generation_pb2.GenerateResponse.SerializeToString)
+    generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"Generate": handler})
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(GENERATION_SERVICE, {"Generate": handler})
+
+
 async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
                 credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
-                reuse_port: bool = False) -> PublicServer:
+                serving: ServingLimits | None = None, reuse_port: bool = False) -> PublicServer:
     """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
+    serving = serving or ServingLimits()
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-    # gRPC core cancels calls the application has not picked up past a backlog of 1000 (soft) / 3000;
-    # a burst of thousands of calls must reach the service instead.
-    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0),
-               ("grpc.server.max_pending_requests", 32_768),
-               ("grpc.server.max_pending_requests_hard_limit", 32_768)]
+    options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    generation = GenerationServicer(engine, max_logprobs, tokenizer_dir)
-    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
+    add_generation_servicer(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

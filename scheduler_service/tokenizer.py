@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from typing import Protocol
 
 from tokenizers import Tokenizer
 
+INLINE_ENCODE_CHARS = 4096
+
 
 class TextTokenizer(Protocol):
+    max_token_bytes: int  # the longest token's text in UTF-8 bytes: bounds the text a token count can hold
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
 
+async def encode_off_loop(tokenizer: TextTokenizer, text: str, pool: Executor) -> list[int]:
+    """Short text inline; longer text on `pool`, so one large prompt never stalls the streams of others
+    (HFTokenizer.encode releases the GIL)."""
+    if len(text) <= INLINE_ENCODE_CHARS:
+        return tokenizer.encode(text)
+    return await asyncio.get_running_loop().run_in_executor(pool, tokenizer.encode, text)
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0-255; ids beyond a byte decode as <id>."""
+
+    max_token_bytes = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -37,9 +53,12 @@ class HFTokenizer:
     def __init__(self, tokenizer_json: str, bos_token_id: int | None = None) -> None:
         self._tok = Tokenizer.from_str(tokenizer_json)
         self._bos = bos_token_id
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not), so a worker thread leaves the event loop free.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self._bos, *ids] if self._bos is not None else ids
 
     def decode(self, ids: list[int]) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.core.request import SamplingOptions
 
@@ -12,7 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 16
-MAX_PRIORITY = 2**31 - 1
+MAX_REQUEST_ID_LEN = 256
 
 
 class InvalidArgument(ValueError):
@@ -26,6 +29,7 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_logprobs: int
+    max_prompt_bytes: int
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -37,15 +41,31 @@ def _finite(value: float, field: str) -> None:
     _check(math.isfinite(value), field, f"must be a finite number, got {value}")
 
 
+def max_prompt_bytes(max_model_len: int, max_token_bytes: int, max_request_bytes: int) -> int:
+    """The longest prompt text worth tokenizing: no text longer than max_model_len tokens of the longest
+    token can fit, and none longer than a request message may carry."""
+    return max(1, min(max_model_len * max_token_bytes, max_request_bytes))
+
+
 def validate_prompt(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
+    """Cheap checks, before any tokenization: sizes first, so oversized input costs nothing."""
     has_text, has_ids = bool(req.prompt), bool(req.prompt_token_ids)
     _check(has_text or has_ids, "prompt", "give exactly one of prompt or prompt_token_ids (neither was set)")
     _check(not (has_text and has_ids), "prompt",
            "give exactly one of prompt or prompt_token_ids (both were set)")
-    for i, t in enumerate(req.prompt_token_ids):
-        _check(t < limits.vocab_size, f"prompt_token_ids[{i}]",
-               f"token id {t} outside the vocabulary [0, {limits.vocab_size})")
-    _check(len(req.request_id) <= 256, "request_id", "at most 256 characters")
+    _check(len(req.request_id) <= MAX_REQUEST_ID_LEN, "request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
+    if has_text:
+        size = len(req.prompt.encode())
+        _check(size <= limits.max_prompt_bytes, "prompt",
+               f"{size} bytes is more than max_model_len {limits.max_model_len} tokens can hold "
+               f"(at most {limits.max_prompt_bytes} bytes)")
+    ids = req.prompt_token_ids
+    _check(len(ids) < limits.max_model_len, "prompt_token_ids",
+           f"{len(ids)} tokens; max_model_len is {limits.max_model_len}")
+    if ids and max(ids) >= limits.vocab_size:
+        i = next(i for i, t in enumerate(ids) if t >= limits.vocab_size)
+        raise InvalidArgument(f"prompt_token_ids[{i}]",
+                              f"token id {ids[i]} outside the vocabulary [0, {limits.vocab_size})")
     _check("#" not in req.request_id, "request_id", "may not contain '#' (it names the sequences of n > 1)")
 
 
@@ -87,9 +107,75 @@ def sampling_options(req: generation_pb2.GenerateRequest, limits: Limits, prompt
     for i, t in enumerate(p.stop_token_ids):
         _check(t < limits.vocab_size, f"sampling.stop_token_ids[{i}]",
                f"token id {t} outside the vocabulary [0, {limits.vocab_size})")
-    _check(abs(p.priority) <= MAX_PRIORITY, "sampling.priority", "out of int32 range")
     return SamplingOptions(
         max_tokens=max_tokens, min_tokens=p.min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=p.min_p, seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=repetition, logprobs=logprobs, priority=p.priority)
+
+
+@dataclass(slots=True, frozen=True)
+class MalformedRequest:
+    """What parse_generate_request gives for bytes that are no valid GenerateRequest."""
+
+    error: InvalidArgument
+
+
+def parse_generate_request(data: bytes) -> generation_pb2.GenerateRequest | MalformedRequest:
+    """The Generate deserializer: never raises, so a bad body becomes INVALID_ARGUMENT, not UNKNOWN."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(data)
+    except DecodeError:
+        field = invalid_utf8_field(data, generation_pb2.GenerateRequest.DESCRIPTOR)
+        if field is not None:
+            return MalformedRequest(InvalidArgument(field, "not valid UTF-8"))
+        return MalformedRequest(InvalidArgument("request", "not a valid GenerateRequest message"))
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise DecodeError("truncated varint")
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if b < 0x80:
+            return value, i
+
+
+def _skip(data: bytes, i: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _varint(data, i)[1]
+    if wire_type in (1, 5):
+        return i + (8 if wire_type == 1 else 4)
+    raise DecodeError(f"unsupported wire type {wire_type}")
+
+
+def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") -> str | None:
+    """The dotted name of the first string field whose bytes are not UTF-8, or None."""
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            field = descriptor.fields_by_number.get(key >> 3)
+            if key & 7 != 2:
+                i = _skip(data, i, key & 7)
+                continue
+            size, i = _varint(data, i)
+            chunk, i = data[i:i + size], i + size
+            if field is None:
+                continue
+            name = prefix + field.name
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = invalid_utf8_field(chunk, field.message_type, name + ".")
+                if found is not None:
+                    return found
+    except DecodeError:
+        return None
+    return None

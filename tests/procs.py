@@ -93,19 +93,30 @@ class Stack:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Metric samples summed over labels other than finished_reason/mode, keyed by name{reason}."""
+    """Metric samples summed over labels other than finished_reason/mode/code, keyed by name{value}."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, value = line.rsplit(" ", 1)
         name = name_labels.split("{", 1)[0]
-        for key in ("finished_reason", "mode"):
+        for key in ("finished_reason", "mode", "code"):
             marker = f'{key}="'
             if marker in name_labels:
                 name += "{" + name_labels.split(marker, 1)[1].split('"', 1)[0] + "}"
         out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def thread_count(proc: subprocess.Popen[bytes]) -> int:
+    return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+
+def rss_bytes(proc: subprocess.Popen[bytes]) -> int:
+    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
 
 
 def wait_until(predicate: object, timeout: float = 30.0, what: str = "condition") -> None:

@@ -6,6 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,3 +260,38 @@ def test_get_attention_ops_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_package_import_does_not_import_triton() -> None:
     code = "import sys, executor_service.attention; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_a_tiny_model_forward_through_the_triton_kernel_matches_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel inside the model (under TRITON_INTERPRET=1 on the CPU): a prefill and two decodes of a
+    one-layer model give the reference path's logprobs and tokens. Tiny, because the interpreter is slow."""
+    from executor_service.backend import BatchItem, SamplingConfig
+    from executor_service.config import ExecutorConfig
+    from executor_service.default_model import make_model
+    from executor_service.torch_backend import TorchBackend
+
+    path = make_model(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64,
+                      init_std=0.2, seed=9)
+    config = ExecutorConfig(model=str(path), device=DEVICE.type, dtype="float32", block_size=4, num_gpu_blocks=8,
+                            num_cpu_blocks=2)
+    sampling = SamplingConfig(temperature=0.0, logprobs=2)
+
+    def run(kernel: str) -> list[tuple[int, float]]:
+        monkeypatch.setenv(ENV_VAR, kernel)
+        backend = TorchBackend.create(config)
+        tokens = [5, 9, 17, 33, 2, 40]
+        prompt_len, out, start, n = len(tokens), [], 0, len(tokens)
+        for _ in range(3):
+            item = BatchItem("r", list(tokens), prompt_len, start, n, [0, 1, 2], True, sampling)
+            sample = backend.execute([item])[0]
+            assert sample is not None and sample.logprob is not None
+            out.append((sample.token_id, sample.logprob))
+            start, n = len(tokens), 1
+            tokens.append(sample.token_id)
+        return out
+
+    reference_path, triton_path = run("reference"), run("triton")
+    assert [t for t, _ in triton_path] == [t for t, _ in reference_path]
+    assert [lp for _, lp in triton_path] == pytest.approx([lp for _, lp in reference_path], abs=1e-4)

@@ -40,6 +40,9 @@ LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "::", ""}
 RESTART_POLICIES = {"always", "unless-stopped", "on-failure"}
 # Flags whose compose value deliberately differs from the command-line default (addresses inside containers).
 NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port"}
+# Flags compose sets to paths inside the containers (the executor secret on a shared volume).
+CONTAINER_FLAGS = {"executor_secret_file"}
+SECRET_FLAG = "--executor-secret-file"
 VARIABLE = re.compile(r"\$(?:\$|\{(\w+)(?:(:?[-?])([^}]*))?\}|(\w+))")
 START_TIMEOUT_S = 90.0
 
@@ -171,6 +174,25 @@ def test_static_wiring() -> None:
     assert {listen_port, metrics_port} <= published, f"scheduler publishes {published}"
     assert flag_value(sc_cmd, "--metrics-host") == "0.0.0.0"
 
+    secret = flag_value(ex_cmd, SECRET_FLAG)
+    assert secret and flag_value(sc_cmd, SECRET_FLAG) == secret, "both services use the same executor secret"
+    ex_mounts, sc_mounts = named_mounts(ex), named_mounts(sc)
+    volume = next(v for v, (path, _) in ex_mounts.items() if secret.startswith(path + "/"))
+    assert sc_mounts[volume] == (ex_mounts[volume][0], True), "the scheduler mounts the secret read-only"
+    assert volume in load(COMPOSE).get("volumes", {}), "the secret lives on a named volume"
+    gpu_cmd = command_of(load(COMPOSE_GPU)["services"]["executor"])
+    assert flag_value(gpu_cmd, SECRET_FLAG) == secret, "the GPU executor requires the secret too"
+
+
+def named_mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """Named volumes of a service: volume -> (mount path, read-only)."""
+    out: dict[str, tuple[str, bool]] = {}
+    for entry in service.get("volumes") or []:
+        parts = str(entry).split(":")
+        if len(parts) >= 2 and not parts[0].startswith(("/", ".", "$")):
+            out[parts[0]] = (parts[1], parts[2:3] == ["ro"])
+    return out
+
 
 def test_env_variables_are_named_after_their_flags() -> None:
     """`--max-num-seqs ${MAX_NUM_SEQS:-256}`: the variable is the flag in upper snake case."""
@@ -191,7 +213,7 @@ def test_compose_defaults_match_the_command_line_defaults(name: str) -> None:
     cmd = command_of(load(COMPOSE)["services"][name])
     parser = PARSERS[cmd[2]]()
     got, want = vars(parser.parse_args(cmd[3:])), vars(parser.parse_args([]))
-    drift = {k: (got[k], want[k]) for k in want if k not in NETWORK_FLAGS and got[k] != want[k]}
+    drift = {k: (got[k], want[k]) for k in want if k not in NETWORK_FLAGS | CONTAINER_FLAGS and got[k] != want[k]}
     assert not drift, f"compose.yaml {name} defaults (compose, flag) differ: {drift}"
 
 
@@ -218,6 +240,7 @@ def test_gpu_override() -> None:
 class LocalStack:
     services: dict[str, Any]
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
+    volumes: Path | None = None  # named volumes become directories here
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
 
@@ -238,8 +261,19 @@ class LocalStack:
                 token = str(self.ports[(service, int(token))])
             elif token == "0.0.0.0":
                 token = "127.0.0.1"
+            else:
+                token = self.local_path(service, token)
             out.append(token)
         return out
+
+    def local_path(self, service: str, token: str) -> str:
+        """A path on one of the service's named volumes, moved to that volume's local directory."""
+        for volume, (path, _) in named_mounts(self.services[service]).items():
+            if self.volumes is not None and token.startswith(path + "/"):
+                local = self.volumes / volume
+                local.mkdir(parents=True, exist_ok=True)
+                return str(local / token[len(path) + 1:])
+        return token
 
     def python(self, service: str, argv: list[str]) -> list[str]:
         assert argv[:2] == ["python", "-m"], f"{service}: expected `python -m ...`, got {argv[:2]}"
@@ -305,8 +339,8 @@ def allocate_ports(services: dict[str, Any]) -> dict[tuple[str, int], int]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     services = load(COMPOSE)["services"]
-    local = LocalStack(services, allocate_ports(services))
     log_dir = tmp_path_factory.mktemp("compose")
+    local = LocalStack(services, allocate_ports(services), volumes=log_dir / "volumes")
     try:
         for name in start_order(services):
             local.start(name, log_dir)

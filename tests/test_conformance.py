@@ -380,25 +380,39 @@ async def test_finished_requests_free_their_blocks_within_the_step(session: Sess
     assert refused(await session.step(running_requests=[stale]), "a"), "a finished request must be forgotten"
 
 
-async def test_a_new_stream_drops_the_old_streams_state(session: Session) -> None:
+async def test_num_steps_above_max_num_steps_is_refused_quickly(session: Session) -> None:
+    a = session.seq("a", 6, seed=17)
+    await session.generate(a, 1)
+    limit = session.describe.capabilities.max_num_steps
+    started = asyncio.get_running_loop().time()
+    result = await session.step(running_requests=[Running("a", [], 1)], num_steps=10**9)
+    assert result.error and str(limit) in result.error and not sampled_tokens(result)
+    assert asyncio.get_running_loop().time() - started < STEP_TIMEOUT_S
+
+
+async def test_a_second_stream_is_refused_while_the_first_is_open(session: Session) -> None:
+    a = session.seq("a", 10, seed=16)
+    await session.generate(a, 2)
+    intruder = session.stub.Execute()
+    try:
+        await intruder.write(executor_pb2.StepRequest(step_id=1, running=columns([Running("a", [], 1)])))
+        with pytest.raises(grpc.aio.AioRpcError) as refused_call:
+            await asyncio.wait_for(intruder.read(), STEP_TIMEOUT_S)
+        assert refused_call.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "one scheduler at a time" in (refused_call.value.details() or "")
+    finally:
+        intruder.cancel()
+    await session.generate(a, 2)  # the first stream's requests are untouched
+
+
+async def test_a_new_stream_after_the_old_one_ends_drops_its_state(session: Session) -> None:
     a = session.seq("a", 10, seed=14)
     await session.generate(a, 2)
-    old = session.call
+    session.call.cancel()
     session.call = session.stub.Execute()
-    try:
-        resumed = Running("a", [], 1)
-        assert refused(await session.step(running_requests=[resumed]), "a")
-        # a's blocks are free on the new stream.
-        b = session.seq("b", 10, seed=15)
-        b.blocks = list(a.blocks)
-        await session.generate(b, 2)
-        # The old stream no longer continues a.
-        session.step_id += 1
-        try:
-            await old.write(executor_pb2.StepRequest(step_id=session.step_id, running=columns([resumed])))
-            result = await asyncio.wait_for(old.read(), STEP_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return
-        assert result is grpc.aio.EOF or refused(result, "a")
-    finally:
-        old.cancel()
+    resumed = Running("a", [], 1)
+    assert refused(await session.step(running_requests=[resumed]), "a")
+    # a's blocks are free on the new stream.
+    b = session.seq("b", 10, seed=15)
+    b.blocks = list(a.blocks)
+    await session.generate(b, 2)

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
-from scheduler_service.core_client import CoreClient
+from scheduler_service.core_client import CoreClient, RemoteStream
 from scheduler_service.ipc import (
     Delta,
     Ended,
@@ -35,7 +35,7 @@ def wire(msg: ToFrontend) -> ToFrontend:
 async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it_holds() -> None:
     c = client(max_buffered=3)
     queue: asyncio.Queue[object] = asyncio.Queue()
-    c.streams["r"] = queue
+    c.streams["r"] = RemoteStream(queue)
     for step in range(6):
         c._deliver(wire(ToFrontend([Delta("r", [step])])))
     items = [queue.get_nowait() for _ in range(queue.qsize())]
@@ -50,7 +50,7 @@ async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it
 async def test_a_refusal_reaches_the_call_as_its_status_code() -> None:
     c = client()
     queue: asyncio.Queue[object] = asyncio.Queue()
-    c.streams["r"] = queue
+    c.streams["r"] = RemoteStream(queue)
     c._refuse(wire(ToFrontend(refused=[Refused("r", Refusal.QUEUE_FULL, "full")])).refused)
     error = queue.get_nowait()
     assert isinstance(error, RequestError) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED

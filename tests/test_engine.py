@@ -112,3 +112,70 @@ async def test_a_step_without_answer_within_the_timeout_counts_as_a_lost_executo
         await connection.close()
     finally:
         stop(proc)
+
+
+async def test_a_dying_engine_loop_fails_its_requests_and_health(executor: str) -> None:
+    from scheduler_service.executor_client import ExecutorLost
+
+    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    health: list[bool] = []
+    engine.on_ready_change = health.append
+    try:
+        async def lose(out):  # type: ignore[no-untyped-def]
+            raise ExecutorLost("injected")
+
+        async def broken_recover(reason: str) -> None:
+            raise RuntimeError("recovery bug")
+
+        engine.connection.execute = lose  # type: ignore[method-assign]
+        engine._recover = broken_recover  # type: ignore[method-assign]
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("a", [65] * 4, SamplingOptions(max_tokens=5), 0.0), queue)
+        _, last = await asyncio.wait_for(collect(queue), 30)
+        assert last.finish_reason is FinishReason.ERROR and last.error
+        assert engine._task is not None
+        await asyncio.wait([engine._task], timeout=10)
+        assert isinstance(engine._task.exception(), RuntimeError), "the loop died"
+        assert not engine.ready.is_set() and health == [False], "health says NOT_SERVING"
+        late: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("b", [65] * 4, SamplingOptions(max_tokens=5), 0.0), late)
+        engine._loop_ended(engine._task)  # what a death with "b" in flight does to it
+        _, last = await asyncio.wait_for(collect(late), 5)
+        assert last.finish_reason is FinishReason.ERROR and "engine loop stopped" in last.error
+        assert not engine.streams
+    finally:
+        await engine.stop()
+
+
+async def test_every_kind_of_stream_failure_is_a_lost_executor(executor: str) -> None:
+    """A refused stream, a call already finished (asyncio.InvalidStateError), a closed stream: all
+    ExecutorLost, never an internal error."""
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
+
+    holder, intruder = ExecutorConnection(executor), ExecutorConnection(executor)
+    try:
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        await holder.execute(out)
+        with pytest.raises(ExecutorLost, match="FAILED_PRECONDITION: this executor already serves a scheduler"):
+            await intruder.execute(out)
+
+        class FinishedCall:
+            async def write(self, message: object) -> None:
+                raise asyncio.InvalidStateError("RPC already finished")
+
+            def done(self) -> bool:
+                return False
+
+            def cancel(self) -> bool:
+                return True
+
+        intruder._call = FinishedCall()  # type: ignore[assignment]
+        with pytest.raises(ExecutorLost, match="RPC already finished"):
+            await intruder.execute(out)
+        assert intruder._call is None, "a failed stream is dropped, so the next step opens a new one"
+    finally:
+        await holder.close()
+        await intruder.close()

@@ -29,3 +29,24 @@ def test_bad_model_directory_fails_at_start_with_a_clear_message(tmp_path: Path,
     assert proc.returncode == 2
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_the_executor_with_one_clean_line(tmp_path: Path) -> None:
+    import signal
+
+    from executor_service.default_model import make_model
+    from tests.procs import free_port, start, wait_healthy
+
+    path = make_model(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "executor.log"
+    proc = start("executor_service", ["--listen", address, "--model", str(path), "--device", "cpu"], log)
+    try:
+        wait_healthy(address, proc)
+        ready_lines = len(log.read_text().splitlines())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    after = log.read_text().splitlines()[ready_lines:]
+    assert len(after) == 1 and after[0].endswith("executor stopped"), after

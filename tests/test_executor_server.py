@@ -48,3 +48,42 @@ async def test_a_bad_token_fails_only_its_request() -> None:
     result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), bad]))
     assert not result.error
     assert [e.request_id for e in result.errors] == ["b"] and list(result.sampled.request_ids) == ["a"]
+
+
+async def test_a_backend_exception_fails_the_step_and_the_stream_carries_on() -> None:
+    s = servicer()
+    real_execute = s.backend.execute
+
+    def explode(items):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device on fire")
+
+    s.backend.execute = explode  # type: ignore[method-assign]
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+    assert result.step_id == 1 and result.error == "device on fire"
+    assert not result.sampled.request_ids and not s.table.states, "the failed step's requests are dropped"
+    s.backend.execute = real_execute  # type: ignore[method-assign]
+    ok = await s.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[new("a", [0])]))
+    assert not ok.error and list(ok.sampled.request_ids) == ["a"]
+
+
+async def test_num_steps_above_the_advertised_max_is_refused() -> None:
+    s = servicer()
+    first = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1])]))
+    assert not first.error
+    running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+    refused = await s.run_step(executor_pb2.StepRequest(step_id=2, running=running, num_steps=10**9))
+    assert refused.error == "num_steps 1000000000 exceeds max_num_steps 64 (Describe.capabilities)"
+    assert not refused.sampled.request_ids
+    at_max = await s.run_step(executor_pb2.StepRequest(step_id=3, running=running, num_steps=2))
+    assert not at_max.error and list(at_max.sampled.num_tokens) == [2]
+
+
+async def test_the_simulated_executor_answers_logprobs() -> None:
+    s = servicer()
+    asked = new("a", [0])
+    asked.sampling.logprobs = 3
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[asked, new("b", [1])]))
+    assert [lp.request_id for lp in result.logprobs] == ["a"]
+    (token,) = result.logprobs[0].tokens
+    assert token.token_id == result.sampled.token_ids[0] and token.logprob == 0.0
+    assert [(t.token_id, t.logprob) for t in token.top] == [(token.token_id, 0.0)]

@@ -45,3 +45,51 @@ def test_unflushed_samples_are_not_exposed_yet() -> None:
     assert samples(registry)[f'{NAME}_count{{model_name="m"}}'] == 0
     h.flush()
     assert samples(registry)[f'{NAME}_count{{model_name="m"}}'] == 1
+
+
+async def test_metrics_are_served_from_the_event_loop_without_a_thread_per_connection() -> None:
+    import asyncio
+    import threading
+
+    from scheduler_service.metrics import EngineMetrics, MetricsServer
+
+    metrics = EngineMetrics("m")
+    server = MetricsServer(metrics.registry)
+    port = await server.start("127.0.0.1", 0)
+    threads = threading.active_count()
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(300)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 200 OK")
+        assert b"vllm:num_requests_running" in response
+        assert threading.active_count() < threads + 5, "no thread per connection (others may start their own)"
+        assert len(server.writers) == 300
+    finally:
+        for _, w in idle:
+            w.close()
+        await server.close()
+
+
+async def test_metrics_connections_are_bounded() -> None:
+    import asyncio
+
+    from scheduler_service import metrics as metrics_module
+    from scheduler_service.metrics import EngineMetrics, MetricsServer
+
+    server = MetricsServer(EngineMetrics("m").registry)
+    port = await server.start("127.0.0.1", 0)
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(metrics_module.MAX_METRICS_CONNECTIONS)]
+    try:
+        for _ in range(100):
+            if len(server.writers) == metrics_module.MAX_METRICS_CONNECTIONS:
+                break
+            await asyncio.sleep(0.01)
+        reader, _ = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "a connection past the bound is closed at once"
+    finally:
+        for _, w in held:
+            w.close()
+        await server.close()
