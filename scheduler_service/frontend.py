@@ -26,6 +26,7 @@ def run_frontend(config: SchedulerServiceConfig, index: int, identity: bytes, co
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[api-server {index}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
     uvloop.run(main(config, index, identity, core_address, listen))
 
 
