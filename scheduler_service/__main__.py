@@ -13,6 +13,7 @@ import sys
 
 import grpc
 import uvloop
+from grpc_health.v1 import health_pb2
 
 from protos.wire import channel_credentials, read_secret, server_credentials
 from scheduler_service.api_servers import ApiServers
@@ -21,10 +22,12 @@ from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
 from scheduler_service.engine_core import EngineCore
 from scheduler_service.ipc import ipc_address
-from scheduler_service.metrics import MetricsServer
+from scheduler_service.metrics import EngineMetrics, MetricsServer
+from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
 
 log = logging.getLogger("pagedserve.scheduler")
+LIVENESS = "liveness"
 
 
 def credentials(config: SchedulerServiceConfig) -> tuple[grpc.ServerCredentials | None,
@@ -45,13 +48,13 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 50, 1000)
 
 
-async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: Engine) -> None:
+async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: ExecutorPool) -> None:
     log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
     public.generation.draining = True
     await set_health(public.health, False)
     if not engine.idle():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(engine.drained.wait(), timeout=config.shutdown_timeout)
+            await asyncio.wait_for(engine.wait_idle(), timeout=config.shutdown_timeout)
     aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
     log.info("drained; aborted %d unfinished requests", aborted)
     await public.server.stop(grace=2.0)
@@ -65,13 +68,17 @@ async def main(config: SchedulerServiceConfig) -> int:
     return await main_core(config)
 
 
-def make_engine(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCredentials | None) -> Engine:
-    if len(config.executor) > 1:
-        log.warning("several --executor addresses given; this version serves from the first (%s) only",
-                    config.executor[0])
-    return Engine(config.core(), config.executor[0], config.max_queue_len, config.served_model_name,
-                  executor_creds, config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
-                  executor_secret=read_secret(config.executor_secret_file), steps_in_flight=config.steps_in_flight)
+def make_pool(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCredentials | None) -> ExecutorPool:
+    pool_config = PoolConfig(config.executor, config.executor_resolve_interval, config.executor_hosts_file,
+                             config.executor_drain_file)
+    secret = read_secret(config.executor_secret_file)
+
+    def make_engine(address: str, metrics: EngineMetrics | None) -> Engine:
+        return Engine(config.core(), address, config.max_queue_len, config.served_model_name, executor_creds,
+                      config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
+                      executor_secret=secret, metrics=metrics, steps_in_flight=config.steps_in_flight)
+
+    return ExecutorPool(pool_config, config.core(), config.max_queue_len, make_engine, config.served_model_name)
 
 
 def serving_limits(config: SchedulerServiceConfig) -> ServingLimits:
@@ -91,9 +98,9 @@ def resolve_listen(listen: str) -> str:
 
 
 async def main_core(config: SchedulerServiceConfig) -> int:
-    """The engine core process: the Engine, the front-end socket, and the front-end processes."""
+    """The engine core process: the executor pool, the api servers' socket, and the api server processes."""
     _, executor_creds = credentials(config)
-    engine = make_engine(config, executor_creds)
+    engine = make_pool(config, executor_creds)
     core = EngineCore(engine, ipc_address("core"))
     core.bind()
     core.start()
@@ -102,40 +109,31 @@ async def main_core(config: SchedulerServiceConfig) -> int:
     servers.start()
     engine.on_ready_change = lambda ready: core.broadcast_status()
     log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
-             config.api_server_count, listen, config.executor[0])
+             config.api_server_count, listen, ", ".join(config.executor))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
-        starting.cancel()
-        servers.kill()
-        core.close()
-        return 0
-    starting.result()
     metrics_server: MetricsServer | None = None
-    if config.metrics_port is not None and engine.metrics is not None:
-        core.counters()  # its series on the registry from the start
-        metrics_server = MetricsServer(engine.metrics.registry)
-        await metrics_server.start(config.metrics_host, config.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
-    freeze_startup_objects()
-    log.info("engine core ready; api servers on %s", listen)
-    died = asyncio.create_task(engine.loop_died.wait())
-    await asyncio.wait([died, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if died.done():
-        log.critical("ENGINE CORE FAILED: the engine loop died (see the error above); every request was failed "
-                     "and the service exits with status 1 so that it is restarted")
-        await asyncio.sleep(0.1)  # let the failed requests' deltas reach the api servers
-        servers.kill()
-        core.close()
-        if metrics_server is not None:
-            await metrics_server.close()
-        return 1
-    log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
-    await servers.drain(config.shutdown_timeout + 5.0)
+    if starting.done():
+        starting.result()
+        core.broadcast_status()
+        if config.metrics_port is not None and engine.metrics is not None:
+            core.counters()  # its series on the registry from the start
+            metrics_server = MetricsServer(engine.metrics.registry)
+            await metrics_server.start(config.metrics_host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        freeze_startup_objects()
+        log.info("engine core ready; api servers on %s", listen)
+        await stop.wait()
+        log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+        await servers.drain(config.shutdown_timeout + 5.0)
+    else:
+        starting.cancel()
+    servers.kill()
     aborted = engine.abort_all("server shut down")
     log.info("api servers stopped; aborted %d requests left in the core", aborted)
     await engine.stop()
@@ -148,17 +146,20 @@ async def main_core(config: SchedulerServiceConfig) -> int:
 async def main_single_process(config: SchedulerServiceConfig) -> None:
     """--api-server-count 0: the public port and the engine loop in this one process."""
     public_creds, executor_creds = credentials(config)
-    engine = make_engine(config, executor_creds)
+    engine = make_pool(config, executor_creds)
     serving = serving_limits(config)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
                          serving=serving)
+    # A liveness probe's health name: SERVING while the event loop answers, with or without executors.
+    await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
-             config.executor[0])
+             ", ".join(config.executor))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     metrics_server: MetricsServer | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig, PreemptionMode, Victim
 from scheduler_service.core.policy import Policy
+from scheduler_service.membership import parse_target
 
 
 @dataclass(slots=True)
@@ -36,6 +37,9 @@ class SchedulerServiceConfig:
     tokenizer: str | None = None
     shutdown_timeout: float = 30.0
     executor_step_timeout: float = 600.0
+    executor_resolve_interval: float = 5.0
+    executor_hosts_file: str | None = None
+    executor_drain_file: str | None = None
     executor_wait_timeout: float = 30.0
     executor_secret_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -73,7 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
     p.add_argument("--listen", default=d.listen, help="HOST:PORT for the public Generation API")
     p.add_argument("--executor", action="append", default=None,
-                   help="executor HOST:PORT (repeatable; the first is used for now)")
+                   help="executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to "
+                   "(repeatable; the pool follows DNS at run time)")
+    p.add_argument("--executor-resolve-interval", type=float, default=d.executor_resolve_interval,
+                   help="seconds between re-resolutions of dns:/// executors and re-reads of the drain file")
+    p.add_argument("--executor-hosts-file", default=None,
+                   help="hosts(5)-format file consulted before DNS for dns:/// names, re-read at every resolution")
+    p.add_argument("--executor-drain-file", default=None,
+                   help="file of executors (HOST:PORT or dns:///NAME:PORT, one a line) to drain: no new work, "
+                   "waiting requests move, running ones finish; re-read every interval and on SIGHUP")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port; -1 disables")
     p.add_argument("--metrics-host", default=d.metrics_host)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -145,4 +157,11 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
         raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
     if config.max_stream_buffer < 1:
         raise SystemExit("--max-stream-buffer must be >= 1")
+    for text in config.executor:
+        try:
+            parse_target(text)
+        except ValueError as e:
+            raise SystemExit(f"--executor: {e}") from None
+    if config.executor_resolve_interval <= 0:
+        raise SystemExit("--executor-resolve-interval must be > 0")
     return config

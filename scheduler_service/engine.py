@@ -18,7 +18,7 @@ from scheduler_service.core.outputs import ExecutorResult, RequestDelta, Schedul
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
-from scheduler_service.metrics import EngineMetrics
+from scheduler_service.metrics import EngineMetrics, ExecutorSeries
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -44,11 +44,15 @@ def limits_from(describe: executor_pb2.DescribeResponse) -> ModelLimits:
 
 
 class Engine:
+    """One executor's step loop and its own Scheduler (one block domain). ExecutorPool drives several."""
+
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                  step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
-                 executor_secret: str | None = None, steps_in_flight: int = 2) -> None:
+                 executor_secret: str | None = None, metrics: EngineMetrics | None = None,
+                 steps_in_flight: int = 2) -> None:
         self.core_config = core_config
+        self.label = executor_address
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
         self.executor_wait_timeout = executor_wait_timeout
         self._lost_since: float | None = None  # when the executor was lost; None while steps succeed
@@ -57,17 +61,19 @@ class Engine:
         self.metrics_model_name = metrics_model_name
         self.describe: executor_pb2.DescribeResponse | None = None
         self.scheduler: Scheduler | None = None
-        self.metrics: EngineMetrics | None = None
+        self.metrics: EngineMetrics | None = metrics
+        self.series: ExecutorSeries | None = None
         self.streams: dict[str, RequestStream] = {}
         self.ready = asyncio.Event()
         self.drained = asyncio.Event()
-        self.loop_died = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps_in_flight = steps_in_flight
         self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
         self._unrouted: list[RequestDelta] = []
         self.on_ready_change: Callable[[bool], object] | None = None
+        # The pool's check of a described executor: "" to accept, else why it is refused.
+        self.admit: Callable[[executor_pb2.DescribeResponse], str] | None = None
 
     async def start(self) -> None:
         await self._connect()
@@ -78,7 +84,6 @@ class Engine:
         if task.cancelled() or task.exception() is None:
             return
         log.error("engine loop died: %r; failing every request and refusing new ones", task.exception())
-        self.loop_died.set()
         self.ready.clear()
         if self.on_ready_change is not None:
             self.on_ready_change(False)
@@ -88,19 +93,7 @@ class Engine:
         return self.scheduler is None or not self.scheduler.has_unfinished()
 
     async def _connect(self) -> None:
-        delay, attempts = 0.05, 0
-        while True:
-            self._fail_if_lost_too_long()
-            try:
-                describe = await self.connection.describe(timeout=self._patience(5.0))
-                break
-            except grpc.aio.AioRpcError as e:
-                if attempts % 10 == 0:
-                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
-                                self.connection.address, e.code().name, e.details())
-                attempts += 1
-                await asyncio.sleep(self._patience(delay))
-                delay = min(delay * 2, 2.0)
+        describe = await self._describe_admitted()
         self.describe = describe
         max_steps = describe.capabilities.max_num_steps
         if max_steps and self.core_config.num_scheduler_steps > max_steps:
@@ -109,15 +102,40 @@ class Engine:
         limits = limits_from(describe)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.core_config, limits)
-            self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
         else:
             self.scheduler.set_limits(limits)
+        if self.metrics is None:
+            self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
+        self.series = self.metrics.executor_series(self.label)
+        self.series.device_blocks.set(describe.num_device_blocks)
+        self.metrics.set_capacity(self.label, describe.num_device_blocks, describe.num_swap_blocks)
         self.ready.set()
         if self.on_ready_change is not None:
             self.on_ready_change(True)
         log.info("executor %s: model=%s blocks=%d swap_blocks=%d block_size=%d max_model_len=%d",
                  self.connection.address, describe.model_id, describe.num_device_blocks,
                  describe.num_swap_blocks, describe.block_size, describe.max_model_len)
+
+    async def _describe_admitted(self) -> executor_pb2.DescribeResponse:
+        """Describe the executor, retrying with backoff until it answers and the pool accepts it."""
+        delay, attempts = 0.05, 0
+        while True:
+            self._fail_if_lost_too_long()
+            try:
+                describe = await self.connection.describe(timeout=self._patience(5.0))
+                refusal = self.admit(describe) if self.admit is not None else ""
+                if not refusal:
+                    return describe
+                log.error("executor %s refused: %s; asking again in 30 s", self.label, refusal)
+                await asyncio.sleep(self._patience(30.0))
+                continue
+            except grpc.aio.AioRpcError as e:
+                if attempts % 10 == 0:
+                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
+                                self.connection.address, e.code().name, e.details())
+                attempts += 1
+                await asyncio.sleep(self._patience(delay))
+                delay = min(delay * 2, 2.0)
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():  # a loop that died was logged by _loop_ended
@@ -136,6 +154,39 @@ class Engine:
         self.drained.clear()
         self._wake.set()
         return stream
+
+    def adopt(self, stream: RequestStream, front: bool = False) -> None:
+        """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""
+        self._sched().add_request(stream.request, front)
+        self.streams[stream.request.request_id] = stream
+        self.drained.clear()
+        self._wake.set()
+
+    def release(self, request_id: str) -> RequestStream | None:
+        """Hand a WAITING request back to the pool (to move it); None if it is running here or unknown."""
+        if self.scheduler is None or self.scheduler.release(request_id) is None:
+            return None
+        return self.streams.pop(request_id, None)
+
+    def release_waiting(self, limit: int | None = None) -> list[RequestStream]:
+        """Hand back up to `limit` WAITING requests, oldest first: they gain most from a move."""
+        if self.scheduler is None:
+            return []
+        ids = self.scheduler.waiting_ids()
+        released = [stream for stream in (self.release(rid) for rid in ids[:limit]) if stream is not None]
+        if released:
+            self._refresh_gauges()
+        return released
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, device KV usage) of this executor's scheduler."""
+        if self.scheduler is None:
+            return 0, 0, 0.0
+        s = self.scheduler.stats()
+        return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0
 
     def abort(self, request_id: str) -> None:
         self.finish(request_id, FinishReason.ABORTED)
@@ -164,7 +215,7 @@ class Engine:
 
     def _refresh_gauges(self) -> None:
         if self.metrics is not None and self.scheduler is not None:
-            self.metrics.observe_stats(self.scheduler.stats())
+            self.metrics.observe_stats(self.scheduler.stats(), self.label)
 
     def _sched(self) -> Scheduler:
         if self.scheduler is None:
@@ -291,12 +342,12 @@ class Engine:
         elif self._losses % 10 == 0:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
-        if self.on_ready_change is not None:
-            self.on_ready_change(False)
         self._pending.clear()
         self._unrouted = []
         sched.reset_executor()
         self._refresh_gauges()
+        if self.on_ready_change is not None:
+            self.on_ready_change(False)
         self.connection.drop_stream()
         if self._losses:
             await asyncio.sleep(min(0.05 * 2 ** min(self._losses, 6), 2.0))
@@ -387,10 +438,12 @@ class Engine:
         m = self.metrics
         if m is None:
             return
-        m.step_time.observe(core_seconds)
-        if executor_seconds is not None:
-            m.executor_step_time.observe(executor_seconds)
-        if self.connection.busy_ns:
-            m.executor_busy.inc(self.connection.busy_ns / 1e9)
-            self.connection.busy_ns = 0
+        series = self.series
+        if series is not None:
+            series.step_time.observe(core_seconds)
+            if executor_seconds is not None:
+                series.executor_step_time.observe(executor_seconds)
+            if self.connection.busy_ns:
+                series.executor_busy.inc(self.connection.busy_ns / 1e9)
+                self.connection.busy_ns = 0
         self._refresh_gauges()

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
-from scheduler_service.engine import Engine, QueueFull, RequestStream
+from scheduler_service.engine import QueueFull, RequestStream
 from scheduler_service.ipc import (
     Delta,
     NewRequest,
@@ -28,6 +28,7 @@ from scheduler_service.ipc import (
     to_core_decoder,
 )
 from scheduler_service.metrics import RefusalCounter
+from scheduler_service.pool import ExecutorPool
 
 log = logging.getLogger("pagedserve.core")
 
@@ -78,7 +79,7 @@ class CoreCounters:
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, address: str) -> None:
+    def __init__(self, engine: ExecutorPool, address: str) -> None:
         self.engine = engine
         self.address = address
         self.links: dict[bytes, FrontendLink] = {}

@@ -10,6 +10,7 @@ import os
 import signal
 
 import uvloop
+from grpc_health.v1 import health_pb2
 
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig
@@ -32,7 +33,7 @@ def run_frontend(config: SchedulerServiceConfig, index: int, identity: bytes, co
 
 async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
                listen: str) -> None:
-    from scheduler_service.__main__ import credentials, freeze_startup_objects, serving_limits
+    from scheduler_service.__main__ import LIVENESS, credentials, freeze_startup_objects, serving_limits
 
     public_creds, _ = credentials(config)
     core = CoreClient(core_address, identity, config.max_stream_buffer)
@@ -42,6 +43,7 @@ async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core
                          serving=serving_limits(config), reuse_port=True)
     public.generation.server_index = index
     public.generation.refusals.listener = core.count_refusal
+    await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     health_updates: set[asyncio.Task[None]] = set()
 
     def on_ready_change(ready: bool) -> None:

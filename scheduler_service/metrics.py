@@ -22,6 +22,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 MODEL = ["model_name"]
+EXECUTOR = ["model_name", "executor"]
 log = logging.getLogger("pagedserve.scheduler")
 MAX_METRICS_CONNECTIONS = 1024
 METRICS_IDLE_TIMEOUT_S = 10.0
@@ -66,8 +67,23 @@ class StepHistogram:
         yield family
 
 
+@dataclass(slots=True)
+class ExecutorSeries:
+    """One executor's labelled series, bound once when it joins the pool."""
+
+    step_time: Histogram
+    executor_step_time: Histogram
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    device_blocks: Gauge
+    serving: Gauge
+    executor_busy: Counter
+
+
 class EngineMetrics:
-    """Every series is bound to the model name once, here: no label lookups on the hot path."""
+    """Pool totals under vLLM's names, plus per-executor series labelled `executor`. Every series is bound
+    to its labels once, when created: no label lookups on the hot path."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -106,34 +122,88 @@ class EngineMetrics:
                                  LATENCY_BUCKETS, r)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time in WAITING before first scheduled")
-        self.step_time = histogram("pagedserve:scheduler_step_seconds", "schedule()+update() time per step",
-                                   STEP_BUCKETS)
-        self.executor_step_time = histogram("pagedserve:executor_step_seconds",
-                                            "Executor round trip per step", STEP_BUCKETS)
-        self.executor_busy = counter("pagedserve:executor_busy_seconds",
-                                     "Time the executor reports spending in its steps (its busy fraction is the "
-                                     "rate of this)")
-        self._seen = {"swap": 0, "recompute": 0, "in": 0, "out": 0, "total": 0}
+        self._families = {
+            "step_time": Histogram("pagedserve:scheduler_step_seconds", "schedule()+update() time per step",
+                                   EXECUTOR, buckets=STEP_BUCKETS, registry=r),
+            "executor_step_time": Histogram("pagedserve:executor_step_seconds", "Executor round trip per step",
+                                            EXECUTOR, buckets=STEP_BUCKETS, registry=r),
+            "running": Gauge("pagedserve:executor_num_requests_running", "RUNNING requests on one executor",
+                             EXECUTOR, registry=r),
+            "waiting": Gauge("pagedserve:executor_num_requests_waiting", "WAITING requests on one executor",
+                             EXECUTOR, registry=r),
+            "kv_usage": Gauge("pagedserve:executor_kv_cache_usage_perc", "Fraction of one executor's device KV "
+                              "blocks in use (0-1)", EXECUTOR, registry=r),
+            "device_blocks": Gauge("pagedserve:executor_num_device_blocks", "Device KV blocks one executor has",
+                                   EXECUTOR, registry=r),
+            "serving": Gauge("pagedserve:executor_serving", "1 while the executor serves, else 0", EXECUTOR,
+                             registry=r),
+            "executor_busy": Counter("pagedserve:executor_busy_seconds", "Time the executor reports spending in "
+                                     "its steps (its busy fraction is the rate of this)", EXECUTOR, registry=r),
+        }
+        self._stats: dict[str, SchedulerStats] = {}
+        self._series: dict[str, ExecutorSeries] = {}
+        self._capacity: dict[str, tuple[int, int]] = {}
+        self._seen: dict[tuple[str, str], int] = {}
 
-    def observe_stats(self, s: SchedulerStats) -> None:
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.swapped.set(s.num_swapped)
-        self.gpu_usage.set(s.device_usage)
-        self.kv_usage.set(s.device_usage)
-        self.cpu_usage.set(s.cpu_usage)
-        self.device_blocks_used.set(s.device_blocks_used)
-        self.cpu_blocks_used.set(s.cpu_blocks_used)
-        self._advance("swap", s.num_preemptions_swap, self.preemptions_swap)
-        self._advance("recompute", s.num_preemptions_recompute, self.preemptions_recompute)
-        self._advance("total", s.num_preemptions_swap + s.num_preemptions_recompute, self.preemptions)
-        self._advance("in", s.num_swapped_in_blocks, self.swap_in_blocks)
-        self._advance("out", s.num_swapped_out_blocks, self.swap_out_blocks)
+    def executor_series(self, executor: str) -> ExecutorSeries:
+        kids = {name: family.labels(self.model_name, executor) for name, family in self._families.items()}
+        series = self._series[executor] = ExecutorSeries(**kids)
+        return series
 
-    def _advance(self, key: str, value: int, child: Counter) -> None:
-        if value > self._seen[key]:
-            child.inc(value - self._seen[key])
-        self._seen[key] = value
+    def set_capacity(self, executor: str, device_blocks: int, cpu_blocks: int) -> None:
+        self._capacity[executor] = (device_blocks, cpu_blocks)
+
+    def forget_executor(self, executor: str) -> None:
+        """An executor left the pool: its series go, and the totals no longer count it."""
+        self._stats.pop(executor, None)
+        self._series.pop(executor, None)
+        self._capacity.pop(executor, None)
+        self._seen = {k: v for k, v in self._seen.items() if k[0] != executor}
+        for family in self._families.values():
+            with contextlib.suppress(KeyError):
+                family.remove(self.model_name, executor)
+        self._set_totals()
+
+    def observe_stats(self, s: SchedulerStats, executor: str = "") -> None:
+        self._stats[executor] = s
+        series = self._series.get(executor)
+        if series is not None:
+            series.running.set(s.num_running)
+            series.waiting.set(s.num_waiting)
+            series.kv_usage.set(s.device_usage)
+        self._advance(executor, "swap", s.num_preemptions_swap, self.preemptions_swap)
+        self._advance(executor, "recompute", s.num_preemptions_recompute, self.preemptions_recompute)
+        self._advance(executor, "total", s.num_preemptions_swap + s.num_preemptions_recompute, self.preemptions)
+        self._advance(executor, "in", s.num_swapped_in_blocks, self.swap_in_blocks)
+        self._advance(executor, "out", s.num_swapped_out_blocks, self.swap_out_blocks)
+        self._set_totals()
+
+    def _set_totals(self) -> None:
+        stats = self._stats.values()
+        device_used = sum(s.device_blocks_used for s in stats)
+        cpu_used = sum(s.cpu_blocks_used for s in stats)
+        self.running.set(sum(s.num_running for s in stats))
+        self.waiting.set(sum(s.num_waiting for s in stats))
+        self.swapped.set(sum(s.num_swapped for s in stats))
+        self.device_blocks_used.set(device_used)
+        self.cpu_blocks_used.set(cpu_used)
+        if len(self._stats) == 1 or not self._capacity:
+            device_usage = max((s.device_usage for s in stats), default=0.0)
+            cpu_usage = max((s.cpu_usage for s in stats), default=0.0)
+        else:
+            device_total = sum(c[0] for c in self._capacity.values())
+            cpu_total = sum(c[1] for c in self._capacity.values())
+            device_usage = device_used / device_total if device_total else 0.0
+            cpu_usage = cpu_used / cpu_total if cpu_total else 0.0
+        self.gpu_usage.set(device_usage)
+        self.kv_usage.set(device_usage)
+        self.cpu_usage.set(cpu_usage)
+
+    def _advance(self, executor: str, key: str, value: int, child: Counter) -> None:
+        seen = self._seen.get((executor, key), 0)
+        if value > seen:
+            child.inc(value - seen)
+        self._seen[(executor, key)] = value
 
     def on_finish(self, reason: FinishReason, e2e: float) -> None:
         self.success[reason].inc()

@@ -166,7 +166,8 @@ def test_static_wiring() -> None:
     assert 50061 in container_ports(ex)
     assert "--model" not in ex_cmd and "--simulated" not in ex_cmd, "the default runs the embedded model"
 
-    assert flag_value(sc_cmd, "--executor") == "executor:50061", "the scheduler reaches the executor by its name"
+    assert flag_value(sc_cmd, "--executor") == "dns:///executor:50061", \
+        "the scheduler finds every executor replica (--scale executor=N) through the service's DNS name"
     assert sc["depends_on"]["executor"]["condition"] == "service_healthy"
     published = {container_port(p) for p in sc["ports"]}
     listen_port = int((flag_value(sc_cmd, "--listen") or "").rsplit(":", 1)[-1])
@@ -251,6 +252,8 @@ class LocalStack:
         """Resolve compose names and container ports of `service`'s arguments to 127.0.0.1 and free ports."""
         out: list[str] = []
         for i, token in enumerate(args):
+            scheme = "dns:///" if token.startswith("dns:///") else ""
+            token = token.removeprefix(scheme)
             m = re.fullmatch(r"([\w.\-:]*):(\d+)", token)
             if m and (m.group(1) in LOCAL_HOSTS or m.group(1) in self.services):
                 target = service if m.group(1) in LOCAL_HOSTS else m.group(1)
@@ -263,7 +266,7 @@ class LocalStack:
                 token = "127.0.0.1"
             else:
                 token = self.local_path(service, token)
-            out.append(token)
+            out.append(scheme + token)
         return out
 
     def local_path(self, service: str, token: str) -> str:

@@ -1,6 +1,7 @@
 """Executor conformance: the Executor contract checked over real gRPC against any executor.
 
-With `PAGEDSERVE_EXECUTOR=HOST:PORT` set, the suite tests that address only. Otherwise it starts the
+With `PAGEDSERVE_EXECUTOR=HOST:PORT[,HOST:PORT...]` set, the suite tests those addresses only, each in turn
+(every executor of a pool: docs/operations.md shows how on Kubernetes). Otherwise it starts the
 simulated executor and the torch executor on the embedded default model (small pools) as real
 processes on loopback and runs every test against both. Every test opens its own Execute stream
 (a new stream drops all state, so tests cannot leak into each other) and uses greedy, seeded
@@ -33,13 +34,15 @@ EXECUTORS: dict[str, list[str]] = {
 
 
 def targets() -> list[str]:
-    return ["external"] if os.environ.get(ENV) else list(EXECUTORS)
+    """Every address in PAGEDSERVE_EXECUTOR (comma-separated: each executor of a pool), else our own two."""
+    external = [a.strip() for a in os.environ.get(ENV, "").split(",") if a.strip()]
+    return [f"external:{a}" for a in external] or list(EXECUTORS)
 
 
 @pytest.fixture(scope="module", params=targets())
 def executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if request.param == "external":
-        yield os.environ[ENV]
+    if request.param.startswith("external:"):
+        yield request.param.removeprefix("external:")
         return
     address = f"127.0.0.1:{free_port()}"
     log = tmp_path_factory.mktemp(f"executor-{request.param}") / "executor.log"

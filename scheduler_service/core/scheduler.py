@@ -92,11 +92,12 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, front: bool = False) -> None:
+        """Queue a request; `front` for one that already ran (moved off a lost or draining executor)."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        self.waiting.push(request, front=front)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -132,6 +133,26 @@ class Scheduler:
         self._to_drop.clear()
         self._unupdated.clear()
         self._inflight = {}
+
+    def release(self, request_id: str) -> Request | None:
+        """Take a WAITING request out of this scheduler, to hand it to another executor's; None if the
+        request is not here or not waiting (a running request finishes where its blocks are)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING:
+            return None
+        self.waiting.discard(request)
+        self.blocks.free(request_id)
+        self._forget_in_executor(request_id)
+        del self.requests[request_id]
+        return request
+
+    def waiting_ids(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if r.status is RequestStatus.WAITING]
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt this executor's KV cache already holds (placement hint).
+        Always 0 until the KV-cache manager caches prefixes."""
+        return 0
 
     def set_limits(self, limits: ModelLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""
