@@ -59,9 +59,10 @@ open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")' \
 RUN pip install -r /tmp/requirements.txt
 COPY . /src
 RUN pip install --no-deps /src
-# Bake the embedded default model (deterministic, a few MB) so a container starts without writing it.
+# The trained default model ships inside the package (a few MB of bf16 weights); check that it was installed.
 ENV PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache
-RUN cd / && python -c "from executor_service.default_model import ensure_default_model as e; print(e())" \
+RUN cd / && mkdir -p /opt/pagedserve/cache \
+    && python -c "from executor_service.default_model import ensure_default_model as e; assert (e() / 'model.safetensors').is_file(); print(e())" \
     && chmod -R a+rX /opt/pagedserve \
     && python -m executor_service --help >/dev/null && python -m scheduler_service --help >/dev/null
 

@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if not batch_sizes or min(batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1:
         p.error("batch sizes, --steps and --prompt-len must be positive")
 
-    from executor_service.default_model import ensure_default_model
+    from executor_service.default_model import ensure_random_model
     from executor_service.model import ModelConfig
 
-    model_dir = Path(args.model) if args.model else ensure_default_model()
+    model_dir = Path(args.model) if args.model else ensure_random_model()
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     per_request = -(-(args.prompt_len + WARMUP_STEPS + args.steps + 1) // args.block_size)
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-executor-") as tmp:

@@ -64,6 +64,7 @@ class BackendInfo:
     tokenizer_json: str = ""
     bos_token_id: int | None = None
     add_bos_token: bool = False
+    chat_template: str = ""
 
 
 class Backend(Protocol):

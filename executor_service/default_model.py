@@ -1,8 +1,11 @@
-"""The embedded default model: a small random Llama in Hugging Face format, made deterministically.
+"""The embedded default model, and small random models for tests and benchmarks.
 
-`python -m executor_service.default_model OUT_DIR` writes it to OUT_DIR; `ensure_default_model()`
-creates it once under $PAGEDSERVE_CACHE_DIR (or ~/.cache/pagedserve) and returns its directory.
-`make_model(...)` writes other small variants (Llama, Mistral, Qwen2) for tests.
+The default model is a tiny Llama trained on the shipped corpus (executor_service/default_training.py); its
+bfloat16 weights ship in executor_service/data/default_model, and `ensure_default_model()` returns that directory.
+`python -m executor_service.default_model OUT_DIR` copies it to OUT_DIR; `... train` retrains it;
+`... corpus` regenerates the generated half of the corpus. `make_model(...)` writes small random-weight variants
+(Llama, Mistral, Qwen2) for tests, and `ensure_random_model()` caches the random benchmark model under
+$PAGEDSERVE_CACHE_DIR (or ~/.cache/pagedserve).
 """
 
 from __future__ import annotations
@@ -20,9 +23,20 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-DEFAULT_MODEL_NAME = "default-model-v1"
+DEFAULT_MODEL_NAME = "default-model-v2"
+RANDOM_MODEL_NAME = "random-model-v1"
 CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
-CORPUS_PATH = Path(__file__).parent / "data" / "default_corpus.txt"
+DATA_DIR = Path(__file__).parent / "data"
+CORPUS_PATH = DATA_DIR / "default_corpus.txt"
+GENERATED_CORPUS_PATH = DATA_DIR / "generated_corpus.txt"
+TRAINED_MODEL_DIR = DATA_DIR / DEFAULT_MODEL_NAME
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% else %}Assistant: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -55,21 +69,27 @@ class ModelSpec:
 
 
 DEFAULT_SPEC = ModelSpec()
-
-
-def default_model_dir() -> Path:
-    root = os.environ.get(CACHE_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "pagedserve"
-    return base / DEFAULT_MODEL_NAME
+TRAINED_SPEC = ModelSpec(intermediate_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
 
 
 def ensure_default_model() -> Path:
-    """Return the cached default model directory, creating it atomically on first use."""
-    final = default_model_dir()
+    """The shipped trained default model's directory."""
+    return TRAINED_MODEL_DIR
+
+
+def random_model_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root) if root else Path.home() / ".cache" / "pagedserve"
+    return base / RANDOM_MODEL_NAME
+
+
+def ensure_random_model() -> Path:
+    """Return the cached random-weight model (DEFAULT_SPEC) directory, creating it atomically on first use."""
+    final = random_model_dir()
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{RANDOM_MODEL_NAME}-", dir=final.parent))
     try:
         write_model(tmp, DEFAULT_SPEC)
         tmp.chmod(0o755)
@@ -131,10 +151,13 @@ def write_model(out_dir: Path, spec: ModelSpec) -> None:
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     write_json(out_dir / "config.json", build_config(spec))
-    generation = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
-    write_json(out_dir / "generation_config.json", generation)
     save_file(build_weights(spec), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "tokenizer.json").write_text(train_tokenizer().to_str(pretty=True), encoding="utf-8")
+    write_tokenizer_files(out_dir, spec, train_tokenizer())
+
+
+def write_tokenizer_files(out_dir: Path, spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    write_json(out_dir / "generation_config.json", {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID})
+    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(spec))
     unk, bos, eos = SPECIAL_TOKENS
     write_json(out_dir / "special_tokens_map.json", {"bos_token": bos, "eos_token": eos, "unk_token": unk})
@@ -230,6 +253,12 @@ def weight_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def read_corpus() -> str:
+    """The hand-written corpus followed by the generated one."""
+    parts = [CORPUS_PATH.read_text(encoding="utf-8"), GENERATED_CORPUS_PATH.read_text(encoding="utf-8")]
+    return "\n\n".join(part.strip() for part in parts) + "\n"
+
+
 def train_tokenizer() -> Tokenizer:
     """Byte-level BPE trained on the shipped corpus; deterministic for a given tokenizers version."""
     tokenizer = Tokenizer(models.BPE())
@@ -243,7 +272,7 @@ def train_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer)
+    tokenizer.train_from_iterator([read_corpus()], trainer)
     return tokenizer
 
 
@@ -252,6 +281,7 @@ def build_tokenizer_config(spec: ModelSpec) -> dict[str, Any]:
         "add_bos_token": True,
         "add_eos_token": False,
         "bos_token": SPECIAL_TOKENS[1],
+        "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": SPECIAL_TOKENS[2],
         "model_max_length": spec.max_position_embeddings,
@@ -262,12 +292,21 @@ def build_tokenizer_config(spec: ModelSpec) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["train"]:
+        from executor_service.default_training import main as train_main
+
+        return train_main(args[1:])
+    if args == ["corpus"]:
+        from executor_service.corpus import generate_corpus
+
+        GENERATED_CORPUS_PATH.write_text(generate_corpus(), encoding="utf-8")
+        print(GENERATED_CORPUS_PATH)
+        return 0
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m executor_service.default_model OUT_DIR", file=sys.stderr)
+        print("usage: python -m executor_service.default_model {OUT_DIR | train [--help] | corpus}", file=sys.stderr)
         return 2
     out = Path(args[0])
-    out.mkdir(parents=True, exist_ok=True)
-    write_model(out, DEFAULT_SPEC)
+    shutil.copytree(TRAINED_MODEL_DIR, out, dirs_exist_ok=True)
     print(out)
     return 0
 

@@ -47,7 +47,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             num_device_blocks=info.num_device_blocks, num_swap_blocks=info.num_swap_blocks,
             dtype=info.dtype, device=info.device, tokenizer_json=info.tokenizer_json,
             executor_version=EXECUTOR_VERSION, bos_token_id=info.bos_token_id or 0,
-            add_bos_token=info.add_bos_token,
+            add_bos_token=info.add_bos_token, chat_template=info.chat_template,
             capabilities=executor_pb2.Capabilities(
                 swap=True, copy=True, chunked_prefill=True, max_num_steps=MAX_NUM_STEPS,
                 max_logprobs=info.max_logprobs, seeded_sampling=True))

@@ -213,6 +213,7 @@ def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, 
         tokenizer_json=tokenizer_json,
         bos_token_id=bos_token_id,
         add_bos_token=add_bos,
+        chat_template=read_chat_template(model_dir),
     )
 
 
@@ -239,6 +240,19 @@ def read_json(path: Path) -> dict[str, Any]:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def read_chat_template(model_dir: Path) -> str:
+    """chat_template.jinja if present, else tokenizer_config.json's chat_template (a string, or a list of
+    named templates of which "default" is used)."""
+    jinja = read_text(model_dir / "chat_template.jinja")
+    if jinja:
+        return jinja
+    template = read_json(model_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else ""
 
 
 def read_eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
 import uvloop
@@ -25,6 +26,9 @@ from scheduler_service.ipc import ipc_address
 from scheduler_service.metrics import EngineMetrics, MetricsServer
 from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
+
+if TYPE_CHECKING:
+    from scheduler_service.openai_api.app import HttpServer
 
 log = logging.getLogger("pagedserve.scheduler")
 LIVENESS = "liveness"
@@ -46,6 +50,18 @@ def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)
+
+
+async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> HttpServer | None:
+    if not config.http_listen:
+        return None
+    from scheduler_service.openai_api.app import OpenAIApi, serve_http
+
+    api = OpenAIApi(public.generation, config.served_model_name,
+                    load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key)
+    log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
+    return http
 
 
 async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine: ExecutorPool) -> None:
@@ -155,6 +171,7 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              ", ".join(config.executor))
+    http = await start_http(config, public)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -185,6 +202,8 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
     else:
         starting.cancel()
     await shutdown(config, public, engine)
+    if http is not None:
+        await http.stop()
     if metrics_server is not None:
         await metrics_server.close()
 

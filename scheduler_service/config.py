@@ -15,6 +15,7 @@ from scheduler_service.membership import parse_target
 @dataclass(slots=True)
 class SchedulerServiceConfig:
     listen: str = "127.0.0.1:50051"
+    http_listen: str | None = None
     executor: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"])
     metrics_port: int | None = 8000
     metrics_host: str = "127.0.0.1"
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = SchedulerServiceConfig()
     p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
     p.add_argument("--listen", default=d.listen, help="HOST:PORT for the public Generation API")
+    p.add_argument("--http-listen", default=None,
+                   help="HOST:PORT for the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                   "/v1/models, /health); off by default")
     p.add_argument("--executor", action="append", default=None,
                    help="executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to "
                    "(repeatable; the pool follows DNS at run time)")

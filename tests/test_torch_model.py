@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
-from executor_service.default_model import ensure_default_model, main, make_model
+from executor_service.default_model import ensure_default_model, ensure_random_model, main, make_model
 from executor_service.model import ModelConfig, ModelLoadError
 from executor_service.torch_backend import TorchBackend
 
@@ -331,24 +331,37 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path: Path) -> 
         create(tmp_path / "sharded")
 
 
-def test_default_model_is_cached_and_matches_transformers(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def test_shipped_default_model_matches_transformers_and_writes_words(tmp_path: Path) -> None:
     path = ensure_default_model()
-    assert path == tmp_path / "cache" / "default-model-v1"
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["default-model-v1"]
-    assert main([str(tmp_path / "again")]) == 0
-    written = (tmp_path / "again" / "model.safetensors").read_bytes()
-    assert written == (path / "model.safetensors").read_bytes()
-    backend = TorchBackend.create(ExecutorConfig(device="cpu", num_gpu_blocks=16, num_cpu_blocks=0))
-    assert backend.info.model_id == "default-model-v1" and backend.info.vocab_size == 2048
+    assert path.name == "default-model-v2" and path.parent.name == "data"
+    weights = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert sum(t.numel() * t.element_size() for t in weights.values()) < 8 * 2**20
+    assert main([str(tmp_path / "copy")]) == 0
+    assert (tmp_path / "copy" / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+    backend = TorchBackend.create(ExecutorConfig(device="cpu", num_gpu_blocks=32, num_cpu_blocks=0))
+    assert backend.info.model_id == "default-model-v2" and backend.info.vocab_size == 2048
+    assert "Assistant:" in backend.info.chat_template
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompt = [1, *make_prompt(10, seed=17, vocab=2048)]
-    seq = Seq("d", list(prompt), len(prompt))
-    Driver(backend).generate([seq], 12)
-    assert_same_tokens(seq.tokens[len(prompt) :], hf_greedy(hf, prompt, 12), backend.info.eos_token_ids)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    for text in ("Once upon a time, there was", "User: Why is the sky blue?\nAssistant:"):
+        prompt = [1, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        seq = Seq("d", list(prompt), len(prompt))
+        Driver(backend).generate([seq], 24)
+        ours = seq.tokens[len(prompt) :]
+        assert_same_tokens(ours, hf_greedy(hf, prompt, 24), backend.info.eos_token_ids)
+        words = tokenizer.decode(ours, skip_special_tokens=True).split()
+        assert len(words) >= 8 and sum(w.strip(".,!?\"").isalpha() for w in words) >= 0.8 * len(words), words
+
+
+def test_random_benchmark_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = ensure_random_model()
+    assert path == tmp_path / "cache" / "random-model-v1"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_random_model() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["random-model-v1"]
+    assert ModelConfig.from_dir(path).hidden_size == 256
 
 
 def test_kv_cache_rejects_bad_mappings(bundles: dict[str, Bundle]) -> None:

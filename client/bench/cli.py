@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ from client.bench.datasets import (
     take,
     tokenizer_counter,
 )
+from client.bench.openai_backend import OpenAIBenchClient
 from client.bench.plot import PlotPoint, plot_results
 from client.bench.report import format_table, rate_label, result_dict, write_json
 from client.bench.runner import RunConfig, run_benchmark
@@ -75,7 +77,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     d = SyntheticConfig()
     b = subparsers.add_parser("bench", help="serving benchmark (like `vllm bench serve`)",
                               description="Send a dataset at a request rate and report throughput and latency.")
-    b.add_argument("--server", default="127.0.0.1:50051")
+    b.add_argument("--backend", choices=["pagedserve", "openai"], default="pagedserve",
+                   help="pagedserve: the gRPC Generation API at --server; openai: /v1/completions at --base-url")
+    b.add_argument("--server", default="127.0.0.1:50051", help="gRPC HOST:PORT (--backend pagedserve)")
+    b.add_argument("--base-url", default="http://127.0.0.1:8080",
+                   help="OpenAI-compatible server URL, with or without /v1 (--backend openai)")
+    b.add_argument("--model", default=None, help="model name for --backend openai (default: the server's first)")
+    b.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="API key for either backend (default: $PAGEDSERVE_API_KEY)")
     data = b.add_argument_group("dataset")
     data.add_argument("--dataset", default=SYNTHETIC, help="'synthetic' or a JSON FILE")
     data.add_argument("--dataset-format", choices=["auto", "json", "sharegpt"], default="auto",
@@ -85,10 +94,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="directory with tokenizer.json to count prompt/output tokens (default: UTF-8 bytes)")
     data.add_argument("--num-prompts", type=positive_int, default=None,
                       help=f"requests to send (default: {d.num_prompts} synthetic, every request of a FILE)")
-    data.add_argument("--synthetic-input-mean", type=positive_float, default=d.input_mean)
-    data.add_argument("--synthetic-output-mean", type=positive_float, default=d.output_mean)
-    data.add_argument("--synthetic-input-max", type=positive_int, default=d.input_max)
-    data.add_argument("--synthetic-output-max", type=positive_int, default=d.output_max)
+    data.add_argument("--synthetic-input-mean", type=positive_float, default=d.input_mean,
+                      help=f"mean synthetic prompt length in tokens (default {d.input_mean:g})")
+    data.add_argument("--synthetic-output-mean", type=positive_float, default=d.output_mean,
+                      help=f"mean synthetic max_tokens (default {d.output_mean:g})")
+    data.add_argument("--synthetic-input-max", type=positive_int, default=d.input_max,
+                      help=f"longest synthetic prompt in tokens (default {d.input_max})")
+    data.add_argument("--synthetic-output-max", type=positive_int, default=d.output_max,
+                      help=f"largest synthetic max_tokens (default {d.output_max})")
     data.add_argument("--synthetic-sigma", type=positive_float, default=d.sigma,
                       help="lognormal sigma of the synthetic lengths")
     data.add_argument("--synthetic-vocab-size", type=positive_int, default=d.vocab_size,
@@ -98,10 +111,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="req/s; 'inf' sends all at once; a comma list (1,2,4,8) runs one full sweep per rate")
     load.add_argument("--burstiness", type=positive_float, default=1.0,
                       help="gamma shape of the inter-arrival times; 1 = Poisson, < 1 burstier, > 1 steadier")
-    load.add_argument("--max-concurrency", type=positive_int, default=None)
-    load.add_argument("--seed", type=non_negative_int, default=0)
+    load.add_argument("--max-concurrency", type=positive_int, default=None,
+                      help="at most this many requests in flight (default: no cap)")
+    load.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of the synthetic dataset and the arrival times")
     load.add_argument("--ignore-eos", action="store_true", help="every request generates exactly max_tokens")
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     load.add_argument("--output-len-hint", action="store_true",
                       help="send max_tokens as output_len_hint (for the scheduler's --policy sjf)")
     load.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
@@ -110,8 +125,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="comma list of latency percentiles to report (default 99)")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                      help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (requests meeting all, per second)")
-    out.add_argument("--result-json", default=None, metavar="FILE")
-    out.add_argument("--plot", default=None, metavar="FILE.png")
+    out.add_argument("--result-json", default=None, metavar="FILE",
+                     help="write every run's configuration and metrics to FILE as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png",
+                     help="plot throughput and latency against request rate to FILE.png")
     out.add_argument("--disable-tqdm", "--no-progress", dest="progress", action="store_false",
                      help="no progress bar")
     return b
@@ -149,9 +166,16 @@ async def check_server(client: PagedServeClient, server: str) -> bool:
 
 
 def run_meta(args: argparse.Namespace) -> dict[str, Any]:
-    return {"backend": "pagedserve", "server": args.server, "dataset": args.dataset, "seed": args.seed,
+    server = args.server if args.backend == "pagedserve" else args.base_url
+    return {"backend": args.backend, "server": server, "dataset": args.dataset, "seed": args.seed,
             "ignore_eos": args.ignore_eos, "temperature": args.temperature,
             "percentiles": args.percentiles, "goodput": args.goodput}
+
+
+def bench_client(args: argparse.Namespace) -> PagedServeClient | OpenAIBenchClient:
+    if args.backend == "openai":
+        return OpenAIBenchClient(args.base_url, args.api_key, args.model)
+    return PagedServeClient(args.server, api_key=args.api_key)
 
 
 async def run_bench(args: argparse.Namespace) -> int:
@@ -166,8 +190,8 @@ async def run_bench(args: argparse.Namespace) -> int:
         return 2
     runs: list[dict[str, Any]] = []
     points: list[PlotPoint] = []
-    async with PagedServeClient(args.server) as client:
-        if not await check_server(client, args.server):
+    async with bench_client(args) as client:
+        if not await (check_server(client, args.server) if isinstance(client, PagedServeClient) else client.check()):
             return 1
         for rate in args.request_rate:
             result = await run_benchmark(client, requests, run_config(args, rate), desc=f"rate {rate_label(rate)}")

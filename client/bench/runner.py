@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -42,6 +42,12 @@ class RunResult:
     traces: tuple[RequestTrace, ...]
     duration: float
     started_at: float = field(default_factory=time.time)
+
+
+class BenchClient(Protocol):
+    """A client that sends one benchmark request itself (bench --backend openai)."""
+
+    async def send_one(self, req: BenchRequest, cfg: RunConfig, t0: float) -> RequestTrace: ...
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -88,7 +94,7 @@ async def send_one(client: PagedServeClient, req: BenchRequest, cfg: RunConfig, 
                         text="".join(texts))
 
 
-async def run_benchmark(client: PagedServeClient, requests: Sequence[BenchRequest], cfg: RunConfig,
+async def run_benchmark(client: PagedServeClient | BenchClient, requests: Sequence[BenchRequest], cfg: RunConfig,
                         desc: str = "") -> RunResult:
     """One full run: every request sent at its arrival time (waiting for a concurrency slot if capped)."""
     offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -102,7 +108,8 @@ async def run_benchmark(client: PagedServeClient, requests: Sequence[BenchReques
         if delay > 0:
             await asyncio.sleep(delay)
         async with slots or nullcontext():
-            trace = await send_one(client, req, cfg, t0)
+            trace = await (send_one(client, req, cfg, t0) if isinstance(client, PagedServeClient)
+                           else client.send_one(req, cfg, t0))
         bar.update(1)
         return trace
 

@@ -1,0 +1,115 @@
+"""`bench --backend openai`: the same requests over an OpenAI-compatible /v1/completions stream (aiohttp, SSE)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from client.bench.datasets import BenchRequest
+from client.bench.runner import RunConfig
+from client.bench.stats import RequestTrace
+
+FAILED_REASONS = ("abort", "error")
+
+
+def api_root(base_url: str) -> str:
+    """http://host:port or http://host:port/v1 -> http://host:port/v1"""
+    root = base_url.rstrip("/")
+    return root if root.endswith("/v1") else f"{root}/v1"
+
+
+class OpenAIBenchClient:
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None) -> None:
+        self.root = api_root(base_url)
+        self.model = model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OpenAIBenchClient:
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("use `async with OpenAIBenchClient(...)`")
+        return self._session
+
+    async def check(self) -> bool:
+        """The server answers /v1/models; picks its first model when --model was not given."""
+        try:
+            async with self.session.get(f"{self.root}/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.json(content_type=None)
+                if r.status != 200:
+                    print(f"error: {self.root}/models: HTTP {r.status}: {body}", file=sys.stderr)
+                    return False
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            print(f"error: {self.root} unreachable: {e!r}", file=sys.stderr)
+            return False
+        if self.model is None and body.get("data"):
+            self.model = body["data"][0]["id"]
+        return True
+
+    def body(self, req: BenchRequest, cfg: RunConfig) -> dict[str, Any]:
+        prompt: str | list[int] = req.prompt if req.prompt is not None else list(req.prompt_token_ids or ())
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": req.max_tokens,
+                                "temperature": cfg.temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if cfg.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def send_one(self, req: BenchRequest, cfg: RunConfig, t0: float) -> RequestTrace:
+        """Stream one completion; chunk times are when text arrived, output_len is the reported usage."""
+        chunks: list[float] = []
+        texts: list[str] = []
+        output_len, error = 0, ""
+        start = time.perf_counter() - t0
+        timeout = aiohttp.ClientTimeout(total=cfg.timeout)
+        try:
+            async with self.session.post(f"{self.root}/completions", json=self.body(req, cfg), timeout=timeout) as r:
+                if r.status != 200:
+                    return failed(req, start, t0, f"HTTP {r.status}: {(await r.text())[:200]}")
+                async for line in r.content:
+                    event = parse_event(line)
+                    if event is None:
+                        continue
+                    if "error" in event:
+                        error = str(event["error"].get("message"))
+                    for choice in event.get("choices") or ():
+                        if choice.get("text"):
+                            chunks.append(time.perf_counter() - t0)
+                            texts.append(choice["text"])
+                        if choice.get("finish_reason") in FAILED_REASONS:
+                            error = str(choice["finish_reason"])
+                    if event.get("usage"):
+                        output_len = event["usage"]["completion_tokens"]
+        except (aiohttp.ClientError, TimeoutError) as e:
+            error = f"{type(e).__name__}: {e}"
+        return RequestTrace(prompt_len=req.prompt_len, start=start, end=time.perf_counter() - t0,
+                            chunk_times=tuple(chunks), output_len=output_len, success=not error, error=error,
+                            text="".join(texts))
+
+
+def failed(req: BenchRequest, start: float, t0: float, error: str) -> RequestTrace:
+    return RequestTrace(prompt_len=req.prompt_len, start=start, end=time.perf_counter() - t0, chunk_times=(),
+                        output_len=0, success=False, error=error, text="")
+
+
+def parse_event(line: bytes) -> dict[str, Any] | None:
+    if not line.startswith(b"data: "):
+        return None
+    payload = line[6:].strip()
+    if payload == b"[DONE]":
+        return None
+    return json.loads(payload)

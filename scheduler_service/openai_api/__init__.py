@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: an adapter over GenerationServicer.generate (see app.py)."""

@@ -1,0 +1,55 @@
+"""OpenAI error objects and the HTTP status of each refusal."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[\d+\])?: ")
+PARAMS = {"prompt_token_ids": "prompt", "request_id": "user"}
+
+
+@dataclass(slots=True)
+class ApiError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code or kind}}
+
+
+def bad_param(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param)
+
+
+def from_status(code: grpc.StatusCode, message: str) -> ApiError:
+    """A RequestError's status code and message as an OpenAI error; INVALID_ARGUMENT names the parameter."""
+    status = HTTP_STATUS.get(code, 500)
+    param = None
+    match = FIELD.match(message) if status == 400 else None
+    if match is not None:
+        param = PARAMS.get(match.group(1), match.group(1))
+    return ApiError(status, message, param)
