@@ -52,14 +52,16 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 50, 1000)
 
 
-async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> HttpServer | None:
+async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse_port: bool = False
+                     ) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API over the same GenerationServicer (in every api server process)."""
     if not config.http_listen:
         return None
     from scheduler_service.openai_api.app import OpenAIApi, serve_http
 
     api = OpenAIApi(public.generation, config.served_model_name,
                     load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
-    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port)
     log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
     return http
 
@@ -121,6 +123,8 @@ async def main_core(config: SchedulerServiceConfig) -> int:
     core.bind()
     core.start()
     listen = resolve_listen(config.listen)
+    if config.http_listen:
+        config.http_listen = resolve_listen(config.http_listen)
     servers = ApiServers(config, core.address, listen, core.drop_frontend)
     servers.start()
     engine.on_ready_change = lambda ready: core.broadcast_status()

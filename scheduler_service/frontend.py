@@ -33,7 +33,7 @@ def run_frontend(config: SchedulerServiceConfig, index: int, identity: bytes, co
 
 async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
                listen: str) -> None:
-    from scheduler_service.__main__ import LIVENESS, credentials, freeze_startup_objects, serving_limits
+    from scheduler_service.__main__ import LIVENESS, credentials, freeze_startup_objects, serving_limits, start_http
 
     public_creds, _ = credentials(config)
     core = CoreClient(core_address, identity, config.max_stream_buffer)
@@ -44,6 +44,7 @@ async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core
     public.generation.server_index = index
     public.generation.refusals.listener = core.count_refusal
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    http = await start_http(config, public, reuse_port=True)
     health_updates: set[asyncio.Task[None]] = set()
 
     def on_ready_change(ready: bool) -> None:
@@ -62,6 +63,8 @@ async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core
     await stop.wait()
     watcher.cancel()
     await drain(config, public, core)
+    if http is not None:
+        await http.stop()
 
 
 async def watch_parent(parent: int, stop: asyncio.Event) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -14,7 +16,7 @@ from client.lib import build_request
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.wire import GRPC_OPTIONS
 from scheduler_service.server import API_SERVER_HEADER
-from tests.procs import Stack, running_stack, wait_healthy, wait_until
+from tests.procs import Stack, free_port, running_stack, wait_healthy, wait_until
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 EXECUTOR = ["--simulated", "--sim-step-latency-ms", "5"]
@@ -173,3 +175,20 @@ def test_sigterm_drains_the_streams_of_every_api_server(tmp_path: Path) -> None:
         assert results == [(results[0][0], LENGTH), (results[1][0], LENGTH)]
         assert [len(ids) for ids, _ in results] == [80, 80]
         assert s.scheduler.wait(timeout=30) == 0
+
+
+def test_the_http_api_listens_in_every_api_server(tmp_path: Path) -> None:
+    http_port = free_port()
+    args = ["--api-server-count", "2", "--http-listen", f"127.0.0.1:{http_port}"]
+    with running_stack(tmp_path, EXECUTOR, args):
+        wait_until(lambda: listeners(http_port) == 2, 30.0, "both api servers listening for HTTP")
+        body = json.dumps({"model": "simulated", "prompt": [65, 66], "max_tokens": 7, "seed": 3,
+                           "temperature": 0.5}).encode()
+        answers = []
+        for _ in range(6):  # a fresh connection each: the kernel spreads them over both processes
+            request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as r:
+                answers.append(json.loads(r.read())["choices"][0])
+        assert all(a["finish_reason"] == "length" for a in answers)
+        assert len({a["text"] for a in answers}) == 1, "seeded: the same text from either process"
