@@ -130,7 +130,7 @@ class CoreClient:
 
     async def _read(self) -> None:
         while True:
-            msg = to_frontend_decoder.decode(await self._sock.recv(copy=False))
+            msg = to_frontend_decoder.decode(await self._sock.recv())
             if msg.status is not None:
                 self._set_status(msg.status)
             if msg.refused:

@@ -107,12 +107,11 @@ class EngineCore:
 
     async def _read(self) -> None:
         while True:
-            identity, payload = await self._sock.recv_multipart(copy=False)
-            key = bytes(identity.bytes)
+            key, payload = await self._sock.recv_multipart()
             link = self.links.get(key)
             if link is None:
                 link = self.links[key] = FrontendLink(key, self)
-            self._take(link, to_core_decoder.decode(payload.buffer))
+            self._take(link, to_core_decoder.decode(payload))
 
     def _take(self, link: FrontendLink, msg: ToCore) -> None:
         if msg.hello:
