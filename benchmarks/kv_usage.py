@@ -3,7 +3,7 @@
     python benchmarks/kv_usage.py [--num-requests 1000] [--num-gpu-blocks 2000] [--block-size 16]
 
 Driven in-process at the core level (the pure scheduler_service.core.Scheduler, as in the service, with
-its real BlockManager, chunked prefill, preemption and swap), with a fake executor that answers each step
+its real KVCacheManager, chunked prefill, preemption and swap), with a fake executor that answers each step
 the way an executor must: one token for every request whose scheduled tokens complete its known tokens.
 Each request has a ShareGPT-like prompt length and true output length (client.bench.datasets' seeded
 lognormal generator); it asks for max_tokens = --max-tokens (the cap a client would send) and stops by EOS
@@ -71,7 +71,7 @@ def fake_execute(out: SchedulerOutput, target_len: dict[str, int]) -> ExecutorRe
 
 def sample(sched: Scheduler, out: SchedulerOutput, trace: Trace, max_tokens: int, target_len: dict[str, int]) -> None:
     scheduled = {w.request.request_id: w.num_tokens for w in out.scheduled}
-    blocks, bs = sched.blocks, sched.limits.block_size
+    blocks, bs = sched.kv, sched.limits.block_size
     used = held = smax = soracle = 0
     for r in sched.running:
         if r.status is not RequestStatus.RUNNING:

@@ -37,7 +37,8 @@ def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
 
 
 class RequestTable:
-    """Tracks which live request owns each device and swap block, and rejects what breaks that."""
+    """Tracks which live requests hold each device block (several share a cached prefix or an n > 1
+    prompt) and which request owns each swap block, and rejects what breaks that."""
 
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
                  max_model_len: int = 0) -> None:
@@ -47,7 +48,7 @@ class RequestTable:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
-        self._device_owner: dict[int, str] = {}
+        self._device_owner: dict[int, set[str]] = {}
         self._swap_owner: dict[int, str] = {}
 
     def reset(self) -> None:
@@ -65,8 +66,11 @@ class RequestTable:
 
     def _release_device(self, state: RequestState) -> None:
         for block in state.block_table or ():
-            if self._device_owner.get(block) == state.request_id:
-                del self._device_owner[block]
+            holders = self._device_owner.get(block)
+            if holders is not None:
+                holders.discard(state.request_id)
+                if not holders:
+                    del self._device_owner[block]
         state.block_table = None
 
     def apply_swaps(self, step: executor_pb2.StepRequest) -> None:
@@ -77,8 +81,8 @@ class RequestTable:
         if unknown:
             raise StepRefused(f"swapped_out_ids names unknown request {sorted(unknown)[0]!r}")
         released = {b for rid in swapped_out for b in self.states[rid].block_table or ()
-                    if self._device_owner.get(b) == rid}
-        claimed = self._check_swap_out(step, swapped_out)
+                    if self._device_owner.get(b, set()) <= swapped_out}
+        claimed = self._check_swap_out(step)
         destinations = [m.dst for m in step.swap_in] + [m.dst for m in step.copy]
         if len(set(destinations)) != len(destinations):
             raise StepRefused("a device block is the destination of more than one swap_in or copy")
@@ -98,12 +102,18 @@ class RequestTable:
         for block in freed:
             del self._swap_owner[block]
 
-    def _check_swap_out(self, step: executor_pb2.StepRequest, swapped_out: set[str]) -> dict[int, str]:
+    def _check_swap_out(self, step: executor_pb2.StepRequest) -> dict[int, str]:
+        """Each swap block's owner: a shared source block is copied once per holder being swapped out,
+        its mappings in the order swapped_out_ids names them."""
         claimed: dict[int, str] = {}
+        taken: dict[int, set[str]] = {}
         for m in step.swap_out:
-            owner = self._device_owner.get(m.src)
-            if owner is None or owner not in swapped_out:
+            holders = self._device_owner.get(m.src, set())
+            done = taken.setdefault(m.src, set())
+            owner = next((r for r in step.swapped_out_ids if r in holders and r not in done), None)
+            if owner is None:
                 raise StepRefused(f"swap_out source block {m.src} is not held by a request being swapped out")
+            done.add(owner)
             if not 0 <= m.dst < self.num_swap_blocks:
                 raise StepRefused(f"swap block id {m.dst} out of range [0, {self.num_swap_blocks})")
             holder = self._swap_owner.get(m.dst) or claimed.get(m.dst)
@@ -115,24 +125,21 @@ class RequestTable:
     def _check_destination(self, block: int, released: set[int], what: str) -> None:
         if not 0 <= block < self.num_device_blocks:
             raise StepRefused(f"{what} block id {block} out of range [0, {self.num_device_blocks})")
-        owner = self._device_owner.get(block)
-        if owner is not None and block not in released:  # writing it would corrupt a live request's KV
-            raise StepRefused(f"{what} block {block} is held by live request {owner!r}")
+        holders = self._device_owner.get(block)
+        if holders and block not in released:  # writing it would corrupt a live request's KV
+            raise StepRefused(f"{what} block {block} is held by live request {sorted(holders)[0]!r}")
 
     def claim(self, request_id: str, blocks: list[int]) -> str:
         """Give blocks to a request; an error message (and nothing claimed) if any is bad."""
         for block in blocks:
             if not 0 <= block < self.num_device_blocks:
                 return f"block id {block} out of range [0, {self.num_device_blocks})"
-            owner = self._device_owner.get(block)
-            if owner == request_id:
+            if request_id in self._device_owner.get(block, ()):
                 return f"block {block} is already in this request's table"
-            if owner is not None:
-                return f"block {block} is held by live request {owner!r}"
         if len(set(blocks)) != len(blocks):
             return "block ids repeat within one request"
         for block in blocks:
-            self._device_owner[block] = request_id
+            self._device_owner.setdefault(block, set()).add(request_id)
         return ""
 
     def add_new(self, new: executor_pb2.NewRequest) -> str:

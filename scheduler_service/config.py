@@ -29,6 +29,7 @@ class SchedulerServiceConfig:
     num_lookahead_slots: int = 0
     num_scheduler_steps: int = 1
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     aging_rate: float = 0.0
     max_waiting_time: float | None = None
@@ -68,6 +69,7 @@ class SchedulerServiceConfig:
             preemption_victim=Victim(self.preemption_victim), watermark=self.watermark,
             scheduler_delay_factor=self.scheduler_delay_factor, num_lookahead_slots=self.num_lookahead_slots,
             num_scheduler_steps=self.num_scheduler_steps, enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold, aging_rate=self.aging_rate,
             max_waiting_time=self.max_waiting_time,
             async_scheduling=self.async_scheduling and self.num_scheduler_steps == 1)
@@ -103,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV of cached full blocks of a prompt's prefix (on by default)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     p.add_argument("--aging-rate", type=float, default=d.aging_rate,
                    help="priority units gained per second of waiting (sjf, priority)")

@@ -411,10 +411,11 @@ class Engine:
         req = stream.request
         queue = (req.first_scheduled_time or now) - stream.arrival
         ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
-        log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d queue=%.3fs ttft=%.3fs "
-                 "e2e=%.3fs preemptions=%d%s", req.request_id, reason.value, req.num_prompt_tokens,
-                 req.num_output_tokens, queue, ttft, now - stream.arrival, req.num_preemptions,
-                 f" error={error!r}" if error else "")
+        hit_rate = self.scheduler.prefix_cache_hit_rate() if self.scheduler is not None else 0.0
+        log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d queue=%.3fs "
+                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s", req.request_id, reason.value,
+                 req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), queue, ttft,
+                 now - stream.arrival, req.num_preemptions, hit_rate, f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
         """Latency metrics of one delta; the number of new tokens."""

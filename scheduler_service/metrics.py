@@ -108,6 +108,9 @@ class EngineMetrics:
         self.device_blocks_used = gauge("pagedserve:device_blocks_used", "Device KV blocks held")
         self.cpu_blocks_used = gauge("pagedserve:cpu_blocks_used", "CPU swap blocks held")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache on admission")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         by_mode = Counter("pagedserve:num_preemptions_by_mode", "Preemptions by mode", [*MODEL, "mode"], registry=r)
         self.preemptions_swap = by_mode.labels(m, "swap")
         self.preemptions_recompute = by_mode.labels(m, "recompute")
@@ -176,6 +179,8 @@ class EngineMetrics:
         self._advance(executor, "total", s.num_preemptions_swap + s.num_preemptions_recompute, self.preemptions)
         self._advance(executor, "in", s.num_swapped_in_blocks, self.swap_in_blocks)
         self._advance(executor, "out", s.num_swapped_out_blocks, self.swap_out_blocks)
+        self._advance(executor, "prefix_queries", s.prefix_cache_queries, self.prefix_cache_queries)
+        self._advance(executor, "prefix_hits", s.prefix_cache_hits, self.prefix_cache_hits)
         self._set_totals()
 
     def _set_totals(self) -> None:

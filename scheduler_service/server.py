@@ -244,7 +244,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for i in range(n):
             sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
             sub_id = rid if n == 1 else f"{rid}#{i}"
-            requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint))
+            requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
+                                    share_prompt_with=requests[0].request_id if requests else None))
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],

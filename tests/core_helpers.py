@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
@@ -18,8 +19,11 @@ class FakeClock:
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 16, arrival: float = 0.0,
                  **sampling: object) -> Request:
+    """A prompt of prompt_len tokens that starts with a token of its own, so no two requests share a
+    cached prefix unless a test gives them one."""
     options = SamplingOptions(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
-    return Request(rid, [7] * prompt_len, options, arrival)
+    return Request(rid, ([1000 + zlib.crc32(rid.encode()) % 10_000] + [7] * (prompt_len - 1))[:prompt_len],
+                   options, arrival)
 
 
 def token_for(rid: str, position: int) -> int:

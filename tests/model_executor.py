@@ -1,15 +1,19 @@
 """An in-process executor model for core tests: it keeps a fake KV cache whose every slot records
-(request, position, token), checks before each forward that a request's cached positions hold exactly
-its tokens, and applies swap and copy mappings the way a real executor must."""
+(position, digest of the tokens up to it) -- what a real model's KV at that slot depends on. Before
+each forward it checks that a request's computed positions hold exactly what computing them itself
+would have written (so a shared or cached block must equal a recompute), and that every block it
+writes is held by no other live request (a shared block is copied first). It applies swap and copy
+mappings the way a real executor must."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 
-Slot = tuple[str, int, int] | None
+Slot = tuple[int, int] | None
 
 
 def token_at(rid: str, position: int, eos: int | None = None, eos_every: int = 0) -> int:
@@ -28,6 +32,13 @@ class _State:
     tokens: list[int]
     num_computed: int
     table: list[int] | None
+    digests: list[int] = field(default_factory=list)
+
+    def digest(self, p: int) -> int:
+        while len(self.digests) <= p:
+            i = len(self.digests)
+            self.digests.append(hash((self.digests[i - 1] if i else 0, self.tokens[i])))
+        return self.digests[p]
 
 
 class ModelExecutor:
@@ -37,6 +48,8 @@ class ModelExecutor:
         self.device: list[Slot] = [None] * (num_device * block_size)
         self.cpu: list[Slot] = [None] * (num_cpu * block_size)
         self.states: dict[str, _State] = {}
+        self._holders: Counter[int] = Counter()
+        self.cpu_owner: dict[int, str] = {}
         self.eos = eos
         self.eos_every = eos_every
 
@@ -48,9 +61,11 @@ class ModelExecutor:
     def step(self, out: SchedulerOutput) -> ExecutorResult:
         for rid in out.finished_ids:
             self.states.pop(rid, None)
+            self._release_swap_blocks(rid)
         if {b for _, b in out.swap_out} & {a for a, _ in out.swap_in} or \
                 {a for a, _ in out.swap_out} & {b for _, b in out.swap_in}:
             raise CacheCorrupted("a swap-in and a swap-out of one step touch the same block")
+        self._claim_swap_blocks(out)
         self._move(self.device, self.cpu, out.swap_out)
         for rid in out.swapped_out_ids:
             self.states[rid].table = None
@@ -66,6 +81,7 @@ class ModelExecutor:
                 if st.table is None:
                     raise CacheCorrupted(f"{r.request_id} scheduled while swapped out")
                 st.table.extend(r.new_block_ids)
+        self._holders = Counter(b for st in self.states.values() if st.table is not None for b in set(st.table))
         result = ExecutorResult()
         for work in out.scheduled:
             rid = work.request.request_id
@@ -73,6 +89,24 @@ class ModelExecutor:
             if tokens:
                 result.sampled[rid] = tokens
         return result
+
+    def _claim_swap_blocks(self, out: SchedulerOutput) -> None:
+        """Swap blocks belong to the request swapped into them until a swap-in reads them or it is
+        dropped, as in the real executor; a swap-out into a block still owned is corruption."""
+        for _, b in out.swap_out:
+            if b in self.cpu_owner:
+                raise CacheCorrupted(f"swap-out into swap block {b}, still held by {self.cpu_owner[b]}")
+        mappings = iter(out.swap_out)
+        for rid in out.swapped_out_ids:
+            for _ in self.states[rid].table or ():
+                self.cpu_owner[next(mappings)[1]] = rid
+        for a, _ in out.swap_in:
+            if self.cpu_owner.pop(a, None) is None:
+                raise CacheCorrupted(f"swap-in from swap block {a}, which holds no swapped request")
+
+    def _release_swap_blocks(self, rid: str) -> None:
+        for b in [b for b, owner in self.cpu_owner.items() if owner == rid]:
+            del self.cpu_owner[b]
 
     def _slot(self, st: _State, p: int) -> int:
         assert st.table is not None
@@ -85,10 +119,14 @@ class ModelExecutor:
         sampled: list[int] = []
         for _ in range(num_steps):
             for p in range(st.num_computed):
-                if self.device[self._slot(st, p)] != (rid, p, st.tokens[p]):
-                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}")
+                if self.device[self._slot(st, p)] != (p, st.digest(p)):
+                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}, "
+                                         "not what computing it would write")
             for p in range(st.num_computed, st.num_computed + n):
-                self.device[self._slot(st, p)] = (rid, p, st.tokens[p])
+                slot = self._slot(st, p)
+                if self._holders[slot // self.bs] != 1:
+                    raise CacheCorrupted(f"{rid} writes block {slot // self.bs}, which another live request holds")
+                self.device[slot] = (p, st.digest(p))
             st.num_computed += n
             if st.num_computed < len(st.tokens):
                 return sampled

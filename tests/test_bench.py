@@ -238,6 +238,20 @@ def test_cli_defaults_and_file_datasets(tmp_path: Path) -> None:
             parse_bench_args(*bad)
 
 
+def test_prefix_repetition_dataset_uses_vllms_parameters() -> None:
+    args = parse_bench_args("--dataset", "prefix-repetition", "--num-prompts", "12",
+                            "--prefix-repetition-prefix-len", "20", "--prefix-repetition-suffix-len", "5",
+                            "--prefix-repetition-num-prefixes", "3", "--prefix-repetition-output-len", "7")
+    reqs = load_requests(args)
+    assert reqs == load_requests(args) and len(reqs) == 12
+    assert all(r.prompt_len == 25 and r.max_tokens == 7 and len(r.prompt_token_ids or ()) == 25 for r in reqs)
+    prefixes = {(r.prompt_token_ids or ())[:20] for r in reqs}
+    assert len(prefixes) == 3
+    assert len({(r.prompt_token_ids or ())[20:] for r in reqs}) == 12
+    counts = [sum((r.prompt_token_ids or ())[:20] == p for r in reqs) for p in prefixes]
+    assert counts == [4, 4, 4]
+
+
 def test_text_progress_bar() -> None:
     out = io.StringIO()
     bar = TextBar(4, width=8, stream=out)

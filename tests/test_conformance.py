@@ -338,15 +338,18 @@ async def test_out_of_range_block_is_refused_and_the_stream_stays_usable(session
     assert len(after.outputs) == 3
 
 
-async def test_a_block_held_by_a_live_request_is_refused_to_another(session: Session) -> None:
-    ref = session.seq("ref", 20, seed=10)
-    a = session.seq("a", 20, seed=10)
-    await session.run([(ref, 20), (a, 20)])
-    thief = executor_pb2.NewRequest(request_id="thief", token_ids=session.prompt(9, seed=11), num_prompt_tokens=9,
-                                    num_scheduled_tokens=9, block_ids=[a.blocks[-1]], sampling=SAMPLING)
-    assert refused(await session.step(new_requests=[thief]), "thief")
-    await session.decode([a, ref], 4)
-    assert a.outputs == ref.outputs, "the refused request must not have touched the owner's KV"
+async def test_a_new_request_shares_a_live_requests_computed_prefix_blocks(session: Session) -> None:
+    # Prefix caching and n > 1: b holds a's first two (full, computed) blocks as they are and computes
+    # only its last tokens into a block of its own; both continue exactly like a solo run.
+    bs = session.block_size
+    ref = session.seq("ref", 2 * bs + 5, seed=10)
+    a = session.seq("a", 2 * bs + 5, seed=10)
+    await session.run([(ref, len(ref.tokens)), (a, len(a.tokens))])
+    b = Seq("b", list(a.tokens[: 2 * bs + 5]), 2 * bs + 5, computed=2 * bs, blocks=a.blocks[:2] + session.take(1))
+    await session.run([(b, 5)])
+    assert b.outputs == ref.outputs[:1]
+    await session.decode([a, ref, b], 3)
+    assert a.outputs == ref.outputs and b.outputs == ref.outputs
 
 
 async def test_swap_in_or_copy_onto_a_live_block_is_refused_before_it_writes(session: Session) -> None:

@@ -15,12 +15,12 @@ from scheduler_service.core.request import FinishReason, Request, SamplingOption
 from scheduler_service.core.scheduler import Scheduler
 from tests.core_helpers import FakeClock
 from tests.model_executor import ModelExecutor
-from tests.test_core_properties import BLOCK, EOS, check_invariants, config_spec, request_spec
+from tests.test_core_properties import BLOCK, EOS, PREFIXES, check_invariants, config_spec, request_spec
 
 Trace = tuple[dict[str, list[int]], dict[str, FinishReason]]
 
 
-def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, device_blocks: int,
+def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: CoreConfig, device_blocks: int,
           cpu_blocks: int, steps_in_flight: int = 1) -> Trace:
     limits = ModelLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
     clock = FakeClock()
@@ -39,16 +39,21 @@ def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, de
 
     for step in range(1200):
         clock.now = step * 0.01
-        for i, (arrive, plen, max_tokens, prio, ignore_eos, _) in enumerate(specs):
+        for i, (arrive, plen, max_tokens, prio, ignore_eos, _, prefix, n) in enumerate(specs):
             if arrive == step:
                 opts = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, priority=prio)
-                outputs[f"r{i}"] = []
-                s.add_request(Request(f"r{i}", [5 + (i + k) % 40 for k in range(plen)], opts, clock.now))
+                prompt = (PREFIXES.get(prefix, []) + [5 + (i + k) % 40 for k in range(plen)])[:max(plen, 1)]
+                for j in range(n):
+                    rid = f"r{i}.{j}"
+                    outputs[rid] = []
+                    s.add_request(Request(rid, list(prompt), opts, clock.now,
+                                          share_prompt_with=f"r{i}.0" if j else None))
         for i, spec in enumerate(specs):
-            if spec[5] == step and f"r{i}" in s.requests:
-                s.abort(f"r{i}")
-                reasons[f"r{i}"] = FinishReason.ABORTED
-        before = {r.request_id: list(s.blocks.block_table(r.request_id)) for r in s.running}
+            for j in range(spec[7]):
+                if spec[5] == step and f"r{i}.{j}" in s.requests:
+                    s.abort(f"r{i}.{j}")
+                    reasons[f"r{i}.{j}"] = FinishReason.ABORTED
+        before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         out = s.schedule()
         # A request whose last step is still running and that ends there stays in RUNNING until its
         # update: it holds no place in this step's batch, which alone max_num_seqs bounds.
@@ -63,14 +68,14 @@ def drive(specs: list[tuple[int, int, int, int, bool, int]], cfg: CoreConfig, de
     for late in pending:
         apply(*late)
     assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
-    assert s.blocks.device.num_free == device_blocks and s.blocks.cpu.num_free == cpu_blocks
+    assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
     return outputs, reasons
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
        device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), steps_in_flight=st.integers(2, 4))
-def test_async_traces_give_the_tokens_of_sync_mode(specs: list[tuple[int, int, int, int, bool, int]],
+def test_async_traces_give_the_tokens_of_sync_mode(specs: list[tuple[int, int, int, int, bool, int, int, int]],
                                                    cfg_kwargs: dict[str, object], device_blocks: int,
                                                    cpu_blocks: int, steps_in_flight: int) -> None:
     kwargs = {**cfg_kwargs, "num_scheduler_steps": 1}
@@ -101,7 +106,7 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_blocks_stay_held_for_the_exe
     assert [d.new_token_ids for d in s.update(first, r1)] == []
     assert s.update(second, r2) == [], "the token sampled past the stop never reaches a client"
     assert s.schedule().finished_ids == ["r"]
-    assert s.blocks.device.num_free == 16
+    assert s.kv.device.num_free == 16
 
 
 def test_with_three_steps_in_flight_a_request_decodes_ahead_twice_and_stops_at_max_tokens() -> None:

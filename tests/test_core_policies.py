@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.block_manager import AllocStatus, BlockManager
 from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
@@ -187,7 +187,7 @@ def test_victim_flag_picks_latest_or_longest(victim: Victim, expected: str) -> N
     for rid, n in [("a", 4), ("b", 7), ("c", 3)]:
         h.add(rid, n, max_tokens=8)
     assert ids(h.step()) == ["a", "b", "c"]
-    assert h.s.blocks.device.num_free == 0
+    assert h.s.kv.device.num_free == 0
     before = h.running_ids()
     out = h.step()  # a needs a second block: exactly one victim makes room
     assert out.num_preempted == 1
@@ -245,11 +245,11 @@ def test_thrash_guard_a_resumed_request_is_not_a_victim_before_a_new_token() -> 
         h.step()
         first = preempted_in(h, before)
     assert first == ["c"]
-    assert c.protected and c.num_preemptions == 1
+    assert "c" in h.s._protected and c.num_preemptions == 1
     guarded_steps = 0
-    while c.protected:
+    while "c" in h.s._protected:
         running_protected = c.status is RequestStatus.RUNNING
-        latest = max(h.s.running, key=lambda r: r.admitted_seq) if h.s.running else None
+        latest = max(h.s.running, key=lambda r: h.s._admitted[r.request_id]) if h.s.running else None
         before = h.running_ids()
         h.step()
         victims = preempted_in(h, before)
@@ -270,12 +270,12 @@ def test_protected_flag_set_on_preemption_and_cleared_by_a_new_token() -> None:
     h.step()
     h.step()  # b preempts itself (recompute)
     b = h.s.requests["b"]
-    assert b.protected and b.status is RequestStatus.WAITING
+    assert "b" in h.s._protected and b.status is RequestStatus.WAITING
     n = len(h.tokens["b"])
     while len(h.tokens["b"]) == n:
-        assert b.protected
+        assert "b" in h.s._protected
         h.step()
-    assert not b.protected
+    assert "b" not in h.s._protected
 
 
 def swap_setup(mode: PreemptionMode, cpu_blocks: int) -> tuple[Harness, SchedulerOutput]:
@@ -304,7 +304,7 @@ def test_full_cpu_pool_falls_back_to_recompute_never_raises(mode: PreemptionMode
     assert h.s.requests["b"].num_computed_tokens == 0 and h.s.requests["b"].num_output_tokens == 1
     stats = h.s.stats()
     assert (stats.num_preemptions_swap, stats.num_preemptions_recompute) == (1, 1)
-    assert h.s.blocks.cpu.num_free == 0
+    assert h.s.kv.cpu.num_free == 0
     h.run_to_end()
     assert_all_tokens(h)
 
@@ -342,7 +342,7 @@ def test_swapped_come_back_in_swap_out_order_before_any_new_admission() -> None:
     blocked_with_room = 0
     while h.s.requests["new"].status is RequestStatus.WAITING:
         queue_before = [r.request_id for r in h.s.swapped]
-        free_before = h.s.blocks.device.num_free
+        free_before = h.s.kv.device.num_free
         out = h.step()
         resumed = [w.request.request_id for w in out.scheduled if w.resumed]
         assert resumed == queue_before[:len(resumed)], "swap-in is not oldest-swapped first"
@@ -374,22 +374,22 @@ def test_a_step_that_preempted_admits_nothing_new() -> None:
     h.add("c", 2, max_tokens=2, priority=1)  # arrives when the pool is full
     out = h.step()
     assert out.num_preempted == 1 and h.s.requests["x"].status is RequestStatus.WAITING
-    assert h.s.blocks.device.num_free >= 1  # c (one block) would fit...
+    assert h.s.kv.device.num_free >= 1  # c (one block) would fit...
     assert ids(out) == ["a"]  # ...but this step preempted, so nothing new
     assert ids(h.step()) == ["a", "c"]  # the next step admits it (c beats x on priority)
 
 
-def test_block_manager_can_allocate_ok_later_never_with_watermark() -> None:
-    bm = BlockManager(num_device_blocks=10, num_cpu_blocks=0, block_size=16, watermark=0.1)
-    assert bm.watermark_blocks == 1
-    assert bm.can_allocate(9 * 16, 9 * 16) is AllocStatus.OK
-    assert bm.can_allocate(9 * 16 + 1, 16) is AllocStatus.NEVER  # 10 blocks > 10 - watermark
-    assert bm.grow("r", 5 * 16) is not None
-    assert bm.can_allocate(4 * 16, 4 * 16) is AllocStatus.OK  # 5 free - 4 = 1 = watermark
-    assert bm.can_allocate(5 * 16, 5 * 16) is AllocStatus.LATER  # would eat into the watermark
-    assert bm.can_allocate(9 * 16, 16) is AllocStatus.OK  # chunked: only the first chunk's blocks now
-    bm.free("r")
-    assert bm.can_allocate(5 * 16, 5 * 16) is AllocStatus.OK
+def test_kv_cache_manager_admission_ok_later_never_with_watermark() -> None:
+    kv = KVCacheManager(num_device_blocks=10, num_cpu_blocks=0, block_size=16, watermark=0.1)
+    assert kv.watermark_blocks == 1
+    assert kv.can_admit(PrefixHit(), 9 * 16) is AllocStatus.OK
+    assert kv.never_fits(9 * 16 + 1) and not kv.never_fits(9 * 16)  # 10 blocks > 10 - watermark
+    r = make_request("r", 5 * 16)
+    kv.admit(r, PrefixHit(), 5 * 16)
+    assert kv.can_admit(PrefixHit(), 4 * 16) is AllocStatus.OK  # 5 free - 4 = 1 = watermark
+    assert kv.can_admit(PrefixHit(), 5 * 16) is AllocStatus.LATER  # would eat into the watermark
+    kv.free(r)
+    assert kv.can_admit(PrefixHit(), 5 * 16) is AllocStatus.OK
 
 
 def test_never_finishes_at_once_naming_both_sizes_and_the_queue_proceeds() -> None:
@@ -415,13 +415,14 @@ def test_later_stops_admission_no_skipping_ahead_under_fcfs() -> None:
     h.step()
     h.add("big", 60, max_tokens=2)  # 4 blocks: only 3 free now -> LATER
     h.add("small", 4, max_tokens=2)  # 1 block: would fit, but must not jump ahead
-    assert h.s.blocks.can_allocate(60, 60) is AllocStatus.LATER
+    assert h.s.kv.can_admit(PrefixHit(), 60) is AllocStatus.LATER
     out = h.step()
     assert ids(out) == ["runner"] and not out.rejected
-    while h.s.requests.get("big") is not None and h.s.requests["big"].status is RequestStatus.WAITING:
+    admitted: list[str] = []
+    while h.s.requests.get("small") is not None and h.s.requests["small"].status is RequestStatus.WAITING:
         out = h.step()
-        assert "small" not in ids(out) or "big" in ids(out)
-    assert h.s.requests["small"].admitted_seq > h.s.requests["big"].admitted_seq
+        admitted += [n.request_id for n in out.new_requests()]
+    assert admitted == ["big", "small"] or admitted == ["big"]
     h.run_to_end()
     assert h.tokens["big"] == expected_tokens("big", 60, 2)
 
@@ -465,16 +466,16 @@ def test_lookahead_slots_are_reserved_at_admission_and_every_step() -> None:
     h.add("a", 4, max_tokens=20)
     out = h.step()
     assert out.num_lookahead_slots == 3
-    assert len(h.s.blocks.block_table("a")) == 2  # 4 prompt + 3 lookahead = 7 slots
+    assert len(h.s.kv.block_table("a")) == 2  # 4 prompt + 3 lookahead = 7 slots
     for _ in range(10):
         h.step()
         a = h.s.requests["a"]
         # Every step covers computed + 1 scheduled + 3 lookahead slots.
-        assert len(h.s.blocks.block_table("a")) * 4 >= a.num_computed_tokens + 3
-        assert len(h.s.blocks.block_table("a")) == -(-(a.num_computed_tokens + 3) // 4)
+        assert len(h.s.kv.block_table("a")) * 4 >= a.num_computed_tokens + 3
+        assert len(h.s.kv.block_table("a")) == -(-(a.num_computed_tokens + 3) // 4)
     h.run_to_end()
     assert h.tokens["a"] == expected_tokens("a", 4, 20)
-    assert h.s.blocks.device.num_free == 32
+    assert h.s.kv.device.num_free == 32
 
 
 def test_multi_step_truncates_at_a_stop_and_frees_blocks() -> None:
@@ -488,11 +489,11 @@ def test_multi_step_truncates_at_a_stop_and_frees_blocks() -> None:
     out = s.schedule()
     assert out.num_steps == 4 and composition(out) == {"a": 1}
     # 11 tokens known, 10 computed: the 4 steps need slots up to 11 + 3 = 14 -> 1 block of 16.
-    assert len(s.blocks.block_table("a")) == 1
+    assert len(s.kv.block_table("a")) == 1
     deltas = s.update(out, ExecutorResult(sampled={"a": [6, 9, 7, 8]}))  # stop token at the 2nd
     assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [
         ("a", [6, 9], FinishReason.STOPPED)]
-    assert s.blocks.device.num_free == 64 and not s.has_unfinished()
+    assert s.kv.device.num_free == 64 and not s.has_unfinished()
     assert s.schedule().finished_ids == ["a"]
 
 
@@ -537,14 +538,14 @@ def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_flowing() -> No
     for i in range(6):
         out = h.step()
         # Admission reserved blocks for the whole prompt; the chunks never grow the table.
-        assert len(h.s.blocks.block_table("big")) == 188 and (i == 0) == bool(out.new_requests())
+        assert len(h.s.kv.block_table("big")) == 188 and (i == 0) == bool(out.new_requests())
         comp = composition(out)
         assert comp.pop("d1") == 1 and comp.pop("d2") == 1, "decodes stalled behind the prefill"
         chunks.append(comp.pop("big"))
         assert not comp
         assert out.total_num_scheduled_tokens <= 512
     assert chunks == [510] * 5 + [450]
-    assert h.s.requests["big"].admitted_seq == 2
+    assert h.s._admitted["big"] == 2
     assert sum(chunks) == 3000
     assert h.tokens["big"] == expected_tokens("big", 3000, 1)  # the last chunk samples its first token
     assert composition(h.step()) == {"d1": 1, "d2": 1, "big": 1}
@@ -567,7 +568,7 @@ def test_two_chunked_recomputes_that_each_need_most_of_the_pool_do_not_livelock(
     h.add("r7", 2, max_tokens=24, ignore_eos=False)
     h.run_to_end(max_steps=200)
     assert h.tokens["r6"] == expected_tokens("r6", 1, 25) and h.tokens["r7"] == expected_tokens("r7", 2, 24)
-    assert h.s.blocks.device.num_free == 8
+    assert h.s.kv.device.num_free == 8
 
 
 def test_admission_waits_until_the_whole_prompt_fits() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
@@ -25,7 +25,11 @@ request_spec = st.tuples(
     st.integers(0, 5),          # priority
     st.booleans(),              # ignore_eos
     st.integers(0, 60),         # abort at step (0 = never)
+    st.integers(0, 3),          # shared prefix (0 = none): the prompt starts with one of three prefixes
+    st.sampled_from([1, 1, 1, 2, 3]),  # n: parallel sequences sharing the prompt
 )
+
+PREFIXES = {k: [9 + (k * 7 + j) % 31 for j in range(4 * k + 3)] for k in (1, 2, 3)}
 
 config_spec = st.fixed_dictionaries({
     "policy": st.sampled_from(list(Policy)),
@@ -39,15 +43,23 @@ config_spec = st.fixed_dictionaries({
     "long_prefill_token_threshold": st.sampled_from([0, 0, 5]),
     "aging_rate": st.sampled_from([0.0, 0.5]),
     "watermark": st.sampled_from([0.0, 0.1]),
+    "enable_prefix_caching": st.sampled_from([True, True, False]),
 })
 
 
 def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before: dict[str, list[int]]) -> None:
-    bm = s.blocks
+    bm = s.kv
     device_tables = {r.request_id: bm.block_table(r.request_id) for r in s.running}
+    assert set(bm._tables) == set(device_tables), "a table outlived its request's RUNNING state"
+    assert all(len(set(t)) == len(t) for t in device_tables.values()), "a table holds a block twice"
     held = Counter(b for t in device_tables.values() for b in t)
-    assert all(c == 1 for c in held.values()), "a device block is held twice"
+    refs = bm.device._refs
+    assert all(r >= 0 for r in refs), "a negative reference count"
+    assert all(refs[b] == c for b, c in held.items()), "a reference count differs from the tables holding it"
+    assert sum(1 for r in refs if r > 0) == len(held)
     assert bm.device.num_free + len(held) == bm.device.num_blocks
+    assert bm.device.free_blocks() == {b for b in range(bm.device.num_blocks) if refs[b] == 0}
+    assert all(bm.device._keys[b] == k for k, b in bm.device._cached.items())
     cpu_held = Counter(b for ids in bm._cpu_tables.values() for b in ids)
     assert all(c == 1 for c in cpu_held.values()), "a swap block is held twice"
     assert bm.cpu.num_free + sum(cpu_held.values()) == bm.cpu.num_blocks
@@ -57,9 +69,13 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
     for rid in out.swapped_out_ids:
         assert rid in bm._cpu_tables
     out_src = [a for a, _ in out.swap_out]
-    assert len(set(out_src)) == len(out_src)
-    held_before = {b: rid for rid, t in before.items() for b in t}
-    assert all(held_before.get(b) in (*out.swapped_out_ids, None) for b in out_src)
+    out_dst = [b for _, b in out.swap_out]
+    assert len(set(out_dst)) == len(out_dst)
+    held_before: dict[int, set[str]] = {}
+    for rid, t in before.items():
+        for b in t:
+            held_before.setdefault(b, set()).add(rid)
+    assert all(held_before.get(b, set()) & set(out.swapped_out_ids) for b in out_src)
     assert {b for _, b in out.swap_out} <= set(cpu_held)
     for rid in {w.request.request_id for w in out.scheduled if w.resumed}:
         assert set(device_tables[rid]) >= {b for _, b in out.swap_in if b in device_tables[rid]}
@@ -70,7 +86,7 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
        device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30))
-def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, int, int, bool, int]],
+def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, int, int, bool, int, int, int]],
                                                   cfg_kwargs: dict[str, object], device_blocks: int,
                                                   cpu_blocks: int) -> None:
     cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
@@ -81,22 +97,29 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
     requests: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
+    copies = shared_swaps = 0
     for step in range(600):
         clock.now = step * 0.01
-        for i, (arrive, plen, max_tokens, prio, ignore_eos, _) in enumerate(specs):
+        for i, (arrive, plen, max_tokens, prio, ignore_eos, _, prefix, n) in enumerate(specs):
             if arrive == step:
-                rid = f"r{i}"
                 opts = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, priority=prio)
-                requests[rid] = Request(rid, [5 + (i + k) % 40 for k in range(plen)], opts, clock.now)
-                outputs[rid] = []
-                s.add_request(requests[rid])
+                prompt = (PREFIXES.get(prefix, []) + [5 + (i + k) % 40 for k in range(plen)])[:max(plen, 1)]
+                for j in range(n):
+                    rid = f"r{i}.{j}"
+                    requests[rid] = Request(rid, list(prompt), opts, clock.now,
+                                            share_prompt_with=f"r{i}.0" if j else None)
+                    outputs[rid] = []
+                    s.add_request(requests[rid])
         for i, spec in enumerate(specs):
-            if spec[5] == step and f"r{i}" in s.requests:
-                s.abort(f"r{i}")
-                reasons[f"r{i}"] = FinishReason.ABORTED
-        before = {r.request_id: list(s.blocks.block_table(r.request_id)) for r in s.running}
+            for j in range(spec[7]):
+                if spec[5] == step and f"r{i}.{j}" in s.requests:
+                    s.abort(f"r{i}.{j}")
+                    reasons[f"r{i}.{j}"] = FinishReason.ABORTED
+        before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         out = s.schedule()
         check_invariants(s, out, cfg, before)
+        copies += len(out.copy)
+        shared_swaps += sum(1 for a, _ in out.swap_out if s.kv.device.ref_count(a) > 0)
         for d in s.update(out, ex.step(out)):
             outputs[d.request_id] += d.new_token_ids
             if d.finish_reason is not None:
@@ -104,7 +127,10 @@ def test_random_traces_keep_invariants_and_finish(specs: list[tuple[int, int, in
         if step > max(sp[0] for sp in specs) and not s.has_unfinished():
             break
     assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
-    assert s.blocks.device.num_free == device_blocks and s.blocks.cpu.num_free == cpu_blocks
+    event(f"prefix cache hits: {s.stats().prefix_cache_hits > 0}")
+    event(f"n > 1 copy-on-write: {copies > 0}")
+    event(f"swap-out of a block another request kept: {shared_swaps > 0}")
+    assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
     for rid, req in requests.items():
         reason = reasons[rid]
         if reason in (FinishReason.ABORTED, FinishReason.ERROR):

@@ -20,7 +20,7 @@ def make_scheduler(num_blocks: int = 64, cpu_blocks: int = 0, max_model_len: int
 
 
 def table_sizes(s: Scheduler) -> dict[str, int]:
-    return {r.request_id: len(s.blocks.block_table(r.request_id)) for r in s.running}
+    return {r.request_id: len(s.kv.block_table(r.request_id)) for r in s.running}
 
 
 def test_seed_worked_example() -> None:
@@ -43,11 +43,11 @@ def test_seed_worked_example() -> None:
     s.add_request(make_request("F", 150, max_tokens=50))
     out3 = s.schedule()
     assert "F" not in {w.request.request_id for w in out3.scheduled}
-    assert s.blocks.device.num_free < 10
+    assert s.kv.device.num_free < 10
     deltas = s.update(out3, run_step(out3, lambda rid, pos: EOS if rid == "C" else 50))
     c = next(d for d in deltas if d.request_id == "C")
     assert c.finish_reason is FinishReason.STOPPED
-    assert s.blocks.device.num_free >= 10
+    assert s.kv.device.num_free >= 10
 
     out4 = s.schedule()
     assert out4.finished_ids == ["C"]
@@ -69,7 +69,7 @@ def test_length_stop_and_min_tokens() -> None:
         steps += 1
     assert finished is FinishReason.STOPPED
     assert steps == 2
-    assert s.blocks.device.num_free == 64
+    assert s.kv.device.num_free == 64
 
 
 def test_ignore_eos_and_stop_token_ids() -> None:
@@ -117,7 +117,7 @@ def test_abort_frees_blocks_and_tells_executor() -> None:
     out = s.schedule()
     s.update(out, run_step(out))
     assert s.abort("a")
-    assert s.blocks.device.num_used == len(s.blocks.block_table("b"))
+    assert s.kv.device.num_used == len(s.kv.block_table("b"))
     assert s.schedule().finished_ids == ["a"]
     assert not s.abort("missing")
 
@@ -131,7 +131,7 @@ def test_abort_while_waiting_and_while_step_in_flight() -> None:
     assert len(s.waiting) == 0
     s.abort("a")
     assert s.update(out, run_step(out)) == []
-    assert s.blocks.device.num_used == 0 and not s.has_unfinished()
+    assert s.kv.device.num_used == 0 and not s.has_unfinished()
 
 
 def test_executor_error_fails_only_named_request() -> None:
@@ -191,7 +191,7 @@ def test_missing_token_for_completed_step_is_an_error() -> None:
     out = s.schedule()
     deltas = s.update(out, ExecutorResult())
     assert deltas[0].finish_reason is FinishReason.ERROR
-    assert s.requests == {} and s.blocks.device.num_used == 0
+    assert s.requests == {} and s.kv.device.num_used == 0
 
 
 def test_status_transitions() -> None:

@@ -52,7 +52,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(execu
         engine.add(Request("a", [65] * 4, SamplingOptions(max_tokens=20), 0.0), first)
         tokens, last = await asyncio.wait_for(collect(first), 30)
         assert last.finish_reason is FinishReason.ERROR and "internal error" in last.error
-        assert sched.blocks.device.num_used == 0 and not sched.has_unfinished()
+        assert sched.kv.device.num_used == 0 and not sched.has_unfinished()
 
         second: asyncio.Queue[RequestDelta] = asyncio.Queue()
         engine.add(Request("b", [65] * 4, SamplingOptions(max_tokens=5), 0.0), second)

@@ -60,12 +60,27 @@ def test_blocks_of_a_swapped_out_request_may_be_reused_in_the_same_step() -> Non
     assert t._swap_owner == {0: "a", 1: "a"}
 
 
-@pytest.mark.parametrize("blocks,error", [([8], "out of range"), ([2], "held by live request 'b'"),
-                                          ([4, 4], "repeat")])
+@pytest.mark.parametrize("blocks,error", [([8], "out of range"), ([4, 4], "repeat")])
 def test_bad_blocks_for_a_new_request(blocks: list[int], error: str) -> None:
     t = table_with_two()
     assert error in t.add_new(new("c", blocks))
-    assert "c" not in t.states and t._device_owner == {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert "c" not in t.states and t._device_owner == {0: {"a"}, 1: {"a"}, 2: {"b"}, 3: {"b"}}
+
+
+def test_requests_share_prefix_blocks_and_a_shared_block_stays_until_its_last_holder_goes() -> None:
+    t = table_with_two()
+    assert t.add_new(new("c", [0, 4])) == ""  # block 0: a's cached prefix
+    t.apply_swaps(executor_pb2.StepRequest(swapped_out_ids=["a", "c"], swap_out=[
+        executor_pb2.BlockMapping(src=0, dst=0), executor_pb2.BlockMapping(src=1, dst=1),
+        executor_pb2.BlockMapping(src=0, dst=2), executor_pb2.BlockMapping(src=4, dst=3)]))
+    assert t._swap_owner == {0: "a", 1: "a", 2: "c", 3: "c"} and 0 not in t._device_owner
+    assert t.add_new(new("d", [0, 5])) == "" and t.add_new(new("e", [0, 6])) == ""
+    with pytest.raises(StepRefused, match="held by live request 'd'"):
+        t.apply_swaps(executor_pb2.StepRequest(copy=[executor_pb2.BlockMapping(src=2, dst=0)]))
+    t.drop("d")
+    assert t._device_owner[0] == {"e"}
+    t.drop("e")
+    assert 0 not in t._device_owner
 
 
 def test_resuming_a_request_that_was_not_swapped_releases_its_old_blocks() -> None:

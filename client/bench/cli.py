@@ -13,10 +13,12 @@ import grpc
 from client.bench.datasets import (
     BenchRequest,
     DatasetError,
+    PrefixRepetitionConfig,
     SyntheticConfig,
     TokenCounter,
     byte_counter,
     load_file,
+    prefix_repetition_requests,
     synthetic_requests,
     take,
     tokenizer_counter,
@@ -29,6 +31,7 @@ from client.bench.stats import SLO, BenchMetrics, compute_metrics, parse_goodput
 from client.lib import PagedServeClient
 
 SYNTHETIC = "synthetic"
+PREFIX_REPETITION = "prefix-repetition"
 
 
 def parse_rates(text: str) -> list[float]:
@@ -86,7 +89,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="API key for either backend (default: $PAGEDSERVE_API_KEY)")
     data = b.add_argument_group("dataset")
-    data.add_argument("--dataset", default=SYNTHETIC, help="'synthetic' or a JSON FILE")
+    data.add_argument("--dataset", default=SYNTHETIC, help="'synthetic', 'prefix-repetition' or a JSON FILE")
     data.add_argument("--dataset-format", choices=["auto", "json", "sharegpt"], default="auto",
                       help="FILE layout: json (a list of requests or {'requests': [...]}), sharegpt, "
                            "or auto (sharegpt when entries have 'conversations')")
@@ -106,6 +109,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="lognormal sigma of the synthetic lengths")
     data.add_argument("--synthetic-vocab-size", type=positive_int, default=d.vocab_size,
                       help=f"synthetic prompt token ids are drawn from [{d.min_token_id}, this)")
+    r = PrefixRepetitionConfig()
+    data.add_argument("--prefix-repetition-prefix-len", type=positive_int, default=r.prefix_len,
+                      help="prefix-repetition: tokens in each shared prefix")
+    data.add_argument("--prefix-repetition-suffix-len", type=positive_int, default=r.suffix_len,
+                      help="prefix-repetition: tokens of each request's own suffix")
+    data.add_argument("--prefix-repetition-num-prefixes", type=positive_int, default=r.num_prefixes,
+                      help="prefix-repetition: distinct prefixes the requests share")
+    data.add_argument("--prefix-repetition-output-len", type=positive_int, default=r.output_len,
+                      help="prefix-repetition: max_tokens of every request")
     load = b.add_argument_group("load")
     load.add_argument("--request-rate", type=parse_rates, default=[math.inf],
                       help="req/s; 'inf' sends all at once; a comma list (1,2,4,8) runs one full sweep per rate")
@@ -146,6 +158,12 @@ def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
             output_max=args.synthetic_output_max, sigma=args.synthetic_sigma,
             vocab_size=args.synthetic_vocab_size, seed=args.seed)
         return synthetic_requests(cfg)
+    if args.dataset == PREFIX_REPETITION:
+        return prefix_repetition_requests(PrefixRepetitionConfig(
+            num_prompts=args.num_prompts or PrefixRepetitionConfig().num_prompts,
+            prefix_len=args.prefix_repetition_prefix_len, suffix_len=args.prefix_repetition_suffix_len,
+            num_prefixes=args.prefix_repetition_num_prefixes, output_len=args.prefix_repetition_output_len,
+            vocab_size=args.synthetic_vocab_size, seed=args.seed))
     return take(load_file(args.dataset, args.dataset_format, token_counter(args)), args.num_prompts)
 
 

@@ -1,4 +1,5 @@
-"""Benchmark requests: a seeded synthetic ShareGPT-like set, a JSON request file, or a ShareGPT file."""
+"""Benchmark requests: a seeded synthetic ShareGPT-like set, a seeded prefix-repetition set (vLLM's),
+a JSON request file, or a ShareGPT file."""
 
 from __future__ import annotations
 
@@ -60,6 +61,38 @@ def synthetic_requests(cfg: SyntheticConfig) -> list[BenchRequest]:
                          prompt_token_ids=tuple(int(t) for t in rng.integers(cfg.min_token_id, cfg.vocab_size,
                                                                              size=n_in)))
             for n_in, n_out in zip(inputs, outputs, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRepetitionConfig:
+    """vLLM's prefix-repetition dataset: num_prefixes random prefixes of prefix_len tokens, each request
+    one of them (in turn, then shuffled) followed by its own random suffix of suffix_len tokens."""
+
+    num_prompts: int = 100
+    prefix_len: int = 256
+    suffix_len: int = 256
+    num_prefixes: int = 10
+    output_len: int = 128
+    vocab_size: int = 256
+    min_token_id: int = 10
+    seed: int = 0
+
+
+def prefix_repetition_requests(cfg: PrefixRepetitionConfig) -> list[BenchRequest]:
+    if cfg.vocab_size <= cfg.min_token_id:
+        raise DatasetError(f"--synthetic-vocab-size must be > {cfg.min_token_id}, got {cfg.vocab_size}")
+    if cfg.num_prefixes < 1 or cfg.prefix_len + cfg.suffix_len < 1 or cfg.output_len < 1:
+        raise DatasetError("--prefix-repetition-num-prefixes and -output-len must be >= 1 and a prompt non-empty")
+    rng = np.random.default_rng(cfg.seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(cfg.min_token_id, cfg.vocab_size, size=n))
+
+    prefixes = [tokens(cfg.prefix_len) for _ in range(cfg.num_prefixes)]
+    prompts = [prefixes[i % cfg.num_prefixes] + tokens(cfg.suffix_len) for i in range(cfg.num_prompts)]
+    order = rng.permutation(cfg.num_prompts)
+    return [BenchRequest(prompt_len=len(prompts[i]), max_tokens=cfg.output_len, prompt_token_ids=prompts[i])
+            for i in order]
 
 
 def byte_counter(text: str) -> int:

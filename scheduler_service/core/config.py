@@ -31,6 +31,7 @@ class CoreConfig:
     num_lookahead_slots: int = 0
     num_scheduler_steps: int = 1
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     aging_rate: float = 0.0
     max_waiting_time: float | None = None

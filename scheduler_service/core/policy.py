@@ -28,10 +28,6 @@ def sort_key(policy: Policy, request: Request, aging_rate: float) -> float:
     return base + aging_rate * request.arrival_time
 
 
-def _is_live(entry_version: int, request: Request) -> bool:
-    return request.status is RequestStatus.WAITING and request.queue_version == entry_version
-
-
 class WaitingQueue:
     def __init__(self, policy: Policy, aging_rate: float = 0.0, max_waiting_time: float | None = None) -> None:
         self.policy = policy
@@ -41,15 +37,19 @@ class WaitingQueue:
         self._heap: list[tuple[float, float, int, int, Request]] = []
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self._tiebreak = itertools.count()
+        self._versions: dict[str, int] = {}
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
+    def _is_live(self, version: int, request: Request) -> bool:
+        return request.status is RequestStatus.WAITING and self._versions.get(request.request_id) == version
+
     def push(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
-        request.queue_version += 1
-        version = request.queue_version
+        version = next(self._tiebreak)
+        self._versions[request.request_id] = version
         self._len += 1
         n = next(self._tiebreak)
         heapq.heappush(self._by_arrival, (request.arrival_time, n, version, request))
@@ -61,12 +61,12 @@ class WaitingQueue:
 
     def discard(self, request: Request) -> None:
         """Forget a request that leaves WAITING (admitted or aborted); its entries go stale."""
-        request.queue_version += 1
+        del self._versions[request.request_id]
         self._len -= 1
 
     def oldest(self) -> Request | None:
         heap = self._by_arrival
-        while heap and not _is_live(heap[0][2], heap[0][3]):
+        while heap and not self._is_live(heap[0][2], heap[0][3]):
             heapq.heappop(heap)
         return heap[0][3] if heap else None
 
@@ -77,10 +77,10 @@ class WaitingQueue:
             return oldest
         if self.policy is Policy.FCFS:
             fifo = self._fifo
-            while fifo and not _is_live(*fifo[0]):
+            while fifo and not self._is_live(*fifo[0]):
                 fifo.popleft()
             return fifo[0][1] if fifo else None
         heap = self._heap
-        while heap and not _is_live(heap[0][3], heap[0][4]):
+        while heap and not self._is_live(heap[0][3], heap[0][4]):
             heapq.heappop(heap)
         return heap[0][4] if heap else None

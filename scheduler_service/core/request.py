@@ -40,6 +40,10 @@ class SamplingOptions:
 
 @dataclass(slots=True, eq=False)
 class Request:
+    """share_prompt_with names a sibling of the same n > 1 request (same prompt): this sequence
+    shares the sibling's computed prompt blocks instead of computing them again. num_cached_tokens:
+    prompt tokens it found computed at its first admission (-1 before it)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
@@ -51,10 +55,9 @@ class Request:
     error: str = ""
     num_computed_tokens: int = 0
     num_preemptions: int = 0
-    admitted_seq: int = -1
-    queue_version: int = 0
+    num_cached_tokens: int = -1
     first_scheduled_time: float | None = None
-    protected: bool = False
+    share_prompt_with: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,8 @@
-"""Continuous batching over paged KV blocks: schedule() then update(), once per step."""
+"""Continuous batching over paged KV blocks: schedule() then update(), once per step.
+
+Every request takes one path through each phase; the KV-cache manager decides about blocks and the
+scheduler's own maps (admission order, thrash guard, held n > 1 siblings) decide about requests.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_service.core.block_manager import AllocStatus, BlockManager
 from scheduler_service.core.config import CoreConfig, ModelLimits, PreemptionMode, Victim
+from scheduler_service.core.kv_cache_manager import NO_BLOCKS, AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import (
     ExecutorResult,
     RequestDelta,
@@ -18,6 +22,8 @@ from scheduler_service.core.outputs import (
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
+
+RUNNING = RequestStatus.RUNNING
 
 
 def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_tokens: int, max_model_len: int,
@@ -59,6 +65,9 @@ class SchedulerStats:
     num_preemptions_recompute: int
     num_swapped_in_blocks: int
     num_swapped_out_blocks: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    device_blocks_cached: int = 0
 
 
 class Scheduler:
@@ -67,20 +76,22 @@ class Scheduler:
         self.config = config
         self.limits = limits
         self.clock = clock
-        self.blocks = BlockManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
-                                   config.watermark)
+        self.kv = self._new_kv(limits)
         self.waiting = WaitingQueue(config.policy, config.aging_rate, config.max_waiting_time)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
+        self._admitted: dict[str, int] = {}
+        self._protected: set[str] = set()
+        self._held: dict[str, list[Request]] = {}
+        self._decode_works: dict[str, ScheduledWork] = {}
         self._known_by_executor: set[str] = set()
         self._to_drop: list[str] = []
+        self._entered: list[ScheduledWork] = []
         self._step_id = 0
         self._admissions = 0
         self._step_first_admission = 0
-        self._entered: list[ScheduledWork] = []
         self._running_dirty = False
-        self._decode_works: dict[str, ScheduledWork] = {}
         self._prev_time = 0.0
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
@@ -90,13 +101,25 @@ class Scheduler:
         self._unupdated: list[SchedulerOutput] = []
         self._inflight: dict[str, tuple[ScheduledWork, int]] = {}
 
+    def _new_kv(self, limits: ModelLimits) -> KVCacheManager:
+        return KVCacheManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
+                              self.config.watermark, self.config.enable_prefix_caching)
+
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request, front: bool = False) -> None:
-        """Queue a request; `front` for one that already ran (moved off a lost or draining executor)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request_id {request.request_id!r}")
-        self.requests[request.request_id] = request
+        """Queue a request; `front` for one that already ran (moved off a lost or draining executor).
+        One whose share_prompt_with names a sibling still computing that prompt waits beside the
+        queue until the sibling has it, then shares its blocks."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        self.requests[rid] = request
+        source = self.requests.get(request.share_prompt_with or "")
+        if source is not None and source.num_computed_tokens < source.num_prompt_tokens:
+            request.status = RequestStatus.WAITING
+            self._held.setdefault(source.request_id, []).append(request)
+            return
         self.waiting.push(request, front=front)
 
     def abort(self, request_id: str) -> bool:
@@ -111,28 +134,41 @@ class Scheduler:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
+        kv = self.kv
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
-            device_usage=self.blocks.device.usage(), cpu_usage=self.blocks.cpu.usage(),
-            device_blocks_used=self.blocks.device.num_used, cpu_blocks_used=self.blocks.cpu.num_used,
+            num_running=len(self.running), num_waiting=len(self.waiting) + sum(map(len, self._held.values())),
+            num_swapped=len(self.swapped), device_usage=kv.device.usage(), cpu_usage=kv.cpu.usage(),
+            device_blocks_used=kv.device.num_used, cpu_blocks_used=kv.cpu.num_used,
             num_preemptions_swap=self._preemptions[PreemptionMode.SWAP],
             num_preemptions_recompute=self._preemptions[PreemptionMode.RECOMPUTE],
             num_swapped_in_blocks=self._swapped_in_blocks, num_swapped_out_blocks=self._swapped_out_blocks,
+            prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
+            device_blocks_cached=kv.device.num_cached,
         )
 
+    def prefix_cache_hit_rate(self) -> float:
+        """Percent of the prompt tokens looked up on admission that were found cached, so far."""
+        stats = self.kv.prefix_stats
+        return 100 * stats.hits / stats.queries if stats.queries else 0.0
+
     def reset_executor(self) -> None:
-        """The executor lost its state: every running and swapped request recomputes from WAITING."""
+        """The executor lost its state (and so every cached block): running and swapped requests
+        recompute from WAITING."""
         lost = sorted([*self.running, *self.swapped], key=lambda r: r.arrival_time, reverse=True)
         for request in lost:
-            self.blocks.free(request.request_id)
             request.num_computed_tokens = 0
+            self._admitted.pop(request.request_id, None)
             self.waiting.push(request, front=True)
         self.running.clear()
         self.swapped.clear()
+        self._decode_works.clear()
         self._known_by_executor.clear()
         self._to_drop.clear()
         self._unupdated.clear()
         self._inflight = {}
+        stats = self.kv.prefix_stats
+        self.kv = self._new_kv(self.limits)
+        self.kv.prefix_stats = stats
 
     def release(self, request_id: str) -> Request | None:
         """Take a WAITING request out of this scheduler, to hand it to another executor's; None if the
@@ -140,9 +176,12 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING:
             return None
-        self.waiting.discard(request)
-        self.blocks.free(request_id)
+        self._leave_waiting(request)
+        self.kv.free(request)
         self._forget_in_executor(request_id)
+        self._protected.discard(request_id)
+        if request_id in self._held:
+            self._release_held(request_id)
         del self.requests[request_id]
         return request
 
@@ -150,23 +189,23 @@ class Scheduler:
         return [rid for rid, r in self.requests.items() if r.status is RequestStatus.WAITING]
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of a prompt this executor's KV cache already holds (placement hint).
-        Always 0 until the KV-cache manager caches prefixes."""
-        return 0
+        """How many leading tokens of a prompt this executor's KV cache already holds (placement hint)."""
+        return self.kv.cached_prefix_tokens(token_ids)
 
     def set_limits(self, limits: ModelLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""
         if self.running or self.swapped:
             raise RuntimeError("set_limits needs every request out of RUNNING and SWAPPED")
         self.limits = limits
-        self.blocks = BlockManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
-                                   self.config.watermark)
+        stats = self.kv.prefix_stats
+        self.kv = self._new_kv(limits)
+        self.kv.prefix_stats = stats
 
     # ---- schedule ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """The next step. With async scheduling it may run before update() of the step before it (the
-        executor is still running that one): see _schedule_ahead."""
+        """The next step. With async scheduling it may run before update() of the steps before it (the
+        executor is still running them): see _schedule_ahead."""
         self._inflight = self._works_in_flight() if self._unupdated else {}
         self._step_id += 1
         self._step_first_admission = self._admissions
@@ -183,10 +222,9 @@ class Scheduler:
         if out.num_steps > 1 and any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1
                                      for w in scheduled.values()):
             out.num_steps = 1
-        self.blocks.end_step()
+        out.copy = self.kv.end_step()
         out.scheduled = list(scheduled.values())
-        # Work that was running before this step is known to the executor and was scheduled before:
-        # only new and resumed work can change either (this keeps the step O(changes) here).
+        # Only work that entered RUNNING this step can be new to the executor (this keeps it O(changes)).
         for work in self._entered:
             if scheduled.get(work.request.request_id) is work:
                 self._known_by_executor.add(work.request.request_id)
@@ -194,6 +232,7 @@ class Scheduler:
                     work.request.first_scheduled_time = now
         self._entered.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
+        self._compact_running()
         if self.config.async_scheduling:
             self._unupdated.append(out)
         return out
@@ -201,11 +240,10 @@ class Scheduler:
     def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
         """Per request with steps not yet updated: its first such work and how many steps it is in."""
         first, *later = self._unupdated
-        running = RequestStatus.RUNNING  # a finished request's id may already name a new request
-        inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is running}
+        inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is RUNNING}
         for out in later:
             for w in out.scheduled:
-                if w.request.status is not running:
+                if w.request.status is not RUNNING:  # a finished request's id may already name a new one
                     continue
                 rid = w.request.request_id
                 known = inflight.get(rid)
@@ -218,57 +256,58 @@ class Scheduler:
             return k
         return 1
 
-    def _chunk(self, request: Request, budget: Budget) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _chunk(self, remaining: int, budget_tokens: int) -> int:
         if not self.config.enable_chunked_prefill:
-            return remaining if remaining <= budget.tokens else 0
-        n = min(remaining, budget.tokens)
+            return remaining if remaining <= budget_tokens else 0
+        n = min(remaining, budget_tokens)
         if self.config.long_prefill_token_threshold > 0 and remaining > 1:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _slots_needed(self, request: Request, num_tokens: int, num_steps: int) -> int:
-        return request.num_computed_tokens + num_tokens + (num_steps - 1) + self.config.num_lookahead_slots
-
-    def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork],
-                          out: SchedulerOutput) -> None:
-        # Fast path, the same decisions as _schedule_one_running: a one-token decode whose block table
-        # already covers its slots needs no growth, no room and no new blocks. Its work is the same
-        # every step, so each request's is made once and reused (work is read-only to consumers).
+    def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
         extra = out.num_steps - 1 + self.config.num_lookahead_slots
-        block_size = self.blocks.block_size
-        tables = self.blocks._device_tables
-        usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
-        running_status = RequestStatus.RUNNING
-        decode_works = self._decode_works
+        max_slots = self.kv.usable_blocks * self.kv.block_size
+        allocate = self.kv.allocate_slots
+        works = self._decode_works
         inflight = self._inflight
-        tokens_left, seqs_used = budget.tokens, 0
+        tokens_left, waits = budget.tokens, 0
         for request in list(self.running):
-            if request.status is not running_status:
-                continue
             if tokens_left <= 0:
                 break
+            if request.status is not RUNNING:
+                continue
             if inflight and request.request_id in inflight:
                 ahead = self._schedule_ahead(request, *inflight[request.request_id], out, scheduled)
                 tokens_left -= ahead is Ahead.SCHEDULED
-                seqs_used += ahead is not Ahead.ENDS
+                waits += ahead is Ahead.WAITS
                 continue
             computed = request.num_computed_tokens
-            if len(request.prompt_token_ids) + len(request.output_token_ids) - computed == 1:
-                rid = request.request_id
-                table = tables.get(rid)
-                if table is not None and computed + 1 + extra <= len(table) * block_size and len(table) <= usable:
-                    work = decode_works.get(rid)
-                    if work is None:
-                        work = decode_works[rid] = ScheduledWork(request, 1, [])
-                    scheduled[rid] = work
-                    tokens_left -= 1
-                    seqs_used += 1
+            remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
+            n = 1 if remaining == 1 else self._chunk(remaining, tokens_left)
+            if n == 0:
+                continue
+            if computed + n + extra > max_slots:
+                self._reject_outgrown(request, computed + n + extra, out)
+                continue
+            new = allocate(request, n, extra)
+            if new is None:
+                budget.tokens = tokens_left
+                new = self._make_room(request, n, extra, scheduled, budget, out)
+                tokens_left = budget.tokens
+                if new is None:
                     continue
-            budget.tokens, budget.seqs, seqs_used = tokens_left, budget.seqs - seqs_used, 0
-            self._schedule_one_running(request, budget, scheduled, out)
-            tokens_left = budget.tokens
-        budget.tokens, budget.seqs = tokens_left, budget.seqs - seqs_used
+            rid = request.request_id
+            if n == 1 and new is NO_BLOCKS:
+                work = works.get(rid)
+                if work is None:
+                    work = works[rid] = ScheduledWork(request, 1, NO_BLOCKS)
+            else:
+                work = ScheduledWork(request, n, new)
+            scheduled[rid] = work
+            tokens_left -= n
+        budget.tokens = tokens_left
+        # the first phase: only running work so far (and requests that wait for their step in flight)
+        budget.seqs = self.config.max_num_seqs - len(scheduled) - waits
 
     def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
                         scheduled: dict[str, ScheduledWork]) -> Ahead:
@@ -280,80 +319,60 @@ class Scheduler:
         that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
         num_output = len(request.output_token_ids)
         num_tokens = len(request.prompt_token_ids) + num_output
-        if out.num_steps > 1 or request.num_computed_tokens + inflight.num_tokens < num_tokens:
+        computed = request.num_computed_tokens
+        if out.num_steps > 1 or computed + inflight.num_tokens < num_tokens:
             return Ahead.WAITS
         total = num_tokens + num_inflight  # its tokens once the steps in flight are done
         if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
-        slots = total + self.config.num_lookahead_slots
-        rid = request.request_id
-        table = self.blocks._device_tables.get(rid)
-        if table is not None and slots <= len(table) * self.blocks.block_size:
-            new_ids: list[int] = []  # the table covers it: the common case, no block manager call
-        elif self.blocks.can_grow(rid, slots):
-            new_ids = self.blocks.grow(rid, slots) or []
-        else:
+        new = self.kv.allocate_slots(request, total - computed, self.config.num_lookahead_slots)
+        if new is None:
             return Ahead.WAITS
-        work = self._decode_works.get(rid) if not new_ids else None
-        if work is None:
-            work = ScheduledWork(request, 1, new_ids)
-            if not new_ids:
-                self._decode_works[rid] = work
+        rid = request.request_id
+        if new is NO_BLOCKS:
+            work = self._decode_works.get(rid)
+            if work is None:
+                work = self._decode_works[rid] = ScheduledWork(request, 1, NO_BLOCKS)
+        else:
+            work = ScheduledWork(request, 1, new)
         scheduled[rid] = work
         return Ahead.SCHEDULED
 
-    def _schedule_one_running(self, request: Request, budget: Budget, scheduled: dict[str, ScheduledWork],
-                              out: SchedulerOutput) -> None:
-        n = self._chunk(request, budget)
-        if n == 0:
-            return
-        slots = self._slots_needed(request, n, out.num_steps)
-        if not self._make_room(request, slots, scheduled, budget, out):
-            return
-        new_ids = self.blocks.grow(request.request_id, slots) or []
-        scheduled[request.request_id] = ScheduledWork(request, n, new_ids)
-        budget.tokens -= n
-        budget.seqs -= 1
-
-    def _make_room(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork],
-                   budget: Budget, out: SchedulerOutput) -> bool:
-        if self._outgrows_pool(request, slots, out):
-            return False
-        while not self.blocks.can_grow(request.request_id, slots):
+    def _make_room(self, request: Request, n: int, extra: int, scheduled: dict[str, ScheduledWork],
+                   budget: Budget, out: SchedulerOutput) -> list[int] | None:
+        """Preempt until the request's slots fit; its new blocks, or None if it preempted itself."""
+        while True:
             victim = self._pick_victim()
             if victim is None or victim is request:
                 self._preempt(request, scheduled, budget, out)
-                return False
+                return None
             self._preempt(victim, scheduled, budget, out)
-        return True
+            new = self.kv.allocate_slots(request, n, extra)
+            if new is not None:
+                return new
 
-    def _outgrows_pool(self, request: Request, slots: int, out: SchedulerOutput) -> bool:
-        need = self.blocks.blocks_for(slots)
-        usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
-        if need <= usable:
-            return False
-        error = (f"request grew to {slots} tokens ({need} KV blocks of {self.limits.block_size}) but the "
-                 f"device pool can hold at most {usable} blocks")
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+    def _reject_outgrown(self, request: Request, slots: int, out: SchedulerOutput) -> None:
+        error = (f"request grew to {slots} tokens ({self.kv.blocks_for(slots)} KV blocks of "
+                 f"{self.limits.block_size}) but the device pool can hold at most {self.kv.usable_blocks} blocks")
         self._finish(request, FinishReason.ERROR, error)
         out.rejected.append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
-        return True
 
     def _pick_victim(self, admitted_before: int | None = None) -> Request | None:
         """The running request the victim rule picks, the one asking for room included (it then preempts
         itself, as in vLLM); requests protected by the thrash guard are never picked, nor, with
         admitted_before, requests admitted at or after that admission number."""
-        inflight = self._inflight
-        candidates = [r for r in self.running if not r.protected and r.request_id not in inflight
-                      and (admitted_before is None or r.admitted_seq < admitted_before)]
+        admitted, protected = self._admitted, self._protected
+        limit = admitted_before if admitted_before is not None else self._admissions
+        inflight = self._inflight  # a request with a step in flight is never a victim (async scheduling)
+        candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in protected
+                      and r.request_id not in inflight and admitted[r.request_id] < limit]
         if not candidates:
             return None
         if self.config.policy is Policy.PRIORITY:
-            return max(candidates, key=lambda r: (self._key(r), r.admitted_seq))
+            return max(candidates, key=lambda r: (self._key(r), admitted[r.request_id]))
         if self.config.preemption_victim is Victim.LONGEST:
-            return max(candidates, key=lambda r: (self.blocks.num_blocks_held(r.request_id), r.admitted_seq))
-        return max(candidates, key=lambda r: r.admitted_seq)
+            return max(candidates, key=lambda r: (self.kv.num_blocks_held(r.request_id), admitted[r.request_id]))
+        return max(candidates, key=lambda r: admitted[r.request_id])
 
     def _key(self, request: Request) -> float:
         return sort_key(self.config.policy, request, self.config.aging_rate)
@@ -361,36 +380,38 @@ class Scheduler:
     def _preemption_mode(self, request: Request) -> PreemptionMode:
         if request.num_computed_tokens == 0 or self.config.preemption_mode is PreemptionMode.RECOMPUTE:
             return PreemptionMode.RECOMPUTE
-        if self.blocks.can_swap_out(request.request_id):
+        if self.kv.can_swap_out(request.request_id):
             return PreemptionMode.SWAP
         return PreemptionMode.RECOMPUTE
 
     def _preempt(self, request: Request, scheduled: dict[str, ScheduledWork], budget: Budget,
                  out: SchedulerOutput) -> None:
-        work = scheduled.pop(request.request_id, None)
+        rid = request.request_id
+        work = scheduled.pop(rid, None)
         if work is not None:
             budget.tokens += work.num_tokens
             budget.seqs += 1
             if not (work.is_new or work.resumed):
-                self.blocks.release_tail(request.request_id, len(work.new_block_ids))
+                self.kv.release_tail(rid, len(work.new_block_ids))
         self.running.remove(request)
+        self._admitted.pop(rid, None)
+        self._decode_works.pop(rid, None)
         mode = self._preemption_mode(request)
-        rid = request.request_id
         if mode is PreemptionMode.SWAP:
-            mapping = self.blocks.swap_out(rid)
+            mapping = self.kv.swap_out(request)
             out.swap_out.extend(mapping)
             out.swapped_out_ids.append(rid)
             self._swapped_out_blocks += len(mapping)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
         else:
-            self.blocks.free(rid)
+            self.kv.free(request)
             self._forget_in_executor(rid)
             request.num_computed_tokens = 0
             self.waiting.push(request, front=True)
         self._preemptions[mode] += 1
         request.num_preemptions += 1
-        request.protected = True
+        self._protected.add(rid)
         out.num_preempted += 1
 
     def _forget_in_executor(self, request_id: str) -> None:
@@ -398,22 +419,24 @@ class Scheduler:
             self._known_by_executor.discard(request_id)
             self._to_drop.append(request_id)
 
-    def _schedule_swapped(self, budget: Budget, scheduled: dict[str, ScheduledWork],
-                          out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
+        kv = self.kv
         while self.swapped and budget.seqs > 0 and budget.tokens > 0:
             request = self.swapped[0]
-            n = self._chunk(request, budget)
-            slots = self._slots_needed(request, n, out.num_steps)
-            if self._outgrows_pool(request, slots, out):
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            slots = request.num_computed_tokens + n + out.num_steps - 1 + self.config.num_lookahead_slots
+            if kv.never_fits(slots):
+                self._reject_outgrown(request, slots, out)
                 continue
-            extra = self.blocks.blocks_for(slots) - self.blocks.num_blocks_held(request.request_id)
-            if n == 0 or not self.blocks.can_swap_in(request.request_id, max(0, extra)):
+            extra = kv.blocks_for(slots) - kv.num_blocks_held(request.request_id)
+            if n == 0 or not kv.can_swap_in(request.request_id, max(0, extra)):
                 break
             self.swapped.popleft()
-            mapping = self.blocks.swap_in(request.request_id)
+            mapping = kv.swap_in(request)
             out.swap_in.extend(mapping)
             self._swapped_in_blocks += len(mapping)
-            self._start_running(request, n, slots, scheduled, budget, resumed=True)
+            kv.allocate_slots(request, n, slots - request.num_computed_tokens - n)
+            self._start_running(request, n, scheduled, budget, resumed=True)
 
     def _passed_delay(self, now: float) -> bool:
         if self._prev_prompt:
@@ -434,18 +457,36 @@ class Scheduler:
                 break
             if self._reject_if_never(request, out):
                 continue
-            n = self._chunk(request, budget)
+            hit = self._prefix_hit(request)
+            n = self._chunk(request.num_tokens - hit.num_tokens, budget.tokens)
             if n == 0:
                 break
             # Blocks for every known token (the whole prompt, plus output kept over a recompute), not
             # just this chunk: a prefill then never grows, so two chunked prefills can never starve each
             # other of blocks (each preempting itself, forever) -- and LATER means the prompt can't fit now.
-            slots = self._slots_needed(request, request.num_tokens - request.num_computed_tokens, 1)
-            fits = budget.seqs > 0 and self.blocks.can_allocate(request.num_tokens, slots) is AllocStatus.OK
-            if not fits and not self._preempt_for(request, slots, scheduled, budget, out):
-                break
-            self._admit(request, n, slots, scheduled, budget)
+            slots = request.num_tokens + self.config.num_lookahead_slots
+            fits = budget.seqs > 0 and self.kv.can_admit(hit, slots) is AllocStatus.OK
+            if not fits:
+                if not self._preempt_for(request, hit, slots, scheduled, budget, out):
+                    break
+                hit = self._prefix_hit(request)
+                n = self._chunk(request.num_tokens - hit.num_tokens, budget.tokens)
+                if n == 0 or self.kv.can_admit(hit, slots) is not AllocStatus.OK:
+                    break
+            self._admit(request, hit, n, slots, scheduled, budget)
             self._prev_prompt = True
+
+    def _prefix_hit(self, request: Request) -> PrefixHit:
+        cached = self.kv.get_computed_blocks(request)
+        source = self.requests.get(request.share_prompt_with or "")
+        if source is None or source.status is not RUNNING or request.output_token_ids \
+                or source.num_computed_tokens < request.num_prompt_tokens:
+            return cached
+        forked = self.kv.fork_blocks(request, source.request_id)
+        if forked is None or forked.num_tokens <= cached.num_tokens:
+            return cached
+        self._protected.add(source.request_id)  # its block is this step's copy source
+        return forked
 
     def _reject_if_never(self, request: Request, out: SchedulerOutput) -> bool:
         error = self._never_reason(request)
@@ -460,20 +501,19 @@ class Scheduler:
         if n > self.limits.max_model_len:
             return f"request needs {n} tokens but max_model_len is {self.limits.max_model_len}"
         slots = n + self.config.num_lookahead_slots
-        if self.blocks.can_allocate(slots, 0) is AllocStatus.NEVER:
-            usable = self.blocks.device.num_blocks - self.blocks.watermark_blocks
-            return (f"request needs {self.blocks.blocks_for(slots)} KV blocks of {self.limits.block_size} tokens "
-                    f"but the device pool can hold at most {usable} blocks")
+        if self.kv.never_fits(slots):
+            return (f"request needs {self.kv.blocks_for(slots)} KV blocks of {self.limits.block_size} tokens "
+                    f"but the device pool can hold at most {self.kv.usable_blocks} blocks")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             return (f"prompt of {n} tokens exceeds max_num_batched_tokens "
                     f"{self.config.max_num_batched_tokens} with chunked prefill off")
         return ""
 
-    def _preempt_for(self, request: Request, slots: int, scheduled: dict[str, ScheduledWork], budget: Budget,
-                     out: SchedulerOutput) -> bool:
+    def _preempt_for(self, request: Request, hit: PrefixHit, slots: int, scheduled: dict[str, ScheduledWork],
+                     budget: Budget, out: SchedulerOutput) -> bool:
         if self.config.policy is not Policy.PRIORITY:
             return False
-        while budget.seqs <= 0 or self.blocks.can_allocate(request.num_tokens, slots) is not AllocStatus.OK:
+        while budget.seqs <= 0 or self.kv.can_admit(hit, slots) is not AllocStatus.OK:
             # Never a request admitted this step: the queue just put it ahead of this one (max wait).
             victim = self._pick_victim(admitted_before=self._step_first_admission)
             if victim is None or self._key(victim) <= self._key(request):
@@ -481,20 +521,23 @@ class Scheduler:
             self._preempt(victim, scheduled, budget, out)
         return True
 
-    def _admit(self, request: Request, n: int, slots: int, scheduled: dict[str, ScheduledWork],
+    def _admit(self, request: Request, hit: PrefixHit, n: int, slots: int, scheduled: dict[str, ScheduledWork],
                budget: Budget) -> None:
         self.waiting.discard(request)
-        request.admitted_seq = self._admissions
-        self._admissions += 1
-        self._start_running(request, n, slots, scheduled, budget, is_new=True)
+        self.kv.admit(request, hit, slots)
+        request.num_computed_tokens = hit.num_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit.num_tokens
+        self._start_running(request, n, scheduled, budget, is_new=True)
 
-    def _start_running(self, request: Request, n: int, slots: int, scheduled: dict[str, ScheduledWork],
-                       budget: Budget, is_new: bool = False, resumed: bool = False) -> None:
+    def _start_running(self, request: Request, n: int, scheduled: dict[str, ScheduledWork], budget: Budget,
+                       is_new: bool = False, resumed: bool = False) -> None:
         """A request enters RUNNING this step: it is sent with its whole block table."""
-        self.blocks.grow(request.request_id, slots)
-        request.status = RequestStatus.RUNNING
+        request.status = RUNNING
         self.running.append(request)
-        table = list(self.blocks.block_table(request.request_id))
+        self._admitted[request.request_id] = self._admissions
+        self._admissions += 1
+        table = list(self.kv.block_table(request.request_id))
         work = scheduled[request.request_id] = ScheduledWork(request, n, table, is_new=is_new, resumed=resumed)
         self._entered.append(work)
         budget.tokens -= n
@@ -512,65 +555,76 @@ class Scheduler:
         append = deltas.append
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
         max_model_len, eos_ids = self.limits.max_model_len, self.limits.eos_token_ids
-        running_status = RequestStatus.RUNNING
-        delta_type = RequestDelta
-        plain = not logprobs and not errors
+        protected, held = self._protected, self._held
+        block_size = self.limits.block_size
+        delta = RequestDelta
         for work in out.scheduled:
             request = work.request
-            if request.status is not running_status:
+            if request.status is not RUNNING:
                 continue
             rid = request.request_id
-            output = request.output_token_ids
-            num_tokens = len(request.prompt_token_ids) + len(output)
-            computed = request.num_computed_tokens + work.num_tokens
-            tokens = sampled.get(rid)
-            # Fast path, the same outcome as _apply: one token for a completed step, no error, no logprobs.
-            if not plain or computed < num_tokens or tokens is None or len(tokens) != 1:
-                delta = self._apply(request, work.num_tokens, result)
-                if delta is not None:
-                    append(delta)
+            if errors and rid in errors:
+                self._fail(request, errors[rid], append)
                 continue
+            output = request.output_token_ids
+            before = request.num_computed_tokens
+            computed = before + work.num_tokens
             request.num_computed_tokens = computed
+            if computed // block_size != before // block_size:
+                self.kv.cache_blocks(request)
+            num_tokens = len(request.prompt_token_ids) + len(output)
+            if computed < num_tokens:
+                continue
+            tokens = sampled.get(rid)
+            if not tokens:
+                self._fail(request, "executor returned no token for a completed step", append)
+                continue
+            if protected:
+                protected.discard(rid)
+            if held and rid in held:
+                self._release_held(rid)
+            output += tokens
+            sampling = request.sampling
             token = tokens[0]
-            output.append(token)
-            reason = stop_reason(request.sampling, token, len(output), num_tokens + 1, max_model_len, eos_ids)
-            if reason is not None:
-                self._finish(request, reason)
-            request.protected = False
-            append(delta_type(rid, [token], reason, "", []))
+            reason = None
+            # Only a request that may have met a stop rule walks its tokens through them.
+            if len(tokens) > 1 or len(output) >= sampling.max_tokens or num_tokens + 1 >= max_model_len \
+                    or token in eos_ids or token in sampling.stop_token_ids:
+                tokens, reason = self._append_checked(request, tokens)
+            if logprobs:
+                append(delta(rid, tokens, reason, "", logprobs.get(rid, [])[:len(tokens)]))
+            else:
+                append(delta(rid, tokens, reason))
         self._compact_running()
         return deltas
 
-    def _apply(self, request: Request, num_tokens: int, result: ExecutorResult) -> RequestDelta | None:
-        rid = request.request_id
-        error = result.errors.get(rid)
-        if error is None and request.num_computed_tokens + num_tokens >= request.num_tokens \
-                and not result.sampled.get(rid):
-            error = "executor returned no token for a completed step"
-        if error is not None:
-            self._finish(request, FinishReason.ERROR, error)
-            return RequestDelta(rid, [], FinishReason.ERROR, error)
-        request.num_computed_tokens += num_tokens
-        if request.num_computed_tokens < request.num_tokens:
-            return None
-        new: list[int] = []
-        reason = None
-        for i, token in enumerate(result.sampled[rid]):
-            if i > 0:
-                request.num_computed_tokens += 1
-            request.output_token_ids.append(token)
-            new.append(token)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-                break
-        request.protected = False
-        logprobs = result.logprobs.get(rid, [])[:len(new)]
-        return RequestDelta(rid, new, reason, logprobs=logprobs)
+    def _append_checked(self, request: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Check the tokens just appended in order; keep those up to a stop (finishing the request
+        there). Tokens after the first were computed by the executor's extra decode steps."""
+        output = request.output_token_ids
+        first = len(output) - len(tokens)
+        num_tokens = len(request.prompt_token_ids) + first
+        for i, token in enumerate(tokens):
+            reason = stop_reason(request.sampling, token, first + i + 1, num_tokens + i + 1,
+                                 self.limits.max_model_len, self.limits.eos_token_ids)
+            if reason is not None or i == len(tokens) - 1:
+                del output[first + i + 1:]
+                request.num_computed_tokens += i
+                if reason is not None:
+                    self._finish(request, reason)
+                elif i:
+                    self.kv.cache_blocks(request)
+                return tokens[:i + 1], reason
+        return tokens, None
 
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        return stop_reason(request.sampling, token, request.num_output_tokens, request.num_tokens,
-                           self.limits.max_model_len, self.limits.eos_token_ids)
+    def _fail(self, request: Request, error: str, append: Callable[[RequestDelta], None]) -> None:
+        self._finish(request, FinishReason.ERROR, error)
+        append(RequestDelta(request.request_id, [], FinishReason.ERROR, error))
+
+    def _release_held(self, source_id: str) -> None:
+        """The sibling computed the prompt (or finished): its held n > 1 siblings join the queue."""
+        for request in reversed(self._held.pop(source_id, [])):
+            self.waiting.push(request, front=True)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         """Finish a request for a reason found outside the core (e.g. a stop string)."""
@@ -580,22 +634,34 @@ class Scheduler:
             self._compact_running()
 
     def _finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
+        rid = request.request_id
         if request.status is RequestStatus.WAITING:
-            self.waiting.discard(request)
+            self._leave_waiting(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-        elif request.status is RequestStatus.RUNNING:
+        elif request.status is RUNNING:
             self._running_dirty = True
-        self.blocks.free(request.request_id)
-        self._forget_in_executor(request.request_id)
-        self._decode_works.pop(request.request_id, None)
+        self.kv.free(request)
+        self._forget_in_executor(rid)
+        self._decode_works.pop(rid, None)
+        self._admitted.pop(rid, None)
+        self._protected.discard(rid)
+        if rid in self._held:
+            self._release_held(rid)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
-        self.requests.pop(request.request_id, None)
+        self.requests.pop(rid, None)
+
+    def _leave_waiting(self, request: Request) -> None:
+        siblings = self._held.get(request.share_prompt_with or "")
+        if siblings is not None and request in siblings:
+            siblings.remove(request)
+            return
+        self.waiting.discard(request)
 
     def _compact_running(self) -> None:
         # Only _finish takes a request out of RUNNING without removing it from the list; it marks it.
         if self._running_dirty:
             self._running_dirty = False
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is RUNNING]
