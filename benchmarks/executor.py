@@ -17,6 +17,10 @@ made once and cached). Prompts are the same N seeded random prompts of --prompt-
 - Each figure is the median of --repeats runs after one untimed warm-up run.
 - Torch threads: --threads for both (the executor gets OMP_NUM_THREADS, transformers torch.set_num_threads).
   On a small shared machine 1 is the sane value.
+- The limit, measured first in the same run on the same threads (benchmarks/roofline.py): the matmul peak on
+  the model's linear shapes and the streaming-read memory bandwidth. Beside each tokens/s: the model FLOP/s it
+  implies (linears + LM head + attention over each step's context) as a % of that peak, and the bytes a decode
+  step moves (weights once + K/V read and written) per second as a % of the measured bandwidth.
 Prints a table of tokens/s and the ratio pagedserve / transformers per batch size.
 """
 
@@ -42,6 +46,7 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from benchmarks.roofline import Limits, ModelShape, limits_record, measure_limits  # noqa: E402
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
 from tests.procs import free_port, stop, wait_healthy  # noqa: E402
 
@@ -56,10 +61,26 @@ class Row:
     pagedserve_tok_s: float
     executor_busy_tok_s: float
     transformers_tok_s: float
+    flops_per_token: float = 0.0
+    bytes_per_token: float = 0.0
 
     @property
     def ratio(self) -> float:
         return self.pagedserve_tok_s / self.transformers_tok_s
+
+    def gflops(self, tok_s: float) -> float:
+        return tok_s * self.flops_per_token / 1e9
+
+    def gbs(self, tok_s: float) -> float:
+        return tok_s * self.bytes_per_token / 1e9
+
+
+def decode_work(shape: ModelShape, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    """(FLOPs, bytes) per generated token over the timed decode steps (contexts grow from prompt + warm-up)."""
+    contexts = [prompt_len + WARMUP_STEPS + 1 + k for k in range(steps)]
+    flops = sum(batch * shape.pass_flops(c - 1, 1, True) for c in contexts)
+    moved = sum(shape.decode_step_bytes([c] * batch) for c in contexts)
+    return flops / (batch * steps), moved / (batch * steps)
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -188,14 +209,22 @@ def bench_transformers(model_dir: Path, batch_sizes: list[int], args: argparse.N
     return out
 
 
-def table(rows: list[Row], header: dict[str, Any]) -> str:
-    lines = [", ".join(f"{k}={v}" for k, v in header.items()), "",
+def table(rows: list[Row], header: dict[str, Any], limits: Limits) -> str:
+    lines = [", ".join(f"{k}={v}" for k, v in header.items()),
+             f"limits (measured first, {limits.threads} thread(s)): matmul peak {limits.matmul_peak_gflops:.1f} GFLOP/s"
+             f" (by rows {limits.matmul_gflops_by_rows}), read {limits.read_gbs:.1f} GB/s, copy {limits.copy_gbs:.1f}"
+             " GB/s", "",
              f"{'batch':>5} | {'pagedserve tok/s':>16} | {'executor busy tok/s':>19} | {'transformers tok/s':>18} | "
-             f"{'ratio':>6}",
-             "-" * 78]
+             f"{'ratio':>6} | {'GFLOP/s (% peak) ours / theirs':>30} | {'GB/s (% bw) ours / theirs':>26}",
+             "-" * 140]
     for r in rows:
-        lines.append(f"{r.batch:>5} | {r.pagedserve_tok_s:>16.1f} | {r.executor_busy_tok_s:>19.1f} | "
-                     f"{r.transformers_tok_s:>18.1f} | {r.ratio:>5.2f}x")
+        ours, theirs = r.pagedserve_tok_s, r.transformers_tok_s
+        flops = (f"{r.gflops(ours):.1f} ({limits.flops_pct(r.gflops(ours) * 1e9):.0f}%) / "
+                 f"{r.gflops(theirs):.1f} ({limits.flops_pct(r.gflops(theirs) * 1e9):.0f}%)")
+        moved = (f"{r.gbs(ours):.1f} ({limits.bandwidth_pct(r.gbs(ours) * 1e9):.0f}%) / "
+                 f"{r.gbs(theirs):.1f} ({limits.bandwidth_pct(r.gbs(theirs) * 1e9):.0f}%)")
+        lines.append(f"{r.batch:>5} | {ours:>16.1f} | {r.executor_busy_tok_s:>19.1f} | {theirs:>18.1f} | "
+                     f"{r.ratio:>5.2f}x | {flops:>30} | {moved:>26}")
     lines.append("ratio = pagedserve (through Execute, gRPC round trip included) / transformers generate")
     return "\n".join(lines)
 
@@ -221,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model) if args.model else ensure_random_model()
     vocab = ModelConfig.from_dir(model_dir).vocab_size
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and cuda_available()) else "cpu"
+    shape = ModelShape.from_dir(model_dir, dtype_bytes=2 if device == "cuda" else 4)
+    limits = measure_limits(shape, args.threads, device)
     per_request = -(-(args.prompt_len + WARMUP_STEPS + args.steps + 1) // args.block_size)
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-executor-") as tmp:
         address, proc = start_executor(args, model_dir, max(batch_sizes) * per_request, Path(tmp) / "executor.log")
@@ -231,16 +263,23 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(proc)
     theirs = bench_transformers(model_dir, batch_sizes, args, vocab)
-    rows = [Row(n, args.steps, ours[n][0], ours[n][1], theirs[n]) for n in batch_sizes]
+    rows = [Row(n, args.steps, ours[n][0], ours[n][1], theirs[n], *decode_work(shape, n, args.prompt_len, args.steps))
+            for n in batch_sizes]
     header = {"model": describe.model_id, "device": describe.device, "dtype": describe.dtype,
               "prompt_len": args.prompt_len, "steps": args.steps, "threads": args.threads,
               "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
-    print(table(rows, header))
+    print(table(rows, header, limits))
     if args.json_out:
-        record = {**header, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+        record = {**header, "limits": limits_record(limits), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
         with open(args.json_out, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     return 0
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 # The CUDA path for real, as one script for a machine with an NVIDIA GPU (e.g. the device tool's H200):
 # Triton kernels compiled for real against the reference, greedy equality with transformers through the
 # whole gRPC stack with the executor on CUDA (swap to pinned CPU memory included), the executor conformance
-# suite on CUDA, and decode throughput. Writes its outputs under $OUT (default /tmp/gpu_check).
+# suite on CUDA, the device's limits and kernels (benchmarks/gpu_bench.py: matmul peak, HBM bandwidth, Triton
+# vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), and decode throughput. Writes its outputs under $OUT
+# (default /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left.
 #
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh            # LIMIT=900 bash benchmarks/gpu_check.sh for a longer budget
 #
 # A machine without internet whose Python lacks this project's pins can take wheels from .gpu-wheels/
 # (made beforehand where PyPI is reachable, for that machine's Python, e.g.
@@ -21,10 +23,20 @@ if [ -d .gpu-wheels ]; then
   "$PY" -m pip install -q --no-index --find-links .gpu-wheels .gpu-wheels/*.whl
 fi
 export PAGEDSERVE_TEST_DEVICE=cuda TRITON_INTERPRET=0 PAGEDSERVE_CACHE_DIR="$OUT/cache"
+LIMIT=${LIMIT:-540}
+deadline=$((SECONDS + LIMIT))
 status=0
-run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>&1 | tee "$OUT/$name.txt"; status=$((status | PIPESTATUS[0])); }
+run() {
+  local name=$1; shift
+  local left=$((deadline - SECONDS))
+  if [ "$left" -le 5 ]; then echo "== $name: skipped, time limit reached" | tee "$OUT/$name.txt"; status=1; return; fi
+  echo "== $name (<= ${left}s): $*"
+  timeout --signal=TERM --kill-after=10 "$left" "$@" 2>&1 | tee "$OUT/$name.txt"
+  status=$((status | PIPESTATUS[0]))
+}
 run nvidia-smi nvidia-smi
-run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py
+run gpu_bench "$PY" benchmarks/gpu_bench.py --json-out "$OUT/gpu_bench.json"
+run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_forward_path.py
 run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
 run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda

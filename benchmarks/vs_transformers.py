@@ -1,4 +1,4 @@
-"""Offline throughput: pagedserve (both services, gRPC, torch executor) vs transformers' static batching.
+"""Offline throughput: pagedserve (both services, gRPC, torch executor) vs transformers' continuous batching.
 
     python benchmarks/vs_transformers.py [--num-requests 128] [--threads 1] [--only pagedserve|transformers]
 
@@ -14,16 +14,25 @@ request's own max_tokens output tokens (EOS never stops either side).
 - pagedserve: `python -m executor_service --model DIR --device cpu` and `python -m scheduler_service
   --max-num-seqs M --max-num-batched-tokens B` as processes; this process submits every request at once
   through client.lib (greedy, ignore_eos) and times from the first submission to the last final token.
-- transformers: AutoModelForCausalLM (eager PyTorch, SDPA attention) in this process; requests in file order
-  in fixed batches of --hf-batch-size (32), left-padded; generate(max_new_tokens = min_new_tokens = the
-  batch's largest max_tokens, greedy), the static-batching baseline: a batch finishes together, so rows
-  that asked for fewer tokens keep computing padding. Timed from the first batch to the last.
+- transformers, --hf-mode continuous (default): AutoModelForCausalLM in this process with transformers' own
+  continuous batching (`continuous_batching_context_manager`: paged cache, per-request max_new_tokens, the
+  same --max-num-seqs / --max-num-batched-tokens budgets), every request added at once, greedy, EOS off;
+  timed from the first add to the last finished request.
+- transformers, --hf-mode static: requests in file order in fixed batches of --hf-batch-size (32),
+  left-padded; generate(max_new_tokens = min_new_tokens = the batch's largest max_tokens, greedy): a batch
+  finishes together, so rows that asked for fewer tokens keep computing padding.
 - --device cpu (default) or cuda for both sides; float32 on both (the executor's default on CPU; on CUDA
   it is passed --dtype float32 so the two sides compute the same thing).
 - Torch threads: --threads for both (the executor gets OMP_NUM_THREADS; transformers torch.set_num_threads).
   On the 2-core development machine 1 is the sane value: pagedserve's scheduler needs the other core, and
   two OpenMP threads on a shared 2-core box thrash (measured 5-9x slower forwards under load).
-Each side gets one untimed warm-up request/batch first. Prints useful output tokens/s of both and the ratio.
+- The limit (benchmarks/roofline.py), measured first in the same run on the same threads: the matmul peak on
+  the model's linear shapes. Each side's model FLOP/s = the FLOPs the requests need (every prompt token and
+  every output token but the last through the linears and attention, one LM-head row per output token; no
+  recompute or padding counted) / its seconds, printed as a % of that peak.
+Each side gets one untimed warm-up request/batch first; with both sides, their --repeats timed runs alternate
+(pagedserve, transformers, pagedserve, ...) so that both see the same machine load. Prints useful output
+tokens/s of both (medians) and the ratio.
 """
 
 from __future__ import annotations
@@ -36,15 +45,18 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, machine, median, service
+from benchmarks.roofline import Limits, ModelShape, limits_record, measure_limits
 from client.bench.datasets import SyntheticConfig, load_file, synthetic_requests
 
-TARGET_RATIO = 2.5
+TARGET_RATIO = {"continuous": 5.0, "static": 2.5}
+TARGET_PEAK_PCT = 60.0
 MODEL_SPEC: dict[str, Any] = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
                               "vocab_size": 8192, "max_position_embeddings": 2048, "seed": 0}
 DEFAULT_CACHE = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
@@ -103,8 +115,9 @@ async def drive(address: str, requests: list[tuple[list[int], int]]) -> tuple[fl
     return seconds, sum(n for n, _ in results), sum(1 for _, ok in results if not ok)
 
 
-def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-                   ) -> dict[str, Any]:
+def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace,
+                   between: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Timed runs of the services; `between` runs after each (the peer's run, interleaved)."""
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     ex_args = ["--model", str(model), "--device", args.device, "--cpu-kv-cache-space", str(args.cpu_kv_cache_space)]
     if args.num_gpu_blocks:
@@ -119,6 +132,7 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
             for _ in range(args.repeats):
                 seconds, tokens, bad = asyncio.run(drive(sc.address, requests))
                 runs.append({"seconds": seconds, "output_tokens": tokens, "not_length": bad})
+                between()
         log_tail = ex.log.read_text(errors="replace").splitlines()[-3:]
     useful = sum(m for _, m in requests)
     for r in runs:
@@ -132,8 +146,7 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
 
 # ---- transformers ---------------------------------------------------------------------------------------------
 
-def run_transformers(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace
-                     ) -> dict[str, Any]:
+def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -141,7 +154,61 @@ def run_transformers(model_dir: Path, requests: list[tuple[list[int], int]], arg
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+
+Peer = tuple[Callable[[], float], dict[str, Any]]
+
+
+def continuous_peer(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace) -> Peer:
+    """(one timed run, what describes it), after an untimed warm-up."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = load_hf(model_dir, args)
+    gen = GenerationConfig(max_new_tokens=max(m for _, m in requests), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    page = 256
+    blocks = sum(-(-(len(ids) + m) // page) for ids, m in requests) + 8
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=args.max_num_batched_tokens,
+                                  max_requests_per_batch=args.max_num_seqs, allow_block_sharing=False)
+
+    def generate(batch: list[tuple[list[int], int]]) -> tuple[float, int]:
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       block=True, timeout=30) as manager:
+            t0 = time.perf_counter()
+            for i, (ids, m) in enumerate(batch):
+                manager.add_request(list(ids), request_id=f"r{i}", max_new_tokens=m)
+            tokens = finished = 0
+            while finished < len(batch):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching loop stopped")
+                    continue
+                if result.is_finished():
+                    finished += 1
+                    tokens += len(result.generated_tokens)
+            return time.perf_counter() - t0, tokens
+
+    generate([(requests[0][0][:16], 4)] * 2)  # warm-up, untimed
+    useful = sum(m for _, m in requests)
+
+    def once() -> float:
+        seconds, tokens = generate(requests)
+        if tokens != useful:
+            raise RuntimeError(f"transformers generated {tokens} tokens, expected {useful}")
+        return seconds
+
+    return once, {"mode": "continuous", "max_requests_per_batch": args.max_num_seqs,
+                  "max_batch_tokens": args.max_num_batched_tokens}
+
+
+def static_peer(model_dir: Path, requests: list[tuple[list[int], int]], args: argparse.Namespace) -> Peer:
+    import torch
+
+    model = load_hf(model_dir, args)
+    device = model.device
     pad = 0
     batches = [requests[i:i + args.hf_batch_size] for i in range(0, len(requests), args.hf_batch_size)]
 
@@ -158,20 +225,20 @@ def run_transformers(model_dir: Path, requests: list[tuple[list[int], int]], arg
         return len(batch) * new
 
     generate([(requests[0][0][:16], 4)] * 2)  # warm-up, untimed
-    runs = []
-    computed = 0
-    for _ in range(args.repeats):
+
+    def once() -> float:
         t0 = time.perf_counter()
-        computed = sum(generate(b) for b in batches)
+        for b in batches:
+            generate(b)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t0)
-    useful = sum(m for _, m in requests)
-    seconds = median(runs)
-    return {"seconds": seconds, "runs": [round(r, 2) for r in runs], "useful_tokens": useful,
-            "computed_output_tokens": computed, "useful_fraction": useful / computed,
-            "padded_prompt_tokens": sum(len(b) * max(len(ids) for ids, _ in b) for b in batches),
-            "useful_tokens_per_s": useful / seconds, "batch_size": args.hf_batch_size}
+        return time.perf_counter() - t0
+
+    computed = sum(len(b) * max(m for _, m in b) for b in batches)
+    return once, {"mode": "static", "computed_output_tokens": computed,
+                  "useful_fraction": sum(m for _, m in requests) / computed,
+                  "padded_prompt_tokens": sum(len(b) * max(len(ids) for ids, _ in b) for b in batches),
+                  "batch_size": args.hf_batch_size}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="both sides on this device (float32 either way, so the comparison stays like for like)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per side (the median is used)")
-    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-mode", choices=["continuous", "static"], default="continuous",
+                   help="transformers' continuous batching (generate_batch's manager) or static generate batches")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of --hf-mode static")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="executor KV cache GiB")
@@ -214,28 +283,55 @@ def main(argv: list[str] | None = None) -> None:
     shape = {"requests": len(requests), "request_file": source, "prompt_mean": sum(prompt) / len(prompt),
              "prompt_max": max(prompt), "output_mean": sum(output) / len(output), "output_max": max(output),
              "useful_tokens": sum(output)}
+    model_shape = ModelShape.from_dir(model)
+    flops = sum(model_shape.request_flops(len(ids), m) for ids, m in requests)
+    limits = measure_limits(model_shape, args.threads, args.device)
     emit({"bench": "vs_transformers", "machine": machine(), "model": str(model), "threads": args.threads,
-          "device": args.device,
+          "device": args.device, "model_gflop": round(flops / 1e9, 1), "limits": limits_record(limits),
           **shape}, args.json_out)
     results: dict[str, dict[str, Any]] = {}
-    if args.only != "transformers":
-        results["pagedserve"] = run_pagedserve(model, requests, args)
-        emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+    peer_runs: list[float] = []
+    once: Callable[[], float] | None = None
     if args.only != "pagedserve":
-        results["transformers"] = run_transformers(model, requests, args)
+        once, info = (continuous_peer if args.hf_mode == "continuous" else static_peer)(model, requests, args)
+    if args.only != "transformers":
+        between = (lambda: peer_runs.append(once())) if once is not None else (lambda: None)
+        results["pagedserve"] = with_flops(run_pagedserve(model, requests, args, between), flops, limits)
+        emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+    elif once is not None:
+        peer_runs = [once() for _ in range(args.repeats)]
+    if once is not None:
+        useful = sum(m for _, m in requests)
+        seconds = median(peer_runs)
+        peer = {**info, "seconds": seconds, "runs": [round(r, 2) for r in peer_runs], "useful_tokens": useful,
+                "useful_tokens_per_s": useful / seconds}
+        results["transformers"] = with_flops(peer, flops, limits)
         emit({"bench": "vs_transformers", "side": "transformers", **results["transformers"]}, args.json_out)
     if len(results) == 2:
-        ratio = results["pagedserve"]["useful_tokens_per_s"] / results["transformers"]["useful_tokens_per_s"]
-        emit({"bench": "vs_transformers", "ratio": round(ratio, 2), "target": TARGET_RATIO,
-              "target_met": ratio >= TARGET_RATIO, "machine_after": machine()}, args.json_out)
-        print(f"\n| side | useful output tokens/s | seconds | notes |\n| --- | --- | --- | --- |\n"
-              f"| pagedserve | {results['pagedserve']['useful_tokens_per_s']:.1f} | "
-              f"{results['pagedserve']['seconds']:.1f} | {' '.join(results['pagedserve']['scheduler_flags'])} |\n"
-              f"| transformers static b={args.hf_batch_size} | "
-              f"{results['transformers']['useful_tokens_per_s']:.1f} | {results['transformers']['seconds']:.1f} | "
-              f"useful fraction of computed output rows "
-              f"{results['transformers']['useful_fraction']:.1%} |\n"
-              f"ratio {ratio:.2f}x (target >= {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'MISSED'})")
+        summarize(results, args, limits)
+
+
+def with_flops(result: dict[str, Any], flops: float, limits: Limits) -> dict[str, Any]:
+    gflops = flops / result["seconds"] / 1e9
+    return {**result, "model_gflops": round(gflops, 1), "pct_of_matmul_peak": round(limits.flops_pct(gflops * 1e9), 1)}
+
+
+def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace, limits: Limits) -> None:
+    ours, theirs = results["pagedserve"], results["transformers"]
+    ratio = ours["useful_tokens_per_s"] / theirs["useful_tokens_per_s"]
+    target = TARGET_RATIO[args.hf_mode]
+    emit({"bench": "vs_transformers", "ratio": round(ratio, 2), "target": target, "target_met": ratio >= target,
+          "pct_of_matmul_peak": ours["pct_of_matmul_peak"], "target_pct": TARGET_PEAK_PCT,
+          "machine_after": machine()}, args.json_out)
+    name = "continuous" if args.hf_mode == "continuous" else f"static b={args.hf_batch_size}"
+    print(f"\nmatmul peak measured first: {limits.matmul_peak_gflops:.1f} GFLOP/s ({args.threads} thread(s))\n"
+          f"| side | useful output tokens/s | seconds | model GFLOP/s (% of peak) |\n| --- | --- | --- | --- |\n"
+          f"| pagedserve | {ours['useful_tokens_per_s']:.1f} | {ours['seconds']:.1f} | "
+          f"{ours['model_gflops']:.1f} ({ours['pct_of_matmul_peak']:.0f}%) |\n"
+          f"| transformers {name} | {theirs['useful_tokens_per_s']:.1f} | {theirs['seconds']:.1f} | "
+          f"{theirs['model_gflops']:.1f} ({theirs['pct_of_matmul_peak']:.0f}%) |\n"
+          f"ratio {ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'MISSED'}); pagedserve at "
+          f"{ours['pct_of_matmul_peak']:.0f}% of the matmul peak (target >= {TARGET_PEAK_PCT:.0f}%)")
 
 
 if __name__ == "__main__":

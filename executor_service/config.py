@@ -22,6 +22,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    cuda_graph_sizes: tuple[int, ...] = ()
     sim_vocab_size: int = 32000
     sim_max_model_len: int = 8192
     sim_step_latency_ms: float = 0.0
@@ -36,6 +37,17 @@ class ExecutorConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
         return cls(**vars(build_parser().parse_args(argv)))
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8); '' -> () (CUDA graphs off)."""
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
+    if sizes and sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"CUDA graph sizes must be positive, got {text!r}")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--cuda-graph-sizes", type=parse_sizes, default=d.cuda_graph_sizes,
+                   help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256"
+                   " (default: none, eager; CUDA with Triton attention only)")
     p.add_argument("--sim-vocab-size", type=int, default=d.sim_vocab_size)
     p.add_argument("--sim-max-model-len", type=int, default=d.sim_max_model_len)
     p.add_argument("--sim-step-latency-ms", type=float, default=d.sim_step_latency_ms)

@@ -35,6 +35,28 @@ class SampleRequest:
     position: int
 
 
+@dataclass(slots=True)
+class RowSets:
+    """Which rows of a batch need which work, found in one pass over the requests."""
+
+    random: list[int]
+    penalised: list[int]
+    logprobs: list[int]
+
+    @classmethod
+    def of(cls, requests: Sequence[SampleRequest]) -> RowSets:
+        sets = cls([], [], [])
+        for i, r in enumerate(requests):
+            s = r.sampling
+            if not is_greedy(s):
+                sets.random.append(i)
+            if has_penalty(s):
+                sets.penalised.append(i)
+            if s.logprobs is not None:
+                sets.logprobs.append(i)
+        return sets
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
@@ -42,22 +64,29 @@ class Sampler:
         self.generator.manual_seed(seed & (MASK64 >> 1))
 
     def sample(self, logits: Tensor, requests: Sequence[SampleRequest]) -> list[SampleOutput]:
+        """Greedy rows cost one argmax over the batch; only the rows that need penalties, filtering, noise or
+        logprobs pay for them, each step batched over those rows."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         if not requests:
             return []
+        rows = RowSets.of(requests)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any_logprobs(requests) else None
-        logits = apply_penalties(logits, requests)
-        tokens = self.choose_tokens(logits, requests)
-        return build_outputs(tokens, raw_logprobs, requests)
+        raw_logprobs = None
+        if rows.logprobs:
+            raw_logprobs = torch.log_softmax(logits.index_select(0, self.index(rows.logprobs)), dim=-1)
+        logits = apply_penalties(logits, requests, rows.penalised)
+        tokens = self.choose_tokens(logits, requests, rows.random)
+        return build_outputs(tokens, raw_logprobs, requests, rows.logprobs)
 
-    def choose_tokens(self, logits: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
+    def index(self, rows: list[int]) -> Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def choose_tokens(self, logits: Tensor, requests: Sequence[SampleRequest], random_rows: list[int]) -> Tensor:
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not is_greedy(r.sampling)]
         if not random_rows:
             return tokens
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = self.index(random_rows)
         configs = [requests[i].sampling for i in random_rows]
         probs = filtered_probs(logits.index_select(0, rows), configs)
         noise = self.exponential_noise(probs.shape, [requests[i] for i in random_rows])
@@ -67,7 +96,9 @@ class Sampler:
     def exponential_noise(self, shape: torch.Size, requests: Sequence[SampleRequest]) -> Tensor:
         noise = torch.empty(shape, device=self.device)
         unseeded = [i for i, r in enumerate(requests) if r.sampling.seed is None]
-        if unseeded:
+        if len(unseeded) == len(requests):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
             idx = torch.tensor(unseeded, device=self.device)
             noise[idx] = torch.empty((len(unseeded), shape[1]), device=self.device).exponential_(
                 generator=self.generator)
@@ -83,10 +114,6 @@ def is_greedy(sampling: SamplingConfig) -> bool:
     return sampling.temperature < GREEDY_EPS
 
 
-def any_logprobs(requests: Sequence[SampleRequest]) -> bool:
-    return any(r.sampling.logprobs is not None for r in requests)
-
-
 def mix_seed(seed: int, position: int) -> int:
     """splitmix64 of (seed, position): a 63-bit generator seed that depends on nothing else."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & MASK64
@@ -97,35 +124,49 @@ def mix_seed(seed: int, position: int) -> int:
     return z & (MASK64 >> 1)
 
 
-def apply_penalties(logits: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
-    rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling)]
+def apply_penalties(logits: Tensor, requests: Sequence[SampleRequest], rows: list[int] | None = None) -> Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties of `rows` (default: every row
+    that has one), all rows at once; logits is not modified."""
+    if rows is None:
+        rows = [i for i, r in enumerate(requests) if has_penalty(r.sampling)]
     if not rows:
         return logits
-    vocab = logits.shape[1]
-    logits = logits.clone()
-    for i in rows:
-        logits[i] = penalise_row(logits[i], requests[i], vocab)
-    return logits
+    device, vocab = logits.device, logits.shape[1]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    picked = [requests[i] for i in rows]
+    seen, counts = token_stats(picked, vocab, device)
+    rep = column([r.sampling.repetition_penalty for r in picked], device)
+    freq = column([r.sampling.frequency_penalty for r in picked], device)
+    presence = column([r.sampling.presence_penalty for r in picked], device)
+    values = logits.index_select(0, index)
+    values = torch.where(seen, torch.where(values > 0, values / rep, values * rep), values)
+    values = values - freq * counts - presence * (counts > 0).to(values.dtype)
+    return logits.index_copy(0, index, values)
+
+
+def token_stats(requests: Sequence[SampleRequest], vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(seen [n, vocab]: token anywhere in prompt or output, counts [n, vocab]: occurrences in the output).
+    Ids outside the vocabulary are ignored."""
+    width = max(1, max(len(r.token_ids) for r in requests))
+    padded = torch.full((len(requests), width), vocab, dtype=torch.long)
+    for i, r in enumerate(requests):
+        padded[i, : len(r.token_ids)] = torch.tensor(list(r.token_ids), dtype=torch.long)
+    padded = padded.masked_fill_((padded < 0) | (padded > vocab), vocab).to(device)
+    is_output = torch.arange(width, device=device)[None, :] >= column(
+        [r.num_prompt_tokens for r in requests], device, torch.long)
+    seen = torch.zeros(len(requests), vocab + 1, dtype=torch.bool, device=device).scatter_(1, padded, True)
+    output_ids = padded.masked_fill(~is_output, vocab)
+    counts = torch.zeros(len(requests), vocab + 1, device=device).scatter_add_(
+        1, output_ids, torch.ones(output_ids.shape, device=device))
+    return seen[:, :vocab], counts[:, :vocab]
+
+
+def column(values: list[float] | list[int], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
 
 def has_penalty(s: SamplingConfig) -> bool:
     return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
-
-
-def penalise_row(row: Tensor, request: SampleRequest, vocab: int) -> Tensor:
-    s = request.sampling
-    tokens = torch.tensor(list(request.token_ids), dtype=torch.long, device=row.device)
-    output = valid_ids(tokens[request.num_prompt_tokens :], vocab)
-    tokens = valid_ids(tokens, vocab)
-    if s.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
-        seen[tokens] = True
-        penalised = torch.where(row > 0, row / s.repetition_penalty, row * s.repetition_penalty)
-        row = torch.where(seen, penalised, row)
-    if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
-        counts = torch.bincount(output, minlength=vocab).to(row.dtype)
-        row = row - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).to(row.dtype)
-    return row
 
 
 def valid_ids(ids: Tensor, vocab: int) -> Tensor:
@@ -163,16 +204,16 @@ def apply_top_k_top_p(logits: Tensor, configs: Sequence[SamplingConfig]) -> Tens
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def build_outputs(tokens: Tensor, raw_logprobs: Tensor | None,
-                  requests: Sequence[SampleRequest]) -> list[SampleOutput]:
+def build_outputs(tokens: Tensor, raw_logprobs: Tensor | None, requests: Sequence[SampleRequest],
+                  rows: list[int]) -> list[SampleOutput]:
+    """raw_logprobs holds the rows listed in `rows` (those that asked for logprobs), in that order."""
     token_list = tokens.tolist()
     outputs = [SampleOutput(token_id=int(t)) for t in token_list]
     if raw_logprobs is None:
         return outputs
-    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
     max_k = max(requests[i].sampling.logprobs or 0 for i in rows)
-    picked = raw_logprobs[rows].gather(1, tokens[rows][:, None]).squeeze(1).tolist()
-    top_values, top_ids = raw_logprobs[rows].topk(min(max_k, raw_logprobs.shape[1]), dim=-1)
+    picked = raw_logprobs.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
+    top_values, top_ids = raw_logprobs.topk(min(max_k, raw_logprobs.shape[1]), dim=-1)
     top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         k = requests[i].sampling.logprobs or 0

@@ -21,6 +21,7 @@ from executor_service.backend import (
     SamplingConfig,
 )
 from executor_service.config import ExecutorConfig
+from executor_service.cuda_graphs import DecodeGraphs
 from executor_service.default_model import ensure_default_model
 from executor_service.kv_cache import CacheShape, KVCache
 from executor_service.model import (
@@ -43,16 +44,18 @@ class Batch:
     meta: AttentionMetadata
     output_rows: Tensor
     sample_items: list[int]
+    decode_only: bool
 
 
 class TorchBackend:
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.info = info
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
+        self.graphs = graphs
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> TorchBackend:
@@ -75,7 +78,11 @@ class TorchBackend:
                            device=device)
         info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                           num_swap_blocks)
-        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device)
+        graphs = None
+        if config.cuda_graph_sizes and device.type == "cuda":
+            graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
+                                  -(-max_model_len // config.block_size), device)
+        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs)
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
@@ -95,8 +102,7 @@ class TorchBackend:
         batch = build_batch(items, self.info, self.device)
         results: list[SampleOutput | None] = [None] * len(items)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers,
-                                batch.output_rows)
+            hidden = self.forward(batch)
             if not batch.sample_items:
                 return results
             logits = self.model.compute_logits(hidden)
@@ -105,6 +111,15 @@ class TorchBackend:
         for i, sample in zip(batch.sample_items, samples, strict=True):
             results[i] = sample
         return results
+
+
+    def forward(self, batch: Batch) -> Tensor:
+        """Final hidden states of the sampled rows: a CUDA graph replay for decode steps that fit one."""
+        if self.graphs is not None and batch.decode_only:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden.index_select(0, batch.output_rows)
+        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -333,7 +348,8 @@ def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device)
         seq_lens=seq_lens.to(device=device, dtype=torch.int32),
         query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
     )
-    return Batch(input_ids.to(device), positions.to(device), meta, output_rows.to(device), sample_items)
+    return Batch(input_ids.to(device), positions.to(device), meta, output_rows.to(device), sample_items,
+                 total == len(items))
 
 
 def sample_request(item: BatchItem) -> SampleRequest:

@@ -145,6 +145,30 @@ def test_penalties_apply_per_row() -> None:
     assert apply_penalties(logits, reqs).tolist() == [[1.0] * 4, [0.0, 1.0, 1.0, 1.0]]
 
 
+def penalise_one(row: torch.Tensor, r: SampleRequest) -> torch.Tensor:
+    """One row by the textbook rules, in Python (the batched version must match it bit for bit)."""
+    s, out = r.sampling, row.clone()
+    ids = [t for t in r.token_ids if 0 <= t < row.shape[0]]
+    output = [t for t in r.token_ids[r.num_prompt_tokens:] if 0 <= t < row.shape[0]]
+    for t in set(ids):
+        out[t] = row[t] / s.repetition_penalty if row[t] > 0 else row[t] * s.repetition_penalty
+    for t in set(output):
+        out[t] = out[t] - s.frequency_penalty * output.count(t) - s.presence_penalty
+    return out
+
+
+def test_batched_penalties_match_row_by_row() -> None:
+    logits = random_logits(4, seed=9)
+    reqs = [request(SamplingConfig(repetition_penalty=1.3), prompt=(1, 5, 5), output=(7,)),
+            request(SamplingConfig(presence_penalty=0.5, frequency_penalty=0.2), prompt=(2,), output=(3, 3, 9, -1)),
+            request(SamplingConfig(), prompt=(4,), output=(4, 4)),
+            request(SamplingConfig(repetition_penalty=0.8, frequency_penalty=1.0), prompt=(VOCAB + 3, 0),
+                    output=(0, 63, 63))]
+    out = apply_penalties(logits, reqs)
+    for i, r in enumerate(reqs):
+        torch.testing.assert_close(out[i], penalise_one(logits[i], r), rtol=0, atol=1e-6)
+
+
 def test_logprobs_are_raw_and_ranked() -> None:
     logits = random_logits(3, seed=5)
     raw = torch.log_softmax(logits, dim=-1)

@@ -1,15 +1,19 @@
 """Pure-torch paged attention over a block-structured KV cache (reference implementation).
 
-Decode tokens (one query token per sequence) are batched: sequences are sorted by context length and cut
-into chunks whose padded float32 K/V stay cache-sized on CPU (much larger chunks on other devices); each
-chunk is gathered through a flat slot index and attended with one masked `scaled_dot_product_attention`.
-Sequences with several query tokens (prefill, chunked prefill) are attended one at a time. Math is in
+Every sequence of a step (decodes and prefill chunks alike) goes through a few padded batched
+`scaled_dot_product_attention` calls: sequences are sorted by (query length, context length) and cut into groups
+whose padded float32 K/V stay cache-sized on CPU (much larger groups elsewhere). A group's K/V rows are gathered
+through one flat slot index; a query head group's rows and the group's query positions share one query axis, so
+K/V are never repeated per query head. The plan (groups, slot indices, additive masks) depends only on the step's
+metadata, so it is built once per step and reused by every layer when the caller passes a `Scratch`. Math is in
 float32. Slots past a sequence's length are never read, so stale or non-finite cache contents cannot leak.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +22,38 @@ from torch import Tensor
 CHUNK_BYTES = 1 << 21
 DEVICE_CHUNK_BYTES = 1 << 28
 SCRATCH_MAX_BYTES = 1 << 23
+PAD_SLACK = 1.5
 
+
+@dataclass(slots=True)
+class Group:
+    """Sequences attended in one call: query rows padded to q_len, keys padded to kv_len."""
+
+    num_seqs: int
+    q_len: int
+    kv_len: int
+    slots: Tensor  # [num_seqs * kv_len] flat cache slots (padding repeats a sequence's first slot)
+    query_rows: Tensor | None  # [num_seqs * q_len] packed query rows (padding repeats a real row); None: all, in order
+    bias: Tensor | None  # [num_seqs, 1, group * q_len, kv_len] additive mask (0 / -inf); None: nothing masked
+    real: Tensor | None  # positions of real query rows in the padded [num_seqs * q_len] order
+    out_rows: Tensor | None  # the packed rows they go to
+
+
+@dataclass(slots=True)
+class Plan:
+    groups: list[Group]
+    num_tokens: int
 
 
 class Scratch:
-    """Gather buffers reused across calls by one caller (one forward thread): fresh multi-megabyte tensors
-    cost more in page faults than the gather itself. Requests over SCRATCH_MAX_BYTES get a fresh tensor."""
+    """Per-caller state (one forward thread): gather buffers reused across calls (fresh multi-megabyte tensors
+    cost more in page faults than the gather itself; requests over SCRATCH_MAX_BYTES get a fresh tensor), and
+    the plan of the current step, kept while the caller passes the same metadata tensors (one per layer)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
+        self._plan_key: tuple[Tensor, ...] = ()
+        self._plan: Plan | None = None
 
     def get(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
         numel = shape[0] * shape[1]
@@ -37,6 +64,13 @@ class Scratch:
             buffer = self._buffers[name] = torch.empty(max(numel, SCRATCH_MAX_BYTES // dtype.itemsize // 4),
                                                        dtype=dtype)
         return buffer[:numel].view(shape)
+
+    def plan(self, key: tuple[Tensor, ...], build: Callable[[], Plan]) -> Plan:
+        """The plan for these metadata tensors (compared by identity; they are held, so ids cannot be reused)."""
+        if self._plan is None or len(key) != len(self._plan_key) or any(
+                a is not b for a, b in zip(key, self._plan_key, strict=True)):
+            self._plan, self._plan_key = build(), key
+        return self._plan
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -68,23 +102,38 @@ def paged_attention(
 
     query [num_tokens, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim];
     block_tables [num_seqs, max_blocks]; seq_lens [num_seqs] (context including this step's tokens);
-    query_start_loc [num_seqs + 1]. The q query tokens of a sequence occupy its last q positions."""
+    query_start_loc [num_seqs + 1]. The q query tokens of a sequence occupy its last q positions.
+    With a scratch, the metadata tensors must not change in place between the calls of one step."""
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return torch.empty_like(query)
-    starts, lens = _host_metadata(query_start_loc, seq_lens)
-    decodes = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
-    chunks = list(_chunks(sorted(decodes, key=lens.__getitem__), lens, _chunk_tokens(k_cache)))
-    if len(decodes) == num_tokens == num_seqs and len(chunks) == 1:
-        return _decode_chunk(query, k_cache, v_cache, block_tables, seq_lens, max(lens), scale, scratch).to(query.dtype)
+    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc)
+    plan = build() if scratch is None else scratch.plan((block_tables, seq_lens, query_start_loc), build)
+    if len(plan.groups) == 1 and plan.groups[0].query_rows is None:
+        return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch).to(query.dtype)
     out = torch.empty_like(query)
-    for chunk in chunks:
-        _decode_rows(query, k_cache, v_cache, block_tables, starts, lens, chunk, scale, out, scratch)
-    for s in range(num_seqs):
-        q0, q1 = starts[s], starts[s + 1]
-        if q1 - q0 > 1:
-            out[q0:q1] = _prefill_one(query[q0:q1], k_cache, v_cache, block_tables[s], lens[s], scale, scratch)
+    for group in plan.groups:
+        attended = _attend(query.index_select(0, group.query_rows), k_cache, v_cache, group, scale, scratch)
+        if group.real is not None:
+            attended = attended.index_select(0, group.real)
+        out.index_copy_(0, group.out_rows, attended.to(out.dtype))
     return out
+
+
+def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+               query_start_loc: Tensor) -> Plan:
+    starts, lens = _host_metadata(query_start_loc, seq_lens)
+    q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
+    order = sorted((s for s in range(len(lens)) if q_lens[s] > 0), key=lambda s: (q_lens[s], lens[s]))
+    budget = _chunk_tokens(k_cache)
+    group_size = query.shape[1] // k_cache.shape[2]
+    chunks = list(_cut(order, q_lens, lens, budget))
+    whole = len(chunks) == 1 and len(order) == len(lens) == query.shape[0]  # one decode group: keep packed order
+    if whole:
+        chunks = [list(range(len(lens)))]
+    groups = [_group(chunk, starts, q_lens, lens, block_tables, k_cache.shape[1], group_size, whole)
+              for chunk in chunks]
+    return Plan(groups, query.shape[0])
 
 
 def _host_metadata(query_start_loc: Tensor, seq_lens: Tensor) -> tuple[list[int], list[int]]:
@@ -93,93 +142,85 @@ def _host_metadata(query_start_loc: Tensor, seq_lens: Tensor) -> tuple[list[int]
     return both[:split], both[split:]
 
 
-def _decode_rows(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    starts: list[int],
-    lens: list[int],
-    chunk: list[int],
-    scale: float,
-    out: Tensor,
-    scratch: Scratch | None,
-) -> None:
-    """Attend the one query token of each sequence in chunk (ascending length) and scatter it into out."""
-    device = query.device
-    rows = torch.tensor([starts[s] for s in chunk], device=device)
-    tables = block_tables.index_select(0, torch.tensor(chunk, device=device))
-    chunk_lens = torch.tensor([lens[s] for s in chunk], device=device)
-    attended = _decode_chunk(query.index_select(0, rows), k_cache, v_cache, tables, chunk_lens, lens[chunk[-1]], scale,
-                             scratch)
-    out.index_copy_(0, rows, attended.to(out.dtype))
-
-
 def _chunk_tokens(k_cache: Tensor) -> int:
-    """Padded context tokens per decode chunk: float32 K of a chunk fits in cache on CPU, in a bound elsewhere."""
+    """Padded context tokens per group: float32 K of a group fits in cache on CPU, in a bound elsewhere."""
     budget = CHUNK_BYTES if k_cache.device.type == "cpu" else DEVICE_CHUNK_BYTES
     return max(1, budget // (k_cache.shape[2] * k_cache.shape[3] * 4))
 
 
-def _chunks(order: list[int], lens: list[int], max_tokens: int) -> Iterator[list[int]]:
-    """Cut sequences sorted by ascending length so that count * longest length stays within max_tokens."""
+def _cut(order: list[int], q_lens: list[int], lens: list[int], max_tokens: int) -> Iterator[list[int]]:
+    """Cut sequences sorted by (query length, length): padded keys within max_tokens, padded work within
+    PAD_SLACK of the real work."""
     chunk: list[int] = []
+    q_max = kv_max = real = 0
     for s in order:
-        if chunk and (len(chunk) + 1) * lens[s] > max_tokens:
+        q_new, kv_new, real_new = max(q_max, q_lens[s]), max(kv_max, lens[s]), real + q_lens[s] * lens[s]
+        n = len(chunk) + 1
+        if chunk and (n * kv_new > max_tokens or n * q_new * kv_new > PAD_SLACK * real_new + n * kv_new):
             yield chunk
-            chunk = []
+            chunk, q_new, kv_new, real_new = [], q_lens[s], lens[s], q_lens[s] * lens[s]
         chunk.append(s)
+        q_max, kv_max, real = q_new, kv_new, real_new
     if chunk:
         yield chunk
 
 
-def _decode_chunk(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, max_len: int, scale: float,
-    scratch: Scratch | None,
-) -> Tensor:
-    """query [n, heads, d], one token per sequence; tables [n, max_blocks]; lens [n] with max max_len."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    positions = torch.arange(max_len, device=query.device)
-    slots = _slots(tables, torch.minimum(positions[None, :], lens[:, None] - 1), k_cache.shape[1])
-    key = _gather(k_cache, slots, "k", scratch).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    value = _gather(v_cache, slots, "v", scratch).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    grouped = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
-    return attended.reshape(num_seqs, num_heads, head_dim)
+def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[int], block_tables: Tensor,
+           block_size: int, group_size: int, whole: bool) -> Group:
+    """Index tensors and mask of one group (built once per step on the host, then moved to the device)."""
+    device = block_tables.device
+    n, q_len, kv_len = len(chunk), max(q_lens[s] for s in chunk), max(lens[s] for s in chunk)
+    seq_q = torch.tensor([q_lens[s] for s in chunk])
+    seq_kv = torch.tensor([lens[s] for s in chunk])
+    key_pos = torch.arange(kv_len)
+    tables = block_tables.index_select(0, torch.tensor(chunk, device=device)).long().cpu()
+    clamped = torch.minimum(key_pos[None, :], seq_kv[:, None] - 1)
+    slots = (tables.gather(1, clamped // block_size) * block_size + clamped % block_size).flatten()
+    q_idx = torch.arange(q_len)
+    query_pos = seq_kv[:, None] - seq_q[:, None] + q_idx[None, :]  # [n, q_len]; padding rows past the end
+    is_real = q_idx[None, :] < seq_q[:, None]
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_kv[:, None, None])
+    allowed[:, :, 0] |= ~is_real  # padding query rows see key 0 only, so they stay finite
+    bias = None
+    if not bool(allowed.all()):
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None, None]
+        if q_len > 1:
+            bias = bias.expand(n, 1, group_size, q_len, kv_len).reshape(n, 1, group_size * q_len, kv_len)
+        else:
+            bias = bias.view(n, 1, 1, kv_len)
+    if whole:
+        return Group(n, q_len, kv_len, slots.to(device), None, _to(bias, device), None, None)
+    first = torch.tensor([starts[s] for s in chunk])
+    rows = first[:, None] + torch.minimum(q_idx[None, :], seq_q[:, None] - 1)
+    real = is_real.flatten().nonzero().flatten()
+    all_real = real.numel() == n * q_len
+    return Group(n, q_len, kv_len, slots.to(device), rows.flatten().to(device), _to(bias, device),
+                 None if all_real else real.to(device), rows.flatten()[real].to(device))
 
 
-def _prefill_one(query: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, seq_len: int, scale: float,
-                 scratch: Scratch | None) -> Tensor:
-    """query [q, heads, d] at the last q of seq_len positions; table [max_blocks] is its block row."""
-    q_len, num_heads, head_dim = query.shape
+def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale: float,
+            scratch: Scratch | None) -> Tensor:
+    """query [n * q_len, heads, d] in padded order -> attended [n * q_len, heads, d] (float32)."""
+    n, q_len, kv_len = group.num_seqs, group.q_len, group.kv_len
+    num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    positions = torch.arange(seq_len, device=query.device)
-    slots = _slots(table[None, :], positions[None, :], k_cache.shape[1])
-    shape = (num_kv_heads, group, seq_len, head_dim)
-    key = _per_kv_head(_gather(k_cache, slots, "k", scratch), shape)
-    value = _per_kv_head(_gather(v_cache, slots, "v", scratch), shape)
-    grouped = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    if q_len == seq_len:
-        attended = F.scaled_dot_product_attention(grouped, key, value, is_causal=True, scale=scale)
+    size = num_heads // num_kv_heads
+    key = _gather(k_cache, group.slots, "k", scratch).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    value = _gather(v_cache, group.slots, "v", scratch).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    grouped = query.float().view(n, q_len, num_kv_heads, size, head_dim)
+    if q_len == 1:
+        grouped = grouped.view(n, num_kv_heads, size, head_dim)
     else:
-        mask = positions[None, :] <= positions[seq_len - q_len :, None]
-        attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
-    return attended.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
-
-
-def _per_kv_head(rows: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
-    """Rows [seq_len, kv_heads * d] as [kv_heads, group, seq_len, d], the group dimension a stride-0 view."""
-    num_kv_heads, _, seq_len, head_dim = shape
-    return rows.view(seq_len, num_kv_heads, head_dim).transpose(0, 1)[:, None].expand(shape)
-
-
-def _slots(tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
-    """Flat cache slots [n * len] of positions [n, len] through block table rows [n, max_blocks]."""
-    blocks = tables.long().gather(1, positions // block_size)
-    return (blocks * block_size + positions % block_size).flatten()
+        grouped = grouped.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, size * q_len, head_dim)
+    attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.bias, scale=scale)
+    if q_len == 1:
+        return attended.reshape(n, num_heads, head_dim)
+    attended = attended.view(n, num_kv_heads, size, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return attended.reshape(n * q_len, num_heads, head_dim)
 
 
 def _gather(cache: Tensor, slots: Tensor, name: str, scratch: Scratch | None) -> Tensor:

@@ -1,0 +1,90 @@
+"""The torch executor's forward steps in process, against the roofline, in CPU time (robust on a shared machine).
+
+    python benchmarks/forward_steps.py [--model DIR] [--repeats 5] [--json-out FILE]
+
+TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
+offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
+each of N sequences at a context length). Each shape: the best of --repeats timings of this thread's CPU time
+(time.thread_time: other processes on the machine do not count; cache and memory contention still do).
+Beside each: model GFLOP/s (linears + LM head + attention over the step's contexts, benchmarks/roofline.py) as a
+% of the matmul peak measured first in the same process with the same clock, and for decode the bytes the step
+must move (weights once + K/V read and written) per second as a % of the measured streaming-read bandwidth.
+One thread (torch.set_num_threads(1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.roofline import ModelShape, best_time, limits_record, measure_limits  # noqa: E402
+from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model  # noqa: E402
+from executor_service.backend import BatchItem, SamplingConfig  # noqa: E402
+from executor_service.config import ExecutorConfig  # noqa: E402
+from executor_service.torch_backend import TorchBackend  # noqa: E402
+
+SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
+          ("decode", 16, 300), ("decode", 4, 400)]
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def step_items(kind: str, n: int, length: int, vocab: int, blocks_each: int) -> list[BatchItem]:
+    rng = random.Random(n * 1000 + length)
+    items = []
+    for i in range(n):
+        tokens = [rng.randrange(3, vocab) for _ in range(length)]
+        table = list(range(i * blocks_each, (i + 1) * blocks_each))
+        start = 0 if kind == "prefill" else length - 1
+        items.append(BatchItem(str(i), tokens, length, start, length - start, table, True, GREEDY))
+    return items
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = ensure_model(args.model)
+    shape = ModelShape.from_dir(model)
+    limits = measure_limits(shape, 1, "cpu", clock=time.thread_time)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=4096))
+    blocks_each = 4096 // max(n for _, n, _ in SHAPES)
+    rows = []
+    for kind, n, length in SHAPES:
+        items = step_items(kind, n, length, shape.vocab, blocks_each)
+        if kind == "decode":  # the context must be in the cache
+            backend.execute([BatchItem(i.request_id, i.token_ids, length, 0, length, i.block_table, False, GREEDY)
+                             for i in items])
+        seconds = best_time(lambda items=items: backend.execute(items), lambda: None, reps=1, rounds=args.repeats,
+                            clock=time.thread_time)
+        flops = sum(shape.pass_flops(i.start, i.num_tokens, True) for i in items)
+        row = {"step": f"{kind} {n} x {length}", "ms": round(seconds * 1e3, 2),
+               "gflops": round(flops / seconds / 1e9, 1),
+               "pct_of_matmul_peak": round(limits.flops_pct(flops / seconds), 1)}
+        if kind == "decode":
+            moved = shape.decode_step_bytes([length] * n)
+            row |= {"gbs": round(moved / seconds / 1e9, 1),
+                    "pct_of_read_bw": round(limits.bandwidth_pct(moved / seconds), 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    record = {"bench": "forward_steps", "limits": limits_record(limits), "rows": rows}
+    print(json.dumps(record))
+    if args.json_out:
+        with open(args.json_out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

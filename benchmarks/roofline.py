@@ -1,0 +1,183 @@
+"""The hardware limit a benchmark's model work is compared with, measured in the same run.
+
+Model work is counted from the config, not profiled: per computed token, 2 FLOPs per weight of every linear
+layer (fused qkv, o, fused gate/up, down); per sampled row, 2 x hidden x vocab for the LM head; per query token
+and layer, 4 x heads x head_dim FLOPs per attended key (QK^T and PV). A decode step moves the linear and LM-head
+weights once, reads the K/V of every attended key and writes the K/V of each new token.
+
+The limits are measured on the benchmark's own threads: matmul peak = the best FLOP/s of one layer's linears plus
+the LM head at M rows (M = 64 ... 512, the model's own shapes, best of several timings); memory bandwidth = a
+streaming read of a buffer much larger than the caches (and a copy, reported beside it).
+
+    python benchmarks/roofline.py [--model DIR] [--threads 1] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PEAK_ROWS = (64, 128, 256, 512)
+BANDWIDTH_MIB = 512
+
+
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 4
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, dtype_bytes: int = 4) -> ModelShape:
+        from executor_service.model import ModelConfig
+
+        c = ModelConfig.from_dir(model_dir)
+        return cls(c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                   c.vocab_size, dtype_bytes)
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of one layer's linears: fused qkv, o, fused gate/up, down."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(self.hidden, q + 2 * kv), (q, self.hidden), (self.hidden, 2 * self.intermediate),
+                (self.intermediate, self.hidden)]
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        return 2 * self.layers * sum(i * o for i, o in self.linears())
+
+    @property
+    def lm_head_flops_per_row(self) -> int:
+        return 2 * self.hidden * self.vocab
+
+    @property
+    def weight_bytes(self) -> int:
+        """Linear and LM-head weights: what every forward pass reads once."""
+        per_layer = sum(i * o for i, o in self.linears())
+        return (self.layers * per_layer + self.hidden * self.vocab) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def attention_flops(self, start: int, num_tokens: int) -> int:
+        """Causal attention of positions [start, start + num_tokens): position p attends to p + 1 keys."""
+        keys = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        return 4 * self.heads * self.head_dim * self.layers * keys
+
+    def pass_flops(self, start: int, num_tokens: int, sampled: bool) -> int:
+        """One request's part of one forward pass."""
+        return (num_tokens * self.linear_flops_per_token + self.attention_flops(start, num_tokens)
+                + (self.lm_head_flops_per_row if sampled else 0))
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        """A whole request without recompute: every prompt token and every output token but the last goes
+        through the model; one LM-head row per output token."""
+        computed = prompt_len + output_len - 1
+        return (computed * self.linear_flops_per_token + self.attention_flops(0, computed)
+                + output_len * self.lm_head_flops_per_row)
+
+    def decode_step_bytes(self, context_lens: Iterable[int]) -> int:
+        """Bytes a decode step moves: weights once, K/V of every attended key read, one token's K/V written."""
+        lens = list(context_lens)
+        return self.weight_bytes + (sum(lens) + len(lens)) * self.kv_bytes_per_token
+
+
+@dataclass(slots=True)
+class Limits:
+    device: str
+    threads: int
+    matmul_peak_gflops: float
+    matmul_gflops_by_rows: dict[int, float]
+    read_gbs: float
+    copy_gbs: float
+
+    def flops_pct(self, flops_per_s: float) -> float:
+        return 100.0 * flops_per_s / (self.matmul_peak_gflops * 1e9)
+
+    def bandwidth_pct(self, bytes_per_s: float) -> float:
+        return 100.0 * bytes_per_s / (self.read_gbs * 1e9)
+
+
+def best_time(fn: Callable[[], object], sync: Callable[[], None], reps: int, rounds: int = 5,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = clock()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, (clock() - t0) / reps)
+    return best
+
+
+def measure_limits(shape: ModelShape, threads: int, device: str = "cpu", rows: Iterable[int] = PEAK_ROWS,
+                   bandwidth_mib: int = BANDWIDTH_MIB, clock: Callable[[], float] = time.perf_counter) -> Limits:
+    """Matmul peak on the model's linear shapes and streaming memory bandwidth, on `threads` torch threads.
+    clock=time.thread_time (one thread, CPU) counts only this thread's CPU time: robust on a shared machine."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    dtype = {2: torch.float16, 4: torch.float32}[shape.dtype_bytes]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    shapes = [*shape.linears(), (shape.hidden, shape.vocab)]
+    weights = [torch.randn(o, i, device=dev, dtype=dtype) for i, o in shapes]
+    by_rows: dict[int, float] = {}
+    with torch.inference_mode():
+        for m in rows:
+            inputs = [torch.randn(m, i, device=dev, dtype=dtype) for i, _ in shapes]
+            flops = sum(2 * m * i * o for i, o in shapes)
+
+            def layer(inputs: list[torch.Tensor] = inputs) -> None:
+                for x, w in zip(inputs, weights, strict=True):
+                    torch.nn.functional.linear(x, w)
+
+            by_rows[m] = flops / best_time(layer, sync, reps=3, clock=clock) / 1e9
+        numel = bandwidth_mib * (1 << 20) // 4
+        src = torch.rand(numel, device=dev)
+        dst = torch.empty_like(src)
+        read = best_time(src.sum, sync, reps=1, rounds=4, clock=clock)
+        copy = best_time(lambda: dst.copy_(src), sync, reps=1, rounds=4, clock=clock)
+    return Limits(device=dev.type, threads=threads, matmul_peak_gflops=max(by_rows.values()),
+                  matmul_gflops_by_rows={m: round(v, 1) for m, v in by_rows.items()},
+                  read_gbs=numel * 4 / read / 1e9, copy_gbs=2 * numel * 4 / copy / 1e9)
+
+
+def limits_record(limits: Limits) -> dict[str, object]:
+    record = asdict(limits)
+    for key in ("matmul_peak_gflops", "read_gbs", "copy_gbs"):
+        record[key] = round(record[key], 1)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: the embedded default model)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = p.parse_args(argv)
+    from executor_service.default_model import ensure_default_model
+
+    shape = ModelShape.from_dir(args.model or ensure_default_model())
+    print(json.dumps({"bench": "roofline", "shape": asdict(shape),
+                      **limits_record(measure_limits(shape, args.threads, args.device))}))
+
+
+if __name__ == "__main__":
+    main()

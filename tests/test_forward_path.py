@@ -1,0 +1,96 @@
+"""The executor's fast forward path: RoPE without temporaries, the per-step attention plan, CUDA-graph flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from executor_service.attention import reference
+from executor_service.config import ExecutorConfig, parse_sizes
+from executor_service.model.llama import apply_rope
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's formula with the concatenated tables."""
+    half = x.shape[-1] // 2
+    cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos2 + rotated * sin2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_to_hugging_face_on_strided_rows(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(7, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    qk = qkv[:, : 6 * 16].view(7, 6, 16)  # q and k heads of a fused qkv output: row stride > row length
+    freqs = torch.randn(7, 8, generator=gen) * 3
+    cos, sin = freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+    assert torch.equal(apply_rope(qk, cos, sin), hf_rope(qk.contiguous(), cos, sin))
+
+
+def decode_batch(lens: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // 4) for n in lens)
+    cache = torch.randn(2, blocks + 2, 4, 2, 8, generator=gen)
+    tables = torch.arange(blocks + 2, dtype=torch.int32)[: blocks].view(-1, 1)
+    table_rows, start = [], 0
+    for n in lens:
+        count = -(-n // 4)
+        table_rows.append(torch.nn.functional.pad(tables[start : start + count, 0], (0, 8 - count)))
+        start += count
+    query = torch.randn(len(lens), 4, 8, generator=gen)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return query, cache[0], cache[1], torch.stack(table_rows), torch.tensor(lens, dtype=torch.int32), qsl
+
+
+def test_plan_is_built_once_per_step_and_rebuilt_for_the_next() -> None:
+    scratch = reference.Scratch()
+    query, k, v, tables, lens, qsl = decode_batch([5, 9, 16], seed=1)
+    first = reference.paged_attention(query, k, v, tables, lens, qsl, 0.3, scratch)
+    plan = scratch.plan((tables, lens, qsl), lambda: pytest.fail("the same step must reuse its plan"))
+    layer2 = reference.paged_attention(query * 2, k, v, tables, lens, qsl, 0.3, scratch)  # next layer, same step
+    torch.testing.assert_close(layer2, reference.paged_attention(query * 2, k, v, tables, lens, qsl, 0.3))
+    assert scratch.plan((tables, lens, qsl), lambda: pytest.fail("rebuilt")) is plan
+    lens2 = torch.tensor([6, 10, 17], dtype=torch.int32)  # the next step: new metadata tensors
+    second = reference.paged_attention(query, k, v, tables, lens2, qsl, 0.3, scratch)
+    torch.testing.assert_close(second, reference.paged_attention(query, k, v, tables, lens2, qsl, 0.3))
+    assert not torch.equal(first, second)
+
+
+def test_cuda_graph_sizes_flag() -> None:
+    assert parse_sizes("8,1, 2,8") == (1, 2, 8)
+    assert parse_sizes("") == ()
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_sizes("0,4")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_sizes("four")
+    assert ExecutorConfig.from_args(["--cuda-graph-sizes", "4,2"]).cuda_graph_sizes == (2, 4)
+    assert ExecutorConfig.from_args([]).cuda_graph_sizes == ()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_matches_eager() -> None:
+    from executor_service.backend import BatchItem, SamplingConfig
+    from executor_service.torch_backend import TorchBackend
+
+    config = ExecutorConfig(device="cuda", num_gpu_blocks=256, num_cpu_blocks=0)
+    eager = TorchBackend.create(config)
+    config.cuda_graph_sizes = (1, 4, 8)
+    graphed = TorchBackend.create(config)
+    assert graphed.graphs is not None
+    greedy = SamplingConfig(temperature=0.0)
+    for n in (1, 3, 8, 9):  # 3 pads to 4; 9 is larger than every graph and runs eagerly
+        tokens = []
+        for backend in (eager, graphed):
+            ids = [[5 + i + j for j in range(20)] for i in range(n)]
+            tables = [list(range(i * 3, i * 3 + 3)) for i in range(n)]
+            backend.execute([BatchItem(str(i), ids[i], 20, 0, 20, tables[i], True, greedy) for i in range(n)])
+            for _ in range(5):
+                outs = backend.execute([BatchItem(str(i), ids[i], 20, len(ids[i]) - 1, 1, tables[i], True, greedy)
+                                        for i in range(n)])
+                for i, o in enumerate(outs):
+                    ids[i].append(o.token_id)
+            tokens.append(ids)
+        assert tokens[0] == tokens[1]
