@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
@@ -49,6 +50,10 @@ class SchedulerServiceConfig:
     tls_ca: str | None = None
     api_key: list[str] = field(default_factory=list)
     api_key_file: str | None = None
+    api_server_count: int | None = None
+    async_scheduling: bool = True
+    steps_in_flight: int = 2
+    max_stream_buffer: int = 1024
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -66,7 +71,8 @@ class SchedulerServiceConfig:
             num_scheduler_steps=self.num_scheduler_steps, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold, aging_rate=self.aging_rate,
-            max_waiting_time=self.max_waiting_time)
+            max_waiting_time=self.max_waiting_time,
+            async_scheduling=self.async_scheduling and self.num_scheduler_steps == 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,13 +134,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="PEM CA that signed the executor's certificate (mTLS)")
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     p.add_argument("--api-key-file", default=None, help="file of accepted API keys, one per line")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="front-end processes serving the public port (SO_REUSEPORT) around one engine core "
+                   "process (default: cores / 4, 1 to 8); 0 runs everything in one process (the layout "
+                   "before the split)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="schedule step N+1 while the executor runs step N (off with --num-scheduler-steps > 1)")
+    p.add_argument("--steps-in-flight", type=int, default=d.steps_in_flight,
+                   help="with --async-scheduling: steps written to the executor before the oldest one's result "
+                   "is read (2: one running, one queued)")
+    p.add_argument("--max-stream-buffer", type=int, default=d.max_stream_buffer,
+                   help="responses one stream may have waiting for a slow client before it is aborted")
     return p
+
+
+def default_api_server_count(cpus: int) -> int:
+    """One front-end per 4 cores, 1 to 8: the engine core and the executor's host process need a core
+    each, and a front-end streams ~30-80k tokens/s per core (docs/architecture.md)."""
+    return max(1, min(8, cpus // 4))
 
 
 def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
+    if config.api_server_count is None:
+        config.api_server_count = default_api_server_count(len(os.sched_getaffinity(0)))
+    if config.api_server_count < 0:
+        raise SystemExit("--api-server-count must be >= 0")
+    if config.steps_in_flight < 2:
+        raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
+    if config.max_stream_buffer < 1:
+        raise SystemExit("--max-stream-buffer must be >= 1")
     for text in config.executor:
         try:
             parse_target(text)

@@ -35,6 +35,7 @@ class CoreConfig:
     long_prefill_token_threshold: int = 0
     aging_rate: float = 0.0
     max_waiting_time: float | None = None
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True, frozen=True)
