@@ -30,12 +30,11 @@ from client.bench.record import emit, machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import median
 from client.lib import PagedServeClient
-from client.local import service
+from client.local import free_port, parse_metrics, service
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from tests.procs import free_port, parse_metrics
 
 BLOCK_SIZE = 16
 

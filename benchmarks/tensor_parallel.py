@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from client.local import free_port, stop, wait_healthy  # noqa: E402
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
-from tests.procs import free_port, stop, wait_healthy  # noqa: E402
 
 WARMUP_STEPS = 2
 GREEDY = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True)

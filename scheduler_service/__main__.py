@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,9 +17,12 @@ import uvloop
 from grpc_health.v1 import health_pb2
 
 from protos.wire import channel_credentials, read_secret, server_credentials
+from scheduler_service.api_servers import ApiServers
 from scheduler_service.auth import load_api_keys
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.engine import Engine
+from scheduler_service.engine_core import EngineCore
+from scheduler_service.ipc import ipc_address
 from scheduler_service.metrics import EngineMetrics, MetricsServer
 from scheduler_service.pool import ExecutorPool, PoolConfig
 from scheduler_service.server import PublicServer, ServingLimits, serve, set_health
@@ -47,14 +52,16 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 50, 1000)
 
 
-async def start_http(config: SchedulerServiceConfig, public: PublicServer) -> HttpServer | None:
+async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse_port: bool = False
+                     ) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API over the same GenerationServicer (in every api server process)."""
     if not config.http_listen:
         return None
     from scheduler_service.openai_api.app import OpenAIApi, serve_http
 
     api = OpenAIApi(public.generation, config.served_model_name,
                     load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
-    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port)
     log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
     return http
 
@@ -72,8 +79,14 @@ async def shutdown(config: SchedulerServiceConfig, public: PublicServer, engine:
     await engine.stop()
 
 
-async def main(config: SchedulerServiceConfig) -> None:
-    public_creds, executor_creds = credentials(config)
+async def main(config: SchedulerServiceConfig) -> int:
+    if config.api_server_count == 0:
+        await main_single_process(config)
+        return 0
+    return await main_core(config)
+
+
+def make_pool(config: SchedulerServiceConfig, executor_creds: grpc.ChannelCredentials | None) -> ExecutorPool:
     pool_config = PoolConfig(config.executor, config.executor_resolve_interval, config.executor_hosts_file,
                              config.executor_drain_file)
     secret = read_secret(config.executor_secret_file)
@@ -81,12 +94,80 @@ async def main(config: SchedulerServiceConfig) -> None:
     def make_engine(address: str, metrics: EngineMetrics | None) -> Engine:
         return Engine(config.core(), address, config.max_queue_len, config.served_model_name, executor_creds,
                       config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
-                      executor_secret=secret, metrics=metrics)
+                      executor_secret=secret, metrics=metrics, steps_in_flight=config.steps_in_flight)
 
-    engine = ExecutorPool(pool_config, config.core(), config.max_queue_len, make_engine, config.served_model_name)
-    serving = ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
-                            executor_wait_timeout=config.executor_wait_timeout,
-                            max_request_bytes=config.max_request_bytes)
+    return ExecutorPool(pool_config, config.core(), config.max_queue_len, make_engine, config.served_model_name)
+
+
+def serving_limits(config: SchedulerServiceConfig) -> ServingLimits:
+    return ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
+                         executor_wait_timeout=config.executor_wait_timeout,
+                         max_request_bytes=config.max_request_bytes)
+
+
+def resolve_listen(listen: str) -> str:
+    """Api servers share one port: a requested port 0 is fixed here, once, for all of them."""
+    host, _, port = listen.rpartition(":")
+    if port != "0":
+        return listen
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
+        s.bind((host.strip("[]") or "0.0.0.0", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+async def main_core(config: SchedulerServiceConfig) -> int:
+    """The engine core process: the executor pool, the api servers' socket, and the api server processes."""
+    _, executor_creds = credentials(config)
+    engine = make_pool(config, executor_creds)
+    core = EngineCore(engine, ipc_address("core"))
+    core.bind()
+    core.start()
+    listen = resolve_listen(config.listen)
+    if config.http_listen:
+        config.http_listen = resolve_listen(config.http_listen)
+    servers = ApiServers(config, core.address, listen, core.drop_frontend)
+    servers.start()
+    engine.on_ready_change = lambda ready: core.broadcast_status()
+    log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
+             config.api_server_count, listen, ", ".join(config.executor))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
+    starting = asyncio.create_task(engine.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    metrics_server: MetricsServer | None = None
+    if starting.done():
+        starting.result()
+        core.broadcast_status()
+        if config.metrics_port is not None and engine.metrics is not None:
+            core.counters()  # its series on the registry from the start
+            metrics_server = MetricsServer(engine.metrics.registry)
+            await metrics_server.start(config.metrics_host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        freeze_startup_objects()
+        log.info("engine core ready; api servers on %s", listen)
+        await stop.wait()
+        log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+        await servers.drain(config.shutdown_timeout + 5.0)
+    else:
+        starting.cancel()
+    servers.kill()
+    aborted = engine.abort_all("server shut down")
+    log.info("api servers stopped; aborted %d requests left in the core", aborted)
+    await engine.stop()
+    core.close()
+    if metrics_server is not None:
+        await metrics_server.close()
+    return 0
+
+
+async def main_single_process(config: SchedulerServiceConfig) -> None:
+    """--api-server-count 0: the public port and the engine loop in this one process."""
+    public_creds, executor_creds = credentials(config)
+    engine = make_pool(config, executor_creds)
+    serving = serving_limits(config)
     public = await serve(engine, config.listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
                          serving=serving)
@@ -133,8 +214,7 @@ async def main(config: SchedulerServiceConfig) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(main(parse_config(argv)))
-    return 0
+    return uvloop.run(main(parse_config(argv)))
 
 
 if __name__ == "__main__":

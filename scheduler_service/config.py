@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 
 from protos.flags import add_flags, config_from, flag
@@ -54,6 +55,16 @@ class SchedulerServiceConfig(CoreConfig):
     tls_ca: str | None = field(default=None, metadata=flag("PEM CA that signed the executor's certificate (mTLS)"))
     api_key: list[str] = field(default_factory=list, metadata=flag("accepted API key (repeatable)"))
     api_key_file: str | None = field(default=None, metadata=flag("file of accepted API keys, one per line"))
+    api_server_count: int | None = field(default=None, metadata=flag(
+        "front-end processes serving the public port (SO_REUSEPORT) around one engine core process (default: "
+        "cores / 4, 1 to 8); 0 runs everything in one process (the layout before the split)"))
+    async_scheduling: bool = field(default=True, metadata=flag(
+        "schedule step N+1 while the executor runs step N (off with --num-scheduler-steps > 1)"))
+    steps_in_flight: int = field(default=2, metadata=flag(
+        "with --async-scheduling: steps written to the executor before the oldest one's result is read (2: one "
+        "running, one queued)"))
+    max_stream_buffer: int = field(default=1024, metadata=flag(
+        "responses one stream may have waiting for a slow client before it is aborted"))
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -63,7 +74,9 @@ class SchedulerServiceConfig(CoreConfig):
         return config
 
     def core(self) -> CoreConfig:
-        return CoreConfig(**{f.name: getattr(self, f.name) for f in fields(CoreConfig)})
+        core = CoreConfig(**{f.name: getattr(self, f.name) for f in fields(CoreConfig)})
+        core.async_scheduling = self.async_scheduling and self.num_scheduler_steps == 1
+        return core
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,10 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_api_server_count(cpus: int) -> int:
+    """One front-end per 4 cores, 1 to 8: the engine core and the executor's host process need a core
+    each, and a front-end streams ~30-80k tokens/s per core (docs/architecture.md)."""
+    return max(1, min(8, cpus // 4))
+
+
 def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
+    if config.api_server_count is None:
+        config.api_server_count = default_api_server_count(len(os.sched_getaffinity(0)))
+    if config.api_server_count < 0:
+        raise SystemExit("--api-server-count must be >= 0")
+    if config.steps_in_flight < 2:
+        raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
+    if config.max_stream_buffer < 1:
+        raise SystemExit("--max-stream-buffer must be >= 1")
     for text in config.executor:
         try:
             parse_target(text)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ import grpc
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
-from scheduler_service.core.outputs import ExecutorResult, RequestDelta
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
@@ -48,7 +49,8 @@ class Engine:
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                  step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
-                 executor_secret: str | None = None, metrics: EngineMetrics | None = None) -> None:
+                 executor_secret: str | None = None, metrics: EngineMetrics | None = None,
+                 steps_in_flight: int = 2) -> None:
         self.core_config = core_config
         self.label = executor_address
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
@@ -66,6 +68,9 @@ class Engine:
         self.became_idle = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.steps_in_flight = steps_in_flight
+        self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
+        self._unrouted: list[RequestDelta] = []
         self.on_ready_change: Callable[[bool], object] | None = None
         # The pool's check of a described executor: "" to accept, else why it is refused.
         self.admit: Callable[[executor_pb2.DescribeResponse], str] | None = None
@@ -219,20 +224,73 @@ class Engine:
 
     async def _run(self) -> None:
         sched = self._sched()
+        step = self._step_async if self.core_config.async_scheduling else self._step
         while True:
-            if not sched.has_unfinished():
+            if not sched.has_unfinished() and not self._pending:
                 self.became_idle.set()
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue
             try:
-                await self._step(sched)
+                await step(sched)
             except (asyncio.CancelledError, ExecutorLost):
                 raise
             except Exception:
                 log.exception("engine step failed; failing the requests in flight and resetting the executor")
                 self.abort_all("internal error in the scheduler; see its log", FinishReason.ERROR)
                 await self._recover("engine step failed")
+
+    async def _step_async(self, sched: Scheduler) -> None:
+        """Async scheduling: keep steps_in_flight steps written to the Execute stream before reading the
+        oldest one's result, so the executor finds the next step queued when it finishes one and never
+        waits for schedule()/update()/routing (Scheduler._schedule_ahead). A step's deltas are routed
+        after the next step is sent: routing is off the executor's critical path."""
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        core = time.perf_counter() - t0
+        if out.needs_executor:
+            try:
+                await self.connection.send(out)
+            except ExecutorLost as e:
+                await self._lose(str(e), out)
+                return
+            self._pending.append(out)
+        else:
+            self._route(sched.update(out, ExecutorResult()))
+        self._route_unrouted()
+        executor = None
+        if self._pending and (len(self._pending) >= self.steps_in_flight or not out.needs_executor):
+            prev = self._pending[0]
+            t1 = time.perf_counter()
+            try:
+                result = await self.connection.receive(prev)
+            except ExecutorLost as e:
+                await self._lose(str(e), prev)
+                return
+            t2 = time.perf_counter()
+            self._executor_answered()
+            self._pending.popleft()
+            self._unrouted = sched.update(prev, result)
+            executor = t2 - t1
+            core += time.perf_counter() - t2
+        if self._unrouted and not self._pending:
+            self._route_unrouted()
+        self._observe(core, executor)
+        if not out.scheduled and not self._pending:
+            await self._idle()
+        else:
+            await asyncio.sleep(0)
+
+    def _route_unrouted(self) -> None:
+        if self._unrouted:
+            deltas, self._unrouted = self._unrouted, []
+            self._route(deltas)
+
+    async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
+        self._route_unrouted()
+        for out in {id(o): o for o in (*outs, *self._pending)}.values():
+            self._route(out.rejected)
+        await self._recover(reason)
 
     async def _step(self, sched: Scheduler) -> None:
         t0 = time.perf_counter()
@@ -284,6 +342,8 @@ class Engine:
         elif self._losses % 10 == 0:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
+        self._pending.clear()
+        self._unrouted = []
         sched.reset_executor()
         self._refresh_gauges()
         if self.on_ready_change is not None:
@@ -384,4 +444,7 @@ class Engine:
             series.step_time.observe(core_seconds)
             if executor_seconds is not None:
                 series.executor_step_time.observe(executor_seconds)
+            if self.connection.busy_ns:
+                series.executor_busy.inc(self.connection.busy_ns / 1e9)
+                self.connection.busy_ns = 0
         self._refresh_gauges()

@@ -103,6 +103,7 @@ class ExecutorConnection:
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self._metadata = ((EXECUTOR_SECRET_METADATA_KEY, secret),) if secret else None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self.busy_ns = 0  # the executor's own time in run_step (StepResult.timings.total_ns), summed
         self._lost = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
 
@@ -115,10 +116,28 @@ class ExecutorConnection:
     async def execute(self, out: SchedulerOutput) -> ExecutorResult:
         """One step; ExecutorLost for every way the stream can fail (an error status, a refused stream,
         a call already finished, a closed stream, no answer in time)."""
+        await self.send(out)
+        return await self.receive(out)
+
+    async def send(self, out: SchedulerOutput) -> None:
+        """Write a step; with async scheduling the next one is written before this one's result is read."""
         try:
             if self._call is None:
                 self._call = self._stub.Execute(metadata=self._metadata)
             await self._call.write(step_proto(out))
+        except grpc.aio.AioRpcError as e:
+            self.drop_stream()
+            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
+        except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
+            status = await self._status()
+            self.drop_stream()
+            raise ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})") from e
+
+    async def receive(self, out: SchedulerOutput) -> ExecutorResult:
+        """The result of step `out`: steps are answered in the order they were written."""
+        if self._call is None:
+            raise ExecutorLost("executor stream closed")
+        try:
             msg = await asyncio.wait_for(self._call.read(), self.step_timeout)
         except grpc.aio.AioRpcError as e:
             self.drop_stream()
@@ -134,6 +153,7 @@ class ExecutorConnection:
             status = await self._status()
             self.drop_stream()
             raise ExecutorLost(f"executor closed the step stream{f' ({status})' if status else ''}")
+        self.busy_ns += msg.timings.total_ns
         return result_from_proto(msg, out)
 
     async def _status(self) -> str:

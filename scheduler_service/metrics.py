@@ -79,6 +79,7 @@ class ExecutorSeries:
     kv_usage: Gauge
     device_blocks: Gauge
     serving: Gauge
+    executor_busy: Counter
 
 
 class EngineMetrics:
@@ -140,6 +141,8 @@ class EngineMetrics:
                                    EXECUTOR, registry=r),
             "serving": Gauge("pagedserve:executor_serving", "1 while the executor serves, else 0", EXECUTOR,
                              registry=r),
+            "executor_busy": Counter("pagedserve:executor_busy_seconds", "Time the executor reports spending in "
+                                     "its steps (its busy fraction is the rate of this)", EXECUTOR, registry=r),
         }
         self._stats: dict[str, SchedulerStats] = {}
         self._series: dict[str, ExecutorSeries] = {}
@@ -224,9 +227,12 @@ class RefusalCounter:
         self._last_log: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
         self._interval = log_interval
+        self.listener: Callable[[str], None] | None = None  # an api server forwards each to the engine core
 
     def add(self, code: str, message: str) -> None:
         self._counts[code] = self._counts.get(code, 0) + 1
+        if self.listener is not None:
+            self.listener(code)
         now = time.monotonic()
         if now - self._last_log.get(code, -math.inf) < self._interval:
             self._unlogged[code] = self._unlogged.get(code, 0) + 1
@@ -235,6 +241,11 @@ class RefusalCounter:
         self._last_log[code] = now
         log.info("refused a call with %s: %s%s", code, message,
                  f" (and {more} more since the last such line)" if more else "")
+
+    def merge(self, counts: dict[str, int]) -> None:
+        """Counts an api server process refused (logged there)."""
+        for code, n in counts.items():
+            self._counts[code] = self._counts.get(code, 0) + n
 
     def count(self, code: str) -> int:
         return self._counts.get(code, 0)

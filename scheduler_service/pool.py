@@ -299,10 +299,10 @@ class ExecutorPool:
         if engine is not None:
             engine.abort(request_id)
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
         engine = self._owner(request_id)
         if engine is not None:
-            engine.finish(request_id, reason)
+            engine.finish(request_id, reason, error)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
         return sum(e.abort_all(message, reason) for e in self._engines())

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES, add_port, public_server_options
 from scheduler_service.auth import ApiKeyInterceptor
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.engine import Engine, QueueFull, RequestStream
+from scheduler_service.engine import QueueFull
 from scheduler_service.metrics import RefusalCounter
-from scheduler_service.pool import ExecutorPool
 from scheduler_service.stop_strings import StopMatcher
 from scheduler_service.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.validation import (
@@ -42,6 +43,7 @@ FINISH_REASONS = {
     FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
 }
+API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the api server process serving the call
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -94,13 +96,34 @@ class ServingLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
+class StreamHandle(Protocol):
+    """What add() returns: the engine's record of one sequence (RequestStream, or an api server's)."""
+
+    executor_unavailable: bool
+
+
+class EngineHandle(Protocol):
+    """What the public API needs of an engine: the in-process Engine, or an api server's CoreClient."""
+
+    describe: executor_pb2.DescribeResponse | None
+    ready: asyncio.Event
+    metrics_model_name: str | None
+
+    def add(self, request: Request, queue: asyncio.Queue[Any]) -> StreamHandle: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None: ...
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine | ExecutorPool, max_logprobs: int, tokenizer_dir: str | None = None,
+    def __init__(self, engine: EngineHandle, max_logprobs: int, tokenizer_dir: str | None = None,
                  serving: ServingLimits | None = None) -> None:
         self.engine = engine
         self.max_logprobs = max_logprobs
         self.serving = serving or ServingLimits()
         self.shutting_down = False
+        self.server_index: int | None = None
         self.open_calls = 0
         self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
                                        (engine.describe.model_id if engine.describe else ""))
@@ -135,6 +158,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self.server_index is not None:
+            await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
         try:
             async for response in self.generate(request):
                 yield response
@@ -165,8 +190,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             rid, prompt_ids, requests = await self._build(request)
         except InvalidArgument as e:
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        streams: dict[str, RequestStream] = {}
+        queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
+        streams: dict[str, StreamHandle] = {}
         try:
             for req in requests:
                 streams[req.request_id] = self.engine.add(req, queue)
@@ -224,7 +249,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
-                      streams: dict[str, RequestStream], queue: asyncio.Queue[RequestDelta]
+                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError]
                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
@@ -233,7 +258,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for i, sub_id in enumerate(streams)}
         remaining = len(seqs)
         while remaining:
-            for delta in coalesce([await queue.get(), *drain(queue)]):
+            for delta in coalesce(self._checked([await queue.get(), *drain(queue)])):
                 seq = seqs.get(delta.request_id)
                 if seq is None or seq.done:
                     continue
@@ -244,6 +269,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     remaining -= 1
                 if response is not None:
                     yield response
+
+    def _checked(self, items: list[RequestDelta | RequestError]) -> list[RequestDelta]:
+        """The deltas; a refusal that came instead (from an engine core in another process) is raised."""
+        for item in items:
+            if isinstance(item, RequestError):
+                raise self.refuse(item.code, item.message)
+        return items  # type: ignore[return-value]
 
     def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
                  ) -> generation_pb2.GenerateResponse | None:
@@ -277,7 +309,7 @@ def token_logprobs_proto(lp: TokenLogprob) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=top)
 
 
-def drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
+def drain(queue: asyncio.Queue[RequestDelta | RequestError]) -> list[RequestDelta | RequestError]:
     items = []
     while not queue.empty():
         items.append(queue.get_nowait())
@@ -320,12 +352,14 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
     server.add_registered_method_handlers(GENERATION_SERVICE, {"Generate": handler})
 
 
-async def serve(engine: Engine | ExecutorPool, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
+async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
                 credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
-                serving: ServingLimits | None = None) -> PublicServer:
+                serving: ServingLimits | None = None, reuse_port: bool = False) -> PublicServer:
+    """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
     serving = serving or ServingLimits()
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-    server = grpc.aio.server(options=public_server_options(serving.max_request_bytes), interceptors=interceptors)
+    options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
     add_generation_servicer(generation, server)
     health_servicer = health.aio.HealthServicer()

@@ -16,8 +16,11 @@ from tests.procs import Stack, rss_bytes, running_stack
 BURST = 2000
 # The warm-up fills the collector's first generation (20,000 objects, see scheduler_service/__main__.py):
 # gRPC leaves a few objects of cyclic garbage per call, collected in batches, so RSS climbs to a plateau first.
-WARM_UP, SOAK = 4000, 5000
-MAX_GROWTH_PER_REQUEST = 100  # bytes of scheduler RSS
+# After it, RSS still takes the odd one-time step (the allocator taking another arena; measured: ~0.7-0.9 MB
+# once between 8,000 and 12,000 calls, flat before and after, in either process layout), so the soak is
+# measured in windows and the smallest growth counts: a leak grows in every window.
+WARM_UP, SOAK, WINDOWS = 4000, 2500, 3
+MAX_GROWTH_PER_REQUEST = 100  # bytes of scheduler (engine core) RSS
 
 
 async def burst(stack: Stack, n: int) -> collections.Counter[str]:
@@ -65,10 +68,12 @@ async def sequential(stack: Stack, n: int) -> None:
 def test_sequential_requests_do_not_grow_the_scheduler(tmp_path: Path) -> None:
     with running_stack(tmp_path, ["--simulated"], ["--metrics-port", "-1"]) as stack:
         asyncio.run(sequential(stack, WARM_UP))
-        before = rss_bytes(stack.scheduler)
-        started = time.monotonic()
-        asyncio.run(sequential(stack, SOAK))
-        growth = rss_bytes(stack.scheduler) - before
-        print(f"scheduler RSS {before / 1e6:.1f} MB, +{growth / SOAK:.1f} B/request over {SOAK} requests "
-              f"in {time.monotonic() - started:.1f}s")
-        assert growth < MAX_GROWTH_PER_REQUEST * SOAK
+        growths = []
+        for _ in range(WINDOWS):
+            before = rss_bytes(stack.scheduler)
+            started = time.monotonic()
+            asyncio.run(sequential(stack, SOAK))
+            growths.append(rss_bytes(stack.scheduler) - before)
+            print(f"scheduler RSS {before / 1e6:.1f} MB, +{growths[-1] / SOAK:.1f} B/request over {SOAK} "
+                  f"requests in {time.monotonic() - started:.1f}s")
+        assert min(growths) < MAX_GROWTH_PER_REQUEST * SOAK

@@ -175,6 +175,7 @@ def test_new_calls_without_an_executor_end_unavailable_after_the_wait(tmp_path: 
     async def call() -> tuple[grpc.StatusCode, str, float]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = executor_stub_generation(channel)
+            await asyncio.wait_for(channel.channel_ready(), 60)  # the api server process is up: time from here
             started = time.monotonic()
             try:
                 async for _ in stub(build_request(prompt_token_ids=[65], max_tokens=1), wait_for_ready=True,

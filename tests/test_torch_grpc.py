@@ -197,6 +197,10 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             for suffix, flags in (("", []), ("-nocache", NO_CACHE)):
                 runs[mode + suffix] = serve(executor, ["--preemption-mode", mode, *flags],
                                             root / f"scheduler-{mode}{suffix}.log", TIGHT_ROUNDS, key)
+        # The runs above use the default layout (engine core + api server process, async scheduling);
+        # this one is synchronous, in one process, as before the split.
+        runs["sync"] = serve(executor, ["--no-async-scheduling", "--api-server-count", "0"],
+                             root / "scheduler-sync.log", TIGHT_ROUNDS)
     return Case(name, reference, runs)
 
 
@@ -242,3 +246,13 @@ def test_seeded_sampling_is_the_same_with_and_without_preemption(case: Case) -> 
     assert case.runs["plenty"].parallel["seeded"] == case.runs["plenty-nocache"].parallel["seeded"]
     for mode in ("plenty", "swap", "recompute", "swap-nocache", "recompute-nocache"):
         assert case.runs[mode].seeded == plenty * case.runs[mode].rounds
+
+
+def test_async_scheduling_gives_the_tokens_of_sync_mode_under_preemption(case: Case) -> None:
+    sync = case.runs["sync"]
+    assert sync.reasons == [LENGTH] * len(sync.reasons)
+    assert sync.metrics["vllm:num_preemptions_total"] > 0
+    for mode in ("swap", "recompute"):
+        run = case.runs[mode]
+        assert run.greedy[:len(PROMPTS)] == sync.greedy[:len(PROMPTS)]
+        assert run.seeded[:len(PROMPTS)] == sync.seeded[:len(PROMPTS)]

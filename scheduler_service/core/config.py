@@ -40,6 +40,7 @@ class CoreConfig:
     aging_rate: float = field(default=0.0, metadata=flag("priority units gained per second of waiting (sjf, priority)"))
     max_waiting_time: float | None = field(default=None, metadata=flag(
         "seconds after which a waiting request goes to the head of the queue"))
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True, frozen=True)

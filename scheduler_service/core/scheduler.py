@@ -6,6 +6,7 @@ scheduler's own maps (admission order, thrash guard, held n > 1 siblings) decide
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +38,12 @@ def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_toke
     if num_output >= sampling.max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+class Ahead(enum.Enum):
+    SCHEDULED = "scheduled"
+    WAITS = "waits"
+    ENDS = "ends"
 
 
 @dataclass(slots=True)
@@ -91,6 +98,8 @@ class Scheduler:
         self._preemptions = {PreemptionMode.SWAP: 0, PreemptionMode.RECOMPUTE: 0}
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
+        self._unupdated: list[SchedulerOutput] = []
+        self._inflight: dict[str, tuple[ScheduledWork, int]] = {}
 
     def _new_kv(self, limits: ExecutorLimits) -> KVCacheManager:
         return KVCacheManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
@@ -155,6 +164,8 @@ class Scheduler:
         self._decode_work_by_id.clear()
         self._known_by_executor.clear()
         self._to_drop.clear()
+        self._unupdated.clear()
+        self._inflight = {}
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(self.limits)
         self.kv.prefix_stats = stats
@@ -193,6 +204,9 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. With async scheduling it may run before update() of the steps before it (the
+        executor is still running them): see _schedule_ahead."""
+        self._inflight = self._works_in_flight() if self._unupdated else {}
         self._step_id += 1
         self._step_first_admission = self._admissions
         now = self.clock()
@@ -219,11 +233,26 @@ class Scheduler:
         self._entered_running.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
         self._compact_running()
+        if self.config.async_scheduling:
+            self._unupdated.append(out)
         return out
+
+    def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
+        """Per request with steps not yet updated: its first such work and how many steps it is in."""
+        first, *later = self._unupdated
+        inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is RUNNING}
+        for out in later:
+            for w in out.scheduled:
+                if w.request.status is not RUNNING:  # a finished request's id may already name a new one
+                    continue
+                rid = w.request.request_id
+                known = inflight.get(rid)
+                inflight[rid] = (w, 1) if known is None else (known[0], known[1] + 1)
+        return inflight
 
     def _num_steps(self) -> int:
         k = self.config.num_scheduler_steps
-        if k > 1 and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if k > 1 and not self._inflight and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             return k
         return 1
 
@@ -240,11 +269,17 @@ class Scheduler:
         max_slots = self.kv.usable_blocks * self.kv.block_size
         allocate = self.kv.allocate_slots
         works = self._decode_work_by_id
-        tokens_left = budget.tokens
+        inflight = self._inflight
+        tokens_left, waits = budget.tokens, 0
         for request in list(self.running):
             if tokens_left <= 0:
                 break
             if request.status is not RUNNING:
+                continue
+            if inflight and request.request_id in inflight:
+                ahead = self._schedule_ahead(request, *inflight[request.request_id], out, scheduled)
+                tokens_left -= ahead is Ahead.SCHEDULED
+                waits += ahead is Ahead.WAITS
                 continue
             computed = request.num_computed_tokens
             remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
@@ -271,7 +306,37 @@ class Scheduler:
             scheduled[rid] = work
             tokens_left -= n
         budget.tokens = tokens_left
-        budget.seqs = self.config.max_num_seqs - len(scheduled)  # the first phase: only running work so far
+        # the first phase: only running work so far (and requests that wait for their step in flight)
+        budget.seqs = self.config.max_num_seqs - len(scheduled) - waits
+
+    def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
+                        scheduled: dict[str, ScheduledWork]) -> Ahead:
+        """Async scheduling: one more decode for a request whose last step(s) the executor is still running
+        (the first of them `inflight`, num_inflight in all, each after the first a one-token decode). The
+        executor feeds it its own freshly sampled tokens; update() of those steps runs first. Only when
+        they sample, the request surely goes on (not at max_tokens or max_model_len: a token past an
+        EOS or stop is dropped by update()), and its blocks grow without preempting anyone. A request
+        that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
+        num_output = len(request.output_token_ids)
+        num_tokens = len(request.prompt_token_ids) + num_output
+        computed = request.num_computed_tokens
+        if out.num_steps > 1 or computed + inflight.num_tokens < num_tokens:
+            return Ahead.WAITS
+        total = num_tokens + num_inflight  # its tokens once the steps in flight are done
+        if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
+            return Ahead.ENDS
+        new = self.kv.allocate_slots(request, total - computed, self.config.num_lookahead_slots)
+        if new is None:
+            return Ahead.WAITS
+        rid = request.request_id
+        if new is NO_BLOCKS:
+            work = self._decode_work_by_id.get(rid)
+            if work is None:
+                work = self._decode_work_by_id[rid] = ScheduledWork(request, 1, NO_BLOCKS)
+        else:
+            work = ScheduledWork(request, 1, new)
+        scheduled[rid] = work
+        return Ahead.SCHEDULED
 
     def _make_room(self, request: Request, n: int, extra: int, scheduled: dict[str, ScheduledWork],
                    budget: Budget, out: SchedulerOutput) -> list[int] | None:
@@ -298,8 +363,9 @@ class Scheduler:
         admitted_before, requests admitted at or after that admission number."""
         admitted, guarded = self._admitted, self._thrash_guarded
         limit = admitted_before if admitted_before is not None else self._admissions
+        inflight = self._inflight  # a request with a step in flight is never a victim (async scheduling)
         candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in guarded
-                      and admitted[r.request_id] < limit]
+                      and r.request_id not in inflight and admitted[r.request_id] < limit]
         if not candidates:
             return None
         if self.config.policy is Policy.PRIORITY:
@@ -480,6 +546,11 @@ class Scheduler:
     # ---- update --------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
+        """Apply a step's result; steps are updated in the order they were scheduled."""
+        for i, pending in enumerate(self._unupdated):
+            if pending is out:
+                del self._unupdated[i]
+                break
         deltas = list(out.rejected)
         append = deltas.append
         sampled, errors, logprobs = result.sampled, result.errors, result.logprobs

@@ -361,7 +361,7 @@ class HttpServer:
 
 
 async def serve_http(api: OpenAIApi, listen: str, tls_cert: str | None = None,
-                     tls_key: str | None = None) -> HttpServer:
+                     tls_key: str | None = None, reuse_port: bool = False) -> HttpServer:
     """Start the HTTP API on HOST:PORT (port 0 picks a free one); HTTPS when a certificate is given."""
     host, _, port = listen.rpartition(":")
     context = None
@@ -370,6 +370,7 @@ async def serve_http(api: OpenAIApi, listen: str, tls_cert: str | None = None,
         context.load_cert_chain(tls_cert, tls_key)
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=context)
+    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=context,
+                       reuse_port=reuse_port or None)
     await site.start()
     return HttpServer(runner, runner.addresses[0][1])

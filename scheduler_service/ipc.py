@@ -1,0 +1,98 @@
+"""What the engine core and its front-end processes exchange: one msgpack message per step each way,
+over a ZeroMQ DEALER (front-end) / ROUTER (core) pair on an ipc:// socket."""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+import uuid
+
+import msgspec
+
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+
+
+class Refusal(enum.IntEnum):
+    """Why the core did not take a request; the front-end maps it to a gRPC status."""
+
+    QUEUE_FULL = 1
+    DUPLICATE_ID = 2
+    NOT_READY = 3
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float
+    output_len_hint: int | None = None
+
+
+class Ended(msgspec.Struct, array_like=True, gc=False):
+    """A request the front-end ended: a cancelled call (ABORTED) or a stop string (STOPPED)."""
+
+    request_id: str
+    reason: FinishReason
+
+
+class ToCore(msgspec.Struct, array_like=True, gc=False):
+    new: list[NewRequest] = []
+    ended: list[Ended] = []
+    hello: bool = False
+    overflows: int = 0  # streams this api server aborted for --max-stream-buffer since its last message
+    refused: dict[str, int] = {}  # calls it refused since its last message, by gRPC status code name
+
+
+class Delta(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # TokenLogprob as (id, logprob, top)
+    unavailable: bool = False  # ended because no executor came back within --executor-wait-timeout
+
+
+class Refused(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    why: Refusal
+    message: str
+
+
+class Status(msgspec.Struct, array_like=True, gc=False):
+    ready: bool
+    describe: bytes = b""
+
+
+class ToFrontend(msgspec.Struct, array_like=True, gc=False):
+    deltas: list[Delta] = []
+    refused: list[Refused] = []
+    status: Status | None = None
+
+
+def request_from(msg: NewRequest) -> Request:
+    return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
+                   output_len_hint=msg.output_len_hint)
+
+
+def new_request(request: Request) -> NewRequest:
+    return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
+                      request.output_len_hint)
+
+
+def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:
+    if not d.logprobs:
+        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable)
+    return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error,
+                 [(lp.token_id, lp.logprob, list(lp.top)) for lp in d.logprobs], unavailable)
+
+
+def ipc_address(name: str) -> str:
+    """A fresh ipc:// endpoint in the temp directory (Unix socket paths are short: keep it so)."""
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'pagedserve-{name}-{uuid.uuid4().hex[:12]}')}"
+
+
+encoder = msgspec.msgpack.Encoder()
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+to_frontend_decoder = msgspec.msgpack.Decoder(ToFrontend)
