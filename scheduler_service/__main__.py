@@ -115,6 +115,23 @@ def resolve_listen(listen: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
+async def start_until_stopped(engine: ExecutorPool) -> tuple[asyncio.Event, bool]:
+    """Start the pool until it has an executor or SIGINT/SIGTERM comes first (then the start is cancelled).
+    SIGHUP re-resolves the executors. Returns the stop event and whether the pool started."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
+    starting = asyncio.create_task(engine.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        return stop, False
+    starting.result()
+    return stop, True
+
+
 async def main_core(config: SchedulerServiceConfig) -> int:
     """The engine core process: the executor pool, the api servers' socket, and the api server processes."""
     _, executor_creds = credentials(config)
@@ -130,16 +147,9 @@ async def main_core(config: SchedulerServiceConfig) -> int:
     engine.on_ready_change = lambda ready: core.broadcast_status()
     log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
              config.api_server_count, listen, ", ".join(config.executor))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
-    starting = asyncio.create_task(engine.start())
-    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    stop, started = await start_until_stopped(engine)
     metrics_server: MetricsServer | None = None
-    if starting.done():
-        starting.result()
+    if started:
         core.broadcast_status()
         if config.metrics_port is not None and engine.metrics is not None:
             core.counters()  # its series on the registry from the start
@@ -151,8 +161,6 @@ async def main_core(config: SchedulerServiceConfig) -> int:
         await stop.wait()
         log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
         await servers.drain(config.shutdown_timeout + 5.0)
-    else:
-        starting.cancel()
     servers.kill()
     aborted = engine.abort_all("server shut down")
     log.info("api servers stopped; aborted %d requests left in the core", aborted)
@@ -176,16 +184,9 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              ", ".join(config.executor))
     http = await start_http(config, public)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
-    starting = asyncio.create_task(engine.start())
-    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    stop, started = await start_until_stopped(engine)
     metrics_server: MetricsServer | None = None
-    if starting.done():
-        starting.result()
+    if started:
         if config.metrics_port is not None and engine.metrics is not None:
             engine.metrics.registry.register(public.generation.refusals)
             metrics_server = MetricsServer(engine.metrics.registry)
@@ -203,8 +204,6 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
         freeze_startup_objects()
         log.info("scheduler ready on %s", config.listen)
         await stop.wait()
-    else:
-        starting.cancel()
     await shutdown(config, public, engine)
     if http is not None:
         await http.stop()

@@ -125,13 +125,17 @@ class ExecutorConnection:
             if self._call is None:
                 self._call = self._stub.Execute(metadata=self._metadata)
             await self._call.write(step_proto(out))
-        except grpc.aio.AioRpcError as e:
-            self.drop_stream()
-            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
         except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
-            status = await self._status()
+            raise await self._stream_failed(e) from e
+
+    async def _stream_failed(self, e: BaseException) -> ExecutorLost:
+        """Every way the step stream can fail, as one ExecutorLost (the stream is dropped)."""
+        if isinstance(e, grpc.aio.AioRpcError):
             self.drop_stream()
-            raise ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})") from e
+            return ExecutorLost(f"{e.code().name}: {e.details()}")
+        status = await self._status()
+        self.drop_stream()
+        return ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})")
 
     async def receive(self, out: SchedulerOutput) -> ExecutorResult:
         """The result of step `out`: steps are answered in the order they were written."""
@@ -139,16 +143,11 @@ class ExecutorConnection:
             raise ExecutorLost("executor stream closed")
         try:
             msg = await asyncio.wait_for(self._call.read(), self.step_timeout)
-        except grpc.aio.AioRpcError as e:
-            self.drop_stream()
-            raise ExecutorLost(f"{e.code().name}: {e.details()}") from e
         except TimeoutError as e:
             self.drop_stream()
             raise ExecutorLost(f"no answer to step {out.step_id} within {self.step_timeout}s") from e
         except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
-            status = await self._status()
-            self.drop_stream()
-            raise ExecutorLost(f"the step stream ended ({status or type(e).__name__}: {e})") from e
+            raise await self._stream_failed(e) from e
         if msg is grpc.aio.EOF or msg.step_id != out.step_id:
             status = await self._status()
             self.drop_stream()
