@@ -47,13 +47,13 @@ EOS = 2
 
 
 def fake_execute(out: SchedulerOutput) -> ExecutorResult:
-    """One token for every request whose scheduled tokens complete its known tokens."""
-    sampled = {}
-    for work in out.scheduled:
-        req = work.request
-        if req.num_computed_tokens + work.num_tokens >= req.num_tokens:
-            sampled[req.request_id] = [TOKEN] * out.num_steps
-    return ExecutorResult(sampled=sampled)
+    """One token (num_steps tokens) for every request whose scheduled tokens complete its known tokens,
+    in the step's order, in the shape the executor client builds from the wire (columns for one token)."""
+    done = [w.request.request_id for w in out.scheduled
+            if w.request.num_computed_tokens + w.num_tokens >= w.request.num_tokens]
+    if out.num_steps == 1:
+        return ExecutorResult(ids=done, tokens=[TOKEN] * len(done))
+    return ExecutorResult(sampled={rid: [TOKEN] * out.num_steps for rid in done})
 
 
 def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:

@@ -104,7 +104,7 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_blocks_stay_held_for_the_exe
     r2 = ex.step(second)
     s.finish("r", FinishReason.STOPPED)  # e.g. a stop string seen in the first token
     assert [d.new_token_ids for d in s.update(first, r1)] == []
-    assert s.update(second, r2) == [], "the token sampled past the stop never reaches a client"
+    assert list(s.update(second, r2)) == [], "the token sampled past the stop never reaches a client"
     assert s.schedule().finished_ids == ["r"]
     assert s.kv.device.num_free == 16
 
