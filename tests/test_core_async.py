@@ -54,10 +54,11 @@ def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: Core
                     s.abort(f"r{i}.{j}")
                     reasons[f"r{i}.{j}"] = FinishReason.ABORTED
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
+        in_flight = {r.request_id for r in s.running if s.rs.inflight[r.slot]}
         out = s.schedule()
         # A request whose last step is still running and that ends there stays in RUNNING until its
         # update: it holds no place in this step's batch, which alone max_num_seqs bounds.
-        ending = {*s._inflight} - {w.request.request_id for w in out.scheduled}
+        ending = in_flight - {w.request.request_id for w in out.scheduled}
         check_invariants(s, out, replace(cfg, max_num_seqs=cfg.max_num_seqs + len(ending)), before)
         result = ex.step(out)  # the executor runs steps in the order they are sent
         pending.append((out, result))

@@ -41,6 +41,7 @@ class RunningSet:
         self.watch = np.zeros(capacity, np.bool_)
         self.eos = np.zeros(capacity, np.bool_)
         self.gen = np.zeros(capacity, np.int64)
+        self.inflight = np.zeros(capacity, np.int64)
         self._free_slots = list(range(capacity - 1, -1, -1))
         self.order = EMPTY
 
@@ -67,6 +68,7 @@ class RunningSet:
         self.limit[slot] = min(self.max_model_len, request.num_prompt_tokens + sampling.max_tokens)
         self.watch[slot] = bool(sampling.stop_token_ids) or sampling.min_tokens > 0
         self.eos[slot] = not sampling.ignore_eos
+        self.inflight[slot] = 0
         work = ScheduledWork(request, 1, NO_BLOCKS)
         o = self.order
         self.order = Order(np.append(o.slots, slot), [*o.requests, request], [*o.ids, request.request_id],
@@ -100,7 +102,7 @@ class RunningSet:
 
     def _grow(self) -> None:
         old = len(self.num_tokens)
-        self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen = (
-            np.concatenate([c, np.zeros_like(c)]) for c in
-            (self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen))
+        (self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen,
+         self.inflight) = (np.concatenate([c, np.zeros_like(c)]) for c in (
+            self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen, self.inflight))
         self._free_slots.extend(range(2 * old - 1, old - 1, -1))

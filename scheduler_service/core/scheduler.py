@@ -27,7 +27,7 @@ from scheduler_service.core.outputs import (
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
-from scheduler_service.core.running import EMPTY, RunningSet
+from scheduler_service.core.running import EMPTY, Order, RunningSet
 
 RUNNING = RequestStatus.RUNNING
 
@@ -105,7 +105,8 @@ class Scheduler:
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
         self._unupdated: list[SchedulerOutput] = []
-        self._inflight: dict[str, tuple[ScheduledWork, int]] = {}
+        self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
+        self._step_grown: dict[int, ScheduledWork] = {}
 
     @property
     def running(self) -> list[Request]:
@@ -174,7 +175,7 @@ class Scheduler:
         self._known_by_executor.clear()
         self._to_drop.clear()
         self._unupdated.clear()
-        self._inflight = {}
+        self._inflight = None
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(self.limits)
         self.kv.prefix_stats = stats
@@ -216,7 +217,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. With async scheduling it may run before update() of the steps before it (the
         executor is still running them): see _schedule_ahead."""
-        self._inflight = self._works_in_flight() if self._unupdated else {}
+        self._inflight = None
         self._step_id += 1
         self._step_first_admission = self._admissions
         now = self.clock()
@@ -245,10 +246,28 @@ class Scheduler:
         out.finished_ids, self._to_drop = self._to_drop, []
         if self.config.async_scheduling:
             self._unupdated.append(out)
+            self._count_in_flight(out, 1)
         return out
 
+    def _count_in_flight(self, out: SchedulerOutput, change: int) -> None:
+        """Async scheduling: each running request's number of steps scheduled but not yet updated."""
+        inflight, gen = self.rs.inflight, self.rs.gen
+        plain = out.plain
+        if plain is not None and len(plain.slots):
+            alive = plain.slots[gen[plain.slots] == plain.gens]
+            inflight[alive] += change
+        for work in out.scheduled[len(plain.ids) if plain is not None else 0:]:
+            if work.request.status is RUNNING:
+                inflight[work.request.slot] += change
+
     def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
-        """Per request with steps not yet updated: its first such work and how many steps it is in."""
+        """Per request with steps not yet updated: its first such work and how many steps it is in
+        (built once per step, when a request with a step in flight needs more than a plain decode)."""
+        if self._inflight is not None:
+            return self._inflight
+        if not self._unupdated:
+            self._inflight = {}
+            return self._inflight
         first, *later = self._unupdated
         inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is RUNNING}
         for out in later:
@@ -258,11 +277,12 @@ class Scheduler:
                 rid = w.request.request_id
                 known = inflight.get(rid)
                 inflight[rid] = (w, 1) if known is None else (known[0], known[1] + 1)
+        self._inflight = inflight
         return inflight
 
     def _num_steps(self) -> int:
         k = self.config.num_scheduler_steps
-        if k > 1 and not self._inflight and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if k > 1 and not self._unupdated and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             return k
         return 1
 
@@ -276,16 +296,24 @@ class Scheduler:
 
     def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
         """Running requests in running order until the token budget runs out. A plain decode (one token,
-        its blocks already hold it, no step in flight) needs nothing but a place in the budget, so runs
-        of them are taken whole (the step's chosen mask); every other request takes _schedule_one."""
+        the steps in flight before it, if any, plain decodes too, and surely not its last) needs nothing
+        but a place in the budget and, when it fills its blocks, a new one: runs of them are taken whole
+        (the step's chosen mask); every other request takes _schedule_one."""
         extra = out.num_steps - 1 + self.config.num_lookahead_slots
         rs = self.rs
         order = self._step_order = rs.order
         slots = order.slots
-        chosen = (rs.uncomputed[slots] == 1) & (rs.num_tokens[slots] + extra <= rs.capacity[slots])
-        if self._inflight:
-            chosen &= np.fromiter((rid not in self._inflight for rid in order.ids), np.bool_, len(slots))
-        self._step_chosen = chosen
+        ahead = rs.inflight[slots]
+        total = rs.num_tokens[slots] + ahead  # its tokens once the steps in flight are done
+        decode = (rs.uncomputed[slots] == 1) & (total < rs.limit[slots])
+        if out.num_steps > 1:
+            decode &= ahead == 0
+        need = total + extra
+        chosen = self._step_chosen = decode & (need <= rs.capacity[slots])
+        self._step_grown = {}
+        short = decode & ~chosen
+        if short.any():
+            self._grow_plain(order, short, need)
         budget_left = [budget.tokens, 0]  # tokens, and requests that wait for their step in flight
         start = 0
         for p in np.flatnonzero(~chosen).tolist():
@@ -299,9 +327,30 @@ class Scheduler:
                 self._schedule_one(request, extra, budget_left, budget, scheduled, out)
         else:
             budget_left[0] = self._take_plain(start, len(slots), budget_left[0])
+        self._ungrow_unchosen()
         budget.tokens = budget_left[0]
         # the first phase: only running work so far (and requests that wait for their step in flight)
         budget.seqs = self.config.max_num_seqs - int(np.count_nonzero(chosen)) - len(scheduled) - budget_left[1]
+
+    def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
+        """Blocks for plain decodes that fill theirs, in running order while the pool has them (the
+        rest take _schedule_one, which may preempt)."""
+        for p in np.flatnonzero(short).tolist():
+            request = order.requests[p]
+            new = self._grow(request, int(need[p]) - request.num_computed_tokens, 0)
+            if new is None:
+                return
+            self._step_chosen[p] = True
+            self._step_grown[p] = ScheduledWork(request, 1, new)
+
+    def _ungrow_unchosen(self) -> None:
+        """A grown decode the budget left out gives its new blocks back (the executor never hears of them)."""
+        chosen, kv = self._step_chosen, self.kv
+        for p, work in self._step_grown.items():
+            request = work.request
+            if not chosen[p] and request.status is RUNNING:
+                kv.release_tail(request.request_id, len(work.new_block_ids))
+                self.rs.set_capacity(request, len(kv.block_table(request.request_id)) * kv.block_size)
 
     def _take_plain(self, start: int, end: int, tokens_left: int) -> int:
         """The chosen plain decodes in [start, end) take a token each; the budget's end unchooses the rest."""
@@ -315,8 +364,8 @@ class Scheduler:
     def _schedule_one(self, request: Request, extra: int, budget_left: list[int], budget: Budget,
                       scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
         rid = request.request_id
-        if self._inflight and rid in self._inflight:
-            ahead = self._schedule_ahead(request, *self._inflight[rid], out, scheduled)
+        if self.rs.inflight[request.slot]:
+            ahead = self._schedule_ahead(request, *self._works_in_flight()[rid], out, scheduled)
             budget_left[0] -= ahead is Ahead.SCHEDULED
             budget_left[1] += ahead is Ahead.WAITS
             return
@@ -347,12 +396,18 @@ class Scheduler:
     def _plain_rows(self) -> PlainRows:
         order, chosen, rs = self._step_order, self._step_chosen, self.rs
         self._step_order = EMPTY
+        works = order.works
+        if self._step_grown:
+            works = works.copy()
+            for p, work in self._step_grown.items():
+                works[p] = work
+            self._step_grown = {}
         if chosen.all():
-            return PlainRows(order.slots, rs.gen[order.slots], order.ids, order.outputs, order.requests, order.works)
+            return PlainRows(order.slots, rs.gen[order.slots], order.ids, order.outputs, order.requests, works)
         keep = chosen.tolist()
         slots = order.slots[chosen]
         return PlainRows(slots, rs.gen[slots], list(compress(order.ids, keep)), list(compress(order.outputs, keep)),
-                         list(compress(order.requests, keep)), list(compress(order.works, keep)))
+                         list(compress(order.requests, keep)), list(compress(works, keep)))
 
     def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
                         scheduled: dict[str, ScheduledWork]) -> Ahead:
@@ -401,9 +456,9 @@ class Scheduler:
         admitted_before, requests admitted at or after that admission number."""
         admitted, guarded = self._admitted, self._thrash_guarded
         limit = admitted_before if admitted_before is not None else self._admissions
-        inflight = self._inflight  # a request with a step in flight is never a victim (async scheduling)
+        inflight = self.rs.inflight  # a request with a step in flight is never a victim (async scheduling)
         candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in guarded
-                      and r.request_id not in inflight and admitted[r.request_id] < limit]
+                      and not inflight[r.slot] and admitted[r.request_id] < limit]
         if not candidates:
             return None
         if self.config.policy is Policy.PRIORITY:
@@ -455,11 +510,15 @@ class Scheduler:
         out.num_preempted += 1
 
     def _unchoose(self, request: Request) -> bool:
-        """Take a request out of this step's plain decodes; False if it was not one of them."""
+        """Take a request out of this step's plain decodes, giving back a block it grew by this step;
+        False if it was not one of them."""
         order = self._step_order
         for pos in np.flatnonzero(order.slots == request.slot).tolist():
             if order.requests[pos] is request and self._step_chosen[pos]:
                 self._step_chosen[pos] = False
+                grown = self._step_grown.pop(pos, None)
+                if grown is not None:
+                    self.kv.release_tail(request.request_id, len(grown.new_block_ids))
                 return True
         return False
 
@@ -599,6 +658,7 @@ class Scheduler:
         for i, pending in enumerate(self._unupdated):
             if pending is out:
                 del self._unupdated[i]
+                self._count_in_flight(out, -1)
                 break
         deltas = StepDeltas(list(out.rejected))
         num_plain = 0
@@ -631,8 +691,11 @@ class Scheduler:
         check = (num_tokens >= rs.limit[slots]) | rs.watch[slots]
         eos_ids = self.limits.eos_token_ids
         if eos_ids:
-            sampled = np.array(tokens, np.int64)
-            check |= rs.eos[slots] & np.isin(sampled, eos_ids)
+            sampled = np.fromiter(tokens, np.int64, len(tokens))
+            is_eos = sampled == eos_ids[0]
+            for eos in eos_ids[1:]:
+                is_eos |= sampled == eos
+            check |= rs.eos[slots] & is_eos
         if self.kv.enable_caching:
             for i in np.flatnonzero((num_tokens - 1) % self.limits.block_size == 0).tolist():
                 self.kv.cache_blocks(requests[i])
