@@ -42,6 +42,12 @@ from scheduler_service.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 32
+
+
+def prompt(i: int) -> list[int]:
+    """Prompt lengths PROMPT_LEN .. PROMPT_LEN + BLOCK_SIZE - 1, so every step some requests fill a block
+    (the real mix: not all of them at once every BLOCK_SIZE steps)."""
+    return [7] * (PROMPT_LEN + i % BLOCK_SIZE)
 TOKEN = 42
 EOS = 2
 
@@ -57,10 +63,10 @@ def fake_execute(out: SchedulerOutput) -> ExecutorResult:
 
 
 def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
-    tokens_per_request = PROMPT_LEN + warmup + steps + 16
+    tokens_per_request = PROMPT_LEN + BLOCK_SIZE + warmup + steps + 16
     blocks_per_request = -(-tokens_per_request // BLOCK_SIZE)
     num_blocks = running * blocks_per_request + 64
-    config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * PROMPT_LEN),
+    config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * (PROMPT_LEN + BLOCK_SIZE)),
                         watermark=0.0)
     limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
                          max_model_len=tokens_per_request + 1024, eos_token_ids=(EOS,))
@@ -68,7 +74,7 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     options = SamplingOptions(max_tokens=10**9, ignore_eos=True)
     now = time.monotonic()
     for i in range(running):
-        scheduler.add_request(Request(f"run-{i}", [7] * PROMPT_LEN, options, now))
+        scheduler.add_request(Request(f"run-{i}", prompt(i), options, now))
     # First step: every prompt is prefilled; afterwards every running request is a one-token decode
     # (its one uncomputed token is the one sampled last step).
     out = scheduler.schedule()
@@ -77,7 +83,7 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     assert all(r.status is RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
                for r in scheduler.running)
     for i in range(waiting):
-        scheduler.add_request(Request(f"wait-{i}", [7] * PROMPT_LEN, options, now))
+        scheduler.add_request(Request(f"wait-{i}", prompt(i), options, now))
     return scheduler
 
 
@@ -145,13 +151,13 @@ def import_nano(path: Path) -> dict[str, Any] | None:
 def nano(modules: dict[str, Any], running: int, steps: int, warmup: int) -> Callable[[], tuple[int, int]]:
     Sequence = modules["engine.sequence"].Sequence
     Sequence.block_size = BLOCK_SIZE
-    tokens_per_request = PROMPT_LEN + 2 * (warmup + steps) + 16
+    tokens_per_request = PROMPT_LEN + BLOCK_SIZE + 2 * (warmup + steps) + 16
     num_blocks = running * -(-tokens_per_request // BLOCK_SIZE) + 64
-    config = _NanoConfig(running, max(2048, running * PROMPT_LEN), EOS, BLOCK_SIZE, num_blocks)
+    config = _NanoConfig(running, max(2048, running * (PROMPT_LEN + BLOCK_SIZE)), EOS, BLOCK_SIZE, num_blocks)
     scheduler = modules["engine.scheduler"].Scheduler(config)
     params = modules["sampling_params"].SamplingParams(temperature=1.0, max_tokens=10**9, ignore_eos=True)
-    for _ in range(running):
-        scheduler.add(Sequence([7] * PROMPT_LEN, params))
+    for i in range(running):
+        scheduler.add(Sequence(prompt(i), params))
     seqs, prefill = scheduler.schedule()
     scheduler.postprocess(seqs, [TOKEN] * len(seqs), prefill)
     assert len(scheduler.running) == running and not scheduler.waiting
@@ -205,6 +211,8 @@ def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True
     if "nano" in times:
         peer = summary(times["nano"])
         result["nano_vllm_p50_us"] = peer["p50_us"]
+        result["nano_vllm_p99_us"] = peer["p99_us"]
+        result["nano_vllm_mean_us"] = peer["mean_us"]
         result["nano_vllm_schedule_p50_us"] = peer["schedule_p50_us"]
         result["nano_vllm_update_p50_us"] = peer["update_p50_us"]
         result["ratio_p50"] = round(float(result["p50_us"]) / peer["p50_us"], 2)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 
 import numpy as np
 
@@ -333,9 +333,21 @@ class Scheduler:
         budget.seqs = self.config.max_num_seqs - int(np.count_nonzero(chosen)) - len(scheduled) - budget_left[1]
 
     def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
-        """Blocks for plain decodes that fill theirs, in running order while the pool has them (the
-        rest take _schedule_one, which may preempt)."""
-        for p in np.flatnonzero(short).tolist():
+        """Blocks for plain decodes that fill theirs: all at once when the pool has them, else in running
+        order while it does (the rest take _schedule_one, which may preempt)."""
+        positions = np.flatnonzero(short)
+        bs = self.kv.block_size
+        slots = order.slots[positions]
+        missing = -(-need[positions] // bs) - self.rs.capacity[slots] // bs
+        requests = [order.requests[p] for p in positions.tolist()]
+        grown = self.kv.grow_tables([r.request_id for r in requests], missing.tolist())
+        if grown is not None:
+            self.rs.capacity[slots] += missing * bs
+            self._step_chosen[positions] = True
+            works = map(ScheduledWork, requests, repeat(1), grown)
+            self._step_grown.update(zip(positions.tolist(), works, strict=True))
+            return
+        for p in positions.tolist():
             request = order.requests[p]
             new = self._grow(request, int(need[p]) - request.num_computed_tokens, 0)
             if new is None:
@@ -670,8 +682,8 @@ class Scheduler:
         return deltas
 
     def _update_plain(self, plain: PlainRows, result: ExecutorResult, deltas: StepDeltas) -> None:
-        """The plain decodes in columns: each appends its token; only those a stop rule may end, whose
-        computed tokens fill a block, or that the answer does not fit walk through the per-request rules."""
+        """The plain decodes in columns: each appends its token; only those a stop rule may end, or that
+        the answer does not fit, walk through the per-request rules."""
         tokens = self._plain_tokens(plain, result)
         if tokens is None:
             for work in plain.works:
@@ -696,9 +708,6 @@ class Scheduler:
             for eos in eos_ids[1:]:
                 is_eos |= sampled == eos
             check |= rs.eos[slots] & is_eos
-        if self.kv.enable_caching:
-            for i in np.flatnonzero((num_tokens - 1) % self.limits.block_size == 0).tolist():
-                self.kv.cache_blocks(requests[i])
         self._completed(ids)
         if check.any():
             for i in np.flatnonzero(check).tolist():
@@ -739,8 +748,8 @@ class Scheduler:
         before = request.num_computed_tokens
         request.num_uncomputed_tokens -= work.num_tokens
         block_size = self.limits.block_size
-        if (before + work.num_tokens) // block_size != before // block_size:
-            self.kv.cache_blocks(request)
+        if before < request.num_prompt_tokens and (before + work.num_tokens) // block_size != before // block_size:
+            self.kv.cache_blocks(request)  # prompt blocks at once; the others when the request leaves the device
         if request.num_uncomputed_tokens > 0:
             self.rs.sync(request)
             return
@@ -779,8 +788,6 @@ class Scheduler:
                 del output[first + i + 1:]
                 if reason is not None:
                     self._finish(request, reason)
-                elif i:
-                    self.kv.cache_blocks(request)
                 return tokens[:i + 1], reason
         return tokens, None
 
