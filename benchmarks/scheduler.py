@@ -62,12 +62,12 @@ def fake_execute(out: SchedulerOutput) -> ExecutorResult:
     return ExecutorResult(sampled={rid: [TOKEN] * out.num_steps for rid in done})
 
 
-def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
+def build(running: int, waiting: int, steps: int, warmup: int, async_scheduling: bool = False) -> Scheduler:
     tokens_per_request = PROMPT_LEN + BLOCK_SIZE + warmup + steps + 16
     blocks_per_request = -(-tokens_per_request // BLOCK_SIZE)
     num_blocks = running * blocks_per_request + 64
     config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * (PROMPT_LEN + BLOCK_SIZE)),
-                        watermark=0.0)
+                        watermark=0.0, async_scheduling=async_scheduling)
     limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
                          max_model_len=tokens_per_request + 1024, eos_token_ids=(EOS,))
     scheduler = Scheduler(config, limits)
@@ -87,11 +87,28 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     return scheduler
 
 
-def ours(running: int, waiting: int, steps: int, warmup: int) -> Callable[[], tuple[int, int]]:
-    """One timed step of our scheduler per call: (schedule ns, update ns)."""
-    scheduler = build(running, waiting, steps, warmup)
+def ours(running: int, waiting: int, steps: int, warmup: int,
+         async_scheduling: bool = False) -> Callable[[], tuple[int, int]]:
+    """One timed step of our scheduler per call: (schedule ns, update ns). With async scheduling each
+    call schedules step k + 1 while step k is in flight, then updates step k (the engine's order)."""
+    scheduler = build(running, waiting, steps, warmup, async_scheduling)
     perf = time.perf_counter_ns
     schedule, update = scheduler.schedule, scheduler.update
+    if async_scheduling:
+        first = schedule()
+        in_flight = [(first, fake_execute(first))]
+
+        def step_ahead() -> tuple[int, int]:
+            t0 = perf()
+            out = schedule()
+            t1 = perf()
+            in_flight.append((out, fake_execute(out)))
+            t2 = perf()
+            update(*in_flight.pop(0))
+            t3 = perf()
+            assert len(out.scheduled) == running and not out.new_requests(), "the benchmark's shape broke"
+            return t1 - t0, t3 - t2
+        return step_ahead
 
     def step() -> tuple[int, int]:
         t0 = perf()
@@ -187,9 +204,9 @@ def summary(times: list[tuple[int, int]]) -> dict[str, float]:
 
 
 def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True,
-        nano_path: Path | None = None) -> dict[str, object]:
+        nano_path: Path | None = None, async_scheduling: bool = False) -> dict[str, object]:
     """Both schedulers step in alternating rounds of 50, so machine load falls on both alike."""
-    contenders = {"ours": ours(running, waiting, steps, warmup)}
+    contenders = {"ours": ours(running, waiting, steps, warmup, async_scheduling)}
     modules = import_nano(nano_path) if nano_path is not None else None
     if modules is not None:
         contenders["nano"] = nano(modules, running, steps, warmup)
@@ -207,7 +224,8 @@ def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True
                 if done + i >= warmup:
                     times[name].append(t)
         done += rounds
-    result: dict[str, object] = {"running": running, "waiting": waiting, "steps": steps, **summary(times["ours"])}
+    result: dict[str, object] = {"running": running, "waiting": waiting, "steps": steps,
+                                 "async_scheduling": async_scheduling, **summary(times["ours"])}
     if "nano" in times:
         peer = summary(times["nano"])
         result["nano_vllm_p50_us"] = peer["p50_us"]
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=100, help="untimed steps first")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the garbage collector as Python starts it (the services freeze start-up objects)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step while the one before is in flight (the service's default)")
     p.add_argument("--profile", metavar="FILE", default=None, help="write a cProfile of the timed loop to FILE")
     p.add_argument("--nano-vllm", metavar="PATH", type=Path, default=None,
                    help="a nano-vllm checkout to time beside ours (skipped when absent)")
@@ -239,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         import cProfile
 
         profiler = cProfile.Profile()
-        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze)
+        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze,
+                                  None, args.async_scheduling)
         profiler.dump_stats(args.profile)
     else:
-        result = run(args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze, args.nano_vllm)
+        result = run(args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze, args.nano_vllm,
+                     args.async_scheduling)
     print(json.dumps(result))
 
 
