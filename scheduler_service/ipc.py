@@ -28,10 +28,12 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     sampling: SamplingOptions
     arrival_time: float
     output_len_hint: int | None = None
+    stop_strings: bool = False  # the front-end settles a LENGTH finish (Engine.add)
 
 
 class Ended(msgspec.Struct, array_like=True, gc=False):
-    """A request the front-end ended: a cancelled call (ABORTED) or a stop string (STOPPED)."""
+    """A request the front-end ended: a cancelled call (ABORTED) or a stop string (STOPPED); or, for one
+    added with stop_strings that the core finished LENGTH, how the front-end answered it (STOPPED or not)."""
 
     request_id: str
     reason: FinishReason
@@ -76,9 +78,9 @@ def request_from(msg: NewRequest) -> Request:
                    output_len_hint=msg.output_len_hint)
 
 
-def new_request(request: Request) -> NewRequest:
+def new_request(request: Request, stop_strings: bool = False) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
-                      request.output_len_hint)
+                      request.output_len_hint, stop_strings)
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:

@@ -275,7 +275,8 @@ class ExecutorPool:
 
     # ---- the Engine surface the service uses ------------------------------------------------------------
 
-    def add(self, request: Request, queue: asyncio.Queue[RequestDelta]) -> RequestStream:
+    def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
+            ) -> RequestStream:
         if sum(e.load()[1] for e in self._engines()) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         if self._owner(request.request_id) is not None:
@@ -283,7 +284,7 @@ class ExecutorPool:
         engine = self.choose(request)
         if engine is None:
             raise QueueFull("no executor is serving")
-        return engine.add(request, queue)
+        return engine.add(request, queue, stop_strings)
 
     def _engines(self) -> list[Engine]:
         return [m.engine for m in self.members.values()]
@@ -294,13 +295,16 @@ class ExecutorPool:
                 return engine
         return None
 
+    def _holder(self, request_id: str) -> Engine | None:
+        return next((e for e in self._engines() if e.holds(request_id)), None)
+
     def abort(self, request_id: str) -> None:
-        engine = self._owner(request_id)
+        engine = self._holder(request_id)
         if engine is not None:
             engine.abort(request_id)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
-        engine = self._owner(request_id)
+        engine = self._holder(request_id)
         if engine is not None:
             engine.finish(request_id, reason, error)
 
