@@ -179,11 +179,16 @@ class Engine:
             return None
         return self.streams.pop(request_id, None)
 
-    def release_waiting(self, limit: int | None = None) -> list[RequestStream]:
-        """Hand back up to `limit` WAITING requests, oldest first: they gain most from a move."""
+    def release_waiting(self, limit: int | None = None, accept: Callable[[Request], bool] | None = None
+                        ) -> list[RequestStream]:
+        """Hand back up to `limit` WAITING requests that `accept` takes (all by default), oldest first: they
+        gain most from a move."""
         if self.scheduler is None:
             return []
         ids = self.scheduler.waiting_ids()
+        if accept is not None:
+            streams = self.streams
+            ids = [rid for rid in ids if rid in streams and accept(streams[rid].request)]
         released = [stream for stream in (self.release(rid) for rid in ids[:limit]) if stream is not None]
         if released:
             self._refresh_gauges()
@@ -195,6 +200,11 @@ class Engine:
             return 0, 0, 0.0
         s = self.scheduler.stats()
         return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
+
+    def fits(self, request: Request) -> bool:
+        """Whether this executor's max_model_len holds the request's prompt and all its max_tokens."""
+        d = self.describe
+        return d is not None and request.num_prompt_tokens + request.sampling.max_tokens <= d.max_model_len
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0
