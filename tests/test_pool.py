@@ -36,7 +36,10 @@ def assert_idle(pool: Pool) -> None:
 
 
 def test_sigkill_of_one_of_three_executors_mid_run_loses_nothing(tmp_path: Path) -> None:
-    with running_pool(tmp_path, 3, SIM, ["--max-num-seqs", "64"]) as pool:
+    # 20 ms steps: a loaded client still reads a third of the tokens while the executors run (at 5 ms
+    # the whole run could end before the client had seen a third, and the victim ran nothing).
+    slow = [*SIM[:2], "20", *SIM[3:]]
+    with running_pool(tmp_path, 3, slow, ["--max-num-seqs", "64"]) as pool:
         reference = asyncio.run(generate_all(pool.address, NUM, MAX_TOKENS))
         assert all(reason == LENGTH and len(ids) == MAX_TOKENS for ids, reason in reference)
         victim = pool.executor_address(2)
