@@ -107,6 +107,7 @@ class Scheduler:
         self._unupdated: list[SchedulerOutput] = []
         self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
         self._step_grown: dict[int, ScheduledWork] = {}
+        self._step_taken = 0
 
     @property
     def running(self) -> list[Request]:
@@ -311,6 +312,7 @@ class Scheduler:
         need = total + extra
         chosen = self._step_chosen = decode & (need <= rs.capacity[slots])
         self._step_grown = {}
+        self._step_taken = 0  # the chosen rows before this position have taken their token from the budget
         short = decode & ~chosen
         if short.any():
             self._grow_plain(order, short, need)
@@ -318,7 +320,7 @@ class Scheduler:
         start = 0
         for p in np.flatnonzero(~chosen).tolist():
             budget_left[0] = self._take_plain(start, p, budget_left[0])
-            start = p + 1
+            self._step_taken = start = p + 1
             if budget_left[0] <= 0:
                 chosen[p:] = False
                 break
@@ -327,6 +329,7 @@ class Scheduler:
                 self._schedule_one(request, extra, budget_left, budget, scheduled, out)
         else:
             budget_left[0] = self._take_plain(start, len(slots), budget_left[0])
+        self._step_taken = len(slots)
         self._ungrow_unchosen()
         budget.tokens = budget_left[0]
         # the first phase: only running work so far (and requests that wait for their step in flight)
@@ -523,7 +526,8 @@ class Scheduler:
 
     def _unchoose(self, request: Request) -> bool:
         """Take a request out of this step's plain decodes, giving back a block it grew by this step;
-        False if it was not one of them."""
+        True if it was one of them and its token already came out of the budget (a row the walk of
+        _schedule_running has not reached yet takes its token only then)."""
         order = self._step_order
         for pos in np.flatnonzero(order.slots == request.slot).tolist():
             if order.requests[pos] is request and self._step_chosen[pos]:
@@ -531,7 +535,7 @@ class Scheduler:
                 grown = self._step_grown.pop(pos, None)
                 if grown is not None:
                     self.kv.release_tail(request.request_id, len(grown.new_block_ids))
-                return True
+                return pos < self._step_taken
         return False
 
     def _forget_in_executor(self, request_id: str) -> None:

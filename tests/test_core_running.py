@@ -1,0 +1,53 @@
+"""Deterministic cases for the running set's columnar hot path (review of #13): plain decodes chosen as
+a mask, grown, unchosen by preemption or the budget, and updated as columns."""
+
+from __future__ import annotations
+
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
+from scheduler_service.core.outputs import SchedulerOutput
+from scheduler_service.core.request import Request, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from tests.core_helpers import check_columns
+from tests.model_executor import ModelExecutor
+
+BS = 4
+
+
+class Run:
+    def __init__(self, num_blocks: int, cpu_blocks: int = 0, max_model_len: int = 96, **config: object) -> None:
+        cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
+        self.s = Scheduler(cfg, ExecutorLimits(BS, num_blocks, cpu_blocks, max_model_len=max_model_len))
+        self.ex = ModelExecutor(num_blocks, max(cpu_blocks, 1), BS)
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(self, rid: str, prompt_len: int, **sampling: object) -> Request:
+        options = SamplingOptions(**{"max_tokens": 50, "ignore_eos": True, **sampling})  # type: ignore[arg-type]
+        request = Request(rid, [10 + len(self.tokens)] * prompt_len, options, 0.0)
+        self.tokens[rid] = []
+        self.s.add_request(request)
+        return request
+
+    def step(self) -> SchedulerOutput:
+        out = self.s.schedule()
+        check_columns(self.s)
+        for d in self.s.update(out, self.ex.step(out)):
+            self.tokens[d.request_id] += d.new_token_ids
+        check_columns(self.s)
+        return out
+
+
+def test_preempting_a_plain_decode_later_in_the_running_order_gives_back_no_token_it_never_took() -> None:
+    # Running order A, B, C: A fills its block with the pool empty and preempts B (the longest), a plain
+    # decode the walk has not charged yet; C, a chunked prefill after B, must not get B's token on top.
+    run = Run(7, max_num_seqs=8, max_num_batched_tokens=4, preemption_mode=PreemptionMode.RECOMPUTE,
+              preemption_victim=Victim.LONGEST, enable_prefix_caching=False)
+    run.add("A", 3)
+    run.add("B", 9)
+    sent = []
+    for step in range(8):
+        if step == 4:
+            run.add("C", 8)
+        sent.append(run.step())
+    preempting = next(out for out in sent if out.num_preempted)
+    assert [(w.request.request_id, w.num_tokens) for w in preempting.scheduled] == [("A", 1), ("C", 3)]
+    assert all(out.total_num_scheduled_tokens <= 4 for out in sent)
