@@ -4,8 +4,8 @@ a mask, grown, unchosen by preemption or the budget, and updated as columns."""
 from __future__ import annotations
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
-from scheduler_service.core.outputs import SchedulerOutput
-from scheduler_service.core.request import Request, SamplingOptions
+from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from tests.core_helpers import check_columns
 from tests.model_executor import ModelExecutor
@@ -51,3 +51,17 @@ def test_preempting_a_plain_decode_later_in_the_running_order_gives_back_no_toke
     preempting = next(out for out in sent if out.num_preempted)
     assert [(w.request.request_id, w.num_tokens) for w in preempting.scheduled] == [("A", 1), ("C", 3)]
     assert all(out.total_num_scheduled_tokens <= 4 for out in sent)
+
+
+def test_a_plain_decode_answered_with_no_token_fails_alone_while_its_neighbour_keeps_its_own_tokens() -> None:
+    # Token lists (as a multi-token answer or a hand-built result carries them): "a" sampled nothing and
+    # "b" two tokens; the two lists must not be read as one token each.
+    run = Run(16, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = run.add("a", 3), run.add("b", 3)
+    run.step()
+    out = run.s.schedule()
+    assert [w.request.request_id for w in out.plain.works] == ["a", "b"]
+    deltas = {d.request_id: d for d in run.s.update(out, ExecutorResult(sampled={"a": [], "b": [41, 42]}))}
+    assert deltas["a"].finish_reason is FinishReason.ERROR and a.is_finished
+    assert deltas["b"].new_token_ids[0] == 41 and b.output_token_ids[1] == 41
+    check_columns(run.s)

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -734,11 +734,9 @@ class Scheduler:
             found: list[int | None] = list(map(result.token_index().get, ids))
         else:
             lists = list(map(result.sampled.get, ids))
-            if None in lists:
+            if any(tokens is None or len(tokens) != 1 for tokens in lists):
                 return None
-            found = list(chain.from_iterable(lists))  # type: ignore[arg-type]
-            if len(found) != len(ids):
-                return None
+            return [tokens[0] for tokens in lists]  # type: ignore[index]
         return None if None in found else found  # type: ignore[return-value]
 
     def _update_one(self, work: ScheduledWork, result: ExecutorResult, others: list[RequestDelta]) -> None:
