@@ -22,7 +22,7 @@ BLOCK = 4
 TraceSpec = tuple[int, int, int, int, bool, int, int, int, int, int, int]
 
 request_spec = st.tuples(
-    st.integers(0, 6),          # arrival step
+    st.sampled_from([0, 0, 1, 2, 3, 5, 8, 12, 20]),  # arrival step
     st.integers(1, 40),         # prompt length
     st.integers(1, 30),         # max_tokens
     st.integers(0, 5),          # priority
@@ -42,7 +42,7 @@ config_spec = st.fixed_dictionaries({
     "preemption_mode": st.sampled_from(list(PreemptionMode)),
     "preemption_victim": st.sampled_from(list(Victim)),
     "max_num_seqs": st.integers(1, 8),
-    "max_num_batched_tokens": st.integers(8, 64),
+    "max_num_batched_tokens": st.sampled_from([4, 6, 8, 12, 16, 32, 64]),
     "num_lookahead_slots": st.integers(0, 3),
     "num_scheduler_steps": st.sampled_from([1, 1, 3]),
     "enable_chunked_prefill": st.booleans(),
