@@ -50,11 +50,11 @@ def reshape(result: ExecutorResult, rng: random.Random, errors: dict[str, str]) 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
        device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), max_model_len=max_model_len_spec,
-       seed=st.integers(0, 2**16), end_mid_step=st.booleans())
+       seed=st.integers(0, 2**16), end_mid_step=st.booleans(), lose_at=st.sampled_from([0, 0, 3, 10, 25]))
 def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
                                                   cfg_kwargs: dict[str, object], device_blocks: int,
                                                   cpu_blocks: int, max_model_len: int, seed: int,
-                                                  end_mid_step: bool) -> None:
+                                                  end_mid_step: bool, lose_at: int) -> None:
     cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
     limits = trace_limits(device_blocks, cpu_blocks, max_model_len)
     clock = FakeClock()
@@ -80,6 +80,14 @@ def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
         check_columns(s)
         copies += len(out.copy)
         shared_swaps += sum(1 for a, _ in out.swap_out if s.kv.device.ref_count(a) > 0)
+        if step == lose_at:  # the executor is lost with the step: its state goes, every request recomputes
+            s.reset_executor()
+            s.set_executor_limits(limits)
+            ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
+            for rid in out.rejected:
+                reasons[rid.request_id] = FinishReason.ERROR
+            check_columns(s)
+            continue
         result = reshape(ex.step(out), rng, errors)
         if end_mid_step:  # an abort or a stop string while the executor runs the step
             end_trace_requests(s, specs, step, reasons, stopped_outside)
