@@ -50,11 +50,12 @@ def reshape(result: ExecutorResult, rng: random.Random, errors: dict[str, str]) 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
        device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), max_model_len=max_model_len_spec,
-       seed=st.integers(0, 2**16), end_mid_step=st.booleans(), lose_at=st.sampled_from([0, 0, 3, 10, 25]))
+       seed=st.integers(0, 2**16), end_mid_step=st.booleans(), lose_at=st.sampled_from([0, 0, 3, 10, 25]),
+       move_at=st.sampled_from([0, 0, 2, 6, 12]))
 def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
                                                   cfg_kwargs: dict[str, object], device_blocks: int,
                                                   cpu_blocks: int, max_model_len: int, seed: int,
-                                                  end_mid_step: bool, lose_at: int) -> None:
+                                                  end_mid_step: bool, lose_at: int, move_at: int) -> None:
     cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
     limits = trace_limits(device_blocks, cpu_blocks, max_model_len)
     clock = FakeClock()
@@ -74,6 +75,11 @@ def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
             outputs[request.request_id] = []
         if not end_mid_step:
             end_trace_requests(s, specs, step, reasons, stopped_outside)
+        if step == move_at:  # a pool takes the waiting requests away and (here) hands them back
+            moved = [s.release(rid) for rid in s.waiting_ids()]
+            for request in reversed(moved):
+                assert request is not None and request.slot == -1
+                s.add_request(request, front=True)
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         out = s.schedule()
         check_invariants(s, out, cfg, before)
