@@ -8,7 +8,7 @@ from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from tests.core_helpers import check_columns
-from tests.model_executor import ModelExecutor
+from tests.model_executor import ModelExecutor, token_at
 
 BS = 4
 
@@ -65,3 +65,65 @@ def test_a_plain_decode_answered_with_no_token_fails_alone_while_its_neighbour_k
     assert deltas["a"].finish_reason is FinishReason.ERROR and a.is_finished
     assert deltas["b"].new_token_ids[0] == 41 and b.output_token_ids[1] == 41
     check_columns(run.s)
+
+
+def finish(run: Run, steps: int = 200) -> None:
+    for _ in range(steps):
+        if not run.s.has_unfinished():
+            return
+        run.step()
+    raise AssertionError(f"unfinished: {list(run.s.requests)}")
+
+
+def expected(rid: str, prompt_len: int, max_tokens: int) -> list[int]:
+    return [token_at(rid, prompt_len + i) for i in range(max_tokens)]
+
+
+def test_a_plain_decode_grown_this_step_and_then_swapped_out_gives_its_new_block_back_first() -> None:
+    # B (longest) and A both fill their blocks; the pool has one block: B, first in order, takes it,
+    # A preempts B, whose swap-out must carry its 3 written blocks, not the empty one it just grew.
+    run = Run(5, cpu_blocks=8, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode=PreemptionMode.SWAP,
+              preemption_victim=Victim.LONGEST, enable_prefix_caching=False)
+    b, a = run.add("B", 11, max_tokens=6), run.add("A", 3, max_tokens=6)
+    run.step()
+    run.step()
+    assert run.s.kv.device.num_free == 1
+    out = run.step()
+    assert out.swapped_out_ids == ["B"] and len(out.swap_out) == 3
+    assert [(w.request.request_id, len(w.new_block_ids)) for w in out.scheduled] == [("A", 1)]
+    assert run.s.kv.device.num_free == 5 - 2
+    finish(run)
+    assert run.tokens == {"B": expected("B", 11, 6), "A": expected("A", 3, 6)}
+    assert b.num_preemptions == 1 and a.num_preemptions == 0
+    assert run.s.kv.device.num_free == 5 and run.s.kv.cpu.num_free == 8
+
+
+def test_the_budget_cut_in_a_run_of_growing_plain_decodes_gives_the_unscheduled_ones_blocks_back() -> None:
+    run = Run(16, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    for rid in "abcd":
+        run.add(rid, 3, max_tokens=8)
+    run.step()
+    run.step()
+    run.s.config.max_num_batched_tokens = 2
+    out = run.step()  # all four fill their block; two fit the budget
+    assert [(w.request.request_id, len(w.new_block_ids)) for w in out.scheduled] == [("a", 1), ("b", 1)]
+    assert [len(run.s.kv.block_table(rid)) for rid in "abcd"] == [2, 2, 1, 1]
+    assert run.s.kv.device.num_free == 16 - 6
+    run.s.config.max_num_batched_tokens = 16
+    finish(run)
+    assert run.tokens == {rid: expected(rid, 3, 8) for rid in "abcd"}
+
+
+def test_a_grown_plain_decode_aborted_before_its_update_frees_every_block_and_its_token_is_dropped() -> None:
+    run = Run(8, max_num_seqs=4, max_num_batched_tokens=16)
+    run.add("a", 4, max_tokens=8)
+    b = run.add("b", 3, max_tokens=8)
+    run.step()
+    out = run.s.schedule()  # "a" fills its block (4 tokens + 1): it grows
+    assert [(w.request.request_id, len(w.new_block_ids)) for w in out.scheduled] == [("a", 1), ("b", 0)]
+    result = run.ex.step(out)
+    run.s.abort("a")  # while the executor runs the step
+    assert run.s.kv.device.num_free == 8 - 1
+    assert [d.request_id for d in run.s.update(out, result)] == ["b"]
+    check_columns(run.s)
+    assert run.s.schedule().finished_ids == ["a"] and len(b.output_token_ids) == 2
