@@ -29,12 +29,19 @@ from tests.model_executor import ModelExecutor, token_at
 
 
 def reshape(result: ExecutorResult, rng: random.Random, errors: dict[str, str]) -> ExecutorResult:
-    """The same answer in another shape the contract allows: columns in any order, or token lists;
-    sometimes with logprobs (they take the per-request path) or an executor error for one request."""
+    """The same answer in another shape: columns in any order, or token lists; sometimes with logprobs
+    (they take the per-request path), an executor error for one request, one request's token missing
+    (it fails alone) or a token for a request the step did not name."""
     sampled = dict(result.sampled) or {rid: [t] for rid, t in zip(result.ids, result.tokens, strict=True)}
+    shape = rng.randrange(6)
+    if shape == 3 and sampled and rng.randrange(4) == 0:  # a token missing: that request fails, alone
+        missing = rng.choice(sorted(sampled))
+        del sampled[missing]
+        errors[missing] = "no token"
+    if shape == 4:  # a token for a request the step did not name is ignored
+        sampled = {"not-scheduled": [3], **sampled}
     ids = list(sampled)
     rng.shuffle(ids)
-    shape = rng.randrange(6)
     if shape == 0 or any(len(t) != 1 for t in sampled.values()):
         reshaped = ExecutorResult(sampled={rid: sampled[rid] for rid in ids})
     else:
