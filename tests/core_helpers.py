@@ -160,6 +160,7 @@ def check_columns(s: Scheduler) -> None:
         assert 0 < r.num_uncomputed_tokens <= r.num_tokens
         assert rs.capacity[slot] == len(s.kv.block_table(r.request_id)) * s.kv.block_size, \
             f"{r.request_id}: capacity column"
+        assert len(s.kv.block_table(r.request_id)) <= s.kv.usable_blocks, f"{r.request_id} outgrew the usable pool"
         assert rs.limit[slot] == min(s.limits.max_model_len, r.num_prompt_tokens + opts.max_tokens)
         assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0)
         assert rs.eos[slot] == (not opts.ignore_eos)

@@ -127,3 +127,31 @@ def test_a_grown_plain_decode_aborted_before_its_update_frees_every_block_and_it
     assert [d.request_id for d in run.s.update(out, result)] == ["b"]
     check_columns(run.s)
     assert run.s.schedule().finished_ids == ["a"] and len(b.output_token_ids) == 2
+
+
+def test_a_decode_that_would_outgrow_the_usable_pool_finishes_with_an_error_there_in_sync_and_async_mode() -> None:
+    # 8 blocks, a watermark of 2: no request may hold more than 6 (24 slots), as admission already
+    # rules. A plain decode (or one scheduled ahead of its step in flight) must not grow into the
+    # watermark: it finishes with the error the per-request path gives, at the same token.
+    for async_scheduling in (False, True):
+        cfg = CoreConfig(watermark=0.25, async_scheduling=async_scheduling)
+        s = Scheduler(cfg, ExecutorLimits(BS, 8, 0, max_model_len=96))
+        ex = ModelExecutor(8, 1, BS)
+        request = Request("r", [5] * 20, SamplingOptions(max_tokens=30, ignore_eos=True), 0.0)
+        s.add_request(request)
+        pending: list[tuple[SchedulerOutput, ExecutorResult]] = []
+        deltas = []
+        for _ in range(40):
+            out = s.schedule()
+            check_columns(s)
+            pending.append((out, ex.step(out)))
+            if len(pending) > async_scheduling or not s.has_unfinished():
+                deltas += [d for late in pending for d in s.update(*late)]
+                pending.clear()
+                check_columns(s)
+            if not s.has_unfinished() and not pending:
+                break
+        assert deltas[-1].finish_reason is FinishReason.ERROR, async_scheduling
+        assert "grew to 25 tokens (7 KV blocks of 4)" in deltas[-1].error and "at most 6 blocks" in deltas[-1].error
+        assert sum(len(d.new_token_ids) for d in deltas) == 24 - 20 + 1
+        assert s.kv.device.num_free == 8

@@ -337,9 +337,12 @@ class Scheduler:
 
     def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
         """Blocks for plain decodes that fill theirs: all at once when the pool has them, else in running
-        order while it does (the rest take _schedule_one, which may preempt)."""
-        positions = np.flatnonzero(short)
+        order while it does (the rest take _schedule_one, which may preempt, or finish one that would
+        outgrow the usable pool)."""
         bs = self.kv.block_size
+        positions = np.flatnonzero(short & (need <= self.kv.usable_blocks * bs))  # the others _reject_outgrown
+        if not len(positions):
+            return
         slots = order.slots[positions]
         missing = -(-need[positions] // bs) - self.rs.capacity[slots] // bs
         requests = [order.requests[p] for p in positions.tolist()]
@@ -440,7 +443,10 @@ class Scheduler:
         total = num_tokens + num_inflight  # its tokens once the steps in flight are done
         if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
-        new = self._grow(request, total - computed, self.config.num_lookahead_slots)
+        lookahead = self.config.num_lookahead_slots
+        if total + lookahead > self.kv.usable_blocks * self.kv.block_size:
+            return Ahead.WAITS  # outgrows the usable pool: _schedule_one finishes it once its steps are in
+        new = self._grow(request, total - computed, lookahead)
         if new is None:
             return Ahead.WAITS
         scheduled[request.request_id] = ScheduledWork(request, 1, new)
