@@ -155,3 +155,16 @@ def test_a_decode_that_would_outgrow_the_usable_pool_finishes_with_an_error_ther
         assert "grew to 25 tokens (7 KV blocks of 4)" in deltas[-1].error and "at most 6 blocks" in deltas[-1].error
         assert sum(len(d.new_token_ids) for d in deltas) == 24 - 20 + 1
         assert s.kv.device.num_free == 8
+
+
+def test_more_running_requests_than_the_first_columns_hold_grow_them_and_keep_every_row() -> None:
+    run = Run(600, max_num_seqs=256, max_num_batched_tokens=4096)
+    for i in range(150):
+        run.add(f"r{i}", 3 + i % 7, max_tokens=2 + i % 5)
+    first = run.step()
+    assert len(first.scheduled) == 150 and len(run.s.rs.num_tokens) >= 150
+    for i in range(150, 220):  # new requests take the rows the finished ones left
+        run.add(f"r{i}", 2, max_tokens=3)
+    finish(run)
+    assert all(run.tokens[f"r{i}"] == expected(f"r{i}", 3 + i % 7, 2 + i % 5) for i in range(150))
+    assert all(run.tokens[f"r{i}"] == expected(f"r{i}", 2, 3) for i in range(150, 220))
