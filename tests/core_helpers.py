@@ -27,7 +27,7 @@ request_spec = st.tuples(
     st.integers(1, 30),         # max_tokens
     st.integers(0, 5),          # priority
     st.booleans(),              # ignore_eos
-    st.integers(0, 60),         # abort at step (0 = never)
+    st.one_of(st.just(0), st.just(0), st.integers(1, 60)),  # abort at step (0 = never)
     st.integers(0, 3),          # shared prefix (0 = none): the prompt starts with one of three prefixes
     st.sampled_from([1, 1, 1, 2, 3]),  # n: parallel sequences sharing the prompt
     st.sampled_from([0, 0, 0, 2, 5]),  # min_tokens (capped at max_tokens)

@@ -34,7 +34,7 @@ def reshape(result: ExecutorResult, rng: random.Random, errors: dict[str, str]) 
     (it fails alone) or a token for a request the step did not name."""
     sampled = dict(result.sampled) or {rid: [t] for rid, t in zip(result.ids, result.tokens, strict=True)}
     shape = rng.randrange(6)
-    if shape == 3 and sampled and rng.randrange(4) == 0:  # a token missing: that request fails, alone
+    if shape == 3 and sampled and rng.randrange(25) == 0:  # a token missing: that request fails, alone
         missing = rng.choice(sorted(sampled))
         del sampled[missing]
         errors[missing] = "no token"
@@ -48,7 +48,7 @@ def reshape(result: ExecutorResult, rng: random.Random, errors: dict[str, str]) 
         reshaped = ExecutorResult(ids=ids, tokens=[sampled[rid][0] for rid in ids])
     if shape == 1 and ids:
         reshaped.logprobs = {ids[0]: [TokenLogprob(t, -1.0) for t in sampled[ids[0]]]}
-    if shape == 2 and ids and rng.randrange(8) == 0:
+    if shape == 2 and ids and rng.randrange(25) == 0:
         reshaped.errors = {ids[-1]: "injected"}
         errors[ids[-1]] = "injected"
     return reshaped
