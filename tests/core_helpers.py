@@ -16,6 +16,7 @@ from scheduler_service.core.request import FinishReason, Request, RequestStatus,
 from scheduler_service.core.scheduler import Scheduler
 
 EOS = 2
+EOS2 = 13  # a second EOS id (a model with several), which the model executor samples now and then
 BLOCK = 4
 # arrival step, prompt length, max_tokens, priority, ignore_eos, abort at step, shared prefix, n, min_tokens,
 # stop token id (0 = none), finished from outside (a stop string) at step (0 = never)
@@ -55,7 +56,8 @@ max_model_len_spec = st.sampled_from([96, 96, 40, 24])
 
 
 def trace_limits(device_blocks: int, cpu_blocks: int, max_model_len: int = 96) -> ExecutorLimits:
-    return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len, eos_token_ids=(EOS,))
+    return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
+                          eos_token_ids=(EOS, EOS2))
 
 
 def trace_options(spec: TraceSpec) -> SamplingOptions:

@@ -14,6 +14,7 @@ from scheduler_service.core.scheduler import Scheduler
 from tests.core_helpers import (
     BLOCK,
     EOS,
+    EOS2,
     FakeClock,
     TraceSpec,
     add_trace_arrivals,
@@ -140,7 +141,7 @@ def expected_output(req: Request, max_model_len: int) -> tuple[list[int], Finish
             return out, FinishReason.LENGTH
         if len(out) < options.min_tokens:
             continue
-        if (not options.ignore_eos and t == EOS) or t in options.stop_token_ids:
+        if (not options.ignore_eos and t in (EOS, EOS2)) or t in options.stop_token_ids:
             return out, FinishReason.STOPPED
         if len(out) >= options.max_tokens:
             return out, FinishReason.LENGTH
