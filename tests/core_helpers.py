@@ -164,7 +164,7 @@ def check_columns(s: Scheduler) -> None:
             f"{r.request_id}: capacity column"
         assert len(s.kv.block_table(r.request_id)) <= s.kv.usable_blocks, f"{r.request_id} outgrew the usable pool"
         assert rs.limit[slot] == min(s.limits.max_model_len, r.num_prompt_tokens + opts.max_tokens)
-        assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0)
+        assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0 or not r.output_token_ids)
         assert rs.eos[slot] == (not opts.ignore_eos)
         in_flight = sum(any(w.request is r for w in out.scheduled) for out in s._unupdated)
         assert rs.inflight[slot] == in_flight, f"{r.request_id}: {rs.inflight[slot]} steps in flight, not {in_flight}"

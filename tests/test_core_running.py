@@ -168,3 +168,19 @@ def test_more_running_requests_than_the_first_columns_hold_grow_them_and_keep_ev
     finish(run)
     assert all(run.tokens[f"r{i}"] == expected(f"r{i}", 3 + i % 7, 2 + i % 5) for i in range(150))
     assert all(run.tokens[f"r{i}"] == expected(f"r{i}", 2, 3) for i in range(150, 220))
+
+
+def test_a_prompt_whose_last_token_is_computed_as_a_plain_decode_registers_its_last_block_at_once() -> None:
+    # An 8-token prompt in chunks of 7 and 1: the 1-token chunk is a plain decode, and the prompt's
+    # second full block must be found by a look-up while the request still runs, as after any prefill.
+    run = Run(32, max_num_batched_tokens=7)
+    prompt = list(range(20, 28))
+    request = Request("a", list(prompt), SamplingOptions(max_tokens=10, ignore_eos=True), 0.0)
+    run.tokens["a"] = []
+    run.s.add_request(request)
+    run.step()
+    assert run.step().plain.ids == ["a"]
+    assert run.s.cached_prefix_tokens([*prompt, 1, 2, 3, 4]) == 8
+    run.add("b", 3)  # a plain decode's first token through the columns keeps its row right
+    finish(run)
+    assert run.tokens["a"] == expected("a", 8, 10)

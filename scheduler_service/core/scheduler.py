@@ -721,7 +721,13 @@ class Scheduler:
         self._completed(ids)
         if check.any():
             for i in np.flatnonzero(check).tolist():
-                kept, reason = self._append_checked(requests[i], [tokens[i]])
+                request = requests[i]
+                first = len(request.output_token_ids) == 1
+                if first:  # the prompt's last token was computed: its blocks are registered at once
+                    self.kv.cache_blocks(request)
+                kept, reason = self._append_checked(request, [tokens[i]])
+                if first and request.status is RUNNING:
+                    rs.sync(request)
                 deltas.others.append(RequestDelta(ids[i], kept, reason))
             keep = (~check).tolist()
             ids, tokens = list(compress(ids, keep)), list(compress(tokens, keep))
