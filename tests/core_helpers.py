@@ -166,6 +166,9 @@ def check_columns(s: Scheduler) -> None:
         assert rs.limit[slot] == min(s.limits.max_model_len, r.num_prompt_tokens + opts.max_tokens)
         assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0 or not r.output_token_ids)
         assert rs.eos[slot] == (not opts.ignore_eos)
+        if s.kv.enable_caching:  # prompt blocks are registered as soon as they are computed
+            assert s.kv._num_cached.get(r.request_id, 0) >= min(r.num_computed_tokens, r.num_prompt_tokens) // BLOCK, \
+                f"{r.request_id}: a computed full prompt block is not in the prefix cache"
         in_flight = sum(any(w.request is r for w in out.scheduled) for out in s._unupdated)
         assert rs.inflight[slot] == in_flight, f"{r.request_id}: {rs.inflight[slot]} steps in flight, not {in_flight}"
     running = set(map(id, order.requests))
