@@ -44,6 +44,25 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
+// exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp; below -87.3, 2^-126 instead of 0): vectorizes,
+// unlike std::exp.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 inline void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
@@ -51,13 +70,15 @@ inline void add_scaled(float* __restrict acc, const float* __restrict v, float p
 
 // Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. The rows of a
 // tile read the same K/V blocks, each block (all KV heads, contiguous) once per tile, front to back.
+// kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim at run time.
+template <int64_t kD>
 void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                  float* denom, float* scores) {
   const int64_t first = L.query_start_loc[seq];
   const int64_t q_len = L.query_start_loc[seq + 1] - first;
   const int64_t ctx = L.seq_lens[seq];
   const int64_t rows = row1 - row0;
-  const int64_t D = L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
+  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
   const int32_t* table = L.block_tables + seq * L.table_stride;
   const float* q[kRowTile];
   int64_t last_key[kRowTile], head_offset[kRowTile];
@@ -81,25 +102,30 @@ void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float
         __builtin_prefetch(L.v_cache + next + line * 16);
       }
     }
-    // Token by token, every row's head: K and V are read front to back, as laid out.
+    // Token by token, every row's head: K and V are read front to back, as laid out. Keys before `end` are
+    // all written, so a row's masked keys (probability 0) may take part in the V sum.
     const float* k = L.k_cache + base;
     const float* v = L.v_cache + base;
+    int64_t visible[kRowTile];
+    for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
     for (int64_t t = 0; t < n; ++t)
       for (int64_t r = 0; r < rows; ++r)
-        if (start + t <= last_key[r]) scores[r * BS + t] = dot(q[r], k + t * L.cache_token_stride + head_offset[r], D) * L.scale;
+        if (t < visible[r]) scores[r * BS + t] = dot(q[r], k + t * L.cache_token_stride + head_offset[r], D) * L.scale;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
       float* s = scores + r * BS;
+      const int64_t m = visible[r];
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, s[t]);
+      for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, s[t]);
       const float new_max = std::max(max_score[r], block_max);
-      const float corr = visible > 0 ? std::exp(max_score[r] - new_max) : 1.f;
       float sum = 0.f;
-      for (int64_t t = 0; t < visible; ++t) {
-        s[t] = std::exp(s[t] - new_max);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < m; ++t) {
+        s[t] = exp_nonpositive(s[t] - new_max);
         sum += s[t];
       }
-      for (int64_t t = visible; t < n; ++t) s[t] = 0.f;
+      for (int64_t t = m; t < n; ++t) s[t] = 0.f;
+      if (m == 0) continue;
+      const float corr = exp_nonpositive(max_score[r] - new_max);
       denom[r] = denom[r] * corr + sum;
       max_score[r] = new_max;
       if (corr != 1.f) {
@@ -110,8 +136,7 @@ void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float
     }
     for (int64_t t = 0; t < n; ++t)
       for (int64_t r = 0; r < rows; ++r)
-        if (start + t <= last_key[r])
-          add_scaled(acc + r * D, v + t * L.cache_token_stride + head_offset[r], scores[r * BS + t], D);
+        add_scaled(acc + r * D, v + t * L.cache_token_stride + head_offset[r], scores[r * BS + t], D);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r, token = row / H, head = row % H;
@@ -120,6 +145,16 @@ void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float
     const float* a = acc + r * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+  }
+}
+
+void attend(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score, float* denom,
+            float* scores) {
+  switch (L.head_dim) {
+    case 64: return attend_rows<64>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 128: return attend_rows<128>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 32: return attend_rows<32>(L, seq, row0, row1, acc, max_score, denom, scores);
+    default: return attend_rows<0>(L, seq, row0, row1, acc, max_score, denom, scores);
   }
 }
 
@@ -164,8 +199,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       const int64_t seq = seq_ids[item];
       const int64_t rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * num_heads;
       for (int64_t row0 = 0; row0 < rows; row0 += kRowTile)
-        attend_rows(L, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
-                    scores.data());
+        attend(L, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
+               scores.data());
     }
   });
 }
