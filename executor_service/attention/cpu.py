@@ -50,8 +50,12 @@ def plan_split(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: T
                query_start_loc: Tensor) -> Split:
     tables, lens, starts = (t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc))
     q_lens = starts[1:] - starts[:-1]
-    short = ((q_lens > 0) & (q_lens <= KERNEL_MAX_QUERY)).nonzero().flatten().to(torch.int32)
-    plan = build_plan(query, k_cache, block_tables, seq_lens, query_start_loc, KERNEL_MAX_QUERY + 1)
+    is_short = (q_lens > 0) & (q_lens <= KERNEL_MAX_QUERY)
+    short = is_short.nonzero().flatten().to(torch.int32)
+    if bool((is_short | (q_lens == 0)).all()):
+        plan = Plan([], query.shape[0])
+    else:
+        plan = build_plan(query, k_cache, block_tables, seq_lens, query_start_loc, KERNEL_MAX_QUERY + 1)
     return Split(short if short.numel() else None, tables, lens, starts, plan)
 
 
