@@ -1,6 +1,6 @@
 """The torch executor's forward steps in process, against the roofline, in CPU time (robust on a shared machine).
 
-    python benchmarks/forward_steps.py [--model DIR] [--repeats 5] [--json-out FILE]
+    python -m benchmarks.forward_steps [--model DIR] [--repeats 5] [--json-out FILE]
 
 TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
 offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
@@ -18,21 +18,16 @@ import argparse
 import functools
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.roofline import ModelShape, best_time, limits_record, measure_limits  # noqa: E402
-from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model  # noqa: E402
-from executor_service.backend import BatchItem, SamplingConfig  # noqa: E402
-from executor_service.config import ExecutorConfig  # noqa: E402
-from executor_service.torch_backend import TorchBackend  # noqa: E402
+from benchmarks.roofline import ModelShape, best_time, limits_record, measure_limits
+from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
+from executor_service.backend import BatchItem, SamplingConfig
+from executor_service.config import ExecutorConfig
+from executor_service.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
           ("decode", 16, 300), ("decode", 4, 400)]
