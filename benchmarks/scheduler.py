@@ -42,33 +42,39 @@ from scheduler_service.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 32
+
+
+def prompt(i: int) -> list[int]:
+    """Prompt lengths PROMPT_LEN .. PROMPT_LEN + BLOCK_SIZE - 1, so every step some requests fill a block
+    (the real mix: not all of them at once every BLOCK_SIZE steps)."""
+    return [7] * (PROMPT_LEN + i % BLOCK_SIZE)
 TOKEN = 42
 EOS = 2
 
 
 def fake_execute(out: SchedulerOutput) -> ExecutorResult:
-    """One token for every request whose scheduled tokens complete its known tokens."""
-    sampled = {}
-    for work in out.scheduled:
-        req = work.request
-        if req.num_computed_tokens + work.num_tokens >= req.num_tokens:
-            sampled[req.request_id] = [TOKEN] * out.num_steps
-    return ExecutorResult(sampled=sampled)
+    """One token (num_steps tokens) for every request whose scheduled tokens complete its known tokens,
+    in the step's order, in the shape the executor client builds from the wire (columns for one token)."""
+    done = [w.request.request_id for w in out.scheduled
+            if w.request.num_computed_tokens + w.num_tokens >= w.request.num_tokens]
+    if out.num_steps == 1:
+        return ExecutorResult(ids=done, tokens=[TOKEN] * len(done))
+    return ExecutorResult(sampled={rid: [TOKEN] * out.num_steps for rid in done})
 
 
-def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
-    tokens_per_request = PROMPT_LEN + warmup + steps + 16
+def build(running: int, waiting: int, steps: int, warmup: int, async_scheduling: bool = False) -> Scheduler:
+    tokens_per_request = PROMPT_LEN + BLOCK_SIZE + warmup + steps + 16
     blocks_per_request = -(-tokens_per_request // BLOCK_SIZE)
     num_blocks = running * blocks_per_request + 64
-    config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * PROMPT_LEN),
-                        watermark=0.0)
+    config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * (PROMPT_LEN + BLOCK_SIZE)),
+                        watermark=0.0, async_scheduling=async_scheduling)
     limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
                          max_model_len=tokens_per_request + 1024, eos_token_ids=(EOS,))
     scheduler = Scheduler(config, limits)
     options = SamplingOptions(max_tokens=10**9, ignore_eos=True)
     now = time.monotonic()
     for i in range(running):
-        scheduler.add_request(Request(f"run-{i}", [7] * PROMPT_LEN, options, now))
+        scheduler.add_request(Request(f"run-{i}", prompt(i), options, now))
     # First step: every prompt is prefilled; afterwards every running request is a one-token decode
     # (its one uncomputed token is the one sampled last step).
     out = scheduler.schedule()
@@ -77,15 +83,32 @@ def build(running: int, waiting: int, steps: int, warmup: int) -> Scheduler:
     assert all(r.status is RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
                for r in scheduler.running)
     for i in range(waiting):
-        scheduler.add_request(Request(f"wait-{i}", [7] * PROMPT_LEN, options, now))
+        scheduler.add_request(Request(f"wait-{i}", prompt(i), options, now))
     return scheduler
 
 
-def ours(running: int, waiting: int, steps: int, warmup: int) -> Callable[[], tuple[int, int]]:
-    """One timed step of our scheduler per call: (schedule ns, update ns)."""
-    scheduler = build(running, waiting, steps, warmup)
+def ours(running: int, waiting: int, steps: int, warmup: int,
+         async_scheduling: bool = False) -> Callable[[], tuple[int, int]]:
+    """One timed step of our scheduler per call: (schedule ns, update ns). With async scheduling each
+    call schedules step k + 1 while step k is in flight, then updates step k (the engine's order)."""
+    scheduler = build(running, waiting, steps, warmup, async_scheduling)
     perf = time.perf_counter_ns
     schedule, update = scheduler.schedule, scheduler.update
+    if async_scheduling:
+        first = schedule()
+        in_flight = [(first, fake_execute(first))]
+
+        def step_ahead() -> tuple[int, int]:
+            t0 = perf()
+            out = schedule()
+            t1 = perf()
+            in_flight.append((out, fake_execute(out)))
+            t2 = perf()
+            update(*in_flight.pop(0))
+            t3 = perf()
+            assert len(out.scheduled) == running and not out.new_requests(), "the benchmark's shape broke"
+            return t1 - t0, t3 - t2
+        return step_ahead
 
     def step() -> tuple[int, int]:
         t0 = perf()
@@ -145,13 +168,13 @@ def import_nano(path: Path) -> dict[str, Any] | None:
 def nano(modules: dict[str, Any], running: int, steps: int, warmup: int) -> Callable[[], tuple[int, int]]:
     Sequence = modules["engine.sequence"].Sequence
     Sequence.block_size = BLOCK_SIZE
-    tokens_per_request = PROMPT_LEN + 2 * (warmup + steps) + 16
+    tokens_per_request = PROMPT_LEN + BLOCK_SIZE + 2 * (warmup + steps) + 16
     num_blocks = running * -(-tokens_per_request // BLOCK_SIZE) + 64
-    config = _NanoConfig(running, max(2048, running * PROMPT_LEN), EOS, BLOCK_SIZE, num_blocks)
+    config = _NanoConfig(running, max(2048, running * (PROMPT_LEN + BLOCK_SIZE)), EOS, BLOCK_SIZE, num_blocks)
     scheduler = modules["engine.scheduler"].Scheduler(config)
     params = modules["sampling_params"].SamplingParams(temperature=1.0, max_tokens=10**9, ignore_eos=True)
-    for _ in range(running):
-        scheduler.add(Sequence([7] * PROMPT_LEN, params))
+    for i in range(running):
+        scheduler.add(Sequence(prompt(i), params))
     seqs, prefill = scheduler.schedule()
     scheduler.postprocess(seqs, [TOKEN] * len(seqs), prefill)
     assert len(scheduler.running) == running and not scheduler.waiting
@@ -181,9 +204,9 @@ def summary(times: list[tuple[int, int]]) -> dict[str, float]:
 
 
 def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True,
-        nano_path: Path | None = None) -> dict[str, object]:
+        nano_path: Path | None = None, async_scheduling: bool = False) -> dict[str, object]:
     """Both schedulers step in alternating rounds of 50, so machine load falls on both alike."""
-    contenders = {"ours": ours(running, waiting, steps, warmup)}
+    contenders = {"ours": ours(running, waiting, steps, warmup, async_scheduling)}
     modules = import_nano(nano_path) if nano_path is not None else None
     if modules is not None:
         contenders["nano"] = nano(modules, running, steps, warmup)
@@ -201,10 +224,13 @@ def run(running: int, waiting: int, steps: int, warmup: int, freeze: bool = True
                 if done + i >= warmup:
                     times[name].append(t)
         done += rounds
-    result: dict[str, object] = {"running": running, "waiting": waiting, "steps": steps, **summary(times["ours"])}
+    result: dict[str, object] = {"running": running, "waiting": waiting, "steps": steps,
+                                 "async_scheduling": async_scheduling, **summary(times["ours"])}
     if "nano" in times:
         peer = summary(times["nano"])
         result["nano_vllm_p50_us"] = peer["p50_us"]
+        result["nano_vllm_p99_us"] = peer["p99_us"]
+        result["nano_vllm_mean_us"] = peer["mean_us"]
         result["nano_vllm_schedule_p50_us"] = peer["schedule_p50_us"]
         result["nano_vllm_update_p50_us"] = peer["update_p50_us"]
         result["ratio_p50"] = round(float(result["p50_us"]) / peer["p50_us"], 2)  # type: ignore[arg-type]
@@ -221,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=100, help="untimed steps first")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the garbage collector as Python starts it (the services freeze start-up objects)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step while the one before is in flight (the service's default)")
     p.add_argument("--profile", metavar="FILE", default=None, help="write a cProfile of the timed loop to FILE")
     p.add_argument("--nano-vllm", metavar="PATH", type=Path, default=None,
                    help="a nano-vllm checkout to time beside ours (skipped when absent)")
@@ -231,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         import cProfile
 
         profiler = cProfile.Profile()
-        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze)
+        result = profiler.runcall(run, args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze,
+                                  None, args.async_scheduling)
         profiler.dump_stats(args.profile)
     else:
-        result = run(args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze, args.nano_vllm)
+        result = run(args.running, args.waiting, args.steps, args.warmup, not args.no_gc_freeze, args.nano_vllm,
+                     args.async_scheduling)
     print(json.dumps(result))
 
 

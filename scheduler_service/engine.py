@@ -7,14 +7,14 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
-from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput, StepDeltas
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
@@ -70,7 +70,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self.steps_in_flight = steps_in_flight
         self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
-        self._unrouted: list[RequestDelta] = []
+        self._unrouted = StepDeltas()
         self.on_ready_change: Callable[[bool], object] | None = None
         # The pool's check of a described executor: "" to accept, else why it is refused.
         self.admit: Callable[[executor_pb2.DescribeResponse], str] | None = None
@@ -283,7 +283,7 @@ class Engine:
 
     def _route_unrouted(self) -> None:
         if self._unrouted:
-            deltas, self._unrouted = self._unrouted, []
+            deltas, self._unrouted = self._unrouted, StepDeltas()
             self._route(deltas)
 
     async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
@@ -343,7 +343,7 @@ class Engine:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         self._pending.clear()
-        self._unrouted = []
+        self._unrouted = StepDeltas()
         sched.reset_executor()
         self._refresh_gauges()
         if self.on_ready_change is not None:
@@ -387,7 +387,7 @@ class Engine:
         self._lost_since = None
         self._losses = 0
 
-    def _route(self, deltas: list[RequestDelta]) -> None:
+    def _route(self, deltas: Iterable[RequestDelta]) -> None:
         now = time.monotonic()
         m = self.metrics
         generated = 0

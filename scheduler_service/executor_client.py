@@ -81,7 +81,7 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
     tokens = list(s.token_ids)
     counts = list(s.num_tokens)
     if len(tokens) == len(counts):
-        result.sampled = {rid: [t] for rid, t in zip(s.request_ids, tokens, strict=True)}
+        result.ids, result.tokens = list(s.request_ids), tokens
     else:
         result.sampled = dict(zip(s.request_ids, split_columns(tokens, counts), strict=True))
     for lp in msg.logprobs:

@@ -54,10 +54,11 @@ def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: Core
                     s.abort(f"r{i}.{j}")
                     reasons[f"r{i}.{j}"] = FinishReason.ABORTED
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
+        in_flight = {r.request_id for r in s.running if s.rs.inflight[r.slot]}
         out = s.schedule()
         # A request whose last step is still running and that ends there stays in RUNNING until its
         # update: it holds no place in this step's batch, which alone max_num_seqs bounds.
-        ending = {*s._inflight} - {w.request.request_id for w in out.scheduled}
+        ending = in_flight - {w.request.request_id for w in out.scheduled}
         check_invariants(s, out, replace(cfg, max_num_seqs=cfg.max_num_seqs + len(ending)), before)
         result = ex.step(out)  # the executor runs steps in the order they are sent
         pending.append((out, result))
@@ -104,7 +105,7 @@ def test_a_token_sampled_past_a_stop_is_dropped_and_blocks_stay_held_for_the_exe
     r2 = ex.step(second)
     s.finish("r", FinishReason.STOPPED)  # e.g. a stop string seen in the first token
     assert [d.new_token_ids for d in s.update(first, r1)] == []
-    assert s.update(second, r2) == [], "the token sampled past the stop never reaches a client"
+    assert list(s.update(second, r2)) == [], "the token sampled past the stop never reaches a client"
     assert s.schedule().finished_ids == ["r"]
     assert s.kv.device.num_free == 16
 

@@ -130,7 +130,7 @@ def test_abort_while_waiting_and_while_step_in_flight() -> None:
     s.abort("b")
     assert len(s.waiting) == 0
     s.abort("a")
-    assert s.update(out, run_step(out)) == []
+    assert list(s.update(out, run_step(out))) == []
     assert s.kv.device.num_used == 0 and not s.has_unfinished()
 
 

@@ -150,6 +150,25 @@ class KVCacheManager:
             table.extend(new)
         return new
 
+    def grow_tables(self, request_ids: list[str], num_blocks: list[int]) -> list[list[int]] | None:
+        """Extend several running requests' tables at once, by num_blocks[i] blocks each; their new
+        blocks, or None (nothing changed) if the pool is short of the sum."""
+        fresh = self.device.allocate(sum(num_blocks))
+        if fresh is None:
+            return None
+        tables = self._tables
+        if len(fresh) == len(request_ids):
+            for rid, block in zip(request_ids, fresh, strict=True):
+                tables[rid].append(block)
+            return [[block] for block in fresh]
+        grown, start = [], 0
+        for rid, n in zip(request_ids, num_blocks, strict=True):
+            new = fresh[start:start + n]
+            tables[rid].extend(new)
+            grown.append(new)
+            start += n
+        return grown
+
     def release_tail(self, request_id: str, num_blocks: int) -> None:
         """Give back the last num_blocks of a table (granted this step, holding no data)."""
         table = self._tables.get(request_id)
@@ -157,12 +176,16 @@ class KVCacheManager:
             self.device.release(table[-num_blocks:])
             del table[-num_blocks:]
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the request's full blocks computed so far (call when its computed count crosses a
+    def cache_blocks(self, *requests: Request) -> None:
+        """Register each request's full blocks computed so far (call when its computed count crosses a
         block boundary); they are then found by look-ups and stay cached after it frees them."""
-        table = self._tables.get(request.request_id)
-        if self.enable_caching and table is not None:
-            self._cache_computed(request, table)
+        if not self.enable_caching:
+            return
+        tables = self._tables
+        for request in requests:
+            table = tables.get(request.request_id)
+            if table is not None:
+                self._cache_computed(request, table)
 
     def _cache_computed(self, request: Request, table: list[int]) -> None:
         rid = request.request_id

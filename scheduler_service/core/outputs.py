@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from protos.contract import BlockMap
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
@@ -58,6 +61,19 @@ class RequestDelta:
 
 
 @dataclass(slots=True)
+class PlainRows:
+    """The step's plain decodes (one token, no new blocks, nothing else to tell the executor), which lead
+    out.scheduled: their RunningSet slots and slot generations, ids, output lists and requests."""
+
+    slots: np.ndarray
+    gens: np.ndarray
+    ids: list[str]
+    outputs: list[list[int]]
+    requests: list[Request]
+    works: list[ScheduledWork]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
     scheduled: list[ScheduledWork] = field(default_factory=list)
@@ -70,6 +86,7 @@ class SchedulerOutput:
     num_lookahead_slots: int = 0
     rejected: list[RequestDelta] = field(default_factory=list)
     num_preempted: int = 0
+    plain: PlainRows | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -95,6 +112,45 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ExecutorResult:
+    """What a step sampled: one token each for `ids` (aligned with `tokens`, often in the step's order),
+    and the token lists of `sampled` (requests that sampled several, or a result built by hand)."""
+
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    _index: dict[str, int] | None = None
+
+    def tokens_of(self, request_id: str) -> list[int] | None:
+        found = self.sampled.get(request_id)
+        if found is not None or not self.ids:
+            return found
+        token = self.token_index().get(request_id)
+        return None if token is None else [token]
+
+    def token_index(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = dict(zip(self.ids, self.tokens, strict=True))
+        return self._index
+
+
+@dataclass(slots=True)
+class StepDeltas:
+    """update()'s answer: one new token for each of ids (aligned with tokens, nothing else to say),
+    then `others` (finishes, errors, several tokens, logprobs). Iterating gives RequestDelta objects."""
+
+    others: list[RequestDelta] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[RequestDelta]:
+        yield from self.others
+        for rid, token in zip(self.ids, self.tokens, strict=True):
+            yield RequestDelta(rid, [token])
+
+    def __len__(self) -> int:
+        return len(self.others) + len(self.ids)
+
+    def __getitem__(self, i: int) -> RequestDelta:
+        return list(self)[i]

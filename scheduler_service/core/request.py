@@ -38,7 +38,9 @@ class SamplingOptions(SamplingConfig):
 class Request:
     """share_prompt_with names a sibling of the same n > 1 request (same prompt): this sequence
     shares the sibling's computed prompt blocks instead of computing them again. num_cached_tokens:
-    prompt tokens it found computed at its first admission (-1 before it)."""
+    prompt tokens it found computed at its first admission (-1 before it). The computed count is kept
+    as the number of known tokens not yet computed, so a decode that computes one token and samples the
+    next changes nothing but the output list. slot: its row in the scheduler's RunningSet while RUNNING."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -49,11 +51,23 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str = ""
-    num_computed_tokens: int = 0
+    num_uncomputed_tokens: int = field(init=False)
     num_preemptions: int = 0
     num_cached_tokens: int = -1
     first_scheduled_time: float | None = None
     share_prompt_with: str | None = None
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        self.num_uncomputed_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_uncomputed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.num_uncomputed_tokens = len(self.prompt_token_ids) + len(self.output_token_ids) - value
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,17 +11,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+
+import numpy as np
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
-from scheduler_service.core.kv_cache_manager import NO_BLOCKS, AllocStatus, KVCacheManager, PrefixHit
+from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import (
     ExecutorResult,
+    PlainRows,
     RequestDelta,
     ScheduledWork,
     SchedulerOutput,
+    StepDeltas,
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
+from scheduler_service.core.running import EMPTY, Order, RunningSet
 
 RUNNING = RequestStatus.RUNNING
 
@@ -78,20 +84,20 @@ class Scheduler:
         self.clock = clock
         self.kv = self._new_kv(limits)
         self.waiting = WaitingQueue(config.policy, config.aging_rate, config.max_waiting_time)
-        self.running: list[Request] = []
+        self.rs = RunningSet(limits.max_model_len)
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._admitted: dict[str, int] = {}
         self._thrash_guarded: set[str] = set()
         self._held: dict[str, list[Request]] = {}
-        self._decode_work_by_id: dict[str, ScheduledWork] = {}
+        self._step_order = EMPTY
+        self._step_chosen = np.zeros(0, np.bool_)
         self._known_by_executor: set[str] = set()
         self._to_drop: list[str] = []
         self._entered_running: list[ScheduledWork] = []
         self._step_id = 0
         self._admissions = 0
         self._step_first_admission = 0
-        self._running_dirty = False
         self._prev_time = 0.0
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
@@ -99,7 +105,13 @@ class Scheduler:
         self._swapped_in_blocks = 0
         self._swapped_out_blocks = 0
         self._unupdated: list[SchedulerOutput] = []
-        self._inflight: dict[str, tuple[ScheduledWork, int]] = {}
+        self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
+        self._step_grown: dict[int, ScheduledWork] = {}
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in running order (a list that is replaced, never changed in place)."""
+        return self.rs.requests
 
     def _new_kv(self, limits: ExecutorLimits) -> KVCacheManager:
         return KVCacheManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
@@ -127,7 +139,6 @@ class Scheduler:
         if request is None:
             return False
         self._finish(request, FinishReason.ABORTED)
-        self._compact_running()
         return True
 
     def has_unfinished(self) -> bool:
@@ -159,13 +170,12 @@ class Scheduler:
             request.num_computed_tokens = 0
             self._admitted.pop(request.request_id, None)
             self.waiting.push(request, front=True)
-        self.running.clear()
+        self.rs.clear()
         self.swapped.clear()
-        self._decode_work_by_id.clear()
         self._known_by_executor.clear()
         self._to_drop.clear()
         self._unupdated.clear()
-        self._inflight = {}
+        self._inflight = None
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(self.limits)
         self.kv.prefix_stats = stats
@@ -197,6 +207,7 @@ class Scheduler:
         if self.running or self.swapped:
             raise RuntimeError("set_executor_limits needs every request out of RUNNING and SWAPPED")
         self.limits = limits
+        self.rs = RunningSet(limits.max_model_len)
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(limits)
         self.kv.prefix_stats = stats
@@ -206,7 +217,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. With async scheduling it may run before update() of the steps before it (the
         executor is still running them): see _schedule_ahead."""
-        self._inflight = self._works_in_flight() if self._unupdated else {}
+        self._inflight = None
         self._step_id += 1
         self._step_first_admission = self._admissions
         now = self.clock()
@@ -223,7 +234,8 @@ class Scheduler:
                                      for w in scheduled.values()):
             out.num_steps = 1
         out.copy = self.kv.end_step()
-        out.scheduled = list(scheduled.values())
+        out.plain = self._plain_rows()
+        out.scheduled = out.plain.works + list(scheduled.values())
         # Only work that entered RUNNING this step can be new to the executor (this keeps it O(changes)).
         for work in self._entered_running:
             if scheduled.get(work.request.request_id) is work:
@@ -232,13 +244,30 @@ class Scheduler:
                     work.request.first_scheduled_time = now
         self._entered_running.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
-        self._compact_running()
         if self.config.async_scheduling:
             self._unupdated.append(out)
+            self._count_in_flight(out, 1)
         return out
 
+    def _count_in_flight(self, out: SchedulerOutput, change: int) -> None:
+        """Async scheduling: each running request's number of steps scheduled but not yet updated."""
+        inflight, gen = self.rs.inflight, self.rs.gen
+        plain = out.plain
+        if plain is not None and len(plain.slots):
+            alive = plain.slots[gen[plain.slots] == plain.gens]
+            inflight[alive] += change
+        for work in out.scheduled[len(plain.ids) if plain is not None else 0:]:
+            if work.request.status is RUNNING:
+                inflight[work.request.slot] += change
+
     def _works_in_flight(self) -> dict[str, tuple[ScheduledWork, int]]:
-        """Per request with steps not yet updated: its first such work and how many steps it is in."""
+        """Per request with steps not yet updated: its first such work and how many steps it is in
+        (built once per step, when a request with a step in flight needs more than a plain decode)."""
+        if self._inflight is not None:
+            return self._inflight
+        if not self._unupdated:
+            self._inflight = {}
+            return self._inflight
         first, *later = self._unupdated
         inflight = {w.request.request_id: (w, 1) for w in first.scheduled if w.request.status is RUNNING}
         for out in later:
@@ -248,11 +277,12 @@ class Scheduler:
                 rid = w.request.request_id
                 known = inflight.get(rid)
                 inflight[rid] = (w, 1) if known is None else (known[0], known[1] + 1)
+        self._inflight = inflight
         return inflight
 
     def _num_steps(self) -> int:
         k = self.config.num_scheduler_steps
-        if k > 1 and not self._inflight and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if k > 1 and not self._unupdated and all(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             return k
         return 1
 
@@ -265,49 +295,131 @@ class Scheduler:
         return n
 
     def _schedule_running(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
+        """Running requests in running order until the token budget runs out. A plain decode (one token,
+        the steps in flight before it, if any, plain decodes too, and surely not its last) needs nothing
+        but a place in the budget and, when it fills its blocks, a new one: runs of them are taken whole
+        (the step's chosen mask); every other request takes _schedule_one."""
         extra = out.num_steps - 1 + self.config.num_lookahead_slots
-        max_slots = self.kv.usable_blocks * self.kv.block_size
-        allocate = self.kv.allocate_slots
-        works = self._decode_work_by_id
-        inflight = self._inflight
-        tokens_left, waits = budget.tokens, 0
-        for request in list(self.running):
-            if tokens_left <= 0:
+        rs = self.rs
+        order = self._step_order = rs.order
+        slots = order.slots
+        ahead = rs.inflight[slots]
+        total = rs.num_tokens[slots] + ahead  # its tokens once the steps in flight are done
+        decode = (rs.uncomputed[slots] == 1) & (total < rs.limit[slots])
+        if out.num_steps > 1:
+            decode &= ahead == 0
+        need = total + extra
+        chosen = self._step_chosen = decode & (need <= rs.capacity[slots])
+        self._step_grown = {}
+        short = decode & ~chosen
+        if short.any():
+            self._grow_plain(order, short, need)
+        budget_left = [budget.tokens, 0]  # tokens, and requests that wait for their step in flight
+        start = 0
+        for p in np.flatnonzero(~chosen).tolist():
+            budget_left[0] = self._take_plain(start, p, budget_left[0])
+            start = p + 1
+            if budget_left[0] <= 0:
+                chosen[p:] = False
                 break
-            if request.status is not RUNNING:
-                continue
-            if inflight and request.request_id in inflight:
-                ahead = self._schedule_ahead(request, *inflight[request.request_id], out, scheduled)
-                tokens_left -= ahead is Ahead.SCHEDULED
-                waits += ahead is Ahead.WAITS
-                continue
-            computed = request.num_computed_tokens
-            remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
-            n = 1 if remaining == 1 else self._chunk(remaining, tokens_left)
-            if n == 0:
-                continue
-            if computed + n + extra > max_slots:
-                self._reject_outgrown(request, computed + n + extra, out)
-                continue
-            new = allocate(request, n, extra)
-            if new is None:
-                budget.tokens = tokens_left
-                new = self._make_room(request, n, extra, scheduled, budget, out)
-                tokens_left = budget.tokens
-                if new is None:
-                    continue
-            rid = request.request_id
-            if n == 1 and new is NO_BLOCKS:
-                work = works.get(rid)
-                if work is None:
-                    work = works[rid] = ScheduledWork(request, 1, NO_BLOCKS)
-            else:
-                work = ScheduledWork(request, n, new)
-            scheduled[rid] = work
-            tokens_left -= n
-        budget.tokens = tokens_left
+            request = order.requests[p]
+            if request.status is RUNNING:
+                self._schedule_one(request, extra, budget_left, budget, scheduled, out)
+        else:
+            budget_left[0] = self._take_plain(start, len(slots), budget_left[0])
+        self._ungrow_unchosen()
+        budget.tokens = budget_left[0]
         # the first phase: only running work so far (and requests that wait for their step in flight)
-        budget.seqs = self.config.max_num_seqs - len(scheduled) - waits
+        budget.seqs = self.config.max_num_seqs - int(np.count_nonzero(chosen)) - len(scheduled) - budget_left[1]
+
+    def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
+        """Blocks for plain decodes that fill theirs: all at once when the pool has them, else in running
+        order while it does (the rest take _schedule_one, which may preempt)."""
+        positions = np.flatnonzero(short)
+        bs = self.kv.block_size
+        slots = order.slots[positions]
+        missing = -(-need[positions] // bs) - self.rs.capacity[slots] // bs
+        requests = [order.requests[p] for p in positions.tolist()]
+        grown = self.kv.grow_tables([r.request_id for r in requests], missing.tolist())
+        if grown is not None:
+            self.rs.capacity[slots] += missing * bs
+            self._step_chosen[positions] = True
+            works = map(ScheduledWork, requests, repeat(1), grown)
+            self._step_grown.update(zip(positions.tolist(), works, strict=True))
+            return
+        for p in positions.tolist():
+            request = order.requests[p]
+            new = self._grow(request, int(need[p]) - request.num_computed_tokens, 0)
+            if new is None:
+                return
+            self._step_chosen[p] = True
+            self._step_grown[p] = ScheduledWork(request, 1, new)
+
+    def _ungrow_unchosen(self) -> None:
+        """A grown decode the budget left out gives its new blocks back (the executor never hears of them)."""
+        chosen, kv = self._step_chosen, self.kv
+        for p, work in self._step_grown.items():
+            request = work.request
+            if not chosen[p] and request.status is RUNNING:
+                kv.release_tail(request.request_id, len(work.new_block_ids))
+                self.rs.set_capacity(request, len(kv.block_table(request.request_id)) * kv.block_size)
+
+    def _take_plain(self, start: int, end: int, tokens_left: int) -> int:
+        """The chosen plain decodes in [start, end) take a token each; the budget's end unchooses the rest."""
+        run = self._step_chosen[start:end]
+        count = int(np.count_nonzero(run))
+        if count <= tokens_left:
+            return tokens_left - count
+        self._step_chosen[start + int(np.flatnonzero(run)[tokens_left]):] = False
+        return 0
+
+    def _schedule_one(self, request: Request, extra: int, budget_left: list[int], budget: Budget,
+                      scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
+        rid = request.request_id
+        if self.rs.inflight[request.slot]:
+            ahead = self._schedule_ahead(request, *self._works_in_flight()[rid], out, scheduled)
+            budget_left[0] -= ahead is Ahead.SCHEDULED
+            budget_left[1] += ahead is Ahead.WAITS
+            return
+        computed = request.num_computed_tokens
+        remaining = request.num_uncomputed_tokens
+        n = 1 if remaining == 1 else self._chunk(remaining, budget_left[0])
+        if n == 0:
+            return
+        if computed + n + extra > self.kv.usable_blocks * self.kv.block_size:
+            self._reject_outgrown(request, computed + n + extra, out)
+            return
+        new = self._grow(request, n, extra)
+        if new is None:
+            budget.tokens = budget_left[0]
+            new = self._make_room(request, n, extra, scheduled, budget, out)
+            budget_left[0] = budget.tokens
+            if new is None:
+                return
+        scheduled[rid] = ScheduledWork(request, n, new)
+        budget_left[0] -= n
+
+    def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
+        new = self.kv.allocate_slots(request, n, extra)
+        if new:
+            self.rs.set_capacity(request, len(self.kv.block_table(request.request_id)) * self.kv.block_size)
+        return new
+
+    def _plain_rows(self) -> PlainRows:
+        order, chosen, rs = self._step_order, self._step_chosen, self.rs
+        self._step_order = EMPTY
+        works = order.works
+        if self._step_grown:
+            works = works.copy()
+            for p, work in self._step_grown.items():
+                works[p] = work
+            self._step_grown = {}
+        if chosen.all():
+            return PlainRows(order.slots, rs.gen[order.slots], order.ids, order.outputs, order.requests, works)
+        keep = chosen.tolist()
+        slots = order.slots[chosen]
+        return PlainRows(slots, rs.gen[slots], list(compress(order.ids, keep)), list(compress(order.outputs, keep)),
+                         list(compress(order.requests, keep)), list(compress(works, keep)))
 
     def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
                         scheduled: dict[str, ScheduledWork]) -> Ahead:
@@ -325,17 +437,10 @@ class Scheduler:
         total = num_tokens + num_inflight  # its tokens once the steps in flight are done
         if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
-        new = self.kv.allocate_slots(request, total - computed, self.config.num_lookahead_slots)
+        new = self._grow(request, total - computed, self.config.num_lookahead_slots)
         if new is None:
             return Ahead.WAITS
-        rid = request.request_id
-        if new is NO_BLOCKS:
-            work = self._decode_work_by_id.get(rid)
-            if work is None:
-                work = self._decode_work_by_id[rid] = ScheduledWork(request, 1, NO_BLOCKS)
-        else:
-            work = ScheduledWork(request, 1, new)
-        scheduled[rid] = work
+        scheduled[request.request_id] = ScheduledWork(request, 1, new)
         return Ahead.SCHEDULED
 
     def _make_room(self, request: Request, n: int, extra: int, scheduled: dict[str, ScheduledWork],
@@ -347,7 +452,7 @@ class Scheduler:
                 self._preempt(request, scheduled, budget, out)
                 return None
             self._preempt(victim, scheduled, budget, out)
-            new = self.kv.allocate_slots(request, n, extra)
+            new = self._grow(request, n, extra)
             if new is not None:
                 return new
 
@@ -363,9 +468,9 @@ class Scheduler:
         admitted_before, requests admitted at or after that admission number."""
         admitted, guarded = self._admitted, self._thrash_guarded
         limit = admitted_before if admitted_before is not None else self._admissions
-        inflight = self._inflight  # a request with a step in flight is never a victim (async scheduling)
+        inflight = self.rs.inflight  # a request with a step in flight is never a victim (async scheduling)
         candidates = [r for r in self.running if r.status is RUNNING and r.request_id not in guarded
-                      and r.request_id not in inflight and admitted[r.request_id] < limit]
+                      and not inflight[r.slot] and admitted[r.request_id] < limit]
         if not candidates:
             return None
         if self.config.policy is Policy.PRIORITY:
@@ -393,9 +498,11 @@ class Scheduler:
             budget.seqs += 1
             if not (work.is_new or work.resumed):
                 self.kv.release_tail(rid, len(work.new_block_ids))
-        self.running.remove(request)
+        elif self._unchoose(request):
+            budget.tokens += 1
+            budget.seqs += 1
+        self.rs.remove(request)
         self._admitted.pop(rid, None)
-        self._decode_work_by_id.pop(rid, None)
         mode = self._preemption_mode(request)
         if mode is PreemptionMode.SWAP:
             mapping = self.kv.swap_out(request)
@@ -413,6 +520,19 @@ class Scheduler:
         request.num_preemptions += 1
         self._thrash_guarded.add(rid)
         out.num_preempted += 1
+
+    def _unchoose(self, request: Request) -> bool:
+        """Take a request out of this step's plain decodes, giving back a block it grew by this step;
+        False if it was not one of them."""
+        order = self._step_order
+        for pos in np.flatnonzero(order.slots == request.slot).tolist():
+            if order.requests[pos] is request and self._step_chosen[pos]:
+                self._step_chosen[pos] = False
+                grown = self._step_grown.pop(pos, None)
+                if grown is not None:
+                    self.kv.release_tail(request.request_id, len(grown.new_block_ids))
+                return True
+        return False
 
     def _forget_in_executor(self, request_id: str) -> None:
         if request_id in self._known_by_executor:
@@ -534,7 +654,7 @@ class Scheduler:
                        is_new: bool = False, resumed: bool = False) -> None:
         """A request enters RUNNING this step: it is sent with its whole block table."""
         request.status = RUNNING
-        self.running.append(request)
+        self.rs.add(request, len(self.kv.block_table(request.request_id)) * self.kv.block_size)
         self._admitted[request.request_id] = self._admissions
         self._admissions += 1
         table = list(self.kv.block_table(request.request_id))
@@ -545,62 +665,119 @@ class Scheduler:
 
     # ---- update --------------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, result: ExecutorResult) -> list[RequestDelta]:
+    def update(self, out: SchedulerOutput, result: ExecutorResult) -> StepDeltas:
         """Apply a step's result; steps are updated in the order they were scheduled."""
         for i, pending in enumerate(self._unupdated):
             if pending is out:
                 del self._unupdated[i]
+                self._count_in_flight(out, -1)
                 break
-        deltas = list(out.rejected)
-        append = deltas.append
-        sampled, errors, logprobs = result.sampled, result.errors, result.logprobs
-        max_model_len, eos_ids = self.limits.max_model_len, self.limits.eos_token_ids
-        guarded, held = self._thrash_guarded, self._held
-        block_size = self.limits.block_size
-        delta = RequestDelta
-        for work in out.scheduled:
-            request = work.request
-            if request.status is not RUNNING:
-                continue
-            rid = request.request_id
-            if errors and rid in errors:
-                self._fail(request, errors[rid], append)
-                continue
-            output = request.output_token_ids
-            before = request.num_computed_tokens
-            computed = before + work.num_tokens
-            request.num_computed_tokens = computed
-            if computed // block_size != before // block_size:
-                self.kv.cache_blocks(request)
-            num_tokens = len(request.prompt_token_ids) + len(output)
-            if computed < num_tokens:
-                continue
-            tokens = sampled.get(rid)
-            if not tokens:
-                self._fail(request, "executor returned no token for a completed step", append)
-                continue
-            if guarded:
-                guarded.discard(rid)
-            if held and rid in held:
-                self._release_held(rid)
-            output += tokens
-            sampling = request.sampling
-            token = tokens[0]
-            reason = None
-            # Only a request that may have met a stop rule walks its tokens through them.
-            if len(tokens) > 1 or len(output) >= sampling.max_tokens or num_tokens + 1 >= max_model_len \
-                    or token in eos_ids or token in sampling.stop_token_ids:
-                tokens, reason = self._append_checked(request, tokens)
-            if logprobs:
-                append(delta(rid, tokens, reason, "", logprobs.get(rid, [])[:len(tokens)]))
-            else:
-                append(delta(rid, tokens, reason))
-        self._compact_running()
+        deltas = StepDeltas(list(out.rejected))
+        num_plain = 0
+        if out.plain is not None and out.plain.ids:
+            num_plain = len(out.plain.ids)
+            self._update_plain(out.plain, result, deltas)
+        for work in out.scheduled[num_plain:]:
+            self._update_one(work, result, deltas.others)
         return deltas
 
+    def _update_plain(self, plain: PlainRows, result: ExecutorResult, deltas: StepDeltas) -> None:
+        """The plain decodes in columns: each appends its token; only those a stop rule may end, or that
+        the answer does not fit, walk through the per-request rules."""
+        tokens = self._plain_tokens(plain, result)
+        if tokens is None:
+            for work in plain.works:
+                self._update_one(work, result, deltas.others)
+            return
+        rs = self.rs
+        slots, requests, ids, outputs = plain.slots, plain.requests, plain.ids, plain.outputs
+        alive = rs.gen[slots] == plain.gens
+        if not alive.all():
+            keep = alive.tolist()
+            slots = slots[alive]
+            requests, ids = list(compress(requests, keep)), list(compress(ids, keep))
+            outputs, tokens = list(compress(outputs, keep)), list(compress(tokens, keep))
+        deque(map(list.append, outputs, tokens), maxlen=0)
+        num_tokens = rs.num_tokens[slots] + 1
+        rs.num_tokens[slots] = num_tokens
+        check = (num_tokens >= rs.limit[slots]) | rs.watch[slots]
+        eos_ids = self.limits.eos_token_ids
+        if eos_ids:
+            sampled = np.fromiter(tokens, np.int64, len(tokens))
+            is_eos = sampled == eos_ids[0]
+            for eos in eos_ids[1:]:
+                is_eos |= sampled == eos
+            check |= rs.eos[slots] & is_eos
+        self._completed(ids)
+        if check.any():
+            for i in np.flatnonzero(check).tolist():
+                kept, reason = self._append_checked(requests[i], [tokens[i]])
+                deltas.others.append(RequestDelta(ids[i], kept, reason))
+            keep = (~check).tolist()
+            ids, tokens = list(compress(ids, keep)), list(compress(tokens, keep))
+        deltas.ids, deltas.tokens = ids, tokens
+
+    @staticmethod
+    def _plain_tokens(plain: PlainRows, result: ExecutorResult) -> list[int] | None:
+        """The one token each plain decode sampled, aligned with plain.ids; None when the answer says
+        more than that (errors, logprobs, several tokens, one missing)."""
+        if result.errors or result.logprobs:
+            return None
+        ids = plain.ids
+        if result.ids:
+            if result.ids[:len(ids)] == ids:
+                return result.tokens[:len(ids)]
+            found: list[int | None] = list(map(result.token_index().get, ids))
+        else:
+            lists = list(map(result.sampled.get, ids))
+            if None in lists:
+                return None
+            found = list(chain.from_iterable(lists))  # type: ignore[arg-type]
+            if len(found) != len(ids):
+                return None
+        return None if None in found else found  # type: ignore[return-value]
+
+    def _update_one(self, work: ScheduledWork, result: ExecutorResult, others: list[RequestDelta]) -> None:
+        request = work.request
+        if request.status is not RUNNING:
+            return
+        rid = request.request_id
+        if result.errors and rid in result.errors:
+            self._fail(request, result.errors[rid], others.append)
+            return
+        before = request.num_computed_tokens
+        request.num_uncomputed_tokens -= work.num_tokens
+        block_size = self.limits.block_size
+        if before < request.num_prompt_tokens and (before + work.num_tokens) // block_size != before // block_size:
+            self.kv.cache_blocks(request)  # prompt blocks at once; the others when the request leaves the device
+        if request.num_uncomputed_tokens > 0:
+            self.rs.sync(request)
+            return
+        tokens = result.tokens_of(rid)
+        if not tokens:
+            self._fail(request, "executor returned no token for a completed step", others.append)
+            return
+        self._completed([rid])
+        request.output_token_ids += tokens
+        request.num_uncomputed_tokens = 1
+        tokens, reason = self._append_checked(request, tokens)
+        if request.status is RUNNING:
+            self.rs.sync(request)
+        logprobs = result.logprobs.get(rid, [])[:len(tokens)] if result.logprobs else []
+        others.append(RequestDelta(rid, tokens, reason, "", logprobs))
+
+    def _completed(self, ids: list[str]) -> None:
+        """These requests computed all their known tokens: the thrash guard lets them go, and their held
+        n > 1 siblings may share the prompt now."""
+        if self._thrash_guarded:
+            self._thrash_guarded.difference_update(ids)
+        if self._held:
+            for rid in [rid for rid in ids if rid in self._held]:
+                self._release_held(rid)
+
     def _append_checked(self, request: Request, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
-        """Check the tokens just appended in order; keep those up to a stop (finishing the request
-        there). Tokens after the first were computed by the executor's extra decode steps."""
+        """Check the tokens just appended (and counted computed but the last) in order; keep those up to
+        a stop, finishing the request there. Tokens after the first came from extra decode steps."""
         output = request.output_token_ids
         first = len(output) - len(tokens)
         num_tokens = len(request.prompt_token_ids) + first
@@ -609,11 +786,8 @@ class Scheduler:
                                  self.limits.max_model_len, self.limits.eos_token_ids)
             if reason is not None or i == len(tokens) - 1:
                 del output[first + i + 1:]
-                request.num_computed_tokens += i
                 if reason is not None:
                     self._finish(request, reason)
-                elif i:
-                    self.kv.cache_blocks(request)
                 return tokens[:i + 1], reason
         return tokens, None
 
@@ -631,7 +805,6 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None:
             self._finish(request, reason, error)
-            self._compact_running()
 
     def _finish(self, request: Request, reason: FinishReason, error: str = "") -> None:
         rid = request.request_id
@@ -640,10 +813,9 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request.status is RUNNING:
-            self._running_dirty = True
+            self.rs.remove(request)
         self.kv.free(request)
         self._forget_in_executor(rid)
-        self._decode_work_by_id.pop(rid, None)
         self._admitted.pop(rid, None)
         self._thrash_guarded.discard(rid)
         if rid in self._held:
@@ -659,9 +831,3 @@ class Scheduler:
             siblings.remove(request)
             return
         self.waiting.discard(request)
-
-    def _compact_running(self) -> None:
-        # Only _finish takes a request out of RUNNING without removing it from the list; it marks it.
-        if self._running_dirty:
-            self._running_dirty = False
-            self.running = [r for r in self.running if r.status is RUNNING]
