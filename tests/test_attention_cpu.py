@@ -133,17 +133,17 @@ def test_kernel_rejects_mismatched_shapes() -> None:
 def test_write_kv_equals_the_reference(skip: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     shape = (6, 4, 2, 16)
-    caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     slots = torch.randperm(24, generator=gen)[:7]
     slot_mapping = torch.cat([slots, torch.tensor([-1])]) if skip else slots
     qkv = torch.randn(len(slot_mapping), 3, 2, 16, generator=gen)  # strided K/V views, as the model passes them
     key, value = qkv[:, 1], qkv[:, 2]
-    expected = [c.clone() for c in caches]
-    reference.write_kv(key, value, *expected, slot_mapping)
-    cpu.write_kv(key, value, *caches, slot_mapping)
-    assert all(torch.equal(a, b) for a, b in zip(caches, expected, strict=True))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_expected, v_expected, slot_mapping)
+    cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu.write_kv(key, value, *caches, torch.full_like(slot_mapping, 24))
+        cpu.write_kv(key, value, k_cache, v_cache, torch.full_like(slot_mapping, 24))
 
 
 def test_the_executor_gets_the_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,7 +74,7 @@ class Scratch:
         if self._plan is None or len(key) != len(self._plan_key) or any(
                 a is not b for a, b in zip(key, self._plan_key, strict=True)):
             self._plan, self._plan_key = build(), key
-        return self._plan  # type: ignore[no-any-return]
+        return self._plan
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
