@@ -114,6 +114,20 @@ def test_kernel_is_deterministic_and_plans_once_per_step() -> None:
     assert torch.equal(cpu.paged_attention(*args(batch), scratch=scratch), first)
 
 
+def test_kernel_gives_the_same_bits_on_any_number_of_threads() -> None:
+    """Each sequence is computed whole by one thread, so intra-op threads change nothing."""
+    batch = make_batch([(ctx, 1) for ctx in RAGGED_CONTEXTS] + [(9, 12)], 16, 2, 2, 32, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel_only(batch)
+        torch.set_num_threads(2)
+        two = kernel_only(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 def test_other_dtypes_go_to_the_reference() -> None:
     batch = make_batch([(12, 1), (0, 9)], 16, 2, 2, 32, torch.bfloat16)
     assert torch.equal(cpu.paged_attention(*args(batch)), reference.paged_attention(*args(batch)))
