@@ -81,6 +81,8 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/pagedserve /opt/pagedserve
 USER pagedserve
 WORKDIR /home/pagedserve
-# 50051 scheduler gRPC (public), 8000 scheduler metrics, 50061 executor gRPC (keep it private).
-EXPOSE 50051 8000 50061
-CMD ["python", "-m", "scheduler_service", "--listen", "0.0.0.0:50051", "--metrics-host", "0.0.0.0"]
+# 50051 scheduler gRPC (public), 8080 scheduler OpenAI-compatible HTTP API (public), 8000 scheduler
+# metrics, 50061 executor gRPC (keep it private).
+EXPOSE 50051 8080 8000 50061
+CMD ["python", "-m", "scheduler_service", "--listen", "0.0.0.0:50051", "--http-listen", "0.0.0.0:8080", \
+     "--metrics-host", "0.0.0.0"]

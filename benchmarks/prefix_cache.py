@@ -3,8 +3,10 @@
     python benchmarks/prefix_cache.py [--num-prompts 128] [--prefix-len 1024] [--suffix-len 64]
         [--num-prefixes 4] [--output-len 32] [--threads 1] [--skip-serving]
 
-1. Serving (both services as processes, the embedded default model on the torch executor, --device cpu
-   by default): vLLM's prefix-repetition workload from client.bench.datasets -- --num-prompts requests
+1. Serving (both services as processes on the torch executor, --device cpu by default; the model is
+   --model, by default the embedded model's architecture with random weights and 2,048 positions, since
+   the trained default stops at 1,024 and these prompts are 1,088 tokens): vLLM's prefix-repetition
+   workload from client.bench.datasets -- --num-prompts requests
    over --num-prefixes distinct random prefixes of --prefix-len tokens, each with its own random suffix
    of --suffix-len tokens, --output-len tokens each (greedy, ignore_eos) -- all sent at once, through a
    scheduler with prefix caching on (the default) and then one with --no-enable-prefix-caching, on the
@@ -31,6 +33,7 @@ from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import median
 from client.lib import PagedServeClient
 from client.local import free_port, parse_metrics, service
+from executor_service.default_model import ensure_random_model
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions
@@ -61,7 +64,8 @@ def serving(args: argparse.Namespace) -> dict[str, object]:
                                  output_len=args.output_len, vocab_size=args.vocab_size, seed=args.seed)
     requests = prefix_repetition_requests(cfg)
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    executor_args = ["--device", args.device, "--num-gpu-blocks", str(args.num_gpu_blocks)]
+    model = args.model or str(ensure_random_model())
+    executor_args = ["--model", model, "--device", args.device, "--num-gpu-blocks", str(args.num_gpu_blocks)]
     record: dict[str, object] = {"part": "serving", "num_prompts": args.num_prompts, "prefix_len": args.prefix_len,
                                  "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes,
                                  "output_len": args.output_len, "machine": machine()}
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=256, help="token ids drawn from [10, this)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None,
+                   help="model directory (default: the embedded architecture, random weights, 2,048 positions)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the executor")
     p.add_argument("--num-gpu-blocks", type=int, default=4096)

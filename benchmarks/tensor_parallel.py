@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,11 +32,9 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from benchmarks.executor import executor_run, prompts  # noqa: E402
 from client.local import free_port, stop, wait_healthy  # noqa: E402
-from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc  # noqa: E402
-
-WARMUP_STEPS = 2
-GREEDY = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True)
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -48,11 +44,6 @@ class Setup:
     threads: int
     address: str = ""
     proc: subprocess.Popen[bytes] | None = None
-
-
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def start(setup: Setup, args: argparse.Namespace, log: Path) -> None:
@@ -69,52 +60,9 @@ def start(setup: Setup, args: argparse.Namespace, log: Path) -> None:
 
 async def decode_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[int]], steps: int,
                      block_size: int) -> float:
-    """Wall seconds of `steps` decode steps of the batch on a fresh stream."""
-    call = stub.Execute()
-    step_id = 0
-
-    async def step(msg: executor_pb2.StepRequest) -> None:
-        nonlocal step_id
-        step_id += 1
-        msg.step_id = step_id
-        await call.write(msg)
-        result = await call.read()
-        if result is grpc.aio.EOF or result.error or result.errors:
-            raise RuntimeError(f"step {step_id} failed: {result}")
-
-    try:
-        tables, lengths, next_block = [], [], 0
-        first = executor_pb2.StepRequest()
-        for i, prompt in enumerate(batch):
-            blocks = -(-len(prompt) // block_size)
-            tables.append(list(range(next_block, next_block + blocks)))
-            next_block += blocks
-            lengths.append(len(prompt))
-            first.new_requests.append(executor_pb2.NewRequest(
-                request_id=str(i), token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
-                num_scheduled_tokens=len(prompt), block_ids=tables[i], sampling=GREEDY))
-        await step(first)
-        wall = 0.0
-        for k in range(WARMUP_STEPS + steps):
-            msg = executor_pb2.StepRequest()
-            for i in range(len(batch)):
-                new = []
-                if lengths[i] + 1 > len(tables[i]) * block_size:
-                    new = [next_block]
-                    tables[i].append(next_block)
-                    next_block += 1
-                lengths[i] += 1
-                msg.running.request_ids.append(str(i))
-                msg.running.num_scheduled_tokens.append(1)
-                msg.running.num_new_blocks.append(len(new))
-                msg.running.new_block_ids.extend(new)
-            t0 = time.perf_counter()
-            await step(msg)
-            if k >= WARMUP_STEPS:
-                wall += time.perf_counter() - t0
-        return wall
-    finally:
-        call.cancel()
+    """Wall seconds of `steps` decode steps of the batch on a fresh stream (benchmarks/executor.py's run)."""
+    wall, _ = await executor_run(stub, batch, steps, block_size)
+    return wall
 
 
 async def bench(setups: list[Setup], args: argparse.Namespace) -> dict[tuple[str, int], float]:

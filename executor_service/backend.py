@@ -7,7 +7,12 @@ from typing import Protocol
 
 from protos.contract import BlockMap, SamplingConfig
 
-__all__ = ["Backend", "BackendInfo", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig"]
+__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig"]
+
+
+class BackendLost(RuntimeError):
+    """The backend can run no more steps (a tensor-parallel peer or collective failed): the executor ends
+    its stream instead of answering, and the process is going down (fail-stop)."""
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from executor_service.backend import Backend, BatchItem, BlockMap, SampleOutput
+from executor_service.backend import Backend, BackendLost, BatchItem, BlockMap, SampleOutput
 from executor_service.config import ExecutorConfig
 from executor_service.default_model import ensure_default_model
 from executor_service.model import ModelConfig, ModelLoadError, ParallelContext, ShardLayout
@@ -284,13 +284,21 @@ class Guard:
     def __init__(self) -> None:
         self.children: list[BaseProcess] = []
         self.stopping = False
+        self._failing = False
         self._lock = threading.Lock()
+        self._never = threading.Event()
 
     def fail(self, reason: str) -> None:
+        """End the process; returns only during a graceful stop. A failure found while another thread is
+        already ending the process (a dead rank seen by the watcher and by the collective in flight) waits
+        for that exit, so its caller never answers the step in flight."""
         with self._lock:
-            if self.stopping:
+            if self.stopping and not self._failing:
                 return
-            self.stopping = True
+            first = not self._failing
+            self._failing = self.stopping = True
+        if not first:
+            self._never.wait()
         log.error("tensor-parallel executor going down: %s", reason)
         self.stop_children(graceful=False)
         logging.shutdown()
@@ -468,7 +476,8 @@ def follow(backend: TorchBackend, channel: StepChannel) -> None:
 
 class TensorParallelBackend:
     """Rank 0's Backend: each call is checked here, broadcast, then run here and on every rank in step.
-    A failed broadcast or collective calls on_failure (fail-stop), so no half-run step is ever answered."""
+    A failed broadcast or collective calls on_failure (fail-stop), so no half-run step is ever answered; if
+    on_failure returns (the executor is stopping anyway), the call raises BackendLost, which ends the stream."""
 
     def __init__(self, local: TorchBackend, channel: StepChannel, on_failure: Callable[[str], None],
                  heartbeat_s: float) -> None:
@@ -505,7 +514,7 @@ class TensorParallelBackend:
                 logits = self.local.run_batch(batch)
             except Exception as e:
                 self.on_failure(f"forward pass: {e}")
-                raise
+                raise BackendLost(f"forward pass: {e}") from e
         return self.local.sample(items, batch, logits)
 
     def close(self) -> None:
@@ -526,7 +535,7 @@ class TensorParallelBackend:
                 self._send(op, mapping)
             except Exception as e:
                 self.on_failure(f"{op.name.lower()}: {e}")
-                raise
+                raise BackendLost(f"{op.name.lower()}: {e}") from e
 
     def _send(self, op: Op, mapping: BlockMap | None = None, batch: Batch | None = None) -> None:
         self.channel.send(op, mapping, batch)

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_service.auth import SecretInterceptor
-from executor_service.backend import Backend, BatchItem, SampleOutput
+from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput
 from executor_service.state import RequestState, RequestTable
 from executor_service.validator import MAX_NUM_STEPS, RequestRefused, StepRefused, StepValidator, check_span
 from protos.contract import BlockMap
@@ -72,7 +72,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
             async for step in request_iterator:
                 async with self._step_lock:
-                    result = await self.run_step(step)
+                    try:
+                        result = await self.run_step(step)
+                    except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
+                        log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
                 yield result
         finally:
             self._owner = None
@@ -108,6 +112,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             items = [self.table.item(states[a.request_id], a.num_tokens) for a in plan.admitted]
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
+        except BackendLost:
+            raise
         except Exception as e:  # a backend failure (CUDA OOM, a bug, ...) fails this step only
             log.exception("step %d failed", step.step_id)
             for request_id in {*(n.request_id for n in step.new_requests), *(r.request_id for r in running)}:

@@ -17,6 +17,7 @@ import zmq.asyncio
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.engine import settled_by_frontend
 from scheduler_service.ipc import (
     Delta,
     Ended,
@@ -44,6 +45,7 @@ class RemoteStream:
 
     queue: asyncio.Queue[Any]
     executor_unavailable: bool = False
+    stop_strings: bool = False  # a LENGTH finish waits for finish() to settle it (Engine.add)
 
 
 class CoreClient:
@@ -55,6 +57,7 @@ class CoreClient:
         self.describe: executor_pb2.DescribeResponse | None = None
         self.ready = asyncio.Event()
         self.streams: dict[str, RemoteStream] = {}
+        self._unsettled: set[str] = set()  # LENGTH finishes the core counts once finish() settles them
         self.on_ready_change: Callable[[bool], object] | None = None
         self.num_overflowed = 0
         self._unreported_overflows = 0
@@ -85,11 +88,11 @@ class CoreClient:
 
     # ---- toward the core -------------------------------------------------------------------
 
-    def add(self, request: Request, queue: asyncio.Queue[Any]) -> RemoteStream:
+    def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> RemoteStream:
         if request.request_id in self.streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
-        stream = self.streams[request.request_id] = RemoteStream(queue)
-        self._new.append(new_request(request))
+        stream = self.streams[request.request_id] = RemoteStream(queue, stop_strings=stop_strings)
+        self._new.append(new_request(request, stop_strings))
         self._schedule_flush()
         return stream
 
@@ -97,7 +100,8 @@ class CoreClient:
         self.finish(request_id, FinishReason.ABORTED)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
-        if self.streams.pop(request_id, None) is not None:
+        if self.streams.pop(request_id, None) is not None or request_id in self._unsettled:
+            self._unsettled.discard(request_id)
             self._ended.append(Ended(request_id, reason))
             self._schedule_flush()
 
@@ -166,6 +170,8 @@ class CoreClient:
             if d.finish_reason is not None:
                 del streams[d.request_id]
                 stream.executor_unavailable = d.unavailable
+                if settled_by_frontend(d.finish_reason, stream.stop_strings):
+                    self._unsettled.add(d.request_id)
             elif queue.qsize() >= self.max_buffered:
                 self._overflow(d.request_id, queue)
                 continue

@@ -27,6 +27,12 @@ class QueueFull(Exception):
     pass
 
 
+def settled_by_frontend(reason: FinishReason | None, stop_strings: bool) -> bool:
+    """A LENGTH finish of a request whose stop strings the front-end matches: the front-end may answer it
+    `stop` (the last allowed token completed one), so it is counted when the front-end settles it."""
+    return stop_strings and reason is FinishReason.LENGTH
+
+
 @dataclass(slots=True)
 class RequestStream:
     request: Request
@@ -35,6 +41,9 @@ class RequestStream:
     first_token: float | None = None
     last_token: float | None = None
     executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
+    # The front-end matches stop strings: a LENGTH finish may still be answered `stop` (the last allowed
+    # token completed one), so it is counted when the front-end settles it with finish().
+    stop_strings: bool = False
 
 
 def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
@@ -64,6 +73,7 @@ class Engine:
         self.metrics: EngineMetrics | None = metrics
         self.series: ExecutorSeries | None = None
         self.streams: dict[str, RequestStream] = {}
+        self._unsettled: dict[str, tuple[RequestStream, float]] = {}  # LENGTH finishes the front-end settles
         self.ready = asyncio.Event()
         self.became_idle = asyncio.Event()
         self._wake = asyncio.Event()
@@ -144,12 +154,13 @@ class Engine:
                 await self._task
         await self.connection.close()
 
-    def add(self, request: Request, queue: asyncio.Queue[RequestDelta]) -> RequestStream:
+    def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
+            ) -> RequestStream:
         sched = self._sched()
         if len(sched.waiting) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         sched.add_request(request)
-        stream = RequestStream(request, queue)
+        stream = RequestStream(request, queue, stop_strings=stop_strings)
         self.streams[request.request_id] = stream
         self.became_idle.clear()
         self._wake.set()
@@ -168,11 +179,16 @@ class Engine:
             return None
         return self.streams.pop(request_id, None)
 
-    def release_waiting(self, limit: int | None = None) -> list[RequestStream]:
-        """Hand back up to `limit` WAITING requests, oldest first: they gain most from a move."""
+    def release_waiting(self, limit: int | None = None, accept: Callable[[Request], bool] | None = None
+                        ) -> list[RequestStream]:
+        """Hand back up to `limit` WAITING requests that `accept` takes (all by default), oldest first: they
+        gain most from a move."""
         if self.scheduler is None:
             return []
         ids = self.scheduler.waiting_ids()
+        if accept is not None:
+            streams = self.streams
+            ids = [rid for rid in ids if rid in streams and accept(streams[rid].request)]
         released = [stream for stream in (self.release(rid) for rid in ids[:limit]) if stream is not None]
         if released:
             self._refresh_gauges()
@@ -185,6 +201,11 @@ class Engine:
         s = self.scheduler.stats()
         return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
 
+    def fits(self, request: Request) -> bool:
+        """Whether this executor's max_model_len holds the request's prompt and all its max_tokens."""
+        d = self.describe
+        return d is not None and request.num_prompt_tokens + request.sampling.max_tokens <= d.max_model_len
+
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0
 
@@ -192,21 +213,36 @@ class Engine:
         self.finish(request_id, FinishReason.ABORTED)
         self._wake.set()
 
+    def holds(self, request_id: str) -> bool:
+        """Whether finish() has anything to do for this id: an open stream, or a finish to settle."""
+        return request_id in self.streams or request_id in self._unsettled
+
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
-        """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown."""
+        """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown.
+        For a LENGTH finish the front-end settles, this counts it: `stop` if the front-end answered that
+        (a stop string completed by the last allowed token), else `length`."""
+        unsettled = self._unsettled.pop(request_id, None)
+        if unsettled is not None:
+            done, ended = unsettled
+            self._count_finish(done, FinishReason.STOPPED if reason is FinishReason.STOPPED
+                               else FinishReason.LENGTH, "", ended)
+            return
         stream = self.streams.pop(request_id, None)
         if self.scheduler is not None:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
-        if stream is None:
-            return
-        now = time.monotonic()
+        if stream is not None:
+            self._count_finish(stream, reason, error, time.monotonic())
+
+    def _count_finish(self, stream: RequestStream, reason: FinishReason, error: str, now: float) -> None:
         self._log_finish(stream, reason, error, now)
         if self.metrics is not None:
             self.metrics.on_finish(reason, now - stream.arrival)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
-        """End every unfinished request, telling each stream why."""
+        """End every unfinished request, telling each stream why (and count the unsettled as `length`)."""
+        for request_id in list(self._unsettled):
+            self.finish(request_id, FinishReason.LENGTH)
         streams = list(self.streams.values())
         for stream in streams:
             self.finish(stream.request.request_id, reason, message)
@@ -399,7 +435,10 @@ class Engine:
                 generated += self._observe_tokens(stream, delta, now, m)
             if delta.finish_reason is not None:
                 del self.streams[delta.request_id]
-                self._log_finish(stream, delta.finish_reason, delta.error, now)
+                if settled_by_frontend(delta.finish_reason, stream.stop_strings):
+                    self._unsettled[delta.request_id] = (stream, now)
+                else:
+                    self._count_finish(stream, delta.finish_reason, delta.error, now)
             stream.queue.put_nowait(delta)
         if m is not None:
             if generated:
@@ -431,8 +470,6 @@ class Engine:
             elif stream.last_token is not None:
                 m.itl.observe((now - stream.last_token) / n)
             stream.last_token = now
-        if delta.finish_reason is not None:
-            m.on_finish(delta.finish_reason, now - stream.arrival)
         return n
 
     def _observe(self, core_seconds: float, executor_seconds: float | None) -> None:

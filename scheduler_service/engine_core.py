@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
-from scheduler_service.engine import QueueFull, RequestStream
+from scheduler_service.engine import QueueFull, RequestStream, settled_by_frontend
 from scheduler_service.ipc import (
     Delta,
     NewRequest,
@@ -43,7 +43,9 @@ class RequestSink:
         self.stream: RequestStream | None = None
 
     def put_nowait(self, delta: RequestDelta) -> None:
-        self.link.put(delta, self.stream is not None and self.stream.executor_unavailable)
+        stream = self.stream
+        self.link.put(delta, stream is not None and stream.executor_unavailable,
+                      stream is not None and settled_by_frontend(delta.finish_reason, stream.stop_strings))
 
 
 class FrontendLink:
@@ -57,8 +59,9 @@ class FrontendLink:
         self.refused: list[Refused] = []
         self._core = core
 
-    def put(self, delta: RequestDelta, unavailable: bool) -> None:
-        if delta.finish_reason is not None:
+    def put(self, delta: RequestDelta, unavailable: bool, unsettled: bool = False) -> None:
+        """unsettled: a final delta whose finish the front-end still settles (its Ended comes later)."""
+        if delta.finish_reason is not None and not unsettled:
             self.request_ids.discard(delta.request_id)
         self.deltas.append(delta_to_wire(delta, unavailable))
         if len(self.deltas) == 1:
@@ -136,7 +139,7 @@ class EngineCore:
     def _add(self, link: FrontendLink, new: NewRequest) -> None:
         sink = RequestSink(link)
         try:
-            sink.stream = self.engine.add(request_from(new), sink)  # type: ignore[arg-type]
+            sink.stream = self.engine.add(request_from(new), sink, new.stop_strings)  # type: ignore[arg-type]
         except QueueFull as e:
             self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
             return

@@ -28,10 +28,13 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     sampling: SamplingOptions
     arrival_time: float
     output_len_hint: int | None = None
+    stop_strings: bool = False  # the front-end settles a LENGTH finish (Engine.add)
+    share_prompt_with: str | None = None  # the first sibling of an n > 1 request
 
 
 class Ended(msgspec.Struct, array_like=True, gc=False):
-    """A request the front-end ended: a cancelled call (ABORTED) or a stop string (STOPPED)."""
+    """A request the front-end ended: a cancelled call (ABORTED) or a stop string (STOPPED); or, for one
+    added with stop_strings that the core finished LENGTH, how the front-end answered it (STOPPED or not)."""
 
     request_id: str
     reason: FinishReason
@@ -73,12 +76,12 @@ class ToFrontend(msgspec.Struct, array_like=True, gc=False):
 
 def request_from(msg: NewRequest) -> Request:
     return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                   output_len_hint=msg.output_len_hint)
+                   output_len_hint=msg.output_len_hint, share_prompt_with=msg.share_prompt_with)
 
 
-def new_request(request: Request) -> NewRequest:
+def new_request(request: Request, stop_strings: bool = False) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
-                      request.output_len_hint)
+                      request.output_len_hint, stop_strings, request.share_prompt_with)
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:

@@ -6,6 +6,9 @@ Placement of a new request (SGLang's cache-aware router's order, vLLM's DP load 
   3. else the least loaded, load = 4 * waiting + running (vLLM's DP score), ties to the lower KV usage.
 Load wins over cache affinity because a hot prefix would otherwise pile every request onto one executor
 while the others idle: a cache hit saves a prefill, a queue costs every step of every request behind it.
+Before any of that: a request goes only to an executor whose max_model_len holds its prompt + max_tokens
+(requests are validated against the pool's largest), and the siblings of an n > 1 request follow the first
+one, so they share its prompt's blocks. Moves keep both rules.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from protos.pagedserve.v1 import executor_pb2
@@ -50,6 +54,14 @@ class Member:
     @property
     def serving(self) -> bool:
         return self.engine.ready.is_set() and not (self.draining or self.leaving)
+
+
+def movable(request: Request, src: Engine, dst: Engine, shared: set[str]) -> bool:
+    """Whether rebalancing may move a waiting request from src to dst: it fits dst, and no sibling it shares
+    a prompt with stays behind on src (`shared`: the requests whose prompt a sibling on src shares)."""
+    if not dst.fits(request) or request.request_id in shared:
+        return False
+    return not (request.share_prompt_with and src.holds(request.share_prompt_with))
 
 
 def load_score(running: int, waiting: int) -> int:
@@ -166,6 +178,7 @@ class ExecutorPool:
         if self.metrics is not None:
             self.metrics.forget_executor(address)
         log.info("executor %s left the pool (%d members)", address, len(self.members))
+        self._update_max_model_len()
         self._update_ready()
 
     def _admit(self, describe: executor_pb2.DescribeResponse) -> str:
@@ -182,8 +195,23 @@ class ExecutorPool:
                     f"{ref.model_id!r} (vocab {ref.vocab_size}); every executor must serve the same model")
         return ""
 
+    def _update_max_model_len(self) -> None:
+        """The pool's description carries its members' largest max_model_len: requests are validated against
+        it and placed where they fit. Front-ends hear of a change as a status change."""
+        lengths = [e.describe.max_model_len for e in self._engines() if e.describe is not None]
+        if self.describe is None or not lengths or max(lengths) == self.describe.max_model_len:
+            return
+        describe = executor_pb2.DescribeResponse()
+        describe.CopyFrom(self.describe)
+        describe.max_model_len = max(lengths)
+        self.describe = describe
+        log.info("pool max_model_len is now %d", describe.max_model_len)
+        if self.on_ready_change is not None and self.ready.is_set():
+            self.on_ready_change(True)
+
     def _member_ready(self, member: Member, ready: bool) -> None:
         if ready:
+            self._update_max_model_len()
             self._adopt_orphans()
         else:
             self._move_waiting(member)
@@ -210,7 +238,10 @@ class ExecutorPool:
         return [m.engine for m in self.members.values() if m.serving]
 
     def choose(self, request: Request) -> Engine | None:
-        candidates = self.serving()
+        candidates = [e for e in self.serving() if e.fits(request)]
+        sibling = self._owner(request.share_prompt_with) if request.share_prompt_with else None
+        if sibling is not None and sibling in candidates:
+            return sibling
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         stats = [e.load() for e in candidates]
@@ -270,20 +301,26 @@ class ExecutorPool:
             backlog = src.load()[1]
             if src is dst or backlog == 0:
                 return
-            for stream in src.release_waiting(min(room, (backlog + 1) // 2)):
+            shared = {s.request.share_prompt_with for s in src.streams.values() if s.request.share_prompt_with}
+            accept = partial(movable, src=src, dst=dst, shared=shared)
+            for stream in src.release_waiting(min(room, (backlog + 1) // 2), accept):
                 dst.adopt(stream)
 
     # ---- the Engine surface the service uses ------------------------------------------------------------
 
-    def add(self, request: Request, queue: asyncio.Queue[RequestDelta]) -> RequestStream:
+    def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
+            ) -> RequestStream:
         if sum(e.load()[1] for e in self._engines()) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         if self._owner(request.request_id) is not None:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         engine = self.choose(request)
         if engine is None:
-            raise QueueFull("no executor is serving")
-        return engine.add(request, queue)
+            need = request.num_prompt_tokens + request.sampling.max_tokens
+            raise QueueFull("no executor is serving" if not self.serving() else
+                            f"no serving executor's max_model_len holds prompt + max_tokens ({need} tokens); "
+                            "retry later")
+        return engine.add(request, queue, stop_strings)
 
     def _engines(self) -> list[Engine]:
         return [m.engine for m in self.members.values()]
@@ -294,13 +331,16 @@ class ExecutorPool:
                 return engine
         return None
 
+    def _holder(self, request_id: str) -> Engine | None:
+        return next((e for e in self._engines() if e.holds(request_id)), None)
+
     def abort(self, request_id: str) -> None:
-        engine = self._owner(request_id)
+        engine = self._holder(request_id)
         if engine is not None:
             engine.abort(request_id)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
-        engine = self._owner(request_id)
+        engine = self._holder(request_id)
         if engine is not None:
             engine.finish(request_id, reason, error)
 

@@ -109,7 +109,10 @@ class EngineHandle(Protocol):
     ready: asyncio.Event
     metrics_model_name: str | None
 
-    def add(self, request: Request, queue: asyncio.Queue[Any]) -> StreamHandle: ...
+    def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> StreamHandle:
+        """stop_strings: this front-end matches stop strings for the request, so it settles a LENGTH finish
+        with finish() (as `stop` when the last allowed token completed one)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -192,20 +195,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
         streams: dict[str, StreamHandle] = {}
+        stop_strings = any(request.sampling.stop)  # as StopMatcher.active
         try:
             for req in requests:
-                streams[req.request_id] = self.engine.add(req, queue)
+                streams[req.request_id] = self.engine.add(req, queue, stop_strings)
         except (QueueFull, ValueError) as e:
             for sub_id in streams:
                 self.engine.abort(sub_id)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
             raise self.refuse(code, str(e)) from None
+        answered: set[str] = set()
         try:
-            async for response in self._stream(request, rid, prompt_ids, streams, queue):
+            async for response in self._stream(request, rid, prompt_ids, streams, queue, answered):
                 yield response
         finally:
             for req in requests:
-                if not req.is_finished:
+                if not req.is_finished or (stop_strings and req.request_id not in answered):
                     self.engine.abort(req.request_id)
 
     def refuse(self, code: grpc.StatusCode, message: str) -> RequestError:
@@ -249,8 +254,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
-                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError]
-                      ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError],
+                      answered: set[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
         stops = list(request.sampling.stop)
         min_tokens = request.sampling.min_tokens
@@ -267,6 +272,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 response = self._respond(delta, seq, rid, len(prompt_ids))
                 if seq.done:
                     remaining -= 1
+                    answered.add(delta.request_id)
                 if response is not None:
                     yield response
 
@@ -284,12 +290,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         reason = delta.finish_reason
         if keep is not None:
             token_ids, logprobs = token_ids[:keep], logprobs[:keep]
-            if reason is None:
-                self.engine.finish(delta.request_id, FinishReason.STOPPED)
             if reason in (None, FinishReason.LENGTH):
                 reason = FinishReason.STOPPED
         elif reason is not None:
             text += seq.stops.feed_unchecked(seq.detokenizer.flush()) + seq.stops.flush()
+        if reason is not None and delta.finish_reason in (None, FinishReason.LENGTH) and seq.stops.active:
+            self.engine.finish(delta.request_id, reason)  # ends it in the core, or settles its LENGTH finish
         response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
         if logprobs:
             response.logprobs.extend(token_logprobs_proto(lp) for lp in logprobs)

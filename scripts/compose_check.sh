@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the image from the Dockerfile and runs compose.yaml for real, with Debian's podman serving the
 # Docker API and Debian's docker-compose driving it; then checks the stack through its published ports:
-# a streamed generation, /metrics, and an executor restart with a stream in flight (which must finish with
+# a streamed generation, the OpenAI-compatible HTTP API (/v1/models and a completion), /metrics, and an
+# executor restart with a stream in flight (which must finish with
 # exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving.
 # Prints one line per stage with its time.
 #
@@ -13,7 +14,7 @@
 # Kept between runs: the installed packages, the base image, the image and its build cache.
 # Removed on exit, pass or fail: the containers, the network, the API service and every process started.
 #
-# Settings (environment): GRPC_PORT / METRICS_PORT publish the scheduler on 127.0.0.1 (default: free
+# Settings (environment): GRPC_PORT / HTTP_PORT / METRICS_PORT publish the scheduler on 127.0.0.1 (default: free
 # ports), BASE_IMAGE (default localhost/debian:bookworm, made with debootstrap when missing),
 # DEBIAN_MIRROR, TORCH_INDEX_URL (default: the index pip uses here), PAGEDSERVE_TAG (default
 # compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 960;
@@ -56,10 +57,12 @@ free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1",
 GRPC_PORT=${GRPC_PORT:-$(free_port)}
 METRICS_PORT=${METRICS_PORT:-$(free_port)}
 while [ "$METRICS_PORT" = "$GRPC_PORT" ]; do METRICS_PORT=$(free_port); done
-export GRPC_PORT METRICS_PORT
+HTTP_PORT=${HTTP_PORT:-$(free_port)}
+while [ "$HTTP_PORT" = "$GRPC_PORT" ] || [ "$HTTP_PORT" = "$METRICS_PORT" ]; do HTTP_PORT=$(free_port); done
+export GRPC_PORT METRICS_PORT HTTP_PORT
 SERVER=127.0.0.1:$GRPC_PORT
 COMPOSE=("${AS_ROOT[@]}" env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DOCKER_HOST" COMPOSE_PROJECT_NAME="$PROJECT"
-  PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" METRICS_PORT="$METRICS_PORT" EXECUTOR_WAIT_TIMEOUT="$EXECUTOR_WAIT_TIMEOUT"
+  PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" HTTP_PORT="$HTTP_PORT" METRICS_PORT="$METRICS_PORT" EXECUTOR_WAIT_TIMEOUT="$EXECUTOR_WAIT_TIMEOUT"
   PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file "$WORK/no.env" -f "$ROOT/compose.yaml")
 compose() { "${COMPOSE[@]}" "$@"; }
 
@@ -259,7 +262,7 @@ start_healthchecks() {
 compose_up() {
   start_healthchecks
   timeout 600 "${COMPOSE[@]}" up -d --no-build
-  note "project $PROJECT, grpc 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"
+  note "project $PROJECT, grpc 127.0.0.1:$GRPC_PORT, http 127.0.0.1:$HTTP_PORT, metrics 127.0.0.1:$METRICS_PORT"
 }
 
 health_of() { podman_ inspect --format '{{.State.Health.Status}}' "$(compose ps -q "$1")"; }
@@ -288,6 +291,20 @@ assert 0 < len(tokens) <= 32 and lines[-1]["usage"]["completion_tokens"] == len(
 print(f"{len(tokens)} tokens in {len(lines)} messages")
 EOF
   note "$(tail -n 1 "$LOG")"
+}
+
+check_http() {
+  "$PY" - "http://127.0.0.1:$HTTP_PORT/v1" <<'EOF' | tee "$WORK/note"
+import json, sys, urllib.request
+base = sys.argv[1]
+models = json.loads(urllib.request.urlopen(f"{base}/models", timeout=10).read())
+assert models["data"], models
+body = json.dumps({"prompt": "Hello over HTTP", "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+request = urllib.request.Request(f"{base}/completions", data=body, headers={"Content-Type": "application/json"})
+reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 8, reply
+print(f"model {models['data'][0]['id']}: 8 tokens over HTTP")
+EOF
 }
 
 check_metrics() {
@@ -431,6 +448,7 @@ stage "podman API service" start_api_service
 stage "compose up" compose_up
 stage "wait healthy" wait_healthy 300
 stage "generate" check_generate
+stage "http api" check_http
 stage "metrics" check_metrics
 stage "reference greedy run" reference_run
 stage "restart executor" check_restart

@@ -82,13 +82,13 @@ class ModelExecutor:
                     raise CacheCorrupted(f"{r.request_id} scheduled while swapped out")
                 st.table.extend(r.new_block_ids)
         self._holders = Counter(b for st in self.states.values() if st.table is not None for b in set(st.table))
-        result = ExecutorResult()
+        sampled: dict[str, list[int]] = {}
         for work in out.scheduled:
             rid = work.request.request_id
             tokens = self._forward(rid, work.num_tokens, out.num_steps)
             if tokens:
-                result.sampled[rid] = tokens
-        return result
+                sampled[rid] = tokens
+        return answer(sampled, reverse=out.step_id % 2 == 1)
 
     def _claim_swap_blocks(self, out: SchedulerOutput) -> None:
         """Swap blocks belong to the request swapped into them until a swap-in reads them or it is
@@ -135,3 +135,12 @@ class ModelExecutor:
             sampled.append(t)
             n = 1
         return sampled
+
+
+def answer(sampled: dict[str, list[int]], reverse: bool) -> ExecutorResult:
+    """A step's answer as the executor client builds it from the wire: columns when every request
+    sampled one token, else token lists; in the step's order or (reverse) not, as the contract allows."""
+    if any(len(tokens) != 1 for tokens in sampled.values()):
+        return ExecutorResult(sampled=sampled)
+    ids = list(sampled)[::-1] if reverse else list(sampled)
+    return ExecutorResult(ids=ids, tokens=[sampled[rid][0] for rid in ids])

@@ -10,6 +10,7 @@ published port.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -40,7 +41,7 @@ PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_p
 LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "::", ""}
 RESTART_POLICIES = {"always", "unless-stopped", "on-failure"}
 # Flags whose compose value deliberately differs from the command-line default (addresses inside containers).
-NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port"}
+NETWORK_FLAGS = {"listen", "http_listen", "executor", "metrics_host", "metrics_port"}
 # Flags compose sets to paths inside the containers (the executor secret on a shared volume).
 CONTAINER_FLAGS = {"executor_secret_file"}
 SECRET_FLAG = "--executor-secret-file"
@@ -173,7 +174,10 @@ def test_static_wiring() -> None:
     published = {container_port(p) for p in sc["ports"]}
     listen_port = int((flag_value(sc_cmd, "--listen") or "").rsplit(":", 1)[-1])
     metrics_port = int(flag_value(sc_cmd, "--metrics-port") or -1)
-    assert {listen_port, metrics_port} <= published, f"scheduler publishes {published}"
+    http = flag_value(sc_cmd, "--http-listen") or ""
+    assert http.startswith("0.0.0.0:"), "the HTTP API must listen on the compose network"
+    http_port = int(http.rsplit(":", 1)[-1])
+    assert {listen_port, http_port, metrics_port} <= published, f"scheduler publishes {published}"
     assert flag_value(sc_cmd, "--metrics-host") == "0.0.0.0"
 
     secret = flag_value(ex_cmd, SECRET_FLAG)
@@ -379,6 +383,16 @@ def test_metrics_on_the_published_port(stack: LocalStack) -> None:
     url = f"http://127.0.0.1:{published(stack, 8000)}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     assert "vllm:num_requests_running" in text
+
+
+def test_http_api_on_the_published_port(stack: LocalStack) -> None:
+    base = f"http://127.0.0.1:{published(stack, 8080)}/v1"
+    models = json.loads(urllib.request.urlopen(f"{base}/models", timeout=10).read())
+    assert models["object"] == "list" and models["data"], models
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{base}/completions", data=body, headers={"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 4
 
 
 def test_cli_generate_through_the_published_port(stack: LocalStack) -> None:

@@ -13,18 +13,26 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from tests.core_helpers import FakeClock
+from tests.core_helpers import (
+    BLOCK,
+    EOS,
+    FakeClock,
+    TraceSpec,
+    check_invariants,
+    config_spec,
+    play_trace_step,
+    request_spec,
+    trace_limits,
+)
 from tests.model_executor import ModelExecutor
-from tests.test_core_properties import BLOCK, EOS, PREFIXES, check_invariants, config_spec, request_spec
 
 Trace = tuple[dict[str, list[int]], dict[str, FinishReason]]
 
 
-def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: CoreConfig, device_blocks: int,
-          cpu_blocks: int, steps_in_flight: int = 1) -> Trace:
-    limits = ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
+def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_blocks: int,
+          steps_in_flight: int = 1) -> Trace:
     clock = FakeClock()
-    s = Scheduler(cfg, limits, clock=clock)
+    s = Scheduler(cfg, trace_limits(device_blocks, cpu_blocks), clock=clock)
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
@@ -39,20 +47,8 @@ def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: Core
 
     for step in range(1200):
         clock.now = step * 0.01
-        for i, (arrive, plen, max_tokens, prio, ignore_eos, _, prefix, n) in enumerate(specs):
-            if arrive == step:
-                opts = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, priority=prio)
-                prompt = (PREFIXES.get(prefix, []) + [5 + (i + k) % 40 for k in range(plen)])[:max(plen, 1)]
-                for j in range(n):
-                    rid = f"r{i}.{j}"
-                    outputs[rid] = []
-                    s.add_request(Request(rid, list(prompt), opts, clock.now,
-                                          share_prompt_with=f"r{i}.0" if j else None))
-        for i, spec in enumerate(specs):
-            for j in range(spec[7]):
-                if spec[5] == step and f"r{i}.{j}" in s.requests:
-                    s.abort(f"r{i}.{j}")
-                    reasons[f"r{i}.{j}"] = FinishReason.ABORTED
+        for request in play_trace_step(s, specs, step, clock.now, reasons):
+            outputs[request.request_id] = []
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         in_flight = {r.request_id for r in s.running if s.rs.inflight[r.slot]}
         out = s.schedule()
@@ -76,7 +72,7 @@ def drive(specs: list[tuple[int, int, int, int, bool, int, int, int]], cfg: Core
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
        device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), steps_in_flight=st.integers(2, 4))
-def test_async_traces_give_the_tokens_of_sync_mode(specs: list[tuple[int, int, int, int, bool, int, int, int]],
+def test_async_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec],
                                                    cfg_kwargs: dict[str, object], device_blocks: int,
                                                    cpu_blocks: int, steps_in_flight: int) -> None:
     kwargs = {**cfg_kwargs, "num_scheduler_steps": 1}

@@ -3,6 +3,7 @@ admission rules, delay factor, lookahead, multi-step and chunked prefill."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -48,7 +49,7 @@ class Harness:
         self.record(self.s.update(out, self.ex.step(out)))
         return out
 
-    def record(self, deltas: list[RequestDelta]) -> None:
+    def record(self, deltas: Iterable[RequestDelta]) -> None:
         for d in deltas:
             self.tokens[d.request_id] += d.new_token_ids
             if d.finish_reason is not None:

@@ -203,3 +203,40 @@ def test_status_transitions() -> None:
     assert r.status is RequestStatus.RUNNING
     s.update(out, run_step(out))
     assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.LENGTH
+
+
+def test_a_token_for_a_request_gone_from_its_row_is_dropped_when_a_new_request_took_the_row() -> None:
+    s = make_scheduler(max_num_seqs=1, async_scheduling=True)
+    s.add_request(make_request("a", 4, max_tokens=8))
+    first = s.schedule()
+    s.update(first, run_step(first))
+    decode = s.schedule()
+    assert decode.plain is not None and decode.plain.ids == ["a"], "a steady decode is a plain row"
+    slot = s.running[0].slot
+    s.abort("a")
+    s.add_request(make_request("b", 4, max_tokens=8))
+    admit = s.schedule()
+    b = s.requests["b"]
+    assert b.slot == slot, "the new request takes the freed row"
+    assert list(s.update(decode, run_step(decode))) == [], "a's token reaches nobody"
+    assert b.output_token_ids == [] and s.rs.num_tokens[slot] == b.num_tokens == 4
+    deltas = list(s.update(admit, run_step(admit)))
+    assert [(d.request_id, len(d.new_token_ids)) for d in deltas] == [("b", 1)]
+    assert s.rs.num_tokens[slot] == 5 and b.num_computed_tokens == 4
+
+
+def test_plain_decodes_come_back_as_columns_whatever_order_the_executor_answers_in() -> None:
+    s = make_scheduler()
+    for rid in "abc":
+        s.add_request(make_request(rid, 3))
+    out = s.schedule()
+    s.update(out, run_step(out))
+    out = s.schedule()
+    assert out.plain is not None and out.plain.ids == ["a", "b", "c"]
+    for ids in (["a", "b", "c"], ["c", "a", "b"]):
+        tokens = {"a": 11, "b": 12, "c": 13}
+        deltas = s.update(out, ExecutorResult(ids=ids, tokens=[tokens[rid] for rid in ids]))
+        assert deltas.ids == ["a", "b", "c"] and deltas.tokens == [11, 12, 13] and not deltas.others
+        assert [(d.request_id, d.new_token_ids) for d in deltas] == [("a", [11]), ("b", [12]), ("c", [13])]
+        assert [r.output_token_ids[-1] for r in s.running] == [11, 12, 13]
+        out = s.schedule()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
+import pytest
+
+from executor_service.backend import BackendLost, BatchItem, SampleOutput
 from executor_service.config import ExecutorConfig
-from executor_service.server import ExecutorServicer
+from executor_service.server import ExecutorServicer, serve
 from executor_service.simulated import SimulatedBackend
-from protos.pagedserve.v1 import executor_pb2
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
 
 def servicer(max_model_len: int = 64) -> ExecutorServicer:
@@ -64,6 +68,30 @@ async def test_a_backend_exception_fails_the_step_and_the_stream_carries_on() ->
     s.backend.execute = real_execute  # type: ignore[method-assign]
     ok = await s.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[new("a", [0])]))
     assert not ok.error and list(ok.sampled.request_ids) == ["a"]
+
+
+async def test_a_lost_backend_ends_the_stream_unanswered_over_grpc() -> None:
+    """A tensor-parallel peer gone mid-step (BackendLost) must not be answered as a failed step (its
+    requests would end in error): the stream ends UNAVAILABLE, which the scheduler treats as a lost
+    executor and recomputes."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+
+    async def lose(items: list[BatchItem]) -> list[SampleOutput | None]:
+        raise BackendLost("forward pass: connection closed by peer")
+
+    backend.execute_async = lose  # type: ignore[method-assign]
+    server, port = await serve(backend, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                answer = await call.read()
+                pytest.fail(f"the lost step was answered: {answer}")
+            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "connection closed by peer" in (lost.value.details() or "")
+    finally:
+        await server.stop(None)
 
 
 async def test_num_steps_above_the_advertised_max_is_refused() -> None:

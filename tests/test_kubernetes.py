@@ -13,7 +13,9 @@ the Service's port.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -40,7 +42,7 @@ GPU = K8S / "gpu" / "executor.yaml"
 VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
 # Flags whose manifest value deliberately differs from the command-line default (addresses, paths in the pod).
-NETWORK_FLAGS = {"listen", "executor", "metrics_host", "metrics_port", "executor_drain_file"}
+NETWORK_FLAGS = {"listen", "http_listen", "executor", "metrics_host", "metrics_port", "executor_drain_file"}
 REF = re.compile(r"\$\((\w+)\)")
 
 
@@ -144,6 +146,10 @@ def test_static_wiring() -> None:
     assert any(m["mountPath"] == drain_dir for m in container(scheduler)["volumeMounts"]), "drain file not writable"
     assert port_of("x:" + flag(sc_args, "--metrics-port")) == next(
         p["containerPort"] for p in container(scheduler)["ports"] if p["name"] == "metrics")
+    http = flag(sc_args, "--http-listen")
+    assert http.startswith("0.0.0.0:"), "the HTTP API must listen on the pod's network"
+    assert port_of(http) == next(p["containerPort"] for p in container(scheduler)["ports"] if p["name"] == "http")
+    assert "http" in {p["targetPort"] for p in public["spec"]["ports"]}, "the Service must carry the HTTP API"
 
 
 def test_gpu_variant() -> None:
@@ -231,9 +237,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         for n in (1, 2):
             wait_until(partial(probe_passes, pool.executor_address(n), probe), 180, "executor startup probe")
         pool.publish([pool.executor_address(1), pool.executor_address(2)])
-        listen, metrics = free_port(), free_port()
+        listen, metrics, http = free_port(), free_port(), free_port()
         sc_cmd = argv(scheduler, env)
-        sc_args = local(sc_cmd[3:], {"--listen": f"127.0.0.1:{listen}", "--metrics-host": "127.0.0.1",
+        sc_args = local(sc_cmd[3:], {"--listen": f"127.0.0.1:{listen}", "--http-listen": f"127.0.0.1:{http}",
+                                     "--metrics-host": "127.0.0.1",
                                      "--metrics-port": str(metrics), "--executor-resolve-interval": "0.2",
                                      "--executor": f"dns:///{headless}:{pool.port}",
                                      "--executor-drain-file": str(pool.drain_file)})
@@ -242,7 +249,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         pool.scheduler, pool.metrics_port = proc, metrics
         readiness = container(scheduler)["readinessProbe"]["grpc"]
         wait_until(lambda: probe_passes(f"127.0.0.1:{listen}", readiness), 120, "scheduler readiness probe")
-        yield {"pool": pool, "listen": listen, "scheduler": scheduler, "executor": executor}
+        yield {"pool": pool, "listen": listen, "http": http, "scheduler": scheduler, "executor": executor}
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -271,6 +278,16 @@ def test_pods_serve_through_the_service_and_use_both_executors(cluster: dict[str
     assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps
 
 
+def test_the_http_api_serves_on_the_http_port(cluster: dict[str, Any]) -> None:
+    public = one(documents(*BASE), "Service", "scheduler")
+    assert next(p for p in public["spec"]["ports"] if p["name"] == "http")["targetPort"] == "http"
+    body = json.dumps({"prompt": "pod says", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{cluster['http']}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 4
+
+
 def test_probes_pass_as_the_kubelet_runs_them(cluster: dict[str, Any]) -> None:
     liveness = container(cluster["scheduler"])["livenessProbe"]["grpc"]
     assert probe_passes(f"127.0.0.1:{cluster['listen']}", liveness)
@@ -287,7 +304,8 @@ def test_a_scheduler_without_executors_is_live_but_not_ready(tmp_path: Path) -> 
     cmd = argv(scheduler, config_env(docs))
     address = f"127.0.0.1:{free_port()}"
     (tmp_path / "hosts").write_text("")
-    args = local(cmd[3:], {"--listen": address, "--metrics-port": "-1", "--executor-resolve-interval": "0.2",
+    args = local(cmd[3:], {"--listen": address, "--http-listen": f"127.0.0.1:{free_port()}", "--metrics-port": "-1",
+                           "--executor-resolve-interval": "0.2",
                            "--executor": "dns:///pagedserve-executor.invalid:50061",
                            "--executor-drain-file": str(tmp_path / "drain")})
     proc = start(cmd[2], [*args, "--executor-hosts-file", str(tmp_path / "hosts")], tmp_path / "scheduler.log")

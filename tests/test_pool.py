@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from client.lib import PagedServeClient
 from protos.pagedserve.v1 import generation_pb2
 from tests.pool_procs import Pool, running_pool
 from tests.procs import ROOT, free_port, generate_all, stop, wait_until
@@ -161,3 +162,35 @@ def test_sighup_applies_the_drain_file_at_once(tmp_path: Path) -> None:
         pool.drain([])
         pool.scheduler.send_signal(signal.SIGHUP)
         pool.wait_serving({one, two}, timeout=10)
+
+
+def test_requests_run_only_where_max_model_len_holds_them(tmp_path: Path) -> None:
+    """Executor 1 holds 64 tokens, executor 2 holds 512. A request for prompt + 100 tokens is validated
+    against the pool's largest and runs whole on executor 2; short requests still use both."""
+    with running_pool(tmp_path, 1, [*SIM, "--max-model-len", "64"], ["--api-server-count", "0"]) as pool:
+        small = pool.executor_address(1)
+        large = pool.start_executor(2, ["--max-model-len", "512"])
+        pool.publish([small, large])
+        pool.wait_serving({small, large})
+        long_runs = asyncio.run(generate_all(pool.address, 8, 100))
+        assert all(reason == LENGTH and len(ids) == 100 for ids, reason in long_runs)
+        assert steps(pool).get(small, 0) == 0, "a long request ran on the 64-token executor"
+        short_runs = asyncio.run(generate_all(pool.address, 40, 10))
+        assert all(len(ids) == 10 for ids, _ in short_runs)
+        assert steps(pool).get(small, 0) > 0, "requests that fit both never used the small executor"
+
+
+def test_the_siblings_of_an_n_request_run_on_one_executor(tmp_path: Path) -> None:
+    """n = 4 through the default process layout (the siblings cross the api server's IPC): all four land on
+    the executor of the first, where they share its prompt's blocks; the other executor runs no step."""
+    with running_pool(tmp_path, 2, SIM) as pool:
+        async def siblings() -> list[generation_pb2.GenerateResponse]:
+            async with PagedServeClient(pool.address) as client:
+                return [r async for r in client.generate(prompt_token_ids=list(range(3, 67)), n=4, seed=5,
+                                                         max_tokens=12, ignore_eos=True)]
+
+        finals = [r for r in asyncio.run(siblings()) if r.finish_reason]
+        assert sorted(r.index for r in finals) == [0, 1, 2, 3]
+        assert all(r.finish_reason == LENGTH and r.usage.completion_tokens == 12 for r in finals)
+        stepped = {a for a, n in steps(pool).items() if n > 0}
+        assert len(stepped) == 1, f"siblings ran on {sorted(stepped)}"

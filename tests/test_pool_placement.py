@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,20 +22,32 @@ from scheduler_service.pool import ExecutorPool, Member, PoolConfig
 LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_cpu_blocks=16, max_model_len=4096)
 
 
-def pool_of(n: int, max_num_seqs: int = 8, max_queue_len: int = 1000) -> ExecutorPool:
-    """A pool whose members have schedulers and count as connected, with no executor behind them."""
+def member(core: CoreConfig, label: str, max_queue_len: int = 1000,
+           max_model_len: int = LIMITS.max_model_len) -> Engine:
+    """An engine with a scheduler that counts as connected (described), with no executor behind it."""
+    engine = Engine(core, label, max_queue_len)
+    engine.scheduler = Scheduler(core, replace(LIMITS, max_model_len=max_model_len))
+    engine.describe = executor_pb2.DescribeResponse(model_id="m", vocab_size=100, max_model_len=max_model_len)
+    engine.ready.set()
+    return engine
+
+
+def pool_of(n: int, max_num_seqs: int = 8, max_queue_len: int = 1000,
+            max_model_lens: tuple[int, ...] = ()) -> ExecutorPool:
     core = CoreConfig(max_num_seqs=max_num_seqs)
     pool = ExecutorPool(PoolConfig([f"127.0.0.{i}:1" for i in range(1, n + 1)]), core, max_queue_len)
-    for i in range(1, n + 1):
-        engine = Engine(core, f"127.0.0.{i}:1", max_queue_len)
-        engine.scheduler = Scheduler(core, LIMITS)
-        engine.ready.set()
+    lengths = max_model_lens or (LIMITS.max_model_len,) * n
+    for i, length in enumerate(lengths, 1):
+        engine = member(core, f"127.0.0.{i}:1", max_queue_len, length)
         pool.members[engine.label] = Member(engine)
+        assert pool._admit(engine.describe) == ""  # type: ignore[arg-type]
+        pool._member_ready(pool.members[engine.label], True)
     return pool
 
 
-def request(rid: str, prompt_len: int = 8) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingOptions(max_tokens=4), 0.0)
+def request(rid: str, prompt_len: int = 8, max_tokens: int = 4, sibling_of: str | None = None) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingOptions(max_tokens=max_tokens), 0.0,
+                   share_prompt_with=sibling_of)
 
 
 def engines(pool: ExecutorPool) -> list[Engine]:
@@ -93,9 +106,7 @@ async def test_rebalance_moves_waiting_requests_to_an_executor_with_room() -> No
     pool = pool_of(1, max_num_seqs=4)
     for i in range(12):
         pool.add(request(f"r{i}"), queue())
-    newcomer = Engine(CoreConfig(max_num_seqs=4), "127.0.0.9:1", 1000)
-    newcomer.scheduler = Scheduler(CoreConfig(max_num_seqs=4), LIMITS)
-    newcomer.ready.set()
+    newcomer = member(CoreConfig(max_num_seqs=4), "127.0.0.9:1")
     pool.members[newcomer.label] = Member(newcomer)
     pool.rebalance()
     assert newcomer.load()[1] == 4  # its max_num_seqs
@@ -123,6 +134,58 @@ async def test_draining_members_get_no_new_work_and_hand_back_their_queue() -> N
     assert second.idle() and first.load()[1] == 6
     pool.add(request("new"), queue())
     assert "new" in first.streams
+
+
+async def test_the_siblings_of_an_n_request_follow_the_first_one() -> None:
+    pool = pool_of(2)
+    for i in range(4):  # one at a time, as the front-end adds them; load alone would alternate
+        pool.add(request(f"x#{i}", prompt_len=64, sibling_of="x#0" if i else None), queue())
+    assert [sorted(e.streams) for e in engines(pool)] == [["x#0", "x#1", "x#2", "x#3"], []]
+    pool.add(request("y"), queue())
+    assert "y" in engines(pool)[1].streams, "other requests still go by load"
+
+
+async def test_rebalance_keeps_siblings_with_the_first_one() -> None:
+    pool = pool_of(1, max_num_seqs=4)
+    for i in range(8):
+        pool.add(request(f"x#{i}", sibling_of="x#0" if i else None), queue())
+    newcomer = member(CoreConfig(max_num_seqs=4), "127.0.0.9:1")
+    pool.members[newcomer.label] = Member(newcomer)
+    pool.rebalance()
+    assert newcomer.idle(), f"siblings moved away from x#0: {sorted(newcomer.streams)}"
+
+
+async def test_requests_go_only_where_max_model_len_holds_them_and_validation_uses_the_largest() -> None:
+    pool = pool_of(2, max_model_lens=(64, 512))
+    small, large = engines(pool)
+    assert pool.describe is not None and pool.describe.max_model_len == 512
+    for i in range(6):
+        pool.add(request(f"long{i}", prompt_len=20, max_tokens=100), queue())
+    assert not small.streams and len(large.streams) == 6
+    pool.add(request("short", prompt_len=20, max_tokens=10), queue())
+    assert "short" in small.streams, "a request that fits both still goes by load"
+    large.ready.clear()
+    pool._member_ready(pool.members[large.label], False)
+    with pytest.raises(QueueFull, match="max_model_len"):
+        pool.add(request("too long for the one serving", prompt_len=20, max_tokens=100), queue())
+    assert all(rid.startswith("long") for rid in large.streams), "none fits the other executor: they wait"
+
+
+async def test_rebalance_moves_only_what_fits_the_destination() -> None:
+    pool = pool_of(1, max_num_seqs=4, max_model_lens=(512,))
+    for i in range(12):
+        pool.add(request(f"long{i}", prompt_len=20, max_tokens=100), queue())
+    newcomer = member(CoreConfig(max_num_seqs=4), "127.0.0.9:1", max_model_len=64)
+    pool.members[newcomer.label] = Member(newcomer)
+    pool.rebalance()
+    assert newcomer.idle()
+
+
+async def test_the_pools_max_model_len_follows_its_members() -> None:
+    pool = pool_of(2, max_model_lens=(64, 512))
+    assert pool.describe is not None and pool.describe.max_model_len == 512
+    await pool._close(pool.members[engines(pool)[1].label])
+    assert pool.describe.max_model_len == 64
 
 
 def describe(model_id: str, vocab: int = 100) -> executor_pb2.DescribeResponse:

@@ -214,13 +214,13 @@ def test_stop_strings_with_multi_step_cut_tokens_respect_min_tokens_and_count_in
     with running_stack(tmp_path, ["--simulated"], ["--num-scheduler-steps", "4"]) as s:
         async def main() -> None:
             async with PagedServeClient(s.address) as client:
-                ids, full, _, _ = await run(client, prompt="q", max_tokens=40, seed=23)
+                ids, full, _, _ = await run(client, prompt="q", max_tokens=40, seed=21)
                 stop = full[9]
                 first = full.index(stop)
-                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[stop])
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop])
                 assert reason == STOP and text == full[:first] and got == ids[:first + 1]
                 later = full.index(stop, first + 1) if stop in full[first + 1:] else None
-                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[stop],
+                got, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[stop],
                                                  min_tokens=first + 2)
                 if later is None:
                     assert reason == LENGTH and text == full
@@ -228,13 +228,48 @@ def test_stop_strings_with_multi_step_cut_tokens_respect_min_tokens_and_count_in
                     assert reason == STOP and text == full[:later] and got == ids[:later + 1]
                 last_char = full[-1]
                 if last_char not in full[:-1]:
-                    _, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=23, stop=[last_char])
+                    _, text, reason, _ = await run(client, prompt="q", max_tokens=40, seed=21, stop=[last_char])
                     assert reason == STOP and text == full[:-1]
 
         before = s.metrics().get("vllm:request_success_total{stop}", 0)
         asyncio.run(main())
         wait_until(lambda: s.metrics().get("vllm:request_success_total{stop}", 0) >= before + 2,
                    what="stop-string finishes counted")
+
+
+def last_only_suffix(text: str) -> str:
+    """The shortest suffix of text found nowhere earlier in it: as a stop string, only the last character
+    completes it."""
+    return next(text[-n:] for n in range(1, len(text) + 1) if text.find(text[-n:]) == len(text) - n)
+
+
+@pytest.mark.parametrize("api_servers", ["0", "1"])
+def test_a_stop_string_completed_by_the_last_allowed_token_is_counted_as_stop(tmp_path: Path,
+                                                                             api_servers: str) -> None:
+    """max_tokens ends the request in the core (LENGTH) at the very token that completes a stop string: the
+    answer is `stop`, and vllm:request_success_total must say `stop` too, in both process layouts. A
+    stop-string request that ends by length is still counted `length`."""
+    success = "vllm:request_success_total{%s}"
+    with running_stack(tmp_path, ["--simulated"], ["--api-server-count", api_servers]) as s:
+        def counted(reason: str) -> float:
+            return s.metrics().get(success % reason, 0)
+
+        async def one(**kwargs: object) -> tuple[list[int], str, int, str]:
+            async with PagedServeClient(s.address) as client:
+                return await run(client, prompt="q", max_tokens=12, seed=21, **kwargs)
+
+        ids, full, reason, _ = asyncio.run(one())
+        assert reason == LENGTH and len(full) == 12
+        wait_until(lambda: counted("length") == 1, what="the plain run counted")
+        stop = last_only_suffix(full)
+        got, text, reason, _ = asyncio.run(one(stop=[stop]))
+        assert (reason, text, got) == (STOP, full[:-len(stop)], ids)
+        wait_until(lambda: counted("stop") == 1, what="the stop-string finish counted as stop")
+        assert counted("length") == 1
+        _, text, reason, _ = asyncio.run(one(stop=["never in the text \u2603"]))
+        assert (reason, text) == (LENGTH, full)
+        wait_until(lambda: counted("length") == 2, what="the unmatched stop-string request counted as length")
+        assert counted("stop") == 1
 
 
 def test_scheduler_without_executor_shuts_down_at_once(tmp_path: Path) -> None:

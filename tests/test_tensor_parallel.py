@@ -431,6 +431,48 @@ def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_p
         assert stack.scheduler.poll() is None
 
 
+GUARD_RACE = """
+import logging, multiprocessing, signal, threading
+from executor_service.distributed import Guard
+
+def stubborn(ready):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # holds the first failure in stop_children (join, then kill)
+    ready.set()
+    signal.pause()
+
+class Seen(logging.Handler):
+    def __init__(self, event):
+        super().__init__()
+        self.event = event
+    def emit(self, record):
+        self.event.set()
+
+ctx = multiprocessing.get_context("fork")
+ready, first_down = ctx.Event(), threading.Event()
+logging.getLogger("pagedserve.executor").addHandler(Seen(first_down))
+guard = Guard()
+guard.children = [ctx.Process(target=stubborn, args=(ready,), daemon=True)]
+guard.children[0].start()
+ready.wait()
+threading.Thread(target=guard.fail, args=("rank 1 exited",), daemon=True).start()
+first_down.wait()
+guard.fail("forward pass: connection closed by peer")
+print("the second failure returned", flush=True)
+"""
+
+
+def test_a_failure_while_another_ends_the_process_never_returns(tmp_path: Path) -> None:
+    """The race behind a killed rank: the child watcher starts ending the process, then the collective in
+    flight fails too. The second failure must wait for the exit (its step stays unanswered), not return
+    and let the server answer the step as failed."""
+    script = tmp_path / "guard_race.py"
+    script.write_text(GUARD_RACE)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert "the second failure returned" not in done.stdout
+    assert done.returncode == 1, done.stderr
+
+
 def test_killed_rank_0_ends_the_other_ranks(tmp_path: Path) -> None:
     log = tmp_path / "executor.log"
     address = f"127.0.0.1:{free_port()}"
