@@ -143,6 +143,23 @@ def test_kernel_rejects_mismatched_shapes() -> None:
                                                  batch.query_start_loc, torch.zeros(1, dtype=torch.int32), 1.0)
 
 
+def test_kernel_refuses_metadata_that_would_read_outside_the_cache() -> None:
+    batch = make_batch([(12, 1), (30, 2)], 16, 2, 2, 32, torch.float32)
+    short_lens = batch.seq_lens.clone()
+    short_lens[1] = 0  # fewer context tokens than query tokens
+    bad_block = batch.block_tables.clone()
+    bad_block[1, 0] = batch.k_cache.shape[0]
+    long_lens = batch.seq_lens.clone()
+    long_lens[0] = 16 * batch.block_tables.shape[1] + 1
+    for changed, match in [({"seq_lens": short_lens}, "query tokens but context"),
+                           ({"block_tables": bad_block}, "block id"),
+                           ({"seq_lens": long_lens}, "blocks, table has")]:
+        with pytest.raises(RuntimeError, match=match):
+            kernel_only(Batch(**{**batch.__dict__, **changed}))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel_only(batch, seqs=[2])
+
+
 @pytest.mark.parametrize("skip", [True, False], ids=["with-skipped-slot", "all-mapped"])
 def test_write_kv_equals_the_reference(skip: bool) -> None:
     gen = torch.Generator().manual_seed(3)

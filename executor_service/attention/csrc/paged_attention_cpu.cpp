@@ -158,6 +158,26 @@ void attend(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc
   }
 }
 
+// Every read the named sequences imply stays inside the tensors (bad metadata raises instead of crashing).
+void check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
+                    int64_t table_width, int64_t num_blocks) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t seq = seq_ids[i];
+    TORCH_CHECK(seq >= 0 && seq < num_seqs, "sequence index ", seq, " out of range [0, ", num_seqs, ")");
+    const int64_t first = L.query_start_loc[seq], last = L.query_start_loc[seq + 1], ctx = L.seq_lens[seq];
+    TORCH_CHECK(first >= 0 && first <= last && last <= num_tokens, "sequence ", seq, ": query rows [", first, ", ",
+                last, ") outside [0, ", num_tokens, ")");
+    TORCH_CHECK(last - first <= ctx, "sequence ", seq, ": ", last - first, " query tokens but context ", ctx);
+    const int64_t blocks = (ctx + L.block_size - 1) / L.block_size;
+    TORCH_CHECK(blocks <= table_width, "sequence ", seq, ": context ", ctx, " needs ", blocks, " blocks, table has ",
+                table_width);
+    const int32_t* table = L.block_tables + seq * L.table_stride;
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, ": block id ", table[b],
+                  " out of range [0, ", num_blocks, ")");
+  }
+}
+
 void check_float(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == dim && t.stride(dim - 1) == 1, name, " must be ", dim, "-D with a contiguous last dim");
@@ -182,6 +202,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   check_int(seq_lens, "seq_lens", 1);
   check_int(query_start_loc, "query_start_loc", 1);
   check_int(seqs, "seqs", 1);
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
+              "block_tables, seq_lens and query_start_loc disagree on the number of sequences");
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes(), "k/v caches differ");
   TORCH_CHECK(k_cache.stride(2) == k_cache.size(3), "cache heads must be contiguous");
   const int64_t num_kv_heads = k_cache.size(2), num_heads = query.size(1), head_dim = query.size(2);
@@ -193,6 +215,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
            k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
            num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale)};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
+  check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
   at::parallel_for(0, seqs.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t item = begin; item < end; ++item) {
