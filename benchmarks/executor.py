@@ -1,6 +1,6 @@
 """Decode tokens/s of the torch executor through the Executor gRPC API, beside transformers' generate.
 
-    python benchmarks/executor.py [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32] [--model DIR]
+    python -m benchmarks.executor [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32] [--model DIR]
                                   [--device auto|cpu|cuda] [--threads 1] [--repeats 3] [--json-out FILE]
 
 Both sides use the same weights: --model DIR, or the embedded default model (a 4-layer, hidden-256 Llama,
@@ -41,8 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.roofline
 
 from benchmarks.roofline import Limits, ModelShape, limits_record, measure_limits
 from client.local import ROOT, free_port, stop, wait_healthy

@@ -1,6 +1,6 @@
 """The torch executor's forward steps in process, against the roofline, in CPU time (robust on a shared machine).
 
-    python benchmarks/forward_steps.py [--model DIR] [--repeats 5] [--json-out FILE]
+    python -m benchmarks.forward_steps [--model DIR] [--repeats 5] [--attention cpu,reference] [--json-out FILE]
 
 TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
 offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
@@ -9,34 +9,32 @@ each of N sequences at a context length). Each shape: the best of --repeats timi
 Beside each: model GFLOP/s (linears + LM head + attention over the step's contexts, benchmarks/roofline.py) as a
 % of the matmul peak measured first in the same process with the same clock, and for decode the bytes the step
 must move (weights once + K/V read and written) per second as a % of the measured streaming-read bandwidth.
-One thread (torch.set_num_threads(1)).
+One thread (torch.set_num_threads(1)). --attention times several attention implementations side by side (one
+backend each, their timings interleaved round by round) and prints each one's speedup over the last named.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import os
 import random
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.roofline import ModelShape, best_time, limits_record, measure_limits  # noqa: E402
-from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model  # noqa: E402
-from executor_service.backend import BatchItem, SamplingConfig  # noqa: E402
-from executor_service.config import ExecutorConfig  # noqa: E402
-from executor_service.torch_backend import TorchBackend  # noqa: E402
+from benchmarks.roofline import ModelShape, limits_record, measure_limits
+from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
+from executor_service.attention import ENV_VAR
+from executor_service.backend import BatchItem, SamplingConfig
+from executor_service.config import ExecutorConfig
+from executor_service.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
           ("decode", 16, 300), ("decode", 4, 400)]
 GREEDY = SamplingConfig(temperature=0.0)
+NUM_BLOCKS = 4096
 
 
 def step_items(kind: str, n: int, length: int, vocab: int, blocks_each: int) -> list[BatchItem]:
@@ -50,36 +48,72 @@ def step_items(kind: str, n: int, length: int, vocab: int, blocks_each: int) -> 
     return items
 
 
+def make_backends(model: Path, attention: list[str]) -> dict[str, TorchBackend]:
+    """One backend per attention implementation (PAGEDSERVE_ATTENTION value; "" = the executor's default)."""
+    backends = {}
+    saved = os.environ.get(ENV_VAR)
+    try:
+        for name in attention:
+            os.environ[ENV_VAR] = name
+            backends[name or "default"] = TorchBackend.create(
+                ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=NUM_BLOCKS))
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = saved
+    return backends
+
+
+def time_step(backends: dict[str, TorchBackend], kind: str, items: list[BatchItem], length: int,
+              repeats: int) -> dict[str, float]:
+    """Best thread CPU seconds of one execute per backend, the backends interleaved round by round."""
+    for backend in backends.values():
+        if kind == "decode":  # the context must be in the cache
+            backend.execute([BatchItem(i.request_id, i.token_ids, length, 0, length, i.block_table, False, GREEDY)
+                             for i in items])
+        backend.execute(items)  # warm-up
+    best = dict.fromkeys(backends, float("inf"))
+    for _ in range(repeats):
+        for name, backend in backends.items():
+            start = time.thread_time()
+            backend.execute(items)
+            best[name] = min(best[name], time.thread_time() - start)
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--attention", default="",
+                   help="comma-separated PAGEDSERVE_ATTENTION values to time side by side (e.g. cpu,reference); "
+                   "empty: the executor's default")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model = ensure_model(args.model)
     shape = ModelShape.from_dir(model)
     limits = measure_limits(shape, 1, "cpu", clock=time.thread_time)
-    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=4096))
-    blocks_each = 4096 // max(n for _, n, _ in SHAPES)
+    backends = make_backends(model, args.attention.split(","))
+    blocks_each = NUM_BLOCKS // max(n for _, n, _ in SHAPES)
     rows = []
     for kind, n, length in SHAPES:
         items = step_items(kind, n, length, shape.vocab, blocks_each)
-        if kind == "decode":  # the context must be in the cache
-            backend.execute([BatchItem(i.request_id, i.token_ids, length, 0, length, i.block_table, False, GREEDY)
-                             for i in items])
-        seconds = best_time(functools.partial(backend.execute, items), lambda: None, reps=1, rounds=args.repeats,
-                            clock=time.thread_time)
+        best = time_step(backends, kind, items, length, args.repeats)
         flops = sum(shape.pass_flops(i.start, i.num_tokens, True) for i in items)
-        row = {"step": f"{kind} {n} x {length}", "ms": round(seconds * 1e3, 2),
-               "gflops": round(flops / seconds / 1e9, 1),
-               "pct_of_matmul_peak": round(limits.flops_pct(flops / seconds), 1)}
-        if kind == "decode":
-            moved = shape.decode_step_bytes([length] * n)
-            row |= {"gbs": round(moved / seconds / 1e9, 1),
-                    "pct_of_read_bw": round(limits.bandwidth_pct(moved / seconds), 1)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for name, seconds in best.items():
+            row = {"step": f"{kind} {n} x {length}", "attention": name, "ms": round(seconds * 1e3, 2),
+                   "gflops": round(flops / seconds / 1e9, 1),
+                   "pct_of_matmul_peak": round(limits.flops_pct(flops / seconds), 1)}
+            if kind == "decode":
+                moved = shape.decode_step_bytes([length] * n)
+                row |= {"gbs": round(moved / seconds / 1e9, 1),
+                        "pct_of_read_bw": round(limits.bandwidth_pct(moved / seconds), 1)}
+            if len(best) > 1:
+                row["speedup_vs_last"] = round(best[list(best)[-1]] / seconds, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     record = {"bench": "forward_steps", "limits": limits_record(limits), "rows": rows}
     print(json.dumps(record))
     if args.json_out:

@@ -1,6 +1,6 @@
 """GPU limits and kernels, measured in one run on a CUDA machine (benchmarks/gpu_check.sh runs it).
 
-    python benchmarks/gpu_bench.py [--model DIR] [--sizes 1,2,4,...] [--json-out FILE]
+    python -m benchmarks.gpu_bench [--model DIR] [--sizes 1,2,4,...] [--json-out FILE]
 
 1. Device limits: fp16 matmul peak (8192^3, and the model's own linear shapes) and HBM bandwidth (read, copy).
 2. Paged attention: the Triton kernel against torch SDPA on the same shapes with contiguous K/V (the unpaged
@@ -22,13 +22,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.roofline import ModelShape, limits_record, measure_limits  # noqa: E402
+from benchmarks.roofline import ModelShape, limits_record, measure_limits
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

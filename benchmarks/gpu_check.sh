@@ -36,11 +36,11 @@ run() {
   status=$((status | PIPESTATUS[0]))
 }
 run nvidia-smi nvidia-smi
-run gpu_bench "$PY" benchmarks/gpu_bench.py --json-out "$OUT/gpu_bench.json"
+run gpu_bench "$PY" -m benchmarks.gpu_bench --json-out "$OUT/gpu_bench.json"
 run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_forward_path.py
 run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
-run executor "$PY" benchmarks/executor.py --device cuda --batch-sizes 1,16,64,256 --steps 64
-run vs_transformers "$PY" benchmarks/vs_transformers.py --device cuda
+run executor "$PY" -m benchmarks.executor --device cuda --batch-sizes 1,16,64,256 --steps 64
+run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda
 # Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
 # still runs over gloo on the CPU in the conformance suite above.
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)

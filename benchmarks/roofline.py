@@ -9,22 +9,17 @@ The limits are measured on the benchmark's own threads: matmul peak = the best F
 the LM head at M rows (M = 64 ... 512, the model's own shapes, best of several timings); memory bandwidth = a
 streaming read of a buffer much larger than the caches (and a copy, reported beside it).
 
-    python benchmarks/roofline.py [--model DIR] [--threads 1] [--device cpu|cuda]
+    python -m benchmarks.roofline [--model DIR] [--threads 1] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 PEAK_ROWS = (64, 128, 256, 512)
 BANDWIDTH_MIB = 512

@@ -1,6 +1,6 @@
 """Offline throughput: pagedserve (both services, gRPC, torch executor) vs transformers' continuous batching.
 
-    python benchmarks/vs_transformers.py [--num-requests 128] [--threads 1] [--only pagedserve|transformers]
+    python -m benchmarks.vs_transformers [--num-requests 128] [--threads 1] [--only pagedserve|transformers]
 
 Both sides get the same model directory and the same request file, and count the same useful work: each
 request's own max_tokens output tokens (EOS never stops either side).
@@ -42,14 +42,11 @@ import asyncio
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import Limits, ModelShape, limits_record, measure_limits
 from client.bench.datasets import SyntheticConfig, load_file, synthetic_requests

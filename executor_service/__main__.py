@@ -36,7 +36,9 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
         if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file))
+    stop = asyncio.Event()
+    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file),
+                               stop)
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
@@ -44,7 +46,6 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

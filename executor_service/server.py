@@ -25,8 +25,9 @@ HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, stopping: asyncio.Event | None = None) -> None:
         self.backend = backend
+        self.stopping = stopping or asyncio.Event()
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
@@ -71,6 +72,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self.table.reset()
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
             async for step in request_iterator:
+                if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
+                    log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 async with self._step_lock:
                     try:
                         result = await self.run_step(step)
@@ -185,10 +189,12 @@ def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[Sampl
 
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,
-                secret: str | None = None) -> tuple[grpc.aio.Server, int]:
+                secret: str | None = None, stopping: asyncio.Event | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the Executor API. Once `stopping` is set, an open Execute stream ends UNAVAILABLE at its next
+    step instead of serving on through the shutdown's grace period."""
     interceptors = [SecretInterceptor(secret)] if secret else []
     server = grpc.aio.server(options=EXECUTOR_LINK_OPTIONS, interceptors=interceptors)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend), server)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name, health.SERVICE_NAME,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -115,3 +117,27 @@ async def test_the_simulated_executor_answers_logprobs() -> None:
     (token,) = result.logprobs[0].tokens
     assert token.token_id == result.sampled.token_ids[0] and token.logprob == 0.0
     assert [(t.token_id, t.logprob) for t in token.top] == [(token.token_id, 0.0)]
+
+
+async def test_a_stream_ends_unavailable_at_its_next_step_once_the_executor_is_stopping() -> None:
+    """SIGTERM sets `stopping`: the scheduler hears of it at once (and recomputes), rather than having
+    steps served through the shutdown's grace period."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    stopping = asyncio.Event()
+    server, port = await serve(backend, "127.0.0.1:0", stopping=stopping)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            first = await call.read()
+            assert not first.error and list(first.sampled.request_ids) == ["a"]
+            stopping.set()
+            running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+            await call.write(executor_pb2.StepRequest(step_id=2, running=running))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                answer = await call.read()
+                pytest.fail(f"a step was served after the stop: {answer}")
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in (ended.value.details() or "")
+    finally:
+        await server.stop(None)

@@ -49,7 +49,7 @@ def test_plan_is_built_once_per_step_and_rebuilt_for_the_next() -> None:
     scratch = reference.Scratch()
     query, k, v, tables, lens, qsl = decode_batch([5, 9, 16], seed=1)
     first = reference.paged_attention(query, k, v, tables, lens, qsl, 0.3, scratch)
-    plan = scratch.plan((tables, lens, qsl), lambda: pytest.fail("the same step must reuse its plan"))
+    plan: reference.Plan = scratch.plan((tables, lens, qsl), lambda: pytest.fail("the same step must reuse its plan"))
     layer2 = reference.paged_attention(query * 2, k, v, tables, lens, qsl, 0.3, scratch)  # next layer, same step
     torch.testing.assert_close(layer2, reference.paged_attention(query * 2, k, v, tables, lens, qsl, 0.3))
     assert scratch.plan((tables, lens, qsl), lambda: pytest.fail("rebuilt")) is plan

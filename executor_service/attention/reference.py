@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,8 @@ CHUNK_BYTES = 1 << 21
 DEVICE_CHUNK_BYTES = 1 << 28
 SCRATCH_MAX_BYTES = 1 << 23
 PAD_SLACK = 1.5
+
+PlanT = TypeVar("PlanT")
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ class Scratch:
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
         self._plan_key: tuple[Tensor, ...] = ()
-        self._plan: Plan | None = None
+        self._plan: Any = None
 
     def get(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
         numel = shape[0] * shape[1]
@@ -65,8 +68,9 @@ class Scratch:
                                                        dtype=dtype)
         return buffer[:numel].view(shape)
 
-    def plan(self, key: tuple[Tensor, ...], build: Callable[[], Plan]) -> Plan:
-        """The plan for these metadata tensors (compared by identity; they are held, so ids cannot be reused)."""
+    def plan(self, key: tuple[Tensor, ...], build: Callable[[], PlanT]) -> PlanT:
+        """The plan for these metadata tensors (compared by identity; they are held, so ids cannot be reused).
+        One kind of plan per scratch: callers with different plan types use different scratches."""
         if self._plan is None or len(key) != len(self._plan_key) or any(
                 a is not b for a, b in zip(key, self._plan_key, strict=True)):
             self._plan, self._plan_key = build(), key
@@ -111,20 +115,30 @@ def paged_attention(
     plan = build() if scratch is None else scratch.plan((block_tables, seq_lens, query_start_loc), build)
     if len(plan.groups) == 1 and plan.groups[0].query_rows is None:
         return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch).to(query.dtype)
-    out = torch.empty_like(query)
+    return run_plan(plan, query, k_cache, v_cache, scale, scratch, torch.empty_like(query))
+
+
+def run_plan(plan: Plan, query: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, scratch: Scratch | None,
+             out: Tensor) -> Tensor:
+    """Attend every group of the plan into its rows of out (other rows untouched)."""
     for group in plan.groups:
-        attended = _attend(query.index_select(0, group.query_rows), k_cache, v_cache, group, scale, scratch)  # type: ignore[arg-type]  # query_rows is set when there are several groups
+        if group.query_rows is None:
+            out.copy_(_attend(query, k_cache, v_cache, group, scale, scratch))
+            continue
+        attended = _attend(query.index_select(0, group.query_rows), k_cache, v_cache, group, scale, scratch)
         if group.real is not None:
             attended = attended.index_select(0, group.real)
-        out.index_copy_(0, group.out_rows, attended.to(out.dtype))  # type: ignore[arg-type]
+        out.index_copy_(0, group.out_rows, attended.to(out.dtype))  # type: ignore[arg-type]  # set with query_rows
     return out
 
 
 def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-               query_start_loc: Tensor) -> Plan:
+               query_start_loc: Tensor, min_query_len: int = 1) -> Plan:
+    """The groups of every sequence with at least min_query_len query tokens."""
     starts, lens = _host_metadata(query_start_loc, seq_lens)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-    order = sorted((s for s in range(len(lens)) if q_lens[s] > 0), key=lambda s: (q_lens[s], lens[s]))
+    order = sorted((s for s in range(len(lens)) if q_lens[s] >= max(1, min_query_len)),
+                   key=lambda s: (q_lens[s], lens[s]))
     budget = _chunk_tokens(k_cache)
     group_size = query.shape[1] // k_cache.shape[2]
     chunks = list(_cut(order, q_lens, lens, budget))

@@ -1,0 +1,153 @@
+"""The CPU paged-attention kernel (csrc/paged_attention_cpu.cpp): built once per machine, loaded on demand.
+
+`load()` compiles the C++ source with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build
+directory is keyed by the CPU's feature flags as well as the source) into PAGEDSERVE_KERNEL_DIR (default
+~/.cache/pagedserve/kernels), or loads an earlier build. It returns False, once, with a warning, when the
+kernel cannot be built (no compiler): callers then use the pure-torch reference. `python -m
+executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh does).
+
+The kernel computes float32 only; `paged_attention` below sends decode-like sequences (query length <=
+KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins) to
+the reference, in one output tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from executor_service.attention.reference import Plan, Scratch, build_plan, run_plan
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+KERNEL_MAX_QUERY = 16
+
+
+@dataclass(slots=True)
+class Split:
+    """A step's sequences: those the kernel computes (None: none) and the reference's plan for the rest."""
+
+    kernel_seqs: Tensor | None
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    plan: Plan
+
+
+def plan_split(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+               query_start_loc: Tensor) -> Split:
+    tables, lens, starts = (t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    q_lens = starts[1:] - starts[:-1]
+    is_short = (q_lens > 0) & (q_lens <= KERNEL_MAX_QUERY)
+    short = is_short.nonzero().flatten().to(torch.int32)
+    if bool((is_short | (q_lens == 0)).all()):
+        plan = Plan([], query.shape[0])
+    else:
+        plan = build_plan(query, k_cache, block_tables, seq_lens, query_start_loc, KERNEL_MAX_QUERY + 1)
+    return Split(short if short.numel() else None, tables, lens, starts, plan)
+
+
+def kernel_dir() -> Path:
+    default = Path.home() / ".cache" / "pagedserve" / "kernels"
+    return Path(os.environ.get(KERNEL_DIR_ENV) or default)
+
+
+def build_key() -> str:
+    """Source, flags, torch version and the CPU's feature flags: a build is reused only where it runs."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([*CFLAGS, torch.__version__, sys.version]).encode())
+    digest.update(cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or reuse) and load the kernel; False when it cannot be built here."""
+    if hasattr(torch.ops.pagedserve_cpu, "paged_attention"):
+        return True
+    try:
+        build()
+    except Exception as e:  # any build failure means: use the reference
+        log.warning("CPU attention kernel unavailable (%s); using the torch reference", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def build() -> None:
+    from torch.utils import cpp_extension
+
+    directory = kernel_dir() / f"paged_attention_cpu-{build_key()}"
+    directory.mkdir(parents=True, exist_ok=True)
+    env_bin = str(Path(sys.executable).parent)  # a pip-installed ninja lives beside the interpreter
+    if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name="pagedserve_cpu_attention", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+
+
+def supports(query: Tensor, k_cache: Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype == k_cache.dtype == torch.float32
+
+
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """The reference's write_kv in one C++ pass (float32 CPU tensors; others go to the reference)."""
+    if not supports(key, k_cache) or value.dtype != torch.float32:
+        from executor_service.attention.reference import write_kv as reference_write
+
+        reference_write(key, value, k_cache, v_cache, slot_mapping)
+        return
+    torch.ops.pagedserve_cpu.write_kv(key, value, k_cache, v_cache, slot_mapping.long())
+
+
+def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                    query_start_loc: Tensor, scale: float, scratch: Scratch | None = None) -> Tensor:
+    """Same contract as reference.paged_attention; K/V of decode-like sequences are read in place."""
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return torch.empty_like(query)
+    if not supports(query, k_cache):
+        from executor_service.attention.reference import paged_attention as reference_attention
+
+        return reference_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, scratch)
+    scratch = scratch if scratch is not None else Scratch()
+    split = scratch.plan((block_tables, seq_lens, query_start_loc),
+                         functools.partial(plan_split, query, k_cache, block_tables, seq_lens, query_start_loc))
+    out = torch.empty(query.shape, dtype=torch.float32)
+    if split.kernel_seqs is not None:
+        torch.ops.pagedserve_cpu.paged_attention(out, query, k_cache, v_cache, split.block_tables, split.seq_lens,
+                                                 split.query_start_loc, split.kernel_seqs, scale)
+    if split.plan.groups:
+        run_plan(split.plan, query, k_cache, v_cache, scale, scratch, out)
+    return out
+
+
+def main() -> int:
+    """Build the kernel ahead of time (scripts/setup.sh); exit status 1 if it cannot be built here."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok = load()
+    print(f"CPU attention kernel: {'built' if ok else 'NOT built (the torch reference will be used)'}"
+          f" in {kernel_dir()}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
