@@ -85,9 +85,9 @@ def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
             end_trace_requests(s, specs, step, reasons, stopped_outside)
         if step == move_at:  # a pool takes the waiting requests away and (here) hands them back
             moved = [s.release(rid) for rid in s.waiting_ids()]
-            for request in reversed(moved):
-                assert request is not None and request.slot == -1
-                s.add_request(request, front=True)
+            for waiting in reversed(moved):
+                assert waiting is not None and waiting.slot == -1
+                s.add_request(waiting, front=True)
         before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
         out = s.schedule()
         check_invariants(s, out, cfg, before)
@@ -98,8 +98,8 @@ def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
             s.reset_executor()
             s.set_executor_limits(limits)
             ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
-            for rid in out.rejected:
-                reasons[rid.request_id] = FinishReason.ERROR
+            for rejected in out.rejected:
+                reasons[rejected.request_id] = FinishReason.ERROR
             check_columns(s)
             continue
         result = reshape(ex.step(out), rng, errors)

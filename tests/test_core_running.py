@@ -60,7 +60,7 @@ def test_a_plain_decode_answered_with_no_token_fails_alone_while_its_neighbour_k
     a, b = run.add("a", 3), run.add("b", 3)
     run.step()
     out = run.s.schedule()
-    assert [w.request.request_id for w in out.plain.works] == ["a", "b"]
+    assert out.plain is not None and [w.request.request_id for w in out.plain.works] == ["a", "b"]
     deltas = {d.request_id: d for d in run.s.update(out, ExecutorResult(sampled={"a": [], "b": [41, 42]}))}
     assert deltas["a"].finish_reason is FinishReason.ERROR and a.is_finished
     assert deltas["b"].new_token_ids[0] == 41 and b.output_token_ids[1] == 41
@@ -179,7 +179,8 @@ def test_a_prompt_whose_last_token_is_computed_as_a_plain_decode_registers_its_l
     run.tokens["a"] = []
     run.s.add_request(request)
     run.step()
-    assert run.step().plain.ids == ["a"]
+    plain = run.step().plain
+    assert plain is not None and plain.ids == ["a"]
     assert run.s.cached_prefix_tokens([*prompt, 1, 2, 3, 4]) == 8
     run.add("b", 3)  # a plain decode's first token through the columns keeps its row right
     finish(run)
