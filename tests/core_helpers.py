@@ -16,19 +16,24 @@ from scheduler_service.core.request import FinishReason, Request, RequestStatus,
 from scheduler_service.core.scheduler import Scheduler
 
 EOS = 2
+EOS2 = 13  # a second EOS id (a model with several), which the model executor samples now and then
 BLOCK = 4
-# arrival step, prompt length, max_tokens, priority, ignore_eos, abort at step, shared prefix, n
-TraceSpec = tuple[int, int, int, int, bool, int, int, int]
+# arrival step, prompt length, max_tokens, priority, ignore_eos, abort at step, shared prefix, n, min_tokens,
+# stop token id (0 = none), finished from outside (a stop string) at step (0 = never)
+TraceSpec = tuple[int, int, int, int, bool, int, int, int, int, int, int]
 
 request_spec = st.tuples(
-    st.integers(0, 6),          # arrival step
+    st.sampled_from([0, 0, 1, 2, 3, 5, 8, 12, 20]),  # arrival step
     st.integers(1, 40),         # prompt length
     st.integers(1, 30),         # max_tokens
     st.integers(0, 5),          # priority
     st.booleans(),              # ignore_eos
-    st.integers(0, 60),         # abort at step (0 = never)
+    st.one_of(st.just(0), st.just(0), st.integers(1, 60)),  # abort at step (0 = never)
     st.integers(0, 3),          # shared prefix (0 = none): the prompt starts with one of three prefixes
     st.sampled_from([1, 1, 1, 2, 3]),  # n: parallel sequences sharing the prompt
+    st.sampled_from([0, 0, 0, 2, 5]),  # min_tokens (capped at max_tokens)
+    st.sampled_from([0, 0, 0, 7, 11]),  # a stop token id (the model samples 3..52)
+    st.sampled_from([0, 0, 0, 0, 5, 9, 20]),  # finished from outside at step (0 = never)
 )
 
 PREFIXES = {k: [9 + (k * 7 + j) % 31 for j in range(4 * k + 3)] for k in (1, 2, 3)}
@@ -38,7 +43,7 @@ config_spec = st.fixed_dictionaries({
     "preemption_mode": st.sampled_from(list(PreemptionMode)),
     "preemption_victim": st.sampled_from(list(Victim)),
     "max_num_seqs": st.integers(1, 8),
-    "max_num_batched_tokens": st.integers(8, 64),
+    "max_num_batched_tokens": st.sampled_from([4, 6, 8, 12, 16, 32, 64]),
     "num_lookahead_slots": st.integers(0, 3),
     "num_scheduler_steps": st.sampled_from([1, 1, 3]),
     "enable_chunked_prefill": st.booleans(),
@@ -47,30 +52,58 @@ config_spec = st.fixed_dictionaries({
     "watermark": st.sampled_from([0.0, 0.1]),
     "enable_prefix_caching": st.sampled_from([True, True, False]),
 })
+max_model_len_spec = st.sampled_from([96, 96, 40, 24])
 
 
-def trace_limits(device_blocks: int, cpu_blocks: int) -> ExecutorLimits:
-    return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=96, eos_token_ids=(EOS,))
+def trace_limits(device_blocks: int, cpu_blocks: int, max_model_len: int = 96) -> ExecutorLimits:
+    return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
+                          eos_token_ids=(EOS, EOS2))
+
+
+def trace_options(spec: TraceSpec) -> SamplingOptions:
+    _, _, max_tokens, prio, ignore_eos, _, _, _, min_tokens, stop, _ = spec
+    return SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, priority=prio,
+                           min_tokens=min(min_tokens, max_tokens), stop_token_ids=(stop,) if stop else ())
 
 
 def play_trace_step(s: Scheduler, specs: list[TraceSpec], step: int, now: float,
-                    reasons: dict[str, FinishReason]) -> list[Request]:
+                    reasons: dict[str, FinishReason], stopped_outside: set[str] | None = None) -> list[Request]:
+    """Add the requests of `specs` that arrive at `step`, then end those due now (end_trace_requests)."""
+    added = add_trace_arrivals(s, specs, step, now)
+    end_trace_requests(s, specs, step, reasons, stopped_outside)
+    return added
+
+
+def add_trace_arrivals(s: Scheduler, specs: list[TraceSpec], step: int, now: float) -> list[Request]:
     """Add the requests of `specs` that arrive at `step` (n sequences each, the later ones sharing the
-    first's prompt) and abort those due now (recorded in `reasons`); returns the requests added."""
+    first's prompt); returns the requests added."""
     added: list[Request] = []
-    for i, (arrive, plen, max_tokens, prio, ignore_eos, _, prefix, n) in enumerate(specs):
+    for i, spec in enumerate(specs):
+        arrive, plen, prefix, n = spec[0], spec[1], spec[6], spec[7]
         if arrive == step:
-            opts = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, priority=prio)
+            opts = trace_options(spec)
             prompt = (PREFIXES.get(prefix, []) + [5 + (i + k) % 40 for k in range(plen)])[:max(plen, 1)]
             for j in range(n):
                 added.append(Request(f"r{i}.{j}", list(prompt), opts, now, share_prompt_with=f"r{i}.0" if j else None))
                 s.add_request(added[-1])
+    return added
+
+
+def end_trace_requests(s: Scheduler, specs: list[TraceSpec], step: int, reasons: dict[str, FinishReason],
+                       stopped_outside: set[str] | None = None) -> None:
+    """Abort the requests due now and finish those a stop string ends now (recorded in `reasons`, and
+    the latter in `stopped_outside`)."""
     for i, spec in enumerate(specs):
         for j in range(spec[7]):
-            if spec[5] == step and f"r{i}.{j}" in s.requests:
-                s.abort(f"r{i}.{j}")
-                reasons[f"r{i}.{j}"] = FinishReason.ABORTED
-    return added
+            rid = f"r{i}.{j}"
+            if spec[5] == step and rid in s.requests:
+                s.abort(rid)
+                reasons[rid] = FinishReason.ABORTED
+            elif spec[10] == step and rid in s.requests:
+                s.finish(rid, FinishReason.STOPPED)
+                reasons[rid] = FinishReason.STOPPED
+                if stopped_outside is not None:
+                    stopped_outside.add(rid)
 
 
 def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before: dict[str, list[int]]) -> None:
@@ -109,6 +142,37 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
     assert all(r.status is RequestStatus.SWAPPED for r in s.swapped)
 
 
+def check_columns(s: Scheduler) -> None:
+    """The RunningSet's rows say what the Request objects and the KV tables say (after every schedule and
+    update): token counts, table capacity, stop columns, steps in flight, the running-order snapshot."""
+    rs, order = s.rs, s.rs.order
+    assert len(order.slots) == len(order.requests) == len(order.ids) == len(order.outputs) == len(order.works)
+    slots = order.slots.tolist()
+    assert len(set(slots)) == len(slots), "two running requests share a row"
+    assert not set(slots) & set(rs._free_slots), "a running request's row is also free"
+    assert len(slots) + len(rs._free_slots) == len(rs.num_tokens)
+    for i, r in enumerate(order.requests):
+        slot = slots[i]
+        assert r.slot == slot and order.ids[i] == r.request_id and order.outputs[i] is r.output_token_ids
+        work = order.works[i]
+        assert work.request is r and work.num_tokens == 1 and work.new_block_ids == [] and not work.is_new
+        opts = r.sampling
+        assert rs.num_tokens[slot] == r.num_tokens, f"{r.request_id}: num_tokens column"
+        assert rs.uncomputed[slot] == r.num_uncomputed_tokens, f"{r.request_id}: uncomputed column"
+        assert 0 < r.num_uncomputed_tokens <= r.num_tokens
+        assert rs.capacity[slot] == len(s.kv.block_table(r.request_id)) * s.kv.block_size, \
+            f"{r.request_id}: capacity column"
+        assert len(s.kv.block_table(r.request_id)) <= s.kv.usable_blocks, f"{r.request_id} outgrew the usable pool"
+        assert rs.limit[slot] == min(s.limits.max_model_len, r.num_prompt_tokens + opts.max_tokens)
+        assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0 or not r.output_token_ids)
+        assert rs.eos[slot] == (not opts.ignore_eos)
+        if s.kv.enable_caching:  # prompt blocks are registered as soon as they are computed
+            assert s.kv._num_cached.get(r.request_id, 0) >= min(r.num_computed_tokens, r.num_prompt_tokens) // BLOCK, \
+                f"{r.request_id}: a computed full prompt block is not in the prefix cache"
+        in_flight = sum(any(w.request is r for w in out.scheduled) for out in s._unupdated)
+        assert rs.inflight[slot] == in_flight, f"{r.request_id}: {rs.inflight[slot]} steps in flight, not {in_flight}"
+    running = set(map(id, order.requests))
+    assert all(r.slot == -1 for r in s.requests.values() if id(r) not in running)
 
 
 class FakeClock:

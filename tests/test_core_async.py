@@ -18,8 +18,10 @@ from tests.core_helpers import (
     EOS,
     FakeClock,
     TraceSpec,
+    check_columns,
     check_invariants,
     config_spec,
+    max_model_len_spec,
     play_trace_step,
     request_spec,
     trace_limits,
@@ -30,9 +32,10 @@ Trace = tuple[dict[str, list[int]], dict[str, FinishReason]]
 
 
 def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_blocks: int,
-          steps_in_flight: int = 1) -> Trace:
+          steps_in_flight: int = 1, max_model_len: int = 96, lose_at: int = 0) -> Trace:
     clock = FakeClock()
-    s = Scheduler(cfg, trace_limits(device_blocks, cpu_blocks), clock=clock)
+    limits = trace_limits(device_blocks, cpu_blocks, max_model_len)
+    s = Scheduler(cfg, limits, clock=clock)
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
@@ -44,6 +47,7 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
             outputs[d.request_id] += d.new_token_ids
             if d.finish_reason is not None:
                 reasons[d.request_id] = d.finish_reason
+        check_columns(s)
 
     for step in range(1200):
         clock.now = step * 0.01
@@ -56,6 +60,17 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
         # update: it holds no place in this step's batch, which alone max_num_seqs bounds.
         ending = in_flight - {w.request.request_id for w in out.scheduled}
         check_invariants(s, out, replace(cfg, max_num_seqs=cfg.max_num_seqs + len(ending)), before)
+        check_columns(s)
+        if step == lose_at:  # the executor is lost with every step in flight: each request recomputes
+            for lost in (*(o for o, _ in pending), out):
+                for d in lost.rejected:
+                    reasons[d.request_id] = FinishReason.ERROR
+            pending.clear()
+            s.reset_executor()
+            s.set_executor_limits(limits)
+            ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
+            check_columns(s)
+            continue
         result = ex.step(out)  # the executor runs steps in the order they are sent
         pending.append((out, result))
         if len(pending) >= steps_in_flight:
@@ -71,14 +86,22 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=14), cfg_kwargs=config_spec,
-       device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), steps_in_flight=st.integers(2, 4))
+       device_blocks=st.integers(4, 40), cpu_blocks=st.integers(0, 30), steps_in_flight=st.integers(2, 4),
+       max_model_len=max_model_len_spec, lose_at=st.sampled_from([0, 0, 3, 10, 25]))
 def test_async_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec],
                                                    cfg_kwargs: dict[str, object], device_blocks: int,
-                                                   cpu_blocks: int, steps_in_flight: int) -> None:
+                                                   cpu_blocks: int, steps_in_flight: int, max_model_len: int,
+                                                   lose_at: int) -> None:
     kwargs = {**cfg_kwargs, "num_scheduler_steps": 1}
-    sync_out, sync_reasons = drive(specs, CoreConfig(**kwargs), device_blocks, cpu_blocks)  # type: ignore[arg-type]
+    sync_out, sync_reasons = drive(specs, CoreConfig(**kwargs), device_blocks, cpu_blocks,  # type: ignore[arg-type]
+                                   max_model_len=max_model_len, lose_at=lose_at)
     async_out, async_reasons = drive(specs, CoreConfig(**kwargs, async_scheduling=True),  # type: ignore[arg-type]
-                                     device_blocks, cpu_blocks, steps_in_flight)
+                                     device_blocks, cpu_blocks, steps_in_flight, max_model_len, lose_at)
+    stopped_outside = {f"r{i}.{j}" for i, spec in enumerate(specs) if spec[10] for j in range(spec[7])}
+    for rid in stopped_outside & set(sync_out):  # a stop string at a fixed step: the modes are elsewhere by then
+        shorter, longer = sorted((sync_out[rid], async_out[rid]), key=len)
+        assert longer[:len(shorter)] == shorter, rid
+        sync_reasons.pop(rid, None)
     skip = (FinishReason.ABORTED, FinishReason.ERROR)
     for rid, reason in sync_reasons.items():
         if reason in skip or async_reasons[rid] in skip:

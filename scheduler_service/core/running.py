@@ -31,6 +31,14 @@ class Order:
 EMPTY = Order(np.zeros(0, np.int64), [], [], [], [])
 
 
+def watched(request: Request) -> bool:
+    """Whether a plain decode of this request must walk through update()'s per-request rules: a stop
+    token or min_tokens may end it, or it has sampled nothing yet (its prompt's last block is registered
+    in the prefix cache when that token is computed)."""
+    sampling = request.sampling
+    return bool(sampling.stop_token_ids) or sampling.min_tokens > 0 or not request.output_token_ids
+
+
 class RunningSet:
     def __init__(self, max_model_len: int, capacity: int = 64) -> None:
         self.max_model_len = max_model_len
@@ -66,7 +74,7 @@ class RunningSet:
         self.uncomputed[slot] = request.num_uncomputed_tokens
         self.capacity[slot] = num_slots
         self.limit[slot] = min(self.max_model_len, request.num_prompt_tokens + sampling.max_tokens)
-        self.watch[slot] = bool(sampling.stop_token_ids) or sampling.min_tokens > 0
+        self.watch[slot] = watched(request)
         self.eos[slot] = not sampling.ignore_eos
         self.inflight[slot] = 0
         work = ScheduledWork(request, 1, NO_BLOCKS)
@@ -96,6 +104,7 @@ class RunningSet:
         slot = request.slot
         self.num_tokens[slot] = request.num_tokens
         self.uncomputed[slot] = request.num_uncomputed_tokens
+        self.watch[slot] = watched(request)
 
     def set_capacity(self, request: Request, num_slots: int) -> None:
         self.capacity[request.slot] = num_slots

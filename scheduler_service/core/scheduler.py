@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -107,6 +107,7 @@ class Scheduler:
         self._unupdated: list[SchedulerOutput] = []
         self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
         self._step_grown: dict[int, ScheduledWork] = {}
+        self._step_taken = 0
 
     @property
     def running(self) -> list[Request]:
@@ -311,6 +312,7 @@ class Scheduler:
         need = total + extra
         chosen = self._step_chosen = decode & (need <= rs.capacity[slots])
         self._step_grown = {}
+        self._step_taken = 0  # the chosen rows before this position have taken their token from the budget
         short = decode & ~chosen
         if short.any():
             self._grow_plain(order, short, need)
@@ -318,7 +320,7 @@ class Scheduler:
         start = 0
         for p in np.flatnonzero(~chosen).tolist():
             budget_left[0] = self._take_plain(start, p, budget_left[0])
-            start = p + 1
+            self._step_taken = start = p + 1
             if budget_left[0] <= 0:
                 chosen[p:] = False
                 break
@@ -327,6 +329,7 @@ class Scheduler:
                 self._schedule_one(request, extra, budget_left, budget, scheduled, out)
         else:
             budget_left[0] = self._take_plain(start, len(slots), budget_left[0])
+        self._step_taken = len(slots)
         self._ungrow_unchosen()
         budget.tokens = budget_left[0]
         # the first phase: only running work so far (and requests that wait for their step in flight)
@@ -334,9 +337,12 @@ class Scheduler:
 
     def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
         """Blocks for plain decodes that fill theirs: all at once when the pool has them, else in running
-        order while it does (the rest take _schedule_one, which may preempt)."""
-        positions = np.flatnonzero(short)
+        order while it does (the rest take _schedule_one, which may preempt, or finish one that would
+        outgrow the usable pool)."""
         bs = self.kv.block_size
+        positions = np.flatnonzero(short & (need <= self.kv.usable_blocks * bs))  # the others _reject_outgrown
+        if not len(positions):
+            return
         slots = order.slots[positions]
         missing = -(-need[positions] // bs) - self.rs.capacity[slots] // bs
         requests = [order.requests[p] for p in positions.tolist()]
@@ -437,7 +443,10 @@ class Scheduler:
         total = num_tokens + num_inflight  # its tokens once the steps in flight are done
         if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
-        new = self._grow(request, total - computed, self.config.num_lookahead_slots)
+        lookahead = self.config.num_lookahead_slots
+        if total + lookahead > self.kv.usable_blocks * self.kv.block_size:
+            return Ahead.WAITS  # outgrows the usable pool: _schedule_one finishes it once its steps are in
+        new = self._grow(request, total - computed, lookahead)
         if new is None:
             return Ahead.WAITS
         scheduled[request.request_id] = ScheduledWork(request, 1, new)
@@ -523,7 +532,8 @@ class Scheduler:
 
     def _unchoose(self, request: Request) -> bool:
         """Take a request out of this step's plain decodes, giving back a block it grew by this step;
-        False if it was not one of them."""
+        True if it was one of them and its token already came out of the budget (a row the walk of
+        _schedule_running has not reached yet takes its token only then)."""
         order = self._step_order
         for pos in np.flatnonzero(order.slots == request.slot).tolist():
             if order.requests[pos] is request and self._step_chosen[pos]:
@@ -531,7 +541,7 @@ class Scheduler:
                 grown = self._step_grown.pop(pos, None)
                 if grown is not None:
                     self.kv.release_tail(request.request_id, len(grown.new_block_ids))
-                return True
+                return pos < self._step_taken
         return False
 
     def _forget_in_executor(self, request_id: str) -> None:
@@ -711,7 +721,13 @@ class Scheduler:
         self._completed(ids)
         if check.any():
             for i in np.flatnonzero(check).tolist():
-                kept, reason = self._append_checked(requests[i], [tokens[i]])
+                request = requests[i]
+                first = len(request.output_token_ids) == 1
+                if first:  # the prompt's last token was computed: its blocks are registered at once
+                    self.kv.cache_blocks(request)
+                kept, reason = self._append_checked(request, [tokens[i]])
+                if first and request.status is RUNNING:
+                    rs.sync(request)
                 deltas.others.append(RequestDelta(ids[i], kept, reason))
             keep = (~check).tolist()
             ids, tokens = list(compress(ids, keep)), list(compress(tokens, keep))
@@ -730,11 +746,9 @@ class Scheduler:
             found: list[int | None] = list(map(result.token_index().get, ids))
         else:
             lists = list(map(result.sampled.get, ids))
-            if None in lists:
+            if any(tokens is None or len(tokens) != 1 for tokens in lists):
                 return None
-            found = list(chain.from_iterable(lists))  # type: ignore[arg-type]
-            if len(found) != len(ids):
-                return None
+            return [tokens[0] for tokens in lists]  # type: ignore[index]
         return None if None in found else found  # type: ignore[return-value]
 
     def _update_one(self, work: ScheduledWork, result: ExecutorResult, others: list[RequestDelta]) -> None:
