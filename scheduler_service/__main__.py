@@ -115,21 +115,27 @@ def resolve_listen(listen: str) -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-async def start_until_stopped(engine: ExecutorPool) -> tuple[asyncio.Event, bool]:
-    """Start the pool until it has an executor or SIGINT/SIGTERM comes first (then the start is cancelled).
-    SIGHUP re-resolves the executors. Returns the stop event and whether the pool started."""
+def stop_on_signals(engine: ExecutorPool) -> asyncio.Event:
+    """SIGINT/SIGTERM set the returned event; SIGHUP re-resolves the executors. Installed before the
+    process says it is waiting for an executor, so a signal sent on that line is never the default kill."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, engine.refresh_soon)
+    return stop
+
+
+async def start_until_stopped(engine: ExecutorPool, stop: asyncio.Event) -> bool:
+    """Start the pool until it has an executor or `stop` is set first (then the start is cancelled).
+    Whether the pool started."""
     starting = asyncio.create_task(engine.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
         starting.cancel()
-        return stop, False
+        return False
     starting.result()
-    return stop, True
+    return True
 
 
 async def main_core(config: SchedulerServiceConfig) -> int:
@@ -145,9 +151,10 @@ async def main_core(config: SchedulerServiceConfig) -> int:
     servers = ApiServers(config, core.address, listen, core.drop_frontend)
     servers.start()
     engine.on_ready_change = lambda ready: core.broadcast_status()
+    stop = stop_on_signals(engine)
     log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
              config.api_server_count, listen, ", ".join(config.executor))
-    stop, started = await start_until_stopped(engine)
+    started = await start_until_stopped(engine, stop)
     metrics_server: MetricsServer | None = None
     if started:
         core.broadcast_status()
@@ -181,10 +188,11 @@ async def main_single_process(config: SchedulerServiceConfig) -> None:
                          serving=serving)
     # A liveness probe's health name: SERVING while the event loop answers, with or without executors.
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+    stop = stop_on_signals(engine)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, public.port,
              ", ".join(config.executor))
     http = await start_http(config, public)
-    stop, started = await start_until_stopped(engine)
+    started = await start_until_stopped(engine, stop)
     metrics_server: MetricsServer | None = None
     if started:
         if config.metrics_port is not None and engine.metrics is not None:

@@ -9,7 +9,9 @@ from protos.pagedserve.v1 import generation_pb2
 from tests.procs import generate_all, running_stack, wait_until
 
 NUM_REQUESTS, MAX_TOKENS = 100, 64
-KILL_AT = (0.1, 0.4, 0.7)
+# Fractions of all tokens streamed before each kill. Each restart waits for the new executor's health,
+# and the scheduler may finish what is left before that wait returns: the last kill leaves half the run.
+KILL_AT = (0.1, 0.3, 0.5)
 
 
 def test_executor_killed_three_times_loses_nothing(tmp_path: Path) -> None:
@@ -36,7 +38,7 @@ def test_executor_killed_three_times_loses_nothing(tmp_path: Path) -> None:
                     restarting[0] = False
 
         disturbed = asyncio.run(generate_all(stack.address, NUM_REQUESTS, MAX_TOKENS, maybe_kill))
-        assert kills[0] == 3
+        assert kills[0] == 3, f"the run ended after {kills[0]} kills"
         for (ids, reason), (ref_ids, _) in zip(disturbed, reference, strict=True):
             assert reason == generation_pb2.FINISH_REASON_LENGTH
             assert ids == ref_ids
