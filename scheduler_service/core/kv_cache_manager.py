@@ -60,6 +60,15 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def usable_slots(self) -> int:
+        """Token slots of the device pool a request may hold (the watermark kept back)."""
+        return self.usable_blocks * self.block_size
+
+    def num_slots(self, request_id: str) -> int:
+        """Token slots the request's device table holds."""
+        return len(self._tables.get(request_id, ())) * self.block_size
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, NO_BLOCKS)
 

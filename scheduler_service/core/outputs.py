@@ -96,6 +96,10 @@ class SchedulerOutput:
     def needs_executor(self) -> bool:
         return bool(self.scheduled or self.finished_ids or self.swap_out or self.swap_in or self.copy)
 
+    def explicit_works(self) -> list[ScheduledWork]:
+        """The works after the plain decodes that lead `scheduled`."""
+        return self.scheduled[len(self.plain.ids):] if self.plain is not None else self.scheduled
+
     def new_requests(self) -> list[NewRequestData]:
         return [
             NewRequestData(w.request.request_id, w.request.all_token_ids, w.request.num_prompt_tokens,
@@ -120,7 +124,7 @@ class ExecutorResult:
     errors: dict[str, str] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    _index: dict[str, int] | None = None
+    _index: dict[str, int] | None = field(default=None, init=False, repr=False)
 
     def tokens_of(self, request_id: str) -> list[int] | None:
         found = self.sampled.get(request_id)

@@ -257,7 +257,7 @@ class Scheduler:
         if plain is not None and len(plain.slots):
             alive = plain.slots[gen[plain.slots] == plain.gens]
             inflight[alive] += change
-        for work in out.scheduled[len(plain.ids) if plain is not None else 0:]:
+        for work in out.explicit_works():
             if work.request.status is RUNNING:
                 inflight[work.request.slot] += change
 
@@ -340,7 +340,7 @@ class Scheduler:
         order while it does (the rest take _schedule_one, which may preempt, or finish one that would
         outgrow the usable pool)."""
         bs = self.kv.block_size
-        positions = np.flatnonzero(short & (need <= self.kv.usable_blocks * bs))  # the others _reject_outgrown
+        positions = np.flatnonzero(short & (need <= self.kv.usable_slots))  # the others _reject_outgrown
         if not len(positions):
             return
         slots = order.slots[positions]
@@ -368,7 +368,7 @@ class Scheduler:
             request = work.request
             if not chosen[p] and request.status is RUNNING:
                 kv.release_tail(request.request_id, len(work.new_block_ids))
-                self.rs.set_capacity(request, len(kv.block_table(request.request_id)) * kv.block_size)
+                self.rs.set_capacity(request, kv.num_slots(request.request_id))
 
     def _take_plain(self, start: int, end: int, tokens_left: int) -> int:
         """The chosen plain decodes in [start, end) take a token each; the budget's end unchooses the rest."""
@@ -392,7 +392,7 @@ class Scheduler:
         n = 1 if remaining == 1 else self._chunk(remaining, budget_left[0])
         if n == 0:
             return
-        if computed + n + extra > self.kv.usable_blocks * self.kv.block_size:
+        if computed + n + extra > self.kv.usable_slots:
             self._reject_outgrown(request, computed + n + extra, out)
             return
         new = self._grow(request, n, extra)
@@ -408,7 +408,7 @@ class Scheduler:
     def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
         new = self.kv.allocate_slots(request, n, extra)
         if new:
-            self.rs.set_capacity(request, len(self.kv.block_table(request.request_id)) * self.kv.block_size)
+            self.rs.set_capacity(request, self.kv.num_slots(request.request_id))
         return new
 
     def _plain_rows(self) -> PlainRows:
@@ -444,7 +444,7 @@ class Scheduler:
         if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
             return Ahead.ENDS
         lookahead = self.config.num_lookahead_slots
-        if total + lookahead > self.kv.usable_blocks * self.kv.block_size:
+        if total + lookahead > self.kv.usable_slots:
             return Ahead.WAITS  # outgrows the usable pool: _schedule_one finishes it once its steps are in
         new = self._grow(request, total - computed, lookahead)
         if new is None:
@@ -664,7 +664,7 @@ class Scheduler:
                        is_new: bool = False, resumed: bool = False) -> None:
         """A request enters RUNNING this step: it is sent with its whole block table."""
         request.status = RUNNING
-        self.rs.add(request, len(self.kv.block_table(request.request_id)) * self.kv.block_size)
+        self.rs.add(request, self.kv.num_slots(request.request_id))
         self._admitted[request.request_id] = self._admissions
         self._admissions += 1
         table = list(self.kv.block_table(request.request_id))
@@ -683,11 +683,9 @@ class Scheduler:
                 self._count_in_flight(out, -1)
                 break
         deltas = StepDeltas(list(out.rejected))
-        num_plain = 0
         if out.plain is not None and out.plain.ids:
-            num_plain = len(out.plain.ids)
             self._update_plain(out.plain, result, deltas)
-        for work in out.scheduled[num_plain:]:
+        for work in out.explicit_works():
             self._update_one(work, result, deltas.others)
         return deltas
 
