@@ -142,6 +142,18 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
     assert all(r.status is RequestStatus.SWAPPED for r in s.swapped)
 
 
+def update_and_record(s: Scheduler, out: SchedulerOutput, result: ExecutorResult, outputs: dict[str, list[int]],
+                      reasons: dict[str, FinishReason]) -> None:
+    """update() one step, adding each delta's tokens to outputs and its finish to reasons (a request gets
+    nothing after its last delta), then check the running set's columns."""
+    for d in s.update(out, result):
+        assert reasons.get(d.request_id) is None, f"{d.request_id}: a delta after its last one"
+        outputs[d.request_id] += d.new_token_ids
+        if d.finish_reason is not None:
+            reasons[d.request_id] = d.finish_reason
+    check_columns(s)
+
+
 def check_columns(s: Scheduler) -> None:
     """The RunningSet's rows say what the Request objects and the KV tables say (after every schedule and
     update): token counts, table capacity, stop columns, steps in flight, the running-order snapshot."""

@@ -25,6 +25,7 @@ from tests.core_helpers import (
     play_trace_step,
     request_spec,
     trace_limits,
+    update_and_record,
 )
 from tests.model_executor import ModelExecutor
 
@@ -42,12 +43,7 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
     pending: list[tuple[SchedulerOutput, ExecutorResult]] = []
 
     def apply(out: SchedulerOutput, result: ExecutorResult) -> None:
-        for d in s.update(out, result):
-            assert reasons.get(d.request_id) is None, f"{d.request_id}: a delta after its last one"
-            outputs[d.request_id] += d.new_token_ids
-            if d.finish_reason is not None:
-                reasons[d.request_id] = d.finish_reason
-        check_columns(s)
+        update_and_record(s, out, result, outputs, reasons)
 
     for step in range(1200):
         clock.now = step * 0.01

@@ -25,6 +25,7 @@ from tests.core_helpers import (
     max_model_len_spec,
     request_spec,
     trace_limits,
+    update_and_record,
 )
 from tests.model_executor import ModelExecutor, token_at
 
@@ -105,12 +106,7 @@ def test_random_traces_keep_invariants_and_finish(specs: list[TraceSpec],
         result = reshape(ex.step(out), rng, errors)
         if end_mid_step:  # an abort or a stop string while the executor runs the step
             end_trace_requests(s, specs, step, reasons, stopped_outside)
-        for d in s.update(out, result):
-            assert reasons.get(d.request_id) is None, f"{d.request_id}: a delta after its last one"
-            outputs[d.request_id] += d.new_token_ids
-            if d.finish_reason is not None:
-                reasons[d.request_id] = d.finish_reason
-        check_columns(s)
+        update_and_record(s, out, result, outputs, reasons)
         if step > max(sp[0] for sp in specs) and not s.has_unfinished():
             break
     assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"

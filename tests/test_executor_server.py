@@ -20,6 +20,15 @@ def servicer(max_model_len: int = 64) -> ExecutorServicer:
     return ExecutorServicer(SimulatedBackend(config))
 
 
+async def assert_ends_unavailable(call: grpc.aio.StreamStreamCall, detail: str) -> None:
+    """The Execute stream ends UNAVAILABLE (detail in its message) without answering the step just sent."""
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        answer = await call.read()
+        pytest.fail(f"the step was answered: {answer}")
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert detail in (ended.value.details() or "")
+
+
 def new(rid: str, blocks: list[int], n: int = 4) -> executor_pb2.NewRequest:
     return executor_pb2.NewRequest(request_id=rid, token_ids=[65] * n, num_prompt_tokens=n, num_scheduled_tokens=n,
                                    block_ids=blocks)
@@ -87,11 +96,7 @@ async def test_a_lost_backend_ends_the_stream_unanswered_over_grpc() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = executor_pb2_grpc.ExecutorStub(channel).Execute()
             await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
-            with pytest.raises(grpc.aio.AioRpcError) as lost:
-                answer = await call.read()
-                pytest.fail(f"the lost step was answered: {answer}")
-            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "connection closed by peer" in (lost.value.details() or "")
+            await assert_ends_unavailable(call, "connection closed by peer")
     finally:
         await server.stop(None)
 
@@ -134,10 +139,6 @@ async def test_a_stream_ends_unavailable_at_its_next_step_once_the_executor_is_s
             stopping.set()
             running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
             await call.write(executor_pb2.StepRequest(step_id=2, running=running))
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                answer = await call.read()
-                pytest.fail(f"a step was served after the stop: {answer}")
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "shutting down" in (ended.value.details() or "")
+            await assert_ends_unavailable(call, "shutting down")
     finally:
         await server.stop(None)
