@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from executor_service.backend import SamplingConfig
-from executor_service.sampler import Sampler, SampleRequest, apply_penalties, filtered_probs, mix_seed
+from executor_service.sampler import (
+    Sampler,
+    SampleRequest,
+    apply_penalties,
+    argmax_rows,
+    filtered_probs,
+    mix_seed,
+)
 
 CPU = torch.device("cpu")
 VOCAB = 64
@@ -31,6 +38,29 @@ def test_greedy_is_argmax_and_does_not_mutate_logits() -> None:
     assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()
     assert torch.equal(logits, before)
     assert all(o.logprob is None and o.top_logprobs == [] for o in out)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 64, 2048])
+def test_fast_argmax_keeps_torch_argmax_ties_and_nans(vocab: int) -> None:
+    logits = torch.randint(0, 3, (12, vocab), generator=torch.Generator().manual_seed(vocab)).float()
+    logits[1] = float("nan")
+    logits[2, vocab // 2:] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = float("inf")
+    logits[5] = 1.0
+    for view in (logits, logits.t().contiguous().t(), logits[::2], logits.half()):
+        with torch.inference_mode():
+            fast = argmax_rows(view)
+        assert fast.dtype == torch.long and torch.equal(fast, view.argmax(dim=-1))
+
+
+def test_greedy_rows_beside_random_rows_are_argmax() -> None:
+    logits = torch.randint(0, 2, (16, VOCAB), generator=torch.Generator().manual_seed(3)).float()
+    configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.0),
+               SamplingConfig(temperature=0.7, seed=1)] * 4
+    out = Sampler(0, CPU).sample(logits, [request(c) for c in configs])
+    greedy = [i for i, c in enumerate(configs) if c.temperature == 0.0]
+    assert [out[i].token_id for i in greedy] == logits.argmax(dim=-1)[greedy].tolist()
 
 
 def test_top_k_one_is_greedy() -> None:
