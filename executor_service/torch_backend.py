@@ -11,6 +11,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -339,6 +340,39 @@ def validate_item(item: BatchItem, info: BackendInfo) -> None:
 
 
 def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:
+    if all(item.num_tokens == 1 for item in items):
+        batch = build_decode_batch(items, info, device)
+        if batch is not None:
+            return batch
+    return build_mixed_batch(items, info, device)
+
+
+def build_decode_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch | None:
+    """build_mixed_batch's tensors for a step of one token per item, from Python lists in one pass; None
+    where a block id or token id is out of range (build_mixed_batch then raises its error)."""
+    block_size, n = info.block_size, len(items)
+    starts = [item.start for item in items]
+    tables = [item.block_table[: start // block_size + 1] for item, start in zip(items, starts, strict=True)]
+    width = max(map(len, tables))
+    if any(len(t) != width for t in tables):
+        tables = [t + [0] * (width - len(t)) for t in tables]
+    flat = list(chain.from_iterable(tables))
+    input_ids = [item.token_ids[start] for item, start in zip(items, starts, strict=True)]
+    if (min(flat) < 0 or max(flat) >= info.num_device_blocks or min(input_ids) < 0
+            or max(input_ids) >= info.vocab_size):
+        return None
+    slots = [table[start // block_size] * block_size + start % block_size
+             for table, start in zip(tables, starts, strict=True)]
+    sample_items = [i for i, item in enumerate(items) if item.sample]
+    longs = torch.from_numpy(np.array([*input_ids, *starts, *slots, *sample_items], dtype=np.int64)).to(device)
+    ints = torch.from_numpy(np.array([*starts, *range(n + 1), *flat], dtype=np.int32)).to(device)
+    ints[:n] += 1
+    meta = AttentionMetadata(slot_mapping=longs[2 * n:3 * n], block_tables=ints[2 * n + 1:].view(n, width),
+                             seq_lens=ints[:n], query_start_loc=ints[n:2 * n + 1])
+    return Batch(longs[:n], longs[n:2 * n], meta, longs[3 * n:], sample_items, True)
+
+
+def build_mixed_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:
     block_size, num_blocks = info.block_size, info.num_device_blocks
     starts = torch.tensor([item.start for item in items], dtype=torch.long)
     q_lens = torch.tensor([item.num_tokens for item in items], dtype=torch.long)
