@@ -175,17 +175,15 @@ def _token_logprobs(s: SampleOutput) -> common_pb2.TokenLogprobs:
 
 
 def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:
-    counts: list[int] = []
-    tokens: list[int] = []
-    for rid, samples in outputs.items():
-        counts.append(len(samples))
-        tokens += [s.token_id for s in samples]
-        if samples[0].logprob is not None:
-            result.logprobs.add(request_id=rid, tokens=[_token_logprobs(s) for s in samples])
+    """SampledTokens as three column extends; logprobs for the requests that asked for them."""
+    columns = outputs.values()
     sampled = result.sampled
     sampled.request_ids.extend(outputs)
-    sampled.num_tokens.extend(counts)
-    sampled.token_ids.extend(tokens)
+    sampled.num_tokens.extend(map(len, columns))
+    sampled.token_ids.extend([s.token_id for samples in columns for s in samples])
+    for rid, samples in outputs.items():
+        if samples[0].logprob is not None:
+            result.logprobs.add(request_id=rid, tokens=[_token_logprobs(s) for s in samples])
 
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,

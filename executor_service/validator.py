@@ -7,9 +7,8 @@ span of positions, shared with the torch backend's guard on its own input.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 from executor_service.state import AdmittedRequest, RequestState, RequestTable, StepPlan, sampling_config
 from protos.contract import split_columns
@@ -26,7 +25,7 @@ class RequestRefused(ValueError):
     """One request's part of a step breaks a rule; that request is dropped, the others run."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RunningColumns:
     """One running request of a step, read out of the RunningRequests columns."""
 
@@ -97,18 +96,27 @@ class StepValidator:
         plan = StepPlan()
         ownership = _Ownership(self.table.device_owner)
         self._check_swaps(step, plan, ownership)
-        checks: list[tuple[str, Callable[[], AdmittedRequest]]] = [
-            *((n.request_id, partial(self._new, n, ownership)) for n in step.new_requests),
-            *((r.request_id, partial(self._running, r, plan, ownership)) for r in running)]
-        for request_id, check in checks:
+        for new in step.new_requests:
             try:
-                admitted = check()
+                admitted = self._new(new, ownership)
             except RequestRefused as e:
-                self._refuse(plan, ownership, request_id, e)
+                self._refuse(plan, ownership, new.request_id, e)
                 continue
-            ownership.take(request_id, admitted.new_block_ids)
-            plan.admitted.append(admitted)
+            self._accept(plan, ownership, admitted)
+        for r in running:
+            try:
+                admitted = self._running(r, plan, ownership)
+            except RequestRefused as e:
+                self._refuse(plan, ownership, r.request_id, e)
+                continue
+            self._accept(plan, ownership, admitted)
         return plan, running
+
+    @staticmethod
+    def _accept(plan: StepPlan, ownership: _Ownership, admitted: AdmittedRequest) -> None:
+        if admitted.new_block_ids:
+            ownership.take(admitted.request_id, admitted.new_block_ids)
+        plan.admitted.append(admitted)
 
     def _refuse(self, plan: StepPlan, ownership: _Ownership, request_id: str, error: RequestRefused) -> None:
         plan.refused[request_id] = str(error)
@@ -144,10 +152,12 @@ class StepValidator:
             held = []
         elif state.block_table is None or r.request_id in plan.swapped_out_ids:
             raise RequestRefused("request is swapped out: resume it with its whole block table")
-        self._check_claim(r.request_id, r.new_block_ids, ownership)
+        if r.new_block_ids:
+            self._check_claim(r.request_id, r.new_block_ids, ownership)
         if state.num_computed + r.num_tokens > len(state.token_ids):
             raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
-        self._check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids))
+        check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids), self.table.block_size,
+                   self.table.max_model_len)
         return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed)
 
     def _check_span(self, start: int, num_tokens: int, num_blocks: int) -> None:

@@ -16,10 +16,11 @@ BlockMap = list[tuple[int, int]]
 def split_columns(values: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
     """Cut a flat column into consecutive runs of counts[i] values (RunningRequests.new_block_ids by
     num_new_blocks, SampledTokens.token_ids by num_tokens). The counts must add up to len(values)."""
+    values = list(values)  # slicing a list is much cheaper than slicing a protobuf repeated field
     out: list[list[T]] = []
     i = 0
     for n in counts:
-        out.append(list(values[i:i + n]))
+        out.append(values[i:i + n])
         i += n
     return out
 
