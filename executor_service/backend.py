@@ -75,6 +75,7 @@ class Backend(Protocol):
         ...
 
     async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
-        """execute() as the server's event loop calls it: on a worker thread where a pass blocks (torch),
-        inline where it does not (simulated, which then waits out its simulated latency)."""
+        """execute() as the server's event loop calls it: on a worker thread where a pass blocks (torch; its
+        decode steps that the last one says are short run inline), inline where it does not (simulated, which
+        then waits out its simulated latency)."""
         ...

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -41,6 +42,9 @@ from protos.contract import BlockMap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROFILE_SAMPLE_ROWS = 256
+INLINE_STEP_S = 0.02
+"""A decode step expected to take less than this runs on the event loop's thread: the hop to the forward thread
+and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +57,19 @@ class Batch:
     decode_only: bool
 
 
+@dataclass(slots=True, frozen=True)
+class DecodeTime:
+    """How long the last decode step of how many requests took (none yet: unknown, so infinite)."""
+
+    seconds: float = math.inf
+    num_items: int = 1
+
+    def expected_s(self, num_items: int) -> float:
+        """A step of num_items decodes, scaled linearly from the last one (an upper bound: decode is weight-bound
+        at small batches)."""
+        return self.seconds * max(1.0, num_items / self.num_items)
+
+
 class TorchBackend:
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
                  device: torch.device, graphs: DecodeGraphs | None = None) -> None:
@@ -63,6 +80,8 @@ class TorchBackend:
         self.device = device
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.graphs = graphs
+        self._last_decode = DecodeTime()
+        self._on_thread: Future[list[SampleOutput | None]] = done_future()
 
     @classmethod
     def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
@@ -104,14 +123,27 @@ class TorchBackend:
         self.kv_cache.copy(mapping)
 
     async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
-        return await asyncio.get_running_loop().run_in_executor(self._forward_thread, self.execute, items)
+        """On the forward thread, so that the event loop serves on during the pass; inline where the pass is a
+        decode step that the last one says is short and no pass is still running there (a cancelled step's)."""
+        if self._runs_inline(items):
+            return self.execute(items)
+        self._on_thread = self._forward_thread.submit(self.execute, items)
+        return await asyncio.wrap_future(self._on_thread)
+
+    def _runs_inline(self, items: list[BatchItem]) -> bool:
+        return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
+                and all(item.num_tokens == 1 for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
         if not items:
             return []
+        t0 = time.perf_counter()
         batch = self.prepare(items)
-        return self.sample(items, batch, self.run_batch(batch))
+        results = self.sample(items, batch, self.run_batch(batch))
+        if batch.decode_only:
+            self._last_decode = DecodeTime(time.perf_counter() - t0, len(items))
+        return results
 
     def prepare(self, items: list[BatchItem]) -> Batch:
         """Check the items and pack them into device tensors; raises ValueError before any work."""
@@ -143,6 +175,12 @@ class TorchBackend:
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+
+
+def done_future() -> Future[list[SampleOutput | None]]:
+    future: Future[list[SampleOutput | None]] = Future()
+    future.set_result([])
+    return future
 
 
 def resolve_device(name: str) -> torch.device:

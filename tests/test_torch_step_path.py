@@ -1,15 +1,29 @@
-"""The torch backend's batch building: the decode-only fast path gives the general path's tensors and errors."""
+"""The torch backend's per-step path: the decode-only batch fast path gives the general path's tensors and errors;
+short decode steps run on the event loop's thread, everything else on the forward thread."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from executor_service.backend import BackendInfo, BatchItem, SamplingConfig
-from executor_service.torch_backend import Batch, build_batch, build_decode_batch, build_mixed_batch
+from executor_service.backend import BackendInfo, BatchItem, SampleOutput, SamplingConfig
+from executor_service.config import ExecutorConfig
+from executor_service.default_model import make_model
+from executor_service.torch_backend import (
+    INLINE_STEP_S,
+    Batch,
+    DecodeTime,
+    TorchBackend,
+    build_batch,
+    build_decode_batch,
+    build_mixed_batch,
+)
 
 INFO = BackendInfo("m", vocab_size=100, eos_token_ids=(), max_model_len=512, block_size=4, num_device_blocks=64,
                    num_swap_blocks=0, dtype="float32", device="cpu")
@@ -70,3 +84,45 @@ def test_decode_fast_path_raises_the_general_errors(change: dict[str, list[int]]
     with pytest.raises(ValueError, match=message) as general:
         build_mixed_batch(items, INFO, CPU)
     assert str(fast.value) == str(general.value)
+
+
+def test_decode_time_scales_with_the_batch() -> None:
+    assert DecodeTime().expected_s(1) == float("inf")
+    assert DecodeTime(0.004, 8).expected_s(4) == 0.004
+    assert DecodeTime(0.004, 8).expected_s(32) == pytest.approx(0.016)
+
+
+def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    threads: list[str] = []
+    execute = backend.execute
+    release = threading.Event()
+
+    def recorded(items: list[BatchItem]) -> list[SampleOutput | None]:
+        threads.append(threading.current_thread().name)
+        if items[0].request_id == "blocked":
+            release.wait()
+        return execute(items)
+
+    backend.execute = recorded  # type: ignore[method-assign]
+    tokens = [5, 6, 7, 8, 9]
+    prefill = BatchItem("a", tokens, 5, 0, 5, [0, 1], True, SamplingConfig(temperature=0.0))
+    decode = replace(prefill, start=4, num_tokens=1)
+
+    async def steps() -> None:
+        await backend.execute_async([prefill])  # a prefill: forward thread
+        await backend.execute_async([decode])  # the first decode: its time is unknown, forward thread
+        assert backend._last_decode.expected_s(1) < INLINE_STEP_S
+        await backend.execute_async([decode])  # inline
+        stuck = asyncio.ensure_future(backend.execute_async([replace(prefill, request_id="blocked")]))
+        while len(threads) < 4:
+            await asyncio.sleep(0)  # let the blocked step start on the forward thread
+        stuck.cancel()  # its stream went away; the pass still runs on the forward thread
+        after = asyncio.ensure_future(backend.execute_async([decode]))
+        await asyncio.sleep(0)  # it chooses its thread while the cancelled pass still runs
+        release.set()
+        await after  # queued behind the cancelled pass, not run beside it
+
+    asyncio.run(steps())
+    assert threads == ["forward_0", "forward_0", "MainThread", "forward_0", "forward_0"]
