@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,16 @@ class AttentionMetadata:
     query_start_loc: Tensor
 
 
+RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+
+
 @dataclass(slots=True)
 class AttentionOps:
+    """The attention kernels; rope_write_kv (optional) fuses apply_rope and write_kv and returns the queries."""
+
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
+    rope_write_kv: RopeWriteKVFn | None = None
 
 
 class RMSNorm(nn.Module):
@@ -78,16 +84,26 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.ops.rope_write_kv is not None:
+            q = self.ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                       self.num_kv_heads)
+        else:
+            q = self.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> Tensor:
+        num_tokens = qkv.shape[0]
+        qk_size = self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
 
 class MLP(nn.Module):
