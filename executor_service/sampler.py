@@ -72,6 +72,8 @@ class Sampler:
         if not requests:
             return []
         rows = RowSets.of(requests)
+        if not (rows.random or rows.penalised or rows.logprobs):
+            return [SampleOutput(token_id=t) for t in argmax_rows(logits.float()).tolist()]
         logits = logits.float()
         raw_logprobs = None
         if rows.logprobs:
