@@ -23,6 +23,7 @@ from executor_service.backend import SampleOutput, SamplingConfig
 from executor_service.seeding import MASK64, splitmix64
 
 GREEDY_EPS = 1e-5
+NUMPY_ARGMAX_MIN_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -115,8 +116,9 @@ class Sampler:
 
 def argmax_rows(logits: Tensor) -> Tensor:
     """logits.argmax(dim=-1): the first index of each row's maximum, a NaN counting as the maximum. On the CPU
-    numpy's argmax gives the same indices about 20x faster than torch's reduction over a batch of rows."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    numpy's argmax gives the same indices ~20x faster than torch's reduction over 64 rows (from 4 rows up it
+    is the faster of the two)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.shape[0] < NUMPY_ARGMAX_MIN_ROWS:
         return logits.argmax(dim=-1)
     return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
 
