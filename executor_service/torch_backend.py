@@ -77,6 +77,8 @@ class TorchBackend:
         write_kv, paged_attention = get_attention_ops(device)
         model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention),
                            parallel=parallel)
+        if config.cpu_weight_prepack:
+            model.pack_weights()
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)

@@ -14,6 +14,7 @@ from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
 from executor_service.model.parallel import (
     SINGLE,
+    Linear,
     ParallelContext,
     ParallelLMHead,
     RowParallelLinear,
@@ -70,7 +71,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.ops = ops
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
@@ -96,7 +97,7 @@ class MLP(nn.Module):
                  parallel: ParallelContext) -> None:
         super().__init__()
         inter = self.intermediate_size = layout.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, parallel)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,6 +164,12 @@ class LlamaForCausalLM(nn.Module):
         if output_rows is not None:
             x = x.index_select(0, output_rows)
         return self.model.norm(x)
+
+    def pack_weights(self) -> None:
+        """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""
