@@ -46,12 +46,13 @@ GREEDY = SamplingConfig(temperature=0.0)
 NUM_BLOCKS = 2048
 DECODE_SIZES = (1, 16, 64)
 PREFILL = (8, 64)
-VARIANTS: dict[str, dict[str, Any]] = {
+OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "freezing": {"freezing": True},
     "cpp_wrapper": {"cpp_wrapper": True},
     "freezing+cpp_wrapper": {"freezing": True, "cpp_wrapper": True},
 }
+UNPACKED = "-unpacked"  # variant suffix: the compiled backend without the executor's MKL-packed linear weights
 
 @dataclass(slots=True)
 class StepContext:
@@ -80,6 +81,16 @@ def attention_op(query: Tensor, key: Tensor, value: Tensor, layer: int, scale: f
     ctx.ops.write_kv(key[:n], value[:n], k_cache, v_cache, meta.slot_mapping)
     return ctx.ops.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    scale)
+
+
+def register_packed_linear_fake() -> None:
+    """The executor's packed linear (model/packed.py) as an opaque op too: its output is x @ weight^T + bias."""
+    if not hasattr(torch.ops.pagedserve_linear, "linear"):
+        return
+
+    @torch.library.register_fake("pagedserve_linear::linear")
+    def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @attention_op.register_fake
@@ -293,8 +304,9 @@ def greedy_check(model_dir: Path, eager: TorchBackend, compiled: CompiledSteps, 
             "compiled_equals_transformers": None if hf is None else ours_compiled == hf}
 
 
-def make_backend(model_dir: Path) -> TorchBackend:
-    return TorchBackend.create(ExecutorConfig(model=str(model_dir), device="cpu", num_gpu_blocks=NUM_BLOCKS))
+def make_backend(model_dir: Path, prepack: bool = True) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model_dir), device="cpu", num_gpu_blocks=NUM_BLOCKS,
+                                              cpu_weight_prepack=prepack))
 
 
 def buckets_of(items_by_shape: list[tuple[str, list[BatchItem]]]) -> list[Bucket]:
@@ -308,7 +320,7 @@ def buckets_of(items_by_shape: list[tuple[str, list[BatchItem]]]) -> list[Bucket
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the random default model)")
-    p.add_argument("--variants", default="default,freezing", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="default,freezing", help=f"comma-separated, of {', '.join(OPTIONS)}, each optionally with {UNPACKED}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--greedy-steps", type=int, default=32)
@@ -319,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     torch._inductor.config.compile_threads = 1
     model_dir = args.model or ensure_random_model()
     eager = make_backend(model_dir)
+    register_packed_linear_fake()
     blocks_each = NUM_BLOCKS // max(DECODE_SIZES)
     steps = [(name, items) for name, items in shapes(eager.info.vocab_size, blocks_each)
              if name.split()[0] not in args.skip.split(",")]
@@ -326,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
                       "torch": torch.__version__}), flush=True)
     rows = []
     for variant in args.variants.split(","):
-        compiled = CompiledSteps(make_backend(model_dir), buckets_of(steps), VARIANTS[variant])
+        torch._dynamo.reset()  # each variant's compiled graphs from scratch (the in-memory caches only)
+        options = OPTIONS[variant.removesuffix(UNPACKED)]
+        compiled = CompiledSteps(make_backend(model_dir, not variant.endswith(UNPACKED)), buckets_of(steps), options)
         for name, items in steps:
             row = {"variant": variant, "step": name} | measure(eager, compiled, items, args.repeats, args.rounds)
             rows.append(row)
