@@ -76,18 +76,22 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x, cos, sin)
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [tokens, heads, head_dim] and k with the rotary embedding applied, v [tokens, kv_heads, head_dim]."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class MLP(nn.Module):
@@ -186,6 +190,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     and sums as Hugging Face's `x * cos + rotate_half(x) * sin`, without the concatenated temporaries."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():  # the same expressions without `out=` views, which dynamo cannot trace
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
     torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
