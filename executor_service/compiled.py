@@ -12,8 +12,10 @@ models at small batches).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,7 @@ from executor_service.model.llama import Attention, KVCaches
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class StepContext:
     """What the attention op of a compiled step reads besides q, k and v."""
 
@@ -36,7 +38,9 @@ class StepContext:
     num_tokens: int = 0
 
 
-_CONTEXTS: dict[int, StepContext] = {}  # one per CompiledForward; the op's `handle` argument names it
+# one per CompiledForward (which holds it), named by the op's `handle` argument
+_CONTEXTS: weakref.WeakValueDictionary[int, StepContext] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
 @torch.library.custom_op("pagedserve_compiled::attention", mutates_args=())
@@ -92,7 +96,7 @@ class CompiledForward:
         self.compile_seconds: dict[int, float] = {}
         layers = model.model.layers
         self.context = StepContext(layers[0].self_attn.ops, kv_caches)
-        handle = len(_CONTEXTS)
+        handle = next(_HANDLES)
         _CONTEXTS[handle] = self.context
         for i, layer in enumerate(layers):
             route_attention(layer.self_attn, i, handle)
