@@ -18,9 +18,9 @@ from executor_service.torch_backend import TorchBackend
 pytestmark = pytest.mark.skipif(not packed.load(), reason="the packed-linear extension cannot be built here")
 
 
-@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 17, 64, 333])
+@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, packed.BITWISE_ROWS, 17, 64, 333])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_is_bit_identical_to_f_linear(rows: int, with_bias: bool) -> None:
+def test_packed_linear_equals_f_linear_bit_for_bit_from_16_rows(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(700, 300, generator=gen), torch.randn(700, generator=gen)
     wide = torch.randn(rows, 900, generator=gen)
@@ -28,13 +28,17 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows: int, with_bias: bool) 
     for x in (wide[:, :300].contiguous(), wide[:, 100:400]):  # also a row stride wider than the row (a split view)
         b = bias if with_bias else None
         out = torch.ops.pagedserve_linear.linear(x, weights, weight, b)
-        assert torch.equal(out, linear(x, weight, b))
+        if rows >= packed.BITWISE_ROWS:
+            assert torch.equal(out, linear(x, weight, b))
+        else:  # F.linear's small-matrix path rounds differently
+            torch.testing.assert_close(out, linear(x, weight, b), rtol=1e-5, atol=1e-4)
         assert torch.equal(packed.dense(x, weight, b, weights), out)
 
 
-def test_fewer_rows_than_the_minimum_take_f_linear() -> None:
+def test_a_single_row_takes_f_linear() -> None:
     weight = torch.randn(64, 32)
-    x = torch.randn(packed.MIN_ROWS - 1, 32)
+    x = torch.randn(1, 32)
+    assert packed.MIN_ROWS == 2
     assert torch.equal(packed.dense(x, weight, None, packed.pack(weight)), linear(x, weight))
 
 
@@ -60,7 +64,7 @@ def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> N
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 2 * 4 + 1 and all(m.packed is not None for m in linears)
     assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
-    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):  # 60 and 24 rows: the packed path
+    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):  # 60 and 24 rows: bit for bit
         items = step_items(kind, n, length, 512, 2)
         logits = []
         for b in (plain, fast):

@@ -1,9 +1,11 @@
 """Linear weights packed once into MKL's GEMM panels for the CPU (csrc/packed_linear_cpu.cpp).
 
 torch's F.linear lets MKL re-pack the weight on every call; for decode-sized batches that is a large part of the
-call (1.2 - 1.8x at 16 - 64 rows on this model's shapes). With 16 rows or more the packed path runs the same MKL
-kernels and is bit-identical to F.linear; below that F.linear takes another MKL path, so `dense` keeps it there
-(greedy outputs stay equal to transformers'). The extension is built like the attention kernel
+call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). With BITWISE_ROWS rows or more the packed path
+runs the same MKL kernels as F.linear and is bit-identical to it; from MIN_ROWS to BITWISE_ROWS - 1 F.linear takes
+MKL's small-matrix path and the two differ by rounding only (as F.linear's own results differ between row
+counts). A single row keeps F.linear: packing does not speed it up, and a batch of one then computes exactly
+what transformers' one-sequence decode does. The extension is built like the attention kernel
 (executor_service/cpu_build.py); where it cannot be built, every layer keeps F.linear.
 """
 
@@ -22,7 +24,8 @@ from executor_service.cpu_build import build_extension
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "packed_linear_cpu.cpp"
-MIN_ROWS = 16
+MIN_ROWS = 2
+BITWISE_ROWS = 16
 
 
 @functools.cache

@@ -2,8 +2,8 @@
 //
 // sgemm re-packs its B operand (the weight) into panels on every call; for decode-sized batches that re-packing is a
 // large part of the call. Packing once at load time skips it. For 16 rows or more MKL runs the same kernels on the
-// same panels, so the result is bit-identical to torch's F.linear; below 16 rows torch takes another MKL path, so
-// callers keep F.linear there. The MKL symbols come from libtorch_cpu (torch's CPU build links MKL statically).
+// same panels, so the result is bit-identical to torch's F.linear; below 16 rows F.linear takes MKL's small-matrix
+// path and the two differ by rounding. The MKL symbols come from libtorch_cpu (torch's CPU build links MKL statically).
 // Registered as torch.ops.pagedserve_linear.{pack_weight,linear}; built by executor_service/model/packed.py.
 
 #include <ATen/core/Tensor.h>
