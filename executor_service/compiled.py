@@ -94,17 +94,17 @@ class CompiledForward:
             raise ValueError(f"compile sizes must be positive token counts, got {sizes}")
         self.sizes = tuple(sorted(sizes))
         self.compile_seconds: dict[int, float] = {}
-        layers = model.model.layers
-        self.context = StepContext(layers[0].self_attn.ops, kv_caches)
+        attentions = [m for m in model.modules() if isinstance(m, Attention)]  # in layer order
+        self.context = StepContext(attentions[0].ops, kv_caches)
         handle = next(_HANDLES)
         _CONTEXTS[handle] = self.context
-        for i, layer in enumerate(layers):
-            route_attention(layer.self_attn, i, handle)
+        for i, attention in enumerate(attentions):
+            route_attention(attention, i, handle)
         register_packed_linear_fake()
-        unused = [(torch.empty(0), torch.empty(0))] * len(layers)
+        unused = [(torch.empty(0), torch.empty(0))] * len(attentions)
 
         def forward(input_ids: Tensor, positions: Tensor) -> Tensor:
-            return model(input_ids, positions, None, unused)  # type: ignore[arg-type]
+            return model(input_ids, positions, None, unused)
 
         # one graph per size and model; a process may hold several models (tests)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.sizes))
