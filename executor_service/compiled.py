@@ -61,13 +61,17 @@ def _(query: Tensor, key: Tensor, value: Tensor, layer: int, scale: float, handl
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
+PACKED_LINEAR = "pagedserve_model::linear"  # model/packed.py's op: (x, packed, weight, bias) -> x @ weight^T + bias
+
+
 def register_packed_linear_fake() -> None:
     """The packed CPU linear (model/packed.py), when loaded, is opaque to the compiler too."""
-    if not hasattr(torch.ops.pagedserve_linear, "linear") or torch._C._dispatch_has_kernel_for_dispatch_key(
-            "pagedserve_linear::linear", "Meta"):
+    namespace, name = PACKED_LINEAR.split("::")
+    if not hasattr(getattr(torch.ops, namespace), name) or torch._C._dispatch_has_kernel_for_dispatch_key(
+            PACKED_LINEAR, "Meta"):
         return
 
-    @torch.library.register_fake("pagedserve_linear::linear")
+    @torch.library.register_fake(PACKED_LINEAR)
     def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -80,7 +84,7 @@ def route_attention(attn: Attention, layer: int, handle: int) -> None:
                 meta: AttentionMetadata) -> Tensor:
         if not torch.compiler.is_compiling():
             return eager_forward(x, cos, sin, kv_cache, meta)
-        q, k, v = attn.project_qkv(x, cos, sin)
+        q, k, v = attn.split_rope(attn.qkv_proj(x), cos, sin)
         out = torch.ops.pagedserve_compiled.attention(q, k, v, layer, attn.scale, handle)
         return attn.o_proj(out.reshape(x.shape[0], attn.q_size))
 

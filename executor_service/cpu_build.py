@@ -25,11 +25,11 @@ def kernel_dir() -> Path:
     return Path(os.environ.get(KERNEL_DIR_ENV) or default)
 
 
-def build_key(sources: list[Path]) -> str:
+def build_key(sources: list[Path], cflags: list[str]) -> str:
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.read_bytes())
-    digest.update(" ".join([*CFLAGS, torch.__version__, sys.version]).encode())
+    digest.update(" ".join([*cflags, torch.__version__, sys.version]).encode())
     digest.update(cpu_flags().encode())
     return digest.hexdigest()[:16]
 
@@ -42,16 +42,17 @@ def cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def build_extension(name: str, sources: list[Path]) -> None:
+def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...] = ()) -> None:
     """Compile (or reuse) and load the extension `name`; raises when it cannot be built here."""
     from torch.utils import cpp_extension
 
-    directory = kernel_dir() / f"{name}-{build_key(sources)}"
+    cflags = [*CFLAGS, *extra_cflags]
+    directory = kernel_dir() / f"{name}-{build_key(sources, cflags)}"
     directory.mkdir(parents=True, exist_ok=True)
     env_bin = str(Path(sys.executable).parent)  # a pip-installed ninja lives beside the interpreter
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+    cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                        build_directory=str(directory), is_python_module=False, verbose=False)
 
 
@@ -60,10 +61,10 @@ def main() -> int:
     import logging
 
     from executor_service.attention import cpu as attention
-    from executor_service.model import packed
+    from executor_service.model import cpu_ops
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = {"CPU paged attention": attention.load(), "packed CPU linear": packed.load()}
+    built = {"CPU paged attention": attention.load(), "CPU model ops (packed linear, RoPE + KV write)": cpu_ops.load()}
     for name, ok in built.items():
         print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} in {kernel_dir()}")
     return 0 if all(built.values()) else 1

@@ -11,11 +11,11 @@ from torch.nn.functional import linear
 from benchmarks.forward_steps import step_items
 from executor_service.config import ExecutorConfig
 from executor_service.default_model import make_model
-from executor_service.model import packed
+from executor_service.model import cpu_ops, packed
 from executor_service.model.parallel import Linear
 from executor_service.torch_backend import TorchBackend
 
-pytestmark = pytest.mark.skipif(not packed.load(), reason="the packed-linear extension cannot be built here")
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ CPU model ops cannot be built here")
 
 
 @pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, packed.BITWISE_ROWS, 17, 64, 333])
@@ -27,7 +27,7 @@ def test_packed_linear_equals_f_linear_bit_for_bit_from_16_rows(rows: int, with_
     weights = packed.pack(weight)
     for x in (wide[:, :300].contiguous(), wide[:, 100:400]):  # also a row stride wider than the row (a split view)
         b = bias if with_bias else None
-        out = torch.ops.pagedserve_linear.linear(x, weights, weight, b)
+        out = torch.ops.pagedserve_model.linear(x, weights, weight, b)
         if rows >= packed.BITWISE_ROWS:
             assert torch.equal(out, linear(x, weight, b))
         else:  # F.linear's small-matrix path rounds differently
@@ -46,9 +46,9 @@ def test_bad_operands_are_refused() -> None:
     weight = torch.randn(64, 32)
     weights = packed.pack(weight)
     with pytest.raises(RuntimeError, match="features"):
-        torch.ops.pagedserve_linear.linear(torch.randn(20, 31), weights, weight, None)
+        torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights, weight, None)
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.pagedserve_linear.linear(torch.randn(20, 32), weights[:10], weight, None)
+        torch.ops.pagedserve_model.linear(torch.randn(20, 32), weights[:10], weight, None)
     with pytest.raises(RuntimeError, match="float32"):
         packed.pack(weight.double())
 
@@ -64,6 +64,7 @@ def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> N
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 2 * 4 + 1 and all(m.packed is not None for m in linears)
     assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert fast.model.model.layers[0].self_attn.ops.rope_write_kv is cpu_ops.rope_write_kv  # fused on the CPU
     for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):  # 60 and 24 rows: bit for bit
         items = step_items(kind, n, length, 512, 2)
         logits = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,16 @@ class AttentionMetadata:
     query_start_loc: Tensor
 
 
+RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+
+
 @dataclass(slots=True)
 class AttentionOps:
+    """The attention kernels; rope_write_kv (optional) fuses apply_rope and write_kv and returns the queries."""
+
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
+    rope_write_kv: RopeWriteKVFn | None = None
 
 
 class RMSNorm(nn.Module):
@@ -76,18 +82,28 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.ops.rope_write_kv is not None:
+            q = self.ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                       self.num_kv_heads)
+        else:
+            q = self.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> Tensor:
+        q, k, v = self.split_rope(qkv, cos, sin)
+        self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
+    def split_rope(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [tokens, heads, head_dim] and k with the rotary embedding applied, v [tokens, kv_heads, head_dim]."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        num_tokens = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)

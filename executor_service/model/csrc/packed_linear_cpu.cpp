@@ -4,7 +4,7 @@
 // large part of the call. Packing once at load time skips it. For 16 rows or more MKL runs the same kernels on the
 // same panels, so the result is bit-identical to torch's F.linear; below 16 rows F.linear takes MKL's small-matrix
 // path and the two differ by rounding. The MKL symbols come from libtorch_cpu (torch's CPU build links MKL statically).
-// Registered as torch.ops.pagedserve_linear.{pack_weight,linear}; built by executor_service/model/packed.py.
+// Registered as torch.ops.pagedserve_model.{pack_weight,linear}; built by executor_service/model/cpu_ops.py.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -83,12 +83,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(pagedserve_linear, m) {
+TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_linear, CPU, m) {
+TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) {
   m.impl("pack_weight", pack_weight);
   m.impl("linear", linear);
 }
