@@ -46,8 +46,8 @@ class ExecutorConfig:
         "with Triton attention only)", parse=parse_sizes))
     compile_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "CPU: token counts of steps to run through torch.compile (inductor), one graph each, compiled on first use,"
-        " e.g. 1,2,4,8,16; a step runs the smallest size that holds it (default: none, eager; helps small models"
-        " at small batches, see BENCHMARKS.md)", parse=parse_sizes))
+        " e.g. 1,2,4,8,16; a step runs the smallest size that holds it (default: none, eager; helps small decode"
+        " batches only, see BENCHMARKS.md)", parse=parse_sizes))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "shard the model over this many ranks, one process per device (under torchrun: its WORLD_SIZE)",
         group=TP_GROUP, aliases=["-tp"]))
