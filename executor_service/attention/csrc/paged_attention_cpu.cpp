@@ -1,9 +1,15 @@
 // Paged attention for the CPU that reads K/V where they lie in the block-structured cache (no gather copies).
 //
-// One work item = one sequence x one KV head: the query heads of that KV head and the sequence's query tokens
-// are its rows; keys are visited block by block with an online softmax (float32 throughout), so each K/V row is
-// read once per tile of query rows. Causal: the q query tokens of a sequence are its last q positions.
-// Registered as torch.ops.pagedserve_cpu.{paged_attention,write_kv}; built by executor_service/attention/cpu.py.
+// One work item = one sequence: its query heads and query tokens are the rows of a tile; keys are visited front
+// to back, 16 at a time, with an online softmax (float32 throughout), so each K/V row is read from memory once
+// per tile of query rows. Causal: the q query tokens of a sequence are its last q positions.
+// Two implementations of a tile: with AVX-512 (built with -march=native on a CPU that has it; head sizes that
+// are multiples of 16) a row scores 16 keys into one vector (16 partial dot products reduced together by a
+// shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
+// any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
+// and one scalar softmax step per key.
+// Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
+// executor_service/attention/cpu.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,9 +23,14 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kRowTile = 16;
+constexpr int64_t kRowTile = 32;
+constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
 
 struct Layout {
   const float* query;
@@ -68,11 +79,11 @@ inline void add_scaled(float* __restrict acc, const float* __restrict v, float p
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
 }
 
-// Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. The rows of a
-// tile read the same K/V blocks, each block (all KV heads, contiguous) once per tile, front to back.
-// kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim at run time.
+// The portable tile. Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head
+// r % num_heads. The rows of a tile read the same K/V blocks, each block (all KV heads, contiguous) once per
+// tile, front to back. kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim.
 template <int64_t kD>
-void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                  float* denom, float* scores) {
   const int64_t first = L.query_start_loc[seq];
   const int64_t q_len = L.query_start_loc[seq + 1] - first;
@@ -148,13 +159,167 @@ void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float
   }
 }
 
-void attend(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score, float* denom,
-            float* scores) {
+#ifdef __AVX512F__
+// Where a tile's 16 keys starting at `start` lie: the cache offset of each key's token (its KV heads follow).
+struct KeyChunk {
+  int64_t offset[kKeyChunk];
+  int64_t count;
+};
+
+// lane t of the result = the sum of the 16 lanes of p[t].
+inline __m512 sum_lanes16(const __m512* p) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of 4 keys
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // lanes (a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
+}
+
+// exp_nonpositive on 16 lanes (the same polynomial).
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
+template <int64_t kD>
+inline __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+                         int64_t D) {
+  __m512 partial[kKeyChunk];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    if (t >= m) {
+      partial[t] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* key = k + chunk.offset[t];
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+#pragma GCC unroll 8
+    for (int64_t d = 16; d < D; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(key + d), sum);
+    partial[t] = sum;
+  }
+  return sum_lanes16(partial);
+}
+
+// acc = acc * corr + sum over the first m keys of p[t] * v[offset[t]] (two FMA chains per 16 lanes of acc).
+inline void add_values(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk, const float* p,
+                       int64_t m, float corr, int64_t D) {
+  const __m512 c = _mm512_set1_ps(corr);
+#pragma GCC unroll 8
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 1 < m; t += 2) {
+      even = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + chunk.offset[t] + d), even);
+      odd = _mm512_fmadd_ps(_mm512_set1_ps(p[t + 1]), _mm512_loadu_ps(v + chunk.offset[t + 1] + d), odd);
+    }
+    if (t < m) even = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + chunk.offset[t] + d), even);
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), c, _mm512_add_ps(even, odd)));
+  }
+}
+
+// The AVX-512 tile (head size a multiple of 16): rows as in attend_rows_portable; keys 16 at a time (a chunk may
+// span blocks), every row of the tile scoring the chunk's keys of its KV head while they are in L1.
+template <int64_t kD>
+void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+                        float* denom) {
+  const int64_t first = L.query_start_loc[seq];
+  const int64_t q_len = L.query_start_loc[seq + 1] - first;
+  const int64_t ctx = L.seq_lens[seq];
+  const int64_t rows = row1 - row0;
+  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
+  const int32_t* table = L.block_tables + seq * L.table_stride;
+  const float* q[kRowTile];
+  int64_t last_key[kRowTile], head_offset[kRowTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r, token = row / H, head = row % H;
+    q[r] = L.query + (first + token) * L.q_token_stride + head * L.q_head_stride;
+    last_key[r] = ctx - q_len + token;
+    head_offset[r] = (head / L.group) * L.cache_head_stride;
+    max_score[r] = -std::numeric_limits<float>::infinity();
+    denom[r] = 0.f;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+  }
+  const int64_t end = *std::max_element(last_key, last_key + rows) + 1;
+  const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[kKeyChunk];
+  KeyChunk chunk;
+  int64_t block = 0, in_block = 0;  // where the next chunk starts
+  for (int64_t start = 0; start < end; start += kKeyChunk) {
+    chunk.count = std::min(kKeyChunk, end - start);
+    for (int64_t t = 0; t < chunk.count; ++t) {
+      chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+      if (++in_block == BS) in_block = 0, ++block;
+    }
+    if (start + kKeyChunk < end) {
+      const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+      for (int64_t line = 0; line < 4; ++line) {
+        __builtin_prefetch(L.k_cache + next + line * 16);
+        __builtin_prefetch(L.v_cache + next + line * 16);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Keys before `end` are all written; the row sees the first m of the chunk.
+      const int64_t m = std::max<int64_t>(0, std::min(chunk.count, last_key[r] - start + 1));
+      if (m == 0) continue;
+      const __mmask16 visible = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
+      const __m512 s = _mm512_mask_mov_ps(
+          minus_inf, visible, _mm512_mul_ps(score_keys<kD>(q[r], L.k_cache + head_offset[r], chunk, m, D), scale));
+      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(visible, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(p, e);
+      const float corr = exp_nonpositive(max_score[r] - new_max);
+      denom[r] = denom[r] * corr + _mm512_reduce_add_ps(e);
+      max_score[r] = new_max;
+      add_values(acc + r * D, L.v_cache + head_offset[r], chunk, p, m, corr, D);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r, token = row / H, head = row % H;
+    float* o = L.out + (first + token) * L.out_token_stride + head * L.out_head_stride;
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
+  }
+}
+#endif  // __AVX512F__
+
+// The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
+void attend(const Layout& L, bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+            float* denom, float* scores) {
+#ifdef __AVX512F__
+  if (!portable && L.head_dim % 16 == 0) {
+    switch (L.head_dim) {
+      case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
+      case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
+      case 32: return attend_rows_avx512<32>(L, seq, row0, row1, acc, max_score, denom);
+      default: return attend_rows_avx512<0>(L, seq, row0, row1, acc, max_score, denom);
+    }
+  }
+#endif
   switch (L.head_dim) {
-    case 64: return attend_rows<64>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 128: return attend_rows<128>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 32: return attend_rows<32>(L, seq, row0, row1, acc, max_score, denom, scores);
-    default: return attend_rows<0>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores);
+    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores);
   }
 }
 
@@ -191,9 +356,9 @@ void check_int(const at::Tensor& t, const char* name, int64_t dim) {
 
 // out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
 // `seqs` (int32) names the sequences to compute; the rows of other sequences in out are left untouched.
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const at::Tensor& seqs, double scale) {
+void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& seqs, double scale, bool portable) {
   check_float(out, "out", 3);
   check_float(query, "query", 3);
   check_float(k_cache, "k_cache", 4);
@@ -222,10 +387,31 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       const int64_t seq = seq_ids[item];
       const int64_t rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * num_heads;
       for (int64_t row0 = 0; row0 < rows; row0 += kRowTile)
-        attend(L, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
+        attend(L, portable, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
                scores.data());
     }
   });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const at::Tensor& seqs, double scale) {
+  run_attention(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale, false);
+}
+
+void paged_attention_portable(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale) {
+  run_attention(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale, true);
+}
+
+// True when paged_attention runs the AVX-512 tile (for head sizes that are multiples of 16).
+bool has_avx512() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
@@ -264,10 +450,14 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+  m.def("paged_attention_portable(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+  m.def("has_avx512() -> bool", has_avx512);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
+  m.impl("paged_attention_portable", paged_attention_portable);
   m.impl("write_kv", write_kv);
 }
