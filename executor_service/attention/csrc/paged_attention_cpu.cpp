@@ -29,6 +29,8 @@
 
 namespace {
 
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kRowTile = 32;
 constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
 
@@ -48,7 +50,7 @@ struct Layout {
   float scale;
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
@@ -57,7 +59,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp; below -87.3, 2^-126 instead of 0): vectorizes,
 // unlike std::exp.
-inline float exp_nonpositive(float x) {
+ALWAYS_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -74,7 +76,7 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-inline void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
+ALWAYS_INLINE void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
 }
@@ -167,7 +169,7 @@ struct KeyChunk {
 };
 
 // lane t of the result = the sum of the 16 lanes of p[t].
-inline __m512 sum_lanes16(const __m512* p) {
+ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -183,7 +185,7 @@ inline __m512 sum_lanes16(const __m512* p) {
 }
 
 // exp_nonpositive on 16 lanes (the same polynomial).
-inline __m512 exp16_nonpositive(__m512 x) {
+ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -200,9 +202,10 @@ inline __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+
 // Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
 template <int64_t kD>
-inline __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
                          int64_t D) {
   __m512 partial[kKeyChunk];
 #pragma GCC unroll 16
@@ -220,20 +223,41 @@ inline __m512 score_keys(const float* __restrict q, const float* __restrict k, c
   return sum_lanes16(partial);
 }
 
-// acc = acc * corr + sum over the first m keys of p[t] * v[offset[t]] (two FMA chains per 16 lanes of acc).
-inline void add_values(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk, const float* p,
+// acc = acc * corr + sum over the first m keys of p[t] * v[offset[t]]. p[t] is broadcast from memory once per key
+// (a load, not a shuffle); kD > 0: acc in 2 x kD / 16 registers (even and odd keys), else 16 lanes at a time.
+template <int64_t kD>
+ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk, const float* p,
                        int64_t m, float corr, int64_t D) {
+  asm volatile("" : : "r"(p) : "memory");  // read p back from memory: GCC would otherwise permute it out of a register
   const __m512 c = _mm512_set1_ps(corr);
-#pragma GCC unroll 8
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  if constexpr (kD > 0) {
+    constexpr int64_t kC = kD / 16;
+    __m512 even[kC], odd[kC];
+    for (int64_t i = 0; i < kC; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     int64_t t = 0;
     for (; t + 1 < m; t += 2) {
-      even = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + chunk.offset[t] + d), even);
-      odd = _mm512_fmadd_ps(_mm512_set1_ps(p[t + 1]), _mm512_loadu_ps(v + chunk.offset[t + 1] + d), odd);
+      const float* v0 = v + chunk.offset[t];
+      const float* v1 = v + chunk.offset[t + 1];
+      const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t)), p1 = _mm512_broadcastss_ps(_mm_load_ss(p + t + 1));
+      for (int64_t i = 0; i < kC; ++i) {
+        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), odd[i]);
+      }
     }
-    if (t < m) even = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + chunk.offset[t] + d), even);
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), c, _mm512_add_ps(even, odd)));
+    if (t < m) {
+      const float* v0 = v + chunk.offset[t];
+      const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t));
+      for (int64_t i = 0; i < kC; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+    }
+    for (int64_t i = 0; i < kC; ++i)
+      _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * i), c, _mm512_add_ps(even[i], odd[i])));
+  } else {
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(acc + d), c);
+      for (int64_t t = 0; t < m; ++t)
+        sum = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p + t)), _mm512_loadu_ps(v + chunk.offset[t] + d), sum);
+      _mm512_storeu_ps(acc + d, sum);
+    }
   }
 }
 
@@ -261,7 +285,9 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
   }
   const int64_t end = *std::max_element(last_key, last_key + rows) + 1;
   const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float p[kKeyChunk];
+  alignas(64) float p[kRowTile][kKeyChunk];  // per row: scores, then probabilities
+  float corr[kRowTile];
+  int64_t visible[kRowTile];
   KeyChunk chunk;
   int64_t block = 0, in_block = 0;  // where the next chunk starts
   for (int64_t start = 0; start < end; start += kKeyChunk) {
@@ -270,28 +296,35 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
       chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
       if (++in_block == BS) in_block = 0, ++block;
     }
-    if (start + kKeyChunk < end) {
+    if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
       const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
       for (int64_t line = 0; line < 4; ++line) {
         __builtin_prefetch(L.k_cache + next + line * 16);
         __builtin_prefetch(L.v_cache + next + line * 16);
       }
     }
+    // Three passes over the rows (scores, softmax, P.V), so that the rows' dependency chains overlap. Keys before
+    // `end` are all written; row r sees the first visible[r] keys of the chunk.
     for (int64_t r = 0; r < rows; ++r) {
-      // Keys before `end` are all written; the row sees the first m of the chunk.
-      const int64_t m = std::max<int64_t>(0, std::min(chunk.count, last_key[r] - start + 1));
-      if (m == 0) continue;
-      const __mmask16 visible = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
-      const __m512 s = _mm512_mask_mov_ps(
-          minus_inf, visible, _mm512_mul_ps(score_keys<kD>(q[r], L.k_cache + head_offset[r], chunk, m, D), scale));
-      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
-      const __m512 e = _mm512_maskz_mov_ps(visible, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-      _mm512_store_ps(p, e);
-      const float corr = exp_nonpositive(max_score[r] - new_max);
-      denom[r] = denom[r] * corr + _mm512_reduce_add_ps(e);
-      max_score[r] = new_max;
-      add_values(acc + r * D, L.v_cache + head_offset[r], chunk, p, m, corr, D);
+      visible[r] = std::max<int64_t>(0, std::min(chunk.count, last_key[r] - start + 1));
+      if (visible[r] > 0)
+        _mm512_store_ps(p[r], score_keys<kD>(q[r], L.k_cache + head_offset[r], chunk, visible[r], D));
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = visible[r];
+      if (m == 0) continue;
+      const __mmask16 mask = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
+      const __m512 s = _mm512_mask_mov_ps(minus_inf, mask, _mm512_mul_ps(_mm512_load_ps(p[r]), scale));
+      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(p[r], e);
+      corr[r] = exp_nonpositive(max_score[r] - new_max);
+      denom[r] = denom[r] * corr[r] + _mm512_reduce_add_ps(e);
+      max_score[r] = new_max;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      if (visible[r] > 0)
+        add_values<kD>(acc + r * D, L.v_cache + head_offset[r], chunk, p[r], visible[r], corr[r], D);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r, token = row / H, head = row % H;
