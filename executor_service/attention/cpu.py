@@ -6,9 +6,9 @@ directory is keyed by the CPU's feature flags as well as the source) into PAGEDS
 kernel cannot be built (no compiler): callers then use the pure-torch reference. `python -m
 executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh does).
 
-The kernel computes float32 only; `paged_attention` below sends decode-like sequences (query length <=
-KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins) to
-the reference, in one output tensor.
+The kernel computes float32 only; `paged_attention` below sends decode-like sequences and short chunks (query
+length <= KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins
+once the context is long: BENCHMARKS.md section 8) to the reference, in one output tensor.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-KERNEL_MAX_QUERY = 16
+KERNEL_MAX_QUERY = 32
 
 
 @dataclass(slots=True)

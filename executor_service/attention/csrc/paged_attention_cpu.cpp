@@ -31,7 +31,13 @@ namespace {
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-constexpr int64_t kRowTile = 32;
+constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512 one)
+
+// Rows per tile: each tile reads the sequence's K/V once, so as many as keep the tile's accumulators in L1
+// (32 KiB) for the AVX-512 tile; 16 for the portable one.
+int64_t row_tile(bool portable, int64_t head_dim) {
+  return portable ? 16 : std::clamp<int64_t>(8192 / head_dim, 16, kRowTile);
+}
 constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
 
 struct Layout {
@@ -414,13 +420,14 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
            num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale)};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
   check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
+  const int64_t tile = row_tile(portable, head_dim);
   at::parallel_for(0, seqs.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = seq_ids[item];
       const int64_t rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * num_heads;
-      for (int64_t row0 = 0; row0 < rows; row0 += kRowTile)
-        attend(L, portable, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
+      for (int64_t row0 = 0; row0 < rows; row0 += tile)
+        attend(L, portable, seq, row0, std::min(rows, row0 + tile), acc.data(), max_score.data(), denom.data(),
                scores.data());
     }
   });
