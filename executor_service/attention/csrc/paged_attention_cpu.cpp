@@ -54,6 +54,7 @@ struct Layout {
   int64_t out_token_stride, out_head_stride;
   int64_t num_kv_heads, group, head_dim, block_size;
   float scale;
+  bool stream_from_memory;  // the call reads more than kStreamBytes of K/V: prefetch whole chunks ahead
 };
 
 ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -209,6 +210,26 @@ ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {
 }
 
 
+// Every line of the K/V rows of keys [from, to) into L2 (rows of a block are contiguous), kPrefetchAhead chunks
+// ahead of the one being computed: with K/V in memory the hardware prefetcher alone keeps too few lines in flight.
+// Only for calls that read more than kStreamBytes of K/V (likely not in cache); for the others the prefetch
+// instructions cost more than they save (BENCHMARKS.md section 8).
+constexpr int64_t kPrefetchAhead = 2;
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
+
+ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to) {
+  const int64_t BS = L.block_size;
+  for (int64_t key = from; key < to;) {
+    const int64_t in_block = key % BS, n = std::min(BS - in_block, to - key);
+    const int64_t base = static_cast<int64_t>(table[key / BS]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    for (int64_t x = 0; x < n * L.cache_token_stride; x += 16) {
+      __builtin_prefetch(L.k_cache + base + x, 0, 2);
+      __builtin_prefetch(L.v_cache + base + x, 0, 2);
+    }
+    key += n;
+  }
+}
+
 // Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
 template <int64_t kD>
 ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
@@ -302,7 +323,9 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
       chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
       if (++in_block == BS) in_block = 0, ++block;
     }
-    if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
+    if (L.stream_from_memory) {
+      prefetch_keys(L, table, start + kPrefetchAhead * kKeyChunk, std::min(end, start + (kPrefetchAhead + 1) * kKeyChunk));
+    } else if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
       const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
       for (int64_t line = 0; line < 4; ++line) {
         __builtin_prefetch(L.k_cache + next + line * 16);
@@ -363,8 +386,10 @@ void attend(const Layout& L, bool portable, int64_t seq, int64_t row0, int64_t r
 }
 
 // Every read the named sequences imply stays inside the tensors (bad metadata raises instead of crashing).
-void check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
-                    int64_t table_width, int64_t num_blocks) {
+// Returns the number of context keys they read.
+int64_t check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
+                       int64_t table_width, int64_t num_blocks) {
+  int64_t keys = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t seq = seq_ids[i];
     TORCH_CHECK(seq >= 0 && seq < num_seqs, "sequence index ", seq, " out of range [0, ", num_seqs, ")");
@@ -379,7 +404,9 @@ void check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int6
     for (int64_t b = 0; b < blocks; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, ": block id ", table[b],
                   " out of range [0, ", num_blocks, ")");
+    keys += ctx;
   }
+  return keys;
 }
 
 void check_float(const at::Tensor& t, const char* name, int64_t dim) {
@@ -417,9 +444,11 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
            out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
            k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
-           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale)};
+           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
-  check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
+  const int64_t keys =
+      check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
+  L.stream_from_memory = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float)) > kStreamBytes;
   const int64_t tile = row_tile(portable, head_dim);
   at::parallel_for(0, seqs.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
