@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from executor_service import cpu_build
 from executor_service.attention import cpu, reference
 
 BLOCK_SIZE = 16
@@ -69,17 +70,13 @@ def reference_impl() -> Impl:
 
 
 def load_old(source: Path) -> Impl:
-    """Build `source` with its ops renamed to pagedserve_cpu_old (beside the kernel's own builds)."""
-    from torch.utils import cpp_extension
-
+    """Build `source` with its ops renamed to pagedserve_cpu_old (cached beside the kernel's own builds)."""
     text = source.read_text().replace("pagedserve_cpu,", "pagedserve_cpu_old,")
-    key = hashlib.sha256((text + " ".join(cpu.CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
-    directory = cpu.kernel_dir() / f"bench-old-{key}"
+    directory = cpu_build.kernel_dir() / "bench-old-sources"
     directory.mkdir(parents=True, exist_ok=True)
-    copy = directory / "paged_attention_old.cpp"
+    copy = directory / f"paged_attention_old-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cpp"
     copy.write_text(text)
-    cpp_extension.load(name="pagedserve_cpu_attention_old", sources=[str(copy)], extra_cflags=cpu.CFLAGS,
-                       build_directory=str(directory), is_python_module=False, verbose=False)
+    cpu_build.build_extension("pagedserve_cpu_attention_old", [copy])
     return op_impl(torch.ops.pagedserve_cpu_old.paged_attention)
 
 

@@ -10,7 +10,9 @@ made once and cached). Prompts are the same N seeded random prompts of --prompt-
   stream (no scheduler). One step prefills the N requests, 2 untimed decode steps warm up, then K decode
   steps (RunningRequests column diffs, greedy, a new block handed over whenever a table fills) are timed from the
   first write to the last read. tokens/s = N * K / that time. Also shown: the executor's own busy time
-  (sum of StepResult.timings.total_ns), i.e. tokens/s with the gRPC round trip taken out.
+  (sum of StepResult.timings.total_ns), i.e. tokens/s with the gRPC round trip taken out, and "async": the same
+  steps with the next one written before the last one's result is read (two in flight, as the scheduler's
+  default async scheduling drives the executor), so the round trip overlaps the executor's work.
 - transformers: AutoModelForCausalLM in this process, eager PyTorch, a batch of the same N prompts (all the
   same length, so no padding), greedy, EOS disabled. Decode time of K tokens = time of
   generate(max_new_tokens=K+1) - time of generate(max_new_tokens=1) (the prefill and first token).
@@ -56,6 +58,7 @@ class Row:
     steps: int
     pagedserve_tok_s: float
     executor_busy_tok_s: float
+    pagedserve_async_tok_s: float
     transformers_tok_s: float
     flops_per_token: float = 0.0
     bytes_per_token: float = 0.0
@@ -63,6 +66,10 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.pagedserve_tok_s / self.transformers_tok_s
+
+    @property
+    def async_ratio(self) -> float:
+        return self.pagedserve_async_tok_s / self.transformers_tok_s
 
     def gflops(self, tok_s: float) -> float:
         return tok_s * self.flops_per_token / 1e9
@@ -102,74 +109,97 @@ def start_executor(args: argparse.Namespace, model_dir: Path, num_blocks: int, l
     return address, proc
 
 
+def decode_steps(lengths: list[int], tables: list[list[int]], next_block: int, count: int, block_size: int
+                 ) -> list[executor_pb2.StepRequest]:
+    """`count` decode steps of every request (RunningRequests columns), a new block whenever a table fills."""
+    steps = []
+    for _ in range(count):
+        msg = executor_pb2.StepRequest()
+        for i in range(len(lengths)):
+            # The token sampled last step sits at position lengths[i]; it needs a slot now.
+            new: list[int] = []
+            if lengths[i] + 1 > len(tables[i]) * block_size:
+                new = [next_block]
+                tables[i].append(next_block)
+                next_block += 1
+            lengths[i] += 1
+            msg.running.request_ids.append(str(i))
+            msg.running.num_scheduled_tokens.append(1)
+            msg.running.num_new_blocks.append(len(new))
+            msg.running.new_block_ids.extend(new)
+        steps.append(msg)
+    return steps
+
+
 async def executor_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[int]], steps: int,
-                       block_size: int) -> tuple[float, float]:
-    """(wall seconds, executor busy seconds) of `steps` decode steps of the batch on a fresh stream."""
+                       block_size: int, in_flight: int = 1) -> tuple[float, float]:
+    """(wall seconds, executor busy seconds) of `steps` decode steps of the batch on a fresh stream, with up
+    to `in_flight` steps sent before their results are read (2: the scheduler's async scheduling)."""
     call = stub.Execute()
     step_id = 0
 
-    async def step(msg: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+    async def send(msg: executor_pb2.StepRequest) -> None:
         nonlocal step_id
         step_id += 1
         msg.step_id = step_id
         await call.write(msg)
+
+    async def receive() -> executor_pb2.StepResult:
         result = await call.read()
         if result is grpc.aio.EOF or result.error or result.errors:
-            raise RuntimeError(f"step {step_id} failed: {result}")
+            raise RuntimeError(f"a step failed: {result}")
         return result
 
     try:
         next_block = 0
         tables: list[list[int]] = []
-        lengths: list[int] = []
         first = executor_pb2.StepRequest()
         for i, prompt in enumerate(batch):
             blocks = -(-len(prompt) // block_size)
             tables.append(list(range(next_block, next_block + blocks)))
             next_block += blocks
-            lengths.append(len(prompt))
             first.new_requests.append(executor_pb2.NewRequest(
                 request_id=str(i), token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
                 num_scheduled_tokens=len(prompt), block_ids=tables[i], sampling=GREEDY))
-        await step(first)
-        wall = busy = 0.0
-        for k in range(WARMUP_STEPS + steps):
-            msg = executor_pb2.StepRequest()
-            for i in range(len(batch)):
-                # The token sampled last step sits at position lengths[i]; it needs a slot now.
-                new: list[int] = []
-                if lengths[i] + 1 > len(tables[i]) * block_size:
-                    new = [next_block]
-                    tables[i].append(next_block)
-                    next_block += 1
-                lengths[i] += 1
-                msg.running.request_ids.append(str(i))
-                msg.running.num_scheduled_tokens.append(1)
-                msg.running.num_new_blocks.append(len(new))
-                msg.running.new_block_ids.extend(new)
-            t0 = time.perf_counter()
-            result = await step(msg)
-            if k >= WARMUP_STEPS:
-                wall += time.perf_counter() - t0
-                busy += result.timings.total_ns / 1e9
-        return wall, busy
+        await send(first)
+        await receive()
+        lengths = [len(p) for p in batch]
+        for msg in decode_steps(lengths, tables, next_block, WARMUP_STEPS, block_size):
+            await send(msg)
+            await receive()
+        timed = decode_steps(lengths, tables, 1 + max(max(t) for t in tables), steps, block_size)
+        busy = 0.0
+        t0 = time.perf_counter()
+        for k, msg in enumerate(timed):
+            await send(msg)
+            if k + 1 >= in_flight:
+                busy += (await receive()).timings.total_ns / 1e9
+        for _ in range(min(in_flight - 1, len(timed))):
+            busy += (await receive()).timings.total_ns / 1e9
+        return time.perf_counter() - t0, busy
     finally:
         call.cancel()
 
 
 async def bench_executor(address: str, batch_sizes: list[int], args: argparse.Namespace,
-                         vocab: int) -> dict[int, tuple[float, float]]:
-    out: dict[int, tuple[float, float]] = {}
+                         vocab: int) -> dict[int, tuple[float, float, float]]:
+    """Per batch size: tokens/s with one step in flight, the executor's busy tokens/s, tokens/s with two."""
+    out: dict[int, tuple[float, float, float]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         await executor_run(stub, prompts(1, args.prompt_len, vocab), 4, args.block_size)  # warm-up
         for n in batch_sizes:
             batch = prompts(n, args.prompt_len, vocab)
-            runs = [await executor_run(stub, batch, args.steps, args.block_size) for _ in range(args.repeats)]
+            runs, pipelined = [], []
+            for _ in range(args.repeats):  # alternated, so that both modes see the same load
+                runs.append(await executor_run(stub, batch, args.steps, args.block_size))
+                pipelined.append(await executor_run(stub, batch, args.steps, args.block_size, in_flight=2))
             wall = statistics.median(r[0] for r in runs)
             busy = statistics.median(r[1] for r in runs)
-            out[n] = (n * args.steps / wall, n * args.steps / busy)
-            print(f"  pagedserve  batch {n:>3}: {out[n][0]:9.1f} tok/s", file=sys.stderr, flush=True)
+            wall_async = statistics.median(r[0] for r in pipelined)
+            out[n] = (n * args.steps / wall, n * args.steps / busy, n * args.steps / wall_async)
+            print(f"  pagedserve  batch {n:>3}: {out[n][0]:9.1f} tok/s, {out[n][2]:9.1f} with 2 steps in flight",
+                  file=sys.stderr, flush=True)
     return out
 
 
@@ -210,18 +240,22 @@ def table(rows: list[Row], header: dict[str, Any], limits: Limits) -> str:
              f"limits (measured first, {limits.threads} thread(s)): matmul peak {limits.matmul_peak_gflops:.1f} GFLOP/s"
              f" (by rows {limits.matmul_gflops_by_rows}), read {limits.read_gbs:.1f} GB/s, copy {limits.copy_gbs:.1f}"
              " GB/s", "",
-             f"{'batch':>5} | {'pagedserve tok/s':>16} | {'executor busy tok/s':>19} | {'transformers tok/s':>18} | "
-             f"{'ratio':>6} | {'GFLOP/s (% peak) ours / theirs':>30} | {'GB/s (% bw) ours / theirs':>26}",
-             "-" * 140]
+             f"{'batch':>5} | {'pagedserve tok/s':>16} | {'executor busy tok/s':>19} | {'async tok/s':>11} | "
+             f"{'transformers tok/s':>18} | {'ratio':>6} | {'async':>6} | {'GFLOP/s (% peak) ours / theirs':>30} | "
+             f"{'GB/s (% bw) ours / theirs':>26}",
+             "-" * 165]
     for r in rows:
         ours, theirs = r.pagedserve_tok_s, r.transformers_tok_s
         flops = (f"{r.gflops(ours):.1f} ({limits.flops_pct(r.gflops(ours) * 1e9):.0f}%) / "
                  f"{r.gflops(theirs):.1f} ({limits.flops_pct(r.gflops(theirs) * 1e9):.0f}%)")
         moved = (f"{r.gbs(ours):.1f} ({limits.bandwidth_pct(r.gbs(ours) * 1e9):.0f}%) / "
                  f"{r.gbs(theirs):.1f} ({limits.bandwidth_pct(r.gbs(theirs) * 1e9):.0f}%)")
-        lines.append(f"{r.batch:>5} | {ours:>16.1f} | {r.executor_busy_tok_s:>19.1f} | {theirs:>18.1f} | "
-                     f"{r.ratio:>5.2f}x | {flops:>30} | {moved:>26}")
-    lines.append("ratio = pagedserve (through Execute, gRPC round trip included) / transformers generate")
+        lines.append(f"{r.batch:>5} | {ours:>16.1f} | {r.executor_busy_tok_s:>19.1f} | "
+                     f"{r.pagedserve_async_tok_s:>11.1f} | {theirs:>18.1f} | {r.ratio:>5.2f}x | "
+                     f"{r.async_ratio:>5.2f}x | {flops:>30} | {moved:>26}")
+    lines.append("ratio = pagedserve (through Execute, gRPC round trip included, one step in flight) / transformers"
+                 " generate; async = the same with the next step sent before the last one's result is read (the"
+                 " scheduler's default async scheduling); GFLOP/s and GB/s of the one-in-flight run")
     return "\n".join(lines)
 
 
@@ -259,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(proc)
     theirs = bench_transformers(model_dir, batch_sizes, args, vocab)
-    rows = [Row(n, args.steps, ours[n][0], ours[n][1], theirs[n], *decode_work(shape, n, args.prompt_len, args.steps))
+    rows = [Row(n, args.steps, *ours[n], theirs[n], *decode_work(shape, n, args.prompt_len, args.steps))
             for n in batch_sizes]
     header = {"model": describe.model_id, "device": describe.device, "dtype": describe.dtype,
               "prompt_len": args.prompt_len, "steps": args.steps, "threads": args.threads,
               "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     print(table(rows, header, limits))
     if args.json_out:
-        record = {**header, "limits": limits_record(limits), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+        rows_out = [{**asdict(r), "ratio": r.ratio, "async_ratio": r.async_ratio} for r in rows]
+        record = {**header, "limits": limits_record(limits), "rows": rows_out}
         with open(args.json_out, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     return 0

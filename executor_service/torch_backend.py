@@ -32,6 +32,7 @@ from executor_service.model import (
     LlamaForCausalLM,
     ModelConfig,
     ParallelContext,
+    cpu_ops,
     load_model,
 )
 from executor_service.sampler import Sampler, SampleRequest
@@ -74,9 +75,10 @@ class TorchBackend:
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
-        write_kv, paged_attention = get_attention_ops(device)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=AttentionOps(write_kv, paged_attention),
+        model = load_model(model_dir, device=device, dtype=dtype, ops=attention_ops(device, dtype),
                            parallel=parallel)
+        if config.cpu_weight_prepack:
+            model.pack_weights()
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
@@ -142,6 +144,13 @@ class TorchBackend:
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+
+
+def attention_ops(device: torch.device, dtype: torch.dtype) -> AttentionOps:
+    """The device's attention kernels; on the CPU in float32, RoPE and the KV write fused in C++ where it builds."""
+    write_kv, paged_attention = get_attention_ops(device)
+    fused = device.type == "cpu" and dtype == torch.float32 and cpu_ops.load()
+    return AttentionOps(write_kv, paged_attention, cpu_ops.rope_write_kv if fused else None)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -13,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   echo "$want" > "$stamp"
 fi
-# The CPU paged-attention kernel (g++, ninja): built once per machine and source, cached under
-# ~/.cache/pagedserve/kernels; the executor falls back to the torch reference where it cannot be built.
-.venv/bin/python -m executor_service.attention.cpu || true
+# The C++ CPU kernels (g++, ninja): paged attention and packed-weight linear layers, built once per machine
+# and source, cached under ~/.cache/pagedserve/kernels; the executor falls back to torch where they cannot be built.
+.venv/bin/python -m executor_service.cpu_build || true

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from executor_service import cpu_build
 from executor_service.attention import ENV_VAR, cpu, get_attention_ops, reference
 from tests.test_attention import (
     BATCHED_CASES,
@@ -90,7 +91,7 @@ def test_both_paths_match_dense(block_size: int, kv_heads: int, group: int, head
 
 
 def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
-    flags = cpu.cpu_flags().split()
+    flags = cpu_build.cpu_flags().split()
     assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
 
 

@@ -94,3 +94,30 @@ def test_cuda_graph_decode_matches_eager() -> None:
                     ids[i].append(o.token_id)  # type: ignore[union-attr]
             tokens.append(ids)
         assert tokens[0] == tokens[1]
+
+
+def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path() -> None:
+    from executor_service.attention import cpu as attention_cpu
+    from executor_service.model import cpu_ops
+
+    if not cpu_ops.load() or not attention_cpu.load():
+        pytest.skip("the C++ CPU ops cannot be built here")
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 9
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 7, generator=gen)
+    qkv = wide[:, 3 : 3 + (heads + 2 * kv_heads) * dim]  # strided rows, as a split of a wider output
+    freqs = torch.randn(tokens, dim // 2, generator=gen) * 3
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    slots = torch.tensor([5, 0, -1, 17, 3, 30, 12, 8, 1])  # -1: not written
+    caches = [torch.randn(8, 4, kv_heads, dim, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    attention_cpu.write_kv(qk[:, heads:], v, *expected, slots)
+    q = cpu_ops.rope_write_kv(qkv, cos, sin, *caches, slots, heads, kv_heads)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(RuntimeError, match="slot"):
+        cpu_ops.rope_write_kv(qkv, cos, sin, *caches, torch.full((tokens,), 32), heads, kv_heads)
+    with pytest.raises(RuntimeError, match="qkv"):
+        cpu_ops.rope_write_kv(qkv[:, :-dim], cos, sin, *caches, slots, heads, kv_heads)

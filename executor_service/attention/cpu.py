@@ -1,10 +1,10 @@
 """The CPU paged-attention kernel (csrc/paged_attention_cpu.cpp): built once per machine, loaded on demand.
 
-`load()` compiles the C++ source with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build
-directory is keyed by the CPU's feature flags as well as the source) into PAGEDSERVE_KERNEL_DIR (default
-~/.cache/pagedserve/kernels), or loads an earlier build. It returns False, once, with a warning, when the
-kernel cannot be built (no compiler): callers then use the pure-torch reference. `python -m
-executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh does).
+`load()` compiles the C++ source (executor_service/cpu_build.py: g++ -O3 -march=native, cached per source,
+torch version and CPU flags in PAGEDSERVE_KERNEL_DIR), or loads an earlier build. It returns False, once, with
+a warning, when the kernel cannot be built (no compiler): callers then use the pure-torch reference. `python -m
+executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh builds every CPU extension with
+`python -m executor_service.cpu_build`).
 
 The kernel computes float32 only; `paged_attention` below sends decode-like sequences and short chunks (query
 length <= KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins
@@ -14,11 +14,7 @@ once the context is long: BENCHMARKS.md section 8) to the reference, in one outp
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +22,11 @@ import torch
 from torch import Tensor
 
 from executor_service.attention.reference import Plan, Scratch, build_plan, run_plan
+from executor_service.cpu_build import build_extension, kernel_dir
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 KERNEL_MAX_QUERY = 32
 
 
@@ -59,27 +54,6 @@ def plan_split(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: T
     return Split(short if short.numel() else None, tables, lens, starts, plan)
 
 
-def kernel_dir() -> Path:
-    default = Path.home() / ".cache" / "pagedserve" / "kernels"
-    return Path(os.environ.get(KERNEL_DIR_ENV) or default)
-
-
-def build_key() -> str:
-    """Source, flags, torch version and the CPU's feature flags: a build is reused only where it runs."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([*CFLAGS, torch.__version__, sys.version]).encode())
-    digest.update(cpu_flags().encode())
-    return digest.hexdigest()[:16]
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
-
-
 @functools.cache
 def load() -> bool:
     """Build (or reuse) and load the kernel; False when it cannot be built here."""
@@ -94,15 +68,7 @@ def load() -> bool:
 
 
 def build() -> None:
-    from torch.utils import cpp_extension
-
-    directory = kernel_dir() / f"paged_attention_cpu-{build_key()}"
-    directory.mkdir(parents=True, exist_ok=True)
-    env_bin = str(Path(sys.executable).parent)  # a pip-installed ninja lives beside the interpreter
-    if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(name="pagedserve_cpu_attention", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       build_directory=str(directory), is_python_module=False, verbose=False)
+    build_extension("pagedserve_cpu_attention", [SOURCE])
 
 
 def supports(query: Tensor, k_cache: Tensor) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,7 @@ from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
 from executor_service.model.parallel import (
     SINGLE,
+    Linear,
     ParallelContext,
     ParallelLMHead,
     RowParallelLinear,
@@ -35,10 +36,16 @@ class AttentionMetadata:
     query_start_loc: Tensor
 
 
+RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+
+
 @dataclass(slots=True)
 class AttentionOps:
+    """The attention kernels; rope_write_kv (optional) fuses apply_rope and write_kv and returns the queries."""
+
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
+    rope_write_kv: RopeWriteKVFn | None = None
 
 
 class RMSNorm(nn.Module):
@@ -70,23 +77,33 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.ops = ops
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
-        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.ops.rope_write_kv is not None:
+            q = self.ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                       self.num_kv_heads)
+        else:
+            q = self.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> Tensor:
+        num_tokens = qkv.shape[0]
+        qk_size = self.q_size + self.kv_size
+        qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
 
 class MLP(nn.Module):
@@ -96,7 +113,7 @@ class MLP(nn.Module):
                  parallel: ParallelContext) -> None:
         super().__init__()
         inter = self.intermediate_size = layout.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, parallel)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,6 +180,12 @@ class LlamaForCausalLM(nn.Module):
         if output_rows is not None:
             x = x.index_select(0, output_rows)
         return self.model.norm(x)
+
+    def pack_weights(self) -> None:
+        """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""

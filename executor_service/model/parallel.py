@@ -2,7 +2,7 @@
 (ShardLayout), the rank's process group (ParallelContext), and the layers that communicate.
 
 Column-parallel layers (the fused QKV and gate/up projections) need no layer of their own: each rank
-holds whole heads / an intermediate slice as a plain nn.Linear. Row-parallel layers (o_proj, down_proj)
+holds whole heads / an intermediate slice as a plain Linear. Row-parallel layers (o_proj, down_proj)
 all-reduce their partial sums. The embedding and the LM head are split by vocabulary rows, padded to a
 multiple of the world size; logits are all-gathered so every rank sees the same full row.
 """
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.functional import embedding, linear
+from torch.nn.functional import embedding
 
 from executor_service.model.config import ModelConfig, ModelLoadError
+from executor_service.model.packed import can_pack, dense, pack
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,20 +117,37 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
         raise ModelLoadError(f"tensor_parallel_size {world_size} must divide {', '.join(problems)}")
 
 
-class RowParallelLinear(nn.Module):
+class Linear(nn.Module):
+    """y = x @ weight^T + bias on this rank's weight; after pack_weight(), on the CPU in float32, over weight
+    panels packed once for MKL (model/packed.py)."""
+
+    packed: Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack_weight(self) -> None:
+        self.packed = pack(self.weight.detach()) if can_pack(self.weight) else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dense(x, self.weight, self.bias, self.packed)
+
+
+class RowParallelLinear(Linear):
     """y = x_shard @ W_shard^T summed over ranks, then the bias once. One rank: a plain fused linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
-        super().__init__()
+        super().__init__(in_features, out_features, bias, dtype)
         self.parallel = parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.parallel.world_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(linear(x, self.weight))
+            return dense(x, self.weight, self.bias, self.packed)
+        y = self.parallel.all_reduce(dense(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -154,18 +172,17 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(Linear):
     """The LM head split by vocabulary rows like the embedding; logits of all ranks gathered, padding cut."""
 
     def __init__(self, layout: ShardLayout, hidden_size: int, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
-        super().__init__()
+        super().__init__(hidden_size, layout.vocab_per_rank, False, dtype)
         self.parallel = parallel
         self.vocab_size = layout.vocab_size
-        self.weight = nn.Parameter(torch.empty(layout.vocab_per_rank, hidden_size, dtype=dtype))
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = linear(hidden, self.weight)
+        logits = dense(hidden, self.weight, None, self.packed)
         if self.parallel.world_size == 1:
             return logits
         return self.parallel.all_gather_last(logits)[:, : self.vocab_size]

@@ -1,0 +1,74 @@
+"""Build and load the executor's C++ CPU extensions (torch.utils.cpp_extension, g++ and ninja).
+
+Each extension is compiled with -O3 -march=native into PAGEDSERVE_KERNEL_DIR (default
+~/.cache/pagedserve/kernels), in a directory keyed by its sources, the flags, the torch and Python versions
+and the CPU's feature flags, so a build is reused only where it runs. Loading an extension registers its
+torch.ops; callers decide what to do when a build fails (every extension has a pure-torch fallback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+
+def kernel_dir() -> Path:
+    default = Path.home() / ".cache" / "pagedserve" / "kernels"
+    return Path(os.environ.get(KERNEL_DIR_ENV) or default)
+
+
+def build_key(sources: list[Path], cflags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([*cflags, torch.__version__, sys.version]).encode())
+    digest.update(cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...] = ()) -> None:
+    """Compile (or reuse) and load the extension `name`; raises when it cannot be built here."""
+    from torch.utils import cpp_extension
+
+    cflags = [*CFLAGS, *extra_cflags]
+    directory = kernel_dir() / f"{name}-{build_key(sources, cflags)}"
+    directory.mkdir(parents=True, exist_ok=True)
+    env_bin = str(Path(sys.executable).parent)  # a pip-installed ninja lives beside the interpreter
+    if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+
+
+def main() -> int:
+    """Build every CPU extension ahead of time (scripts/setup.sh); exit status 1 if one cannot be built here."""
+    import logging
+
+    from executor_service.attention import cpu as attention
+    from executor_service.model import cpu_ops
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = {"CPU paged attention": attention.load(), "CPU model ops (packed linear, RoPE + KV write)": cpu_ops.load()}
+    for name, ok in built.items():
+        print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} in {kernel_dir()}")
+    return 0 if all(built.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The model's C++ CPU ops (csrc/): linear layers over packed weights (packed.py) and the fused RoPE + KV-cache
+write (rope_write_kv below). One extension, built like the attention kernel (executor_service/cpu_build.py);
+where it cannot be built, the model keeps its torch path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from executor_service.cpu_build import build_extension
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp"]
+CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or reuse) and load the extension; False, with one warning, when it cannot be built here."""
+    if hasattr(torch.ops.pagedserve_model, "rope_write_kv"):
+        return True
+    try:
+        build_extension("pagedserve_cpu_model", SOURCES, CFLAGS)
+    except Exception as e:  # any build failure means: keep the torch path
+        log.warning("C++ CPU model ops unavailable (%s); using torch", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                  num_heads: int, num_kv_heads: int) -> Tensor:
+    """Rotated queries [tokens, num_heads, head_dim] of the fused qkv rows; the rotated keys and the values written
+    into the caches at slot_mapping (float32 CPU tensors; bit-identical to apply_rope + write_kv)."""
+    return torch.ops.pagedserve_model.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                    num_kv_heads)

@@ -1,0 +1,75 @@
+"""Linear weights packed once for MKL's GEMM (executor_service/model/packed.py): bit-identical to F.linear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.functional import linear
+
+from benchmarks.forward_steps import step_items
+from executor_service.config import ExecutorConfig
+from executor_service.default_model import make_model
+from executor_service.model import cpu_ops, packed
+from executor_service.model.parallel import Linear
+from executor_service.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ CPU model ops cannot be built here")
+
+
+@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, packed.BITWISE_ROWS, 17, 64, 333])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear_bit_for_bit_from_16_rows(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 300, generator=gen), torch.randn(700, generator=gen)
+    wide = torch.randn(rows, 900, generator=gen)
+    weights = packed.pack(weight)
+    for x in (wide[:, :300].contiguous(), wide[:, 100:400]):  # also a row stride wider than the row (a split view)
+        b = bias if with_bias else None
+        out = torch.ops.pagedserve_model.linear(x, weights, weight, b)
+        if rows >= packed.BITWISE_ROWS:
+            assert torch.equal(out, linear(x, weight, b))
+        else:  # F.linear's small-matrix path rounds differently
+            torch.testing.assert_close(out, linear(x, weight, b), rtol=1e-5, atol=1e-4)
+        assert torch.equal(packed.dense(x, weight, b, weights), out)
+
+
+def test_a_single_row_takes_f_linear() -> None:
+    weight = torch.randn(64, 32)
+    x = torch.randn(1, 32)
+    assert packed.MIN_ROWS == 2
+    assert torch.equal(packed.dense(x, weight, None, packed.pack(weight)), linear(x, weight))
+
+
+def test_bad_operands_are_refused() -> None:
+    weight = torch.randn(64, 32)
+    weights = packed.pack(weight)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights, weight, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.pagedserve_model.linear(torch.randn(20, 32), weights[:10], weight, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed.pack(weight.double())
+
+
+def backend(model: Path, prepack: bool) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
+                                              cpu_weight_prepack=prepack))
+
+
+def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True)
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(m.packed is not None for m in linears)
+    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert fast.model.model.layers[0].self_attn.ops.rope_write_kv is cpu_ops.rope_write_kv  # fused on the CPU
+    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):  # 60 and 24 rows: bit for bit
+        items = step_items(kind, n, length, 512, 2)
+        logits = []
+        for b in (plain, fast):
+            batch = b.prepare(items)
+            logits.append(b.run_batch(batch))
+        assert logits[0] is not None and logits[1] is not None
+        assert torch.equal(logits[0], logits[1])
