@@ -33,12 +33,8 @@ namespace {
 
 constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512 one)
 
-// Rows per tile: each tile reads the sequence's K/V once, so as many as keep the tile's accumulators in L1
-// (32 KiB) for the AVX-512 tile; 16 for the portable one.
-int64_t row_tile(bool portable, int64_t head_dim) {
-  return portable ? 16 : std::clamp<int64_t>(8192 / head_dim, 16, kRowTile);
-}
 constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
+constexpr int64_t kStreamBytes = int64_t{8} << 20;  // K/V per call above which the AVX-512 tile prefetches chunks
 
 struct Layout {
   const float* query;
@@ -215,7 +211,6 @@ ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {
 // Only for calls that read more than kStreamBytes of K/V (likely not in cache); for the others the prefetch
 // instructions cost more than they save (BENCHMARKS.md section 8).
 constexpr int64_t kPrefetchAhead = 2;
-constexpr int64_t kStreamBytes = int64_t{8} << 20;
 
 ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to) {
   const int64_t BS = L.block_size;
@@ -324,7 +319,8 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
       if (++in_block == BS) in_block = 0, ++block;
     }
     if (L.stream_from_memory) {
-      prefetch_keys(L, table, start + kPrefetchAhead * kKeyChunk, std::min(end, start + (kPrefetchAhead + 1) * kKeyChunk));
+      const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
+      prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
     } else if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
       const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
       for (int64_t line = 0; line < 4; ++line) {
@@ -365,8 +361,8 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
 #endif  // __AVX512F__
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
-void attend(const Layout& L, bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
-            float* denom, float* scores) {
+void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc,
+            float* max_score, float* denom, float* scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
     switch (L.head_dim) {
@@ -418,6 +414,15 @@ void check_int(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == dim, name,
               " must be a ", dim, "-D int32 CPU tensor");
   TORCH_CHECK(t.stride(dim - 1) == 1, name, " must have a contiguous last dim");
+}
+
+// Rows per tile: each tile reads the sequence's K/V once, so as many as keep the AVX-512 tile's accumulators in L1
+// (32 KiB); 16 for the portable tile.
+int64_t row_tile([[maybe_unused]] bool portable, [[maybe_unused]] int64_t head_dim) {
+#ifdef __AVX512F__
+  if (!portable && head_dim % 16 == 0) return std::clamp<int64_t>(8192 / head_dim, 16, kRowTile);
+#endif
+  return 16;
 }
 
 // out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
