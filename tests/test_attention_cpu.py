@@ -95,6 +95,19 @@ def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
     assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
 
 
+def test_the_source_compiles_for_a_cpu_without_avx512() -> None:
+    """Builds elsewhere get only the portable tile (tested here through paged_attention_portable)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    done = subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-march=x86-64-v3", "-fopenmp-simd", "-Wall",
+                           "-Werror=unused-parameter", "-fsyntax-only", *includes, str(cpu.SOURCE)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_split_sends_long_queries_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch([(10, 1), (0, 40), (20, 3), (5, 33)], 16, 2, 2, 32, torch.float32)
     split = cpu.plan_split(batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
