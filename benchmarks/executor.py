@@ -2,6 +2,7 @@
 
     python -m benchmarks.executor [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32] [--model DIR]
                                   [--device auto|cpu|cuda] [--threads 1] [--repeats 3] [--json-out FILE]
+                                  [--executor-args '--compile-sizes 1,16,64']
 
 Both sides use the same weights: --model DIR, or the embedded default model (a 4-layer, hidden-256 Llama,
 made once and cached). Prompts are the same N seeded random prompts of --prompt-len tokens for both.
@@ -33,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -97,7 +99,7 @@ def start_executor(args: argparse.Namespace, model_dir: Path, num_blocks: int, l
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, "-m", "executor_service", "--listen", address, "--model", str(model_dir),
            "--device", args.device, "--block-size", str(args.block_size), "--num-gpu-blocks", str(num_blocks),
-           "--num-cpu-blocks", "0"]
+           "--num-cpu-blocks", "0", *shlex.split(args.executor_args)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads for each side")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--executor-args", default="", help="more executor flags, e.g. '--compile-sizes 1,16,64'")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]

@@ -11,13 +11,13 @@ TP_GROUP = "tensor parallelism (docs/operations.md)"
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8); '' -> () (CUDA graphs off)."""
+    """'1,2,4,8' -> (1, 2, 4, 8); '' -> () (off)."""
     try:
         sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, got {text!r}") from None
     if sizes and sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"CUDA graph sizes must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
     return sizes
 
 
@@ -44,6 +44,10 @@ class ExecutorConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))
+    compile_sizes: tuple[int, ...] = field(default=(), metadata=flag(
+        "CPU: token counts of steps to run through torch.compile (inductor), one graph each, compiled on first use,"
+        " e.g. 1,2,4,8,16; a step runs the smallest size that holds it (default: none, eager; helps small decode"
+        " batches only, see BENCHMARKS.md)", parse=parse_sizes))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "shard the model over this many ranks, one process per device (under torchrun: its WORLD_SIZE)",
         group=TP_GROUP, aliases=["-tp"]))

@@ -24,6 +24,7 @@ from executor_service.backend import (
     SampleOutput,
     SamplingConfig,
 )
+from executor_service.compiled import CompiledForward
 from executor_service.config import ExecutorConfig
 from executor_service.cuda_graphs import DecodeGraphs
 from executor_service.default_model import ensure_default_model
@@ -74,7 +75,8 @@ class DecodeTime:
 
 class TorchBackend:
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
-                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None,
+                 compiled: CompiledForward | None = None) -> None:
         self.info = info
         self.model = model
         self.kv_cache = kv_cache
@@ -82,6 +84,7 @@ class TorchBackend:
         self.device = device
         self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.graphs = graphs
+        self.compiled = compiled
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
 
@@ -114,7 +117,11 @@ class TorchBackend:
         if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
             graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
                                   -(-max_model_len // config.block_size), device)
-        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs)
+        compiled = None
+        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1:
+            compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
+        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
+                   compiled=compiled)
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
@@ -173,9 +180,14 @@ class TorchBackend:
         return results
 
     def forward(self, batch: Batch) -> Tensor:
-        """Final hidden states of the sampled rows: a CUDA graph replay for decode steps that fit one."""
+        """Final hidden states of the sampled rows: a CUDA graph replay for decode steps that fit one, a compiled
+        graph for steps that fit one."""
         if self.graphs is not None and batch.decode_only:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden.index_select(0, batch.output_rows)
+        if self.compiled is not None:
+            hidden = self.compiled.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from executor_service import cpu_build
 from executor_service.attention import ENV_VAR, cpu, get_attention_ops, reference
 from tests.test_attention import (
     BATCHED_CASES,
@@ -36,12 +37,14 @@ def args(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, 
             batch.scale)
 
 
-def kernel_only(batch: Batch, seqs: list[int] | None = None, out: Tensor | None = None) -> Tensor:
-    """The raw op over `seqs` (default: all), whatever their query length."""
+def kernel_only(batch: Batch, seqs: list[int] | None = None, out: Tensor | None = None,
+                portable: bool = False) -> Tensor:
+    """The raw op (or its portable path) over `seqs` (default: all), whatever their query length."""
     out = torch.full(batch.query.shape, 7.0) if out is None else out
     ids = torch.tensor(range(batch.seq_lens.shape[0]) if seqs is None else seqs, dtype=torch.int32)
     query, k_cache, v_cache, tables, lens, starts, scale = args(batch)
-    torch.ops.pagedserve_cpu.paged_attention(out, query, k_cache, v_cache, tables, lens, starts, ids, scale)
+    op = torch.ops.pagedserve_cpu.paged_attention_portable if portable else torch.ops.pagedserve_cpu.paged_attention
+    op(out, query, k_cache, v_cache, tables, lens, starts, ids, scale)
     return out
 
 
@@ -66,8 +69,47 @@ def test_kernel_matches_dense_and_reference(seqs: list[tuple[int, int]], block_s
     torch.testing.assert_close(split, expected, atol=2e-6, rtol=2e-6)
 
 
+# One key, partial last blocks, chunks of 16 keys that span blocks, causal chunks of several tokens (one over
+# several row tiles), long contexts.
+SHAPE_SEQS = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (40, 1), (100, 1), (0, 5), (23, 5), (31, 16), (10, 40),
+              (64, 3), (300, 1)]
+SHAPES = [  # block size, KV heads, group, head size: 64/128 (constant-size tiles), 80/16 (run-time size), 24 (portable)
+    (16, 2, 2, 64), (16, 1, 4, 64), (8, 2, 1, 64), (32, 1, 8, 64), (16, 2, 4, 128), (8, 1, 8, 128), (32, 4, 1, 128),
+    (16, 2, 2, 80), (8, 1, 4, 80), (32, 2, 1, 24), (16, 1, 8, 24), (16, 4, 2, 16), (8, 2, 2, 32),
+]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"), SHAPES,
+                         ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in SHAPES])
+def test_both_paths_match_dense(block_size: int, kv_heads: int, group: int, head_dim: int, portable: bool) -> None:
+    """The AVX-512 tile (where built) and the portable one, over every shape the model can send them."""
+    batch = make_batch(SHAPE_SEQS, block_size, kv_heads, group, head_dim, torch.float32)
+    _poison_unused_slots(batch, block_size)
+    torch.testing.assert_close(kernel_only(batch, portable=portable).double(), dense_attention(batch), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
+    flags = cpu_build.cpu_flags().split()
+    assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
+
+
+def test_the_source_compiles_for_a_cpu_without_avx512() -> None:
+    """Builds elsewhere get only the portable tile (tested here through paged_attention_portable)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    done = subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-march=x86-64-v3", "-fopenmp-simd", "-Wall",
+                           "-Werror=unused-parameter", "-fsyntax-only", *includes, str(cpu.SOURCE)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_split_sends_long_queries_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = make_batch([(10, 1), (0, 40), (20, 3), (5, 17)], 16, 2, 2, 32, torch.float32)
+    batch = make_batch([(10, 1), (0, 40), (20, 3), (5, 33)], 16, 2, 2, 32, torch.float32)
     split = cpu.plan_split(batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     assert split.kernel_seqs is not None and split.kernel_seqs.tolist() == [0, 2]
     assert sum(g.num_seqs for g in split.plan.groups) == 2

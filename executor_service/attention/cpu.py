@@ -6,9 +6,9 @@ a warning, when the kernel cannot be built (no compiler): callers then use the p
 executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh builds every CPU extension with
 `python -m executor_service.cpu_build`).
 
-The kernel computes float32 only; `paged_attention` below sends decode-like sequences (query length <=
-KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins) to
-the reference, in one output tensor.
+The kernel computes float32 only; `paged_attention` below sends decode-like sequences and short chunks (query
+length <= KERNEL_MAX_QUERY) to it and the rest (long prefill chunks, where the batched SDPA of the reference wins
+once the context is long: BENCHMARKS.md section 8) to the reference, in one output tensor.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from executor_service.cpu_build import build_extension, kernel_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-KERNEL_MAX_QUERY = 16
+KERNEL_MAX_QUERY = 32
 
 
 @dataclass(slots=True)

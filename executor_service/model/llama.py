@@ -97,13 +97,17 @@ class Attention(nn.Module):
 
     def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> Tensor:
+        q, k, v = self.split_rope(qkv, cos, sin)
+        self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+
+    def split_rope(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [tokens, heads, head_dim] and k with the rotary embedding applied, v [tokens, kv_heads, head_dim]."""
         num_tokens = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         qk = apply_rope(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return q
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class MLP(nn.Module):
@@ -202,6 +206,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     and sums as Hugging Face's `x * cos + rotate_half(x) * sin`, without the concatenated temporaries."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():  # the same expressions without `out=` views, which dynamo cannot trace
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
     torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)

@@ -1,9 +1,15 @@
 // Paged attention for the CPU that reads K/V where they lie in the block-structured cache (no gather copies).
 //
-// One work item = one sequence x one KV head: the query heads of that KV head and the sequence's query tokens
-// are its rows; keys are visited block by block with an online softmax (float32 throughout), so each K/V row is
-// read once per tile of query rows. Causal: the q query tokens of a sequence are its last q positions.
-// Registered as torch.ops.pagedserve_cpu.{paged_attention,write_kv}; built by executor_service/attention/cpu.py.
+// One work item = one sequence: its query heads and query tokens are the rows of a tile; keys are visited front
+// to back, 16 at a time, with an online softmax (float32 throughout), so each K/V row is read from memory once
+// per tile of query rows. Causal: the q query tokens of a sequence are its last q positions.
+// Two implementations of a tile: with AVX-512 (built with -march=native on a CPU that has it; head sizes that
+// are multiples of 16) a row scores 16 keys into one vector (16 partial dot products reduced together by a
+// shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
+// any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
+// and one scalar softmax step per key.
+// Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
+// executor_service/attention/cpu.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,9 +23,18 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kRowTile = 16;
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512 one)
+
+constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
+constexpr int64_t kStreamBytes = int64_t{8} << 20;  // K/V per call above which the AVX-512 tile prefetches chunks
 
 struct Layout {
   const float* query;
@@ -35,9 +50,10 @@ struct Layout {
   int64_t out_token_stride, out_head_stride;
   int64_t num_kv_heads, group, head_dim, block_size;
   float scale;
+  bool stream_from_memory;  // the call reads more than kStreamBytes of K/V: prefetch whole chunks ahead
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
@@ -46,7 +62,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, within 2 ulp; below -87.3, 2^-126 instead of 0): vectorizes,
 // unlike std::exp.
-inline float exp_nonpositive(float x) {
+ALWAYS_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -63,16 +79,16 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-inline void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
+ALWAYS_INLINE void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
 }
 
-// Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. The rows of a
-// tile read the same K/V blocks, each block (all KV heads, contiguous) once per tile, front to back.
-// kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim at run time.
+// The portable tile. Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head
+// r % num_heads. The rows of a tile read the same K/V blocks, each block (all KV heads, contiguous) once per
+// tile, front to back. kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim.
 template <int64_t kD>
-void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                  float* denom, float* scores) {
   const int64_t first = L.query_start_loc[seq];
   const int64_t q_len = L.query_start_loc[seq + 1] - first;
@@ -148,19 +164,228 @@ void attend_rows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float
   }
 }
 
-void attend(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score, float* denom,
-            float* scores) {
+#ifdef __AVX512F__
+// Where a tile's 16 keys starting at `start` lie: the cache offset of each key's token (its KV heads follow).
+struct KeyChunk {
+  int64_t offset[kKeyChunk];
+  int64_t count;
+};
+
+// lane t of the result = the sum of the 16 lanes of p[t].
+ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of 4 keys
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // lanes (a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
+}
+
+// exp_nonpositive on 16 lanes (the same polynomial).
+ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+
+// Every line of the K/V rows of keys [from, to) into L2 (rows of a block are contiguous), kPrefetchAhead chunks
+// ahead of the one being computed: with K/V in memory the hardware prefetcher alone keeps too few lines in flight.
+// Only for calls that read more than kStreamBytes of K/V (likely not in cache); for the others the prefetch
+// instructions cost more than they save (BENCHMARKS.md section 8).
+constexpr int64_t kPrefetchAhead = 2;
+
+ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to) {
+  const int64_t BS = L.block_size;
+  for (int64_t key = from; key < to;) {
+    const int64_t in_block = key % BS, n = std::min(BS - in_block, to - key);
+    const int64_t base = static_cast<int64_t>(table[key / BS]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    for (int64_t x = 0; x < n * L.cache_token_stride; x += 16) {
+      __builtin_prefetch(L.k_cache + base + x, 0, 2);
+      __builtin_prefetch(L.v_cache + base + x, 0, 2);
+    }
+    key += n;
+  }
+}
+
+// Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
+template <int64_t kD>
+ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+                         int64_t D) {
+  __m512 partial[kKeyChunk];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    if (t >= m) {
+      partial[t] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* key = k + chunk.offset[t];
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+#pragma GCC unroll 8
+    for (int64_t d = 16; d < D; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(key + d), sum);
+    partial[t] = sum;
+  }
+  return sum_lanes16(partial);
+}
+
+// acc = acc * corr + sum over the first m keys of p[t] * v[offset[t]]. p[t] is broadcast from memory once per key
+// (a load, not a shuffle); kD > 0: acc in 2 x kD / 16 registers (even and odd keys), else 16 lanes at a time.
+template <int64_t kD>
+ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk, const float* p,
+                       int64_t m, float corr, int64_t D) {
+  asm volatile("" : : "r"(p) : "memory");  // read p back from memory: GCC would otherwise permute it out of a register
+  const __m512 c = _mm512_set1_ps(corr);
+  if constexpr (kD > 0) {
+    constexpr int64_t kC = kD / 16;
+    __m512 even[kC], odd[kC];
+    for (int64_t i = 0; i < kC; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 1 < m; t += 2) {
+      const float* v0 = v + chunk.offset[t];
+      const float* v1 = v + chunk.offset[t + 1];
+      const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t)), p1 = _mm512_broadcastss_ps(_mm_load_ss(p + t + 1));
+      for (int64_t i = 0; i < kC; ++i) {
+        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), odd[i]);
+      }
+    }
+    if (t < m) {
+      const float* v0 = v + chunk.offset[t];
+      const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t));
+      for (int64_t i = 0; i < kC; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+    }
+    for (int64_t i = 0; i < kC; ++i)
+      _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * i), c, _mm512_add_ps(even[i], odd[i])));
+  } else {
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(acc + d), c);
+      for (int64_t t = 0; t < m; ++t)
+        sum = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p + t)), _mm512_loadu_ps(v + chunk.offset[t] + d), sum);
+      _mm512_storeu_ps(acc + d, sum);
+    }
+  }
+}
+
+// The AVX-512 tile (head size a multiple of 16): rows as in attend_rows_portable; keys 16 at a time (a chunk may
+// span blocks), every row of the tile scoring the chunk's keys of its KV head while they are in L1.
+template <int64_t kD>
+void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+                        float* denom) {
+  const int64_t first = L.query_start_loc[seq];
+  const int64_t q_len = L.query_start_loc[seq + 1] - first;
+  const int64_t ctx = L.seq_lens[seq];
+  const int64_t rows = row1 - row0;
+  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
+  const int32_t* table = L.block_tables + seq * L.table_stride;
+  const float* q[kRowTile];
+  int64_t last_key[kRowTile], head_offset[kRowTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r, token = row / H, head = row % H;
+    q[r] = L.query + (first + token) * L.q_token_stride + head * L.q_head_stride;
+    last_key[r] = ctx - q_len + token;
+    head_offset[r] = (head / L.group) * L.cache_head_stride;
+    max_score[r] = -std::numeric_limits<float>::infinity();
+    denom[r] = 0.f;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+  }
+  const int64_t end = *std::max_element(last_key, last_key + rows) + 1;
+  const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[kRowTile][kKeyChunk];  // per row: scores, then probabilities
+  float corr[kRowTile];
+  int64_t visible[kRowTile];
+  KeyChunk chunk;
+  int64_t block = 0, in_block = 0;  // where the next chunk starts
+  for (int64_t start = 0; start < end; start += kKeyChunk) {
+    chunk.count = std::min(kKeyChunk, end - start);
+    for (int64_t t = 0; t < chunk.count; ++t) {
+      chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+      if (++in_block == BS) in_block = 0, ++block;
+    }
+    if (L.stream_from_memory) {
+      const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
+      prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
+    } else if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
+      const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+      for (int64_t line = 0; line < 4; ++line) {
+        __builtin_prefetch(L.k_cache + next + line * 16);
+        __builtin_prefetch(L.v_cache + next + line * 16);
+      }
+    }
+    // Three passes over the rows (scores, softmax, P.V), so that the rows' dependency chains overlap. Keys before
+    // `end` are all written; row r sees the first visible[r] keys of the chunk.
+    for (int64_t r = 0; r < rows; ++r) {
+      visible[r] = std::max<int64_t>(0, std::min(chunk.count, last_key[r] - start + 1));
+      if (visible[r] > 0)
+        _mm512_store_ps(p[r], score_keys<kD>(q[r], L.k_cache + head_offset[r], chunk, visible[r], D));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = visible[r];
+      if (m == 0) continue;
+      const __mmask16 mask = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
+      const __m512 s = _mm512_mask_mov_ps(minus_inf, mask, _mm512_mul_ps(_mm512_load_ps(p[r]), scale));
+      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      _mm512_store_ps(p[r], e);
+      corr[r] = exp_nonpositive(max_score[r] - new_max);
+      denom[r] = denom[r] * corr[r] + _mm512_reduce_add_ps(e);
+      max_score[r] = new_max;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      if (visible[r] > 0)
+        add_values<kD>(acc + r * D, L.v_cache + head_offset[r], chunk, p[r], visible[r], corr[r], D);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r, token = row / H, head = row % H;
+    float* o = L.out + (first + token) * L.out_token_stride + head * L.out_head_stride;
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
+  }
+}
+#endif  // __AVX512F__
+
+// The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
+void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc,
+            float* max_score, float* denom, float* scores) {
+#ifdef __AVX512F__
+  if (!portable && L.head_dim % 16 == 0) {
+    switch (L.head_dim) {
+      case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
+      case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
+      case 32: return attend_rows_avx512<32>(L, seq, row0, row1, acc, max_score, denom);
+      default: return attend_rows_avx512<0>(L, seq, row0, row1, acc, max_score, denom);
+    }
+  }
+#endif
   switch (L.head_dim) {
-    case 64: return attend_rows<64>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 128: return attend_rows<128>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 32: return attend_rows<32>(L, seq, row0, row1, acc, max_score, denom, scores);
-    default: return attend_rows<0>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores);
+    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores);
   }
 }
 
 // Every read the named sequences imply stays inside the tensors (bad metadata raises instead of crashing).
-void check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
-                    int64_t table_width, int64_t num_blocks) {
+// Returns the number of context keys they read.
+int64_t check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
+                       int64_t table_width, int64_t num_blocks) {
+  int64_t keys = 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t seq = seq_ids[i];
     TORCH_CHECK(seq >= 0 && seq < num_seqs, "sequence index ", seq, " out of range [0, ", num_seqs, ")");
@@ -175,7 +400,9 @@ void check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int6
     for (int64_t b = 0; b < blocks; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, ": block id ", table[b],
                   " out of range [0, ", num_blocks, ")");
+    keys += ctx;
   }
+  return keys;
 }
 
 void check_float(const at::Tensor& t, const char* name, int64_t dim) {
@@ -189,11 +416,20 @@ void check_int(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.stride(dim - 1) == 1, name, " must have a contiguous last dim");
 }
 
+// Rows per tile: each tile reads the sequence's K/V once, so as many as keep the AVX-512 tile's accumulators in L1
+// (32 KiB); 16 for the portable tile.
+int64_t row_tile([[maybe_unused]] bool portable, [[maybe_unused]] int64_t head_dim) {
+#ifdef __AVX512F__
+  if (!portable && head_dim % 16 == 0) return std::clamp<int64_t>(8192 / head_dim, 16, kRowTile);
+#endif
+  return 16;
+}
+
 // out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
 // `seqs` (int32) names the sequences to compute; the rows of other sequences in out are left untouched.
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const at::Tensor& seqs, double scale) {
+void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& seqs, double scale, bool portable) {
   check_float(out, "out", 3);
   check_float(query, "query", 3);
   check_float(k_cache, "k_cache", 4);
@@ -213,19 +449,43 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
            out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
            k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
-           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale)};
+           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
-  check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
+  const int64_t keys =
+      check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
+  L.stream_from_memory = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float)) > kStreamBytes;
+  const int64_t tile = row_tile(portable, head_dim);
   at::parallel_for(0, seqs.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = seq_ids[item];
       const int64_t rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * num_heads;
-      for (int64_t row0 = 0; row0 < rows; row0 += kRowTile)
-        attend(L, seq, row0, std::min(rows, row0 + kRowTile), acc.data(), max_score.data(), denom.data(),
+      for (int64_t row0 = 0; row0 < rows; row0 += tile)
+        attend(L, portable, seq, row0, std::min(rows, row0 + tile), acc.data(), max_score.data(), denom.data(),
                scores.data());
     }
   });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const at::Tensor& seqs, double scale) {
+  run_attention(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale, false);
+}
+
+void paged_attention_portable(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale) {
+  run_attention(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale, true);
+}
+
+// True when paged_attention runs the AVX-512 tile (for head sizes that are multiples of 16).
+bool has_avx512() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
@@ -264,10 +524,14 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+  m.def("paged_attention_portable(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+  m.def("has_avx512() -> bool", has_avx512);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
+  m.impl("paged_attention_portable", paged_attention_portable);
   m.impl("write_kv", write_kv);
 }
