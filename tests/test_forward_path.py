@@ -109,15 +109,15 @@ def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path() -> None:
     freqs = torch.randn(tokens, dim // 2, generator=gen) * 3
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     slots = torch.tensor([5, 0, -1, 17, 3, 30, 12, 8, 1])  # -1: not written
-    caches = [torch.randn(8, 4, kv_heads, dim, generator=gen) for _ in range(2)]
-    expected = [c.clone() for c in caches]
+    k_cache, v_cache = (torch.randn(8, 4, kv_heads, dim, generator=gen) for _ in range(2))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
     qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-    attention_cpu.write_kv(qk[:, heads:], v, *expected, slots)
-    q = cpu_ops.rope_write_kv(qkv, cos, sin, *caches, slots, heads, kv_heads)
+    attention_cpu.write_kv(qk[:, heads:], v, k_expected, v_expected, slots)
+    q = cpu_ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
     assert torch.equal(q, qk[:, :heads])
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
     with pytest.raises(RuntimeError, match="slot"):
-        cpu_ops.rope_write_kv(qkv, cos, sin, *caches, torch.full((tokens,), 32), heads, kv_heads)
+        cpu_ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.full((tokens,), 32), heads, kv_heads)
     with pytest.raises(RuntimeError, match="qkv"):
-        cpu_ops.rope_write_kv(qkv[:, :-dim], cos, sin, *caches, slots, heads, kv_heads)
+        cpu_ops.rope_write_kv(qkv[:, :-dim], cos, sin, k_cache, v_cache, slots, heads, kv_heads)

@@ -8,6 +8,7 @@ import random
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ def test_a_step_with_a_prefill_chunk_takes_the_general_path() -> None:
 ])
 def test_decode_fast_path_raises_the_general_errors(change: dict[str, list[int]], message: str) -> None:
     items = decode_items(4, 6)
-    items[1] = replace(items[1], start=0, **{"token_ids": [5], "block_table": [3], **change})
+    fields: dict[str, Any] = {"token_ids": [5], "block_table": [3], **change}
+    items[1] = replace(items[1], start=0, **fields)
     assert build_decode_batch(items, INFO, CPU) is None
     with pytest.raises(ValueError, match=message) as fast:
         build_batch(items, INFO, CPU)
