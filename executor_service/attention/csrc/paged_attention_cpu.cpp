@@ -84,30 +84,46 @@ ALWAYS_INLINE void add_scaled(float* __restrict acc, const float* __restrict v, 
   for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
 }
 
-// The portable tile. Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head
-// r % num_heads. The rows of a tile read the same K/V blocks, each block (all KV heads, contiguous) once per
-// tile, front to back. kD > 0: the head size as a compile-time constant (fully unrolled loops); 0: L.head_dim.
+// Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. Where each
+// row's query, output and KV head lie, the last key it sees, and its accumulators cleared.
+struct TileRows {
+  TileRows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t D, float* acc, float* max_score,
+           float* denom)
+      : table(L.block_tables + seq * L.table_stride), rows(row1 - row0) {
+    const int64_t first = L.query_start_loc[seq], q_len = L.query_start_loc[seq + 1] - first;
+    const int64_t ctx = L.seq_lens[seq], H = L.num_kv_heads * L.group;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = row0 + r, token = row / H, head = row % H;
+      q[r] = L.query + (first + token) * L.q_token_stride + head * L.q_head_stride;
+      out[r] = L.out + (first + token) * L.out_token_stride + head * L.out_head_stride;
+      last_key[r] = ctx - q_len + token;
+      head_offset[r] = (head / L.group) * L.cache_head_stride;
+      max_score[r] = -std::numeric_limits<float>::infinity();
+      denom[r] = 0.f;
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+    }
+    end = *std::max_element(last_key, last_key + rows) + 1;
+  }
+
+  const int32_t* table;
+  int64_t rows, end;
+  const float* q[kRowTile];
+  float* out[kRowTile];
+  int64_t last_key[kRowTile], head_offset[kRowTile];
+};
+
+// The portable tile (rows as in TileRows). The rows of a tile read the same K/V blocks, each block (all KV
+// heads, contiguous) once per tile, front to back. kD > 0: the head size as a compile-time constant (fully
+// unrolled loops); 0: L.head_dim.
 template <int64_t kD>
 void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                  float* denom, float* scores) {
-  const int64_t first = L.query_start_loc[seq];
-  const int64_t q_len = L.query_start_loc[seq + 1] - first;
-  const int64_t ctx = L.seq_lens[seq];
-  const int64_t rows = row1 - row0;
-  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
-  const int32_t* table = L.block_tables + seq * L.table_stride;
-  const float* q[kRowTile];
-  int64_t last_key[kRowTile], head_offset[kRowTile];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r, token = row / H, head = row % H;
-    q[r] = L.query + (first + token) * L.q_token_stride + head * L.q_head_stride;
-    last_key[r] = ctx - q_len + token;
-    head_offset[r] = (head / L.group) * L.cache_head_stride;
-    max_score[r] = -std::numeric_limits<float>::infinity();
-    denom[r] = 0.f;
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-  }
-  const int64_t end = *std::max_element(last_key, last_key + rows) + 1;
+  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size;
+  const TileRows tile(L, seq, row0, row1, D, acc, max_score, denom);
+  const int64_t rows = tile.rows, end = tile.end;
+  const int32_t* table = tile.table;
+  const float* const* q = tile.q;
+  const int64_t *last_key = tile.last_key, *head_offset = tile.head_offset;
   for (int64_t start = 0; start < end; start += BS) {
     const int64_t n = std::min(BS, end - start);
     const int64_t base = static_cast<int64_t>(table[start / BS]) * L.cache_block_stride;
@@ -155,8 +171,7 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
         add_scaled(acc + r * D, v + t * L.cache_token_stride + head_offset[r], scores[r * BS + t], D);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r, token = row / H, head = row % H;
-    float* o = L.out + (first + token) * L.out_token_stride + head * L.out_head_stride;
+    float* o = tile.out[r];
     const float inv = 1.f / denom[r];
     const float* a = acc + r * D;
 #pragma omp simd
@@ -288,24 +303,12 @@ ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, 
 template <int64_t kD>
 void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                         float* denom) {
-  const int64_t first = L.query_start_loc[seq];
-  const int64_t q_len = L.query_start_loc[seq + 1] - first;
-  const int64_t ctx = L.seq_lens[seq];
-  const int64_t rows = row1 - row0;
-  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size, H = L.num_kv_heads * L.group;
-  const int32_t* table = L.block_tables + seq * L.table_stride;
-  const float* q[kRowTile];
-  int64_t last_key[kRowTile], head_offset[kRowTile];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r, token = row / H, head = row % H;
-    q[r] = L.query + (first + token) * L.q_token_stride + head * L.q_head_stride;
-    last_key[r] = ctx - q_len + token;
-    head_offset[r] = (head / L.group) * L.cache_head_stride;
-    max_score[r] = -std::numeric_limits<float>::infinity();
-    denom[r] = 0.f;
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-  }
-  const int64_t end = *std::max_element(last_key, last_key + rows) + 1;
+  const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size;
+  const TileRows tile(L, seq, row0, row1, D, acc, max_score, denom);
+  const int64_t rows = tile.rows, end = tile.end;
+  const int32_t* table = tile.table;
+  const float* const* q = tile.q;
+  const int64_t *last_key = tile.last_key, *head_offset = tile.head_offset;
   const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float p[kRowTile][kKeyChunk];  // per row: scores, then probabilities
   float corr[kRowTile];
@@ -352,8 +355,7 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
         add_values<kD>(acc + r * D, L.v_cache + head_offset[r], chunk, p[r], visible[r], corr[r], D);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = row0 + r, token = row / H, head = row % H;
-    float* o = L.out + (first + token) * L.out_token_stride + head * L.out_head_stride;
+    float* o = tile.out[r];
     const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
   }
