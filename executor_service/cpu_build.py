@@ -9,12 +9,15 @@ torch.ops; callers decide what to do when a build fails (every extension has a p
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
@@ -56,10 +59,18 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
                        build_directory=str(directory), is_python_module=False, verbose=False)
 
 
+def try_build(name: str, sources: list[Path], what: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
+    """build_extension, or False with one warning (`what` unavailable, using `fallback`) when it fails here."""
+    try:
+        build_extension(name, sources, extra_cflags)
+    except Exception as e:  # any build failure means: use the torch fallback
+        log.warning("%s unavailable (%s); using %s", what, str(e).splitlines()[0], fallback)
+        return False
+    return True
+
+
 def main() -> int:
     """Build every CPU extension ahead of time (scripts/setup.sh); exit status 1 if one cannot be built here."""
-    import logging
-
     from executor_service.attention import cpu as attention
     from executor_service.model import cpu_ops
 

@@ -156,8 +156,7 @@ class StepValidator:
             self._check_claim(r.request_id, r.new_block_ids, ownership)
         if state.num_computed + r.num_tokens > len(state.token_ids):
             raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
-        check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids), self.table.block_size,
-                   self.table.max_model_len)
+        self._check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids))
         return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed)
 
     def _check_span(self, start: int, num_tokens: int, num_blocks: int) -> None:

@@ -22,9 +22,7 @@ import torch
 from torch import Tensor
 
 from executor_service.attention.reference import Plan, Scratch, build_plan, run_plan
-from executor_service.cpu_build import build_extension, kernel_dir
-
-log = logging.getLogger(__name__)
+from executor_service.cpu_build import kernel_dir, try_build
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 KERNEL_MAX_QUERY = 32
@@ -59,16 +57,7 @@ def load() -> bool:
     """Build (or reuse) and load the kernel; False when it cannot be built here."""
     if hasattr(torch.ops.pagedserve_cpu, "paged_attention"):
         return True
-    try:
-        build()
-    except Exception as e:  # any build failure means: use the reference
-        log.warning("CPU attention kernel unavailable (%s); using the torch reference", str(e).splitlines()[0])
-        return False
-    return True
-
-
-def build() -> None:
-    build_extension("pagedserve_cpu_attention", [SOURCE])
+    return try_build("pagedserve_cpu_attention", [SOURCE], "CPU attention kernel", "the torch reference")
 
 
 def supports(query: Tensor, k_cache: Tensor) -> bool:

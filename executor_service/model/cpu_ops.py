@@ -5,15 +5,12 @@ where it cannot be built, the model keeps its torch path."""
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from executor_service.cpu_build import build_extension
-
-log = logging.getLogger(__name__)
+from executor_service.cpu_build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp"]
@@ -25,12 +22,7 @@ def load() -> bool:
     """Build (or reuse) and load the extension; False, with one warning, when it cannot be built here."""
     if hasattr(torch.ops.pagedserve_model, "rope_write_kv"):
         return True
-    try:
-        build_extension("pagedserve_cpu_model", SOURCES, CFLAGS)
-    except Exception as e:  # any build failure means: keep the torch path
-        log.warning("C++ CPU model ops unavailable (%s); using torch", str(e).splitlines()[0])
-        return False
-    return True
+    return try_build("pagedserve_cpu_model", SOURCES, "C++ CPU model ops", "torch", CFLAGS)
 
 
 def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,

@@ -146,7 +146,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.parallel.world_size == 1:
-            return dense(x, self.weight, self.bias, self.packed)
+            return super().forward(x)
         y = self.parallel.all_reduce(dense(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
@@ -182,7 +182,7 @@ class ParallelLMHead(Linear):
         self.vocab_size = layout.vocab_size
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = dense(hidden, self.weight, None, self.packed)
+        logits = super().forward(hidden)
         if self.parallel.world_size == 1:
             return logits
         return self.parallel.all_gather_last(logits)[:, : self.vocab_size]
