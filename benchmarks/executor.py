@@ -240,8 +240,8 @@ def bench_transformers(model_dir: Path, batch_sizes: list[int], args: argparse.N
 def table(rows: list[Row], header: dict[str, Any], limits: Limits) -> str:
     lines = [", ".join(f"{k}={v}" for k, v in header.items()),
              f"limits (measured first, {limits.threads} thread(s)): matmul peak {limits.matmul_peak_gflops:.1f} GFLOP/s"
-             f" (by rows {limits.matmul_gflops_by_rows}), read {limits.read_gbs:.1f} GB/s, copy {limits.copy_gbs:.1f}"
-             " GB/s", "",
+             f" (by rows {limits.matmul_gflops_by_rows}; by GEMM {limits.matmul_gflops_by_gemm}), read"
+             f" {limits.read_gbs:.1f} GB/s, copy {limits.copy_gbs:.1f} GB/s", "",
              f"{'batch':>5} | {'pagedserve tok/s':>16} | {'executor busy tok/s':>19} | {'async tok/s':>11} | "
              f"{'transformers tok/s':>18} | {'ratio':>6} | {'async':>6} | {'GFLOP/s (% peak) ours / theirs':>30} | "
              f"{'GB/s (% bw) ours / theirs':>26}",

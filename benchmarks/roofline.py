@@ -6,7 +6,10 @@ and layer, 4 x heads x head_dim FLOPs per attended key (QK^T and PV). A decode s
 weights once, reads the K/V of every attended key and writes the K/V of each new token.
 
 The limits are measured on the benchmark's own threads: matmul peak = the best FLOP/s of one layer's linears plus
-the LM head at M rows (M = 64 ... 512, the model's own shapes, best of several timings); memory bandwidth = a
+the LM head at M rows (M = 64 ... 512, the model's own shapes, best of several timings), over torch's F.linear
+and, on the CPU in float32, over each packed GEMM the executor can use (MKL's, oneDNN's), the best of them all
+(on AMD CPUs MKL runs its AVX2 code and oneDNN is 2 - 2.5x faster; the per-GEMM peaks are reported beside it);
+memory bandwidth = a
 streaming read of a buffer much larger than the caches (and a copy, reported beside it).
 
     python -m benchmarks.roofline [--model DIR] [--threads 1] [--device cpu|cuda]
@@ -20,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 PEAK_ROWS = (64, 128, 256, 512)
 BANDWIDTH_MIB = 512
@@ -97,6 +101,7 @@ class Limits:
     threads: int
     matmul_peak_gflops: float
     matmul_gflops_by_rows: dict[int, float]
+    matmul_gflops_by_gemm: dict[str, float]
     read_gbs: float
     copy_gbs: float
 
@@ -127,31 +132,45 @@ def measure_limits(shape: ModelShape, threads: int, device: str = "cpu", rows: I
     clock=time.thread_time (one thread, CPU) counts only this thread's CPU time: robust on a shared machine."""
     import torch
 
+    from executor_service.model.packed import dense
+
     torch.set_num_threads(threads)
     dev = torch.device(device)
     dtype = {2: torch.float16, 4: torch.float32}[shape.dtype_bytes]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     shapes = [*shape.linears(), (shape.hidden, shape.vocab)]
     weights = [torch.randn(o, i, device=dev, dtype=dtype) for i, o in shapes]
+    gemms = cpu_gemms(weights) if dev.type == "cpu" and dtype == torch.float32 else {}
     by_rows: dict[int, float] = {}
+    by_gemm: dict[str, float] = {}
     with torch.inference_mode():
         for m in rows:
             inputs = [torch.randn(m, i, device=dev, dtype=dtype) for i, _ in shapes]
             flops = sum(2 * m * i * o for i, o in shapes)
+            for name, packs in {"torch": [None] * len(weights), **gemms}.items():
 
-            def layer(inputs: list[torch.Tensor] = inputs) -> None:
-                for x, w in zip(inputs, weights, strict=True):
-                    torch.nn.functional.linear(x, w)
+                def layer(inputs: list[torch.Tensor] = inputs, packs: list[Any] = packs) -> None:
+                    for x, w, p in zip(inputs, weights, packs, strict=True):
+                        dense(x, w, None, p)
 
-            by_rows[m] = flops / best_time(layer, sync, reps=3, clock=clock) / 1e9
+                gflops = flops / best_time(layer, sync, reps=3, clock=clock) / 1e9
+                by_rows[m] = max(by_rows.get(m, 0.0), gflops)
+                by_gemm[name] = round(max(by_gemm.get(name, 0.0), gflops), 1)
         numel = bandwidth_mib * (1 << 20) // 4
         src = torch.rand(numel, device=dev)
         dst = torch.empty_like(src)
         read = best_time(src.sum, sync, reps=1, rounds=4, clock=clock)
         copy = best_time(lambda: dst.copy_(src), sync, reps=1, rounds=4, clock=clock)
     return Limits(device=dev.type, threads=threads, matmul_peak_gflops=max(by_rows.values()),
-                  matmul_gflops_by_rows={m: round(v, 1) for m, v in by_rows.items()},
+                  matmul_gflops_by_rows={m: round(v, 1) for m, v in by_rows.items()}, matmul_gflops_by_gemm=by_gemm,
                   read_gbs=numel * 4 / read / 1e9, copy_gbs=2 * numel * 4 / copy / 1e9)
+
+
+def cpu_gemms(weights: list[Any]) -> dict[str, list[Any]]:
+    """The weights packed for each packed CPU GEMM that can run here (executor_service/model/packed.py)."""
+    from executor_service.model import packed
+
+    return {g: [packed.pack(w, g) for w in weights] for g in packed.GEMMS if packed.available(g)}
 
 
 def limits_record(limits: Limits) -> dict[str, object]:

@@ -323,7 +323,8 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace, limi
           "pct_of_matmul_peak": ours["pct_of_matmul_peak"], "target_pct": TARGET_PEAK_PCT,
           "machine_after": machine()}, args.json_out)
     name = "continuous" if args.hf_mode == "continuous" else f"static b={args.hf_batch_size}"
-    print(f"\nmatmul peak measured first: {limits.matmul_peak_gflops:.1f} GFLOP/s ({args.threads} thread(s))\n"
+    print(f"\nmatmul peak measured first: {limits.matmul_peak_gflops:.1f} GFLOP/s ({args.threads} thread(s); by GEMM"
+          f" {limits.matmul_gflops_by_gemm})\n"
           f"| side | useful output tokens/s | seconds | model GFLOP/s (% of peak) |\n| --- | --- | --- | --- |\n"
           f"| pagedserve | {ours['useful_tokens_per_s']:.1f} | {ours['seconds']:.1f} | "
           f"{ours['model_gflops']:.1f} ({ours['pct_of_matmul_peak']:.0f}%) |\n"

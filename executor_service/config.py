@@ -36,8 +36,12 @@ class ExecutorConfig:
     num_cpu_blocks: int | None = field(default=None, metadata=flag("override the swap block count"))
     cpu_kv_cache_space: float = field(default=1.0, metadata=flag("KV cache size in GiB when the device is the CPU"))
     cpu_weight_prepack: bool = field(default=True, metadata=flag(
-        "on the CPU in float32, pack linear weights once for MKL's GEMM (faster linears for 2-64 rows, bit-identical"
-        " to F.linear from 16 rows; about twice the weights' memory on top of them)"))
+        "on the CPU in float32, pack linear weights once for the GEMM (--cpu-gemm; faster linears from 2 rows; one"
+        " to two times the weights' memory on top of them)"))
+    cpu_gemm: str = field(default="auto", metadata=flag(
+        "the packed GEMM for --cpu-weight-prepack: mkl (bit-identical to F.linear from 16 rows), onednn (JIT for"
+        " the CPU's ISA: much faster where MKL runs its AVX2 code, as on AMD), or auto (the faster on the model's"
+        " shapes, timed at load)", choices=["auto", "mkl", "onednn"]))
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,8 @@ PROFILE_SAMPLE_ROWS = 256
 INLINE_STEP_S = 0.02
 """A decode step expected to take less than this runs on the event loop's thread: the hop to the forward thread
 and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it)."""
+
+log = logging.getLogger("pagedserve.executor")
 
 
 @dataclass(slots=True)
@@ -102,7 +105,8 @@ class TorchBackend:
         model = load_model(model_dir, device=device, dtype=dtype, ops=attention_ops(device, dtype),
                            parallel=parallel)
         if config.cpu_weight_prepack:
-            model.pack_weights()
+            gemm = model.pack_weights(config.cpu_gemm)
+            log.info("linear weights packed for %s", gemm or "nothing (F.linear)")
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)

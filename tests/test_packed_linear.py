@@ -1,4 +1,5 @@
-"""Linear weights packed once for MKL's GEMM (executor_service/model/packed.py): bit-identical to F.linear."""
+"""Linear weights packed once for the CPU's GEMM (executor_service/model/packed.py): MKL's panels bit-identical to
+F.linear from 16 rows, oneDNN's equal up to rounding; the GEMM chosen per machine."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_packed_linear_equals_f_linear_bit_for_bit_from_16_rows(rows: int, with_
     weights = packed.pack(weight)
     for x in (wide[:, :300].contiguous(), wide[:, 100:400]):  # also a row stride wider than the row (a split view)
         b = bias if with_bias else None
-        out = torch.ops.pagedserve_model.linear(x, weights, weight, b)
+        out = torch.ops.pagedserve_model.linear(x, weights.panels, weight, b)
         if rows >= packed.BITWISE_ROWS:
             assert torch.equal(out, linear(x, weight, b))
         else:  # F.linear's small-matrix path rounds differently
@@ -47,27 +48,55 @@ def test_bad_operands_are_refused() -> None:
     weight = torch.randn(64, 32)
     weights = packed.pack(weight)
     with pytest.raises(RuntimeError, match="features"):
-        torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights, weight, None)
+        torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights.panels, weight, None)
     with pytest.raises(RuntimeError, match="packed"):
-        torch.ops.pagedserve_model.linear(torch.randn(20, 32), weights[:10], weight, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        packed.pack(weight.double())
+        torch.ops.pagedserve_model.linear(torch.randn(20, 32), weights.panels[:10], weight, None)
+    for gemm in packed.GEMMS:
+        with pytest.raises(RuntimeError, match="float32"):
+            packed.pack(weight.double(), gemm)
 
 
-def backend(model: Path, prepack: bool) -> TorchBackend:
+needs_onednn = pytest.mark.skipif(not packed.available("onednn"), reason="torch has no oneDNN here")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, 64, 333])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_packed_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 300, generator=gen), torch.randn(700, generator=gen)
+    wide = torch.randn(rows, 900, generator=gen)
+    weights = packed.pack(weight, "onednn")
+    for x in (wide[:, :300].contiguous(), wide[:, 100:400]):
+        b = bias if with_bias else None
+        torch.testing.assert_close(packed.dense(x, weight, b, weights), linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    one = wide[:1, :300]
+    assert torch.equal(packed.dense(one, weight, None, weights), linear(one, weight))
+
+
+def test_choose_gemm_takes_a_forced_choice_and_refuses_an_unknown_one() -> None:
+    shapes = [(32, 64)]
+    assert packed.choose_gemm(shapes, "mkl") == "mkl"
+    assert packed.choose_gemm(shapes, "onednn") == ("onednn" if packed.available("onednn") else None)
+    assert packed.choose_gemm(shapes, "auto") in packed.GEMMS
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        packed.choose_gemm(shapes, "blas")
+
+
+def backend(model: Path, prepack: bool, gemm: str = "mkl") -> TorchBackend:
     return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
-                                              cpu_weight_prepack=prepack))
+                                              cpu_weight_prepack=prepack, cpu_gemm=gemm))
 
 
 def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> None:
     model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
     plain, fast = backend(model, False), backend(model, True)
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 2 * 4 + 1 and all(m.packed is not None for m in linears)
+    assert len(linears) == 2 * 4 + 1 and all(m.packed is not None and m.packed.gemm == "mkl" for m in linears)
     assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
     attentions = [m for m in fast.model.modules() if isinstance(m, Attention)]
     assert attentions and all(a.ops.rope_write_kv is cpu_ops.rope_write_kv for a in attentions)  # fused on the CPU
-    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):  # 60 and 24 rows: bit for bit
+    for kind, n, length in (("prefill", 16, 4), ("decode", 24, 20)):  # every linear (LM head too) at 16+ rows
         items = step_items(kind, n, length, 512, 2)
         logits = []
         for b in (plain, fast):
@@ -75,3 +104,16 @@ def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> N
             logits.append(b.run_batch(batch))
         assert logits[0] is not None and logits[1] is not None
         assert torch.equal(logits[0], logits[1])
+
+
+@needs_onednn
+def test_model_logits_over_onednn_weights_equal_up_to_rounding(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True, "onednn")
+    assert all(m.packed is not None and m.packed.gemm == "onednn" for m in fast.model.modules()
+               if isinstance(m, Linear))
+    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):
+        items = step_items(kind, n, length, 512, 2)
+        plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
+        assert plain_logits is not None and fast_logits is not None
+        torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)

@@ -12,6 +12,7 @@ from torch.nn.functional import rms_norm, silu
 
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
+from executor_service.model.packed import Gemm, can_pack, choose_gemm
 from executor_service.model.parallel import (
     SINGLE,
     Linear,
@@ -185,11 +186,16 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_select(0, output_rows)
         return self.model.norm(x)
 
-    def pack_weights(self) -> None:
-        """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_weight()
+    def pack_weights(self, requested: str = "auto") -> Gemm | None:
+        """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are):
+        `requested` ("mkl", "onednn"), or with "auto" the faster of the two on this model's shapes. The GEMM used."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
+        shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
+        gemm = choose_gemm(shapes, requested) if linears else None
+        if gemm is not None:
+            for module in linears:
+                module.pack_weight(gemm)
+        return gemm
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""

@@ -1,15 +1,25 @@
-"""Linear weights packed once into MKL's GEMM panels for the CPU (csrc/packed_linear_cpu.cpp).
+"""Linear weights packed once for the CPU's GEMM: MKL's panels (csrc/packed_linear_cpu.cpp) or oneDNN's blocked layout.
 
 torch's F.linear lets MKL re-pack the weight on every call; for decode-sized batches that is a large part of the
-call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). With BITWISE_ROWS rows or more the packed path
-runs the same MKL kernels as F.linear and is bit-identical to it; from MIN_ROWS to BITWISE_ROWS - 1 F.linear takes
-MKL's small-matrix path and the two differ by rounding only (as F.linear's own results differ between row
-counts). A single row keeps F.linear: packing does not speed it up, and a batch of one then computes exactly
-what transformers' one-sequence decode does. The ops live in the model's C++ extension (cpu_ops.py); where it
-cannot be built, every layer keeps F.linear.
+call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). Two packed GEMMs, chosen per machine
+(choose_gemm times both on the model's own shapes at load; --cpu-gemm forces one):
+
+- "mkl": MKL's panels. With BITWISE_ROWS rows or more it runs the same kernels as F.linear and is bit-identical
+  to it; from MIN_ROWS to BITWISE_ROWS - 1 F.linear takes MKL's small-matrix path and the two differ by rounding.
+  Best on Intel CPUs.
+- "onednn": oneDNN's reordered weight (torch.ops.mkldnn). MKL runs its AVX2 code on other vendors' CPUs, while
+  oneDNN JIT-compiles for the ISA it finds (AVX-512 on AMD Zen 4/5: 2 - 3.5x MKL's FLOP/s at 4 - 2,048 rows there).
+  Equal to F.linear up to rounding (~1e-6 relative).
+
+A single row keeps F.linear on both: packing does not speed it up, and a batch of one then computes exactly what
+transformers' one-sequence decode does. Where neither can be used, every layer keeps F.linear.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -19,19 +29,74 @@ from executor_service.model import cpu_ops
 
 MIN_ROWS = 2
 BITWISE_ROWS = 16
+Gemm = Literal["mkl", "onednn"]
+GEMMS: tuple[Gemm, ...] = ("mkl", "onednn")
+CALIBRATION_ROWS = (4, 32)
+ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    gemm: Gemm
+    panels: Tensor
 
 
 def can_pack(weight: Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and cpu_ops.load()
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-def pack(weight: Tensor) -> Tensor:
-    return torch.ops.pagedserve_model.pack_weight(weight)
+def available(gemm: Gemm) -> bool:
+    if gemm == "onednn":
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return cpu_ops.load()
 
 
-def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None) -> Tensor:
+def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
+    if gemm == "onednn":
+        if weight.dtype != torch.float32:
+            raise RuntimeError(f"packed weights must be float32, got {weight.dtype}")
+        return PackedWeight(gemm, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+    return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight))
+
+
+def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
     """F.linear(x, weight, bias); over `packed` (pack(weight)) when x is a matrix of at least MIN_ROWS rows."""
     if packed is None or x.dim() != 2 or x.shape[0] < MIN_ROWS or x.stride(1) != 1:
         return linear(x, weight, bias)
-    return torch.ops.pagedserve_model.linear(x, packed, weight, bias)
+    if packed.gemm == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.panels, bias, "none", [], "")
+    return torch.ops.pagedserve_model.linear(x, packed.panels, weight, bias)
 
+
+def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm | None:
+    """The packed GEMM to use for linears of these (in, out) shapes: `requested` if it is one (and can run here),
+    else the faster of the two on these shapes at CALIBRATION_ROWS rows (MKL unless oneDNN is clearly faster);
+    None if neither can run."""
+    if requested != "auto":
+        if requested not in GEMMS:
+            raise ValueError(f"cpu_gemm must be auto, mkl or onednn, got {requested!r}")
+        return requested if available(requested) else None  # type: ignore[return-value]
+    usable = [g for g in GEMMS if available(g)]
+    if len(usable) < 2:
+        return usable[0] if usable else None
+    seconds = {g: gemm_seconds(g, shapes) for g in usable}
+    return "onednn" if seconds["onednn"] * ONEDNN_MARGIN < seconds["mkl"] else "mkl"
+
+
+def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3) -> float:
+    """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm` (this thread's
+    CPU time when torch runs one thread)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) for i, o in shapes]
+    packs = [pack(w, gemm) for w in weights]
+    inputs = [torch.randn(m, i, generator=gen) for m in CALIBRATION_ROWS for i, _ in shapes]
+    operands = list(zip(inputs, weights * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds + 1):  # the first round warms up
+            start = clock()
+            for x, w, p in operands:
+                dense(x, w, None, p)
+            best = min(best, clock() - start)
+    return best

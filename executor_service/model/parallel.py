@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.functional import embedding
 
 from executor_service.model.config import ModelConfig, ModelLoadError
-from executor_service.model.packed import can_pack, dense, pack
+from executor_service.model.packed import Gemm, PackedWeight, can_pack, dense, pack
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,19 +118,19 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
 
 
 class Linear(nn.Module):
-    """y = x @ weight^T + bias on this rank's weight; after pack_weight(), on the CPU in float32, over weight
-    panels packed once for MKL (model/packed.py)."""
+    """y = x @ weight^T + bias on this rank's weight; after pack_weight(), on the CPU in float32, over the weight
+    packed once for the CPU's GEMM (model/packed.py)."""
 
-    packed: Tensor | None
+    packed: PackedWeight | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
-        self.register_buffer("packed", None, persistent=False)
+        self.packed = None
 
-    def pack_weight(self) -> None:
-        self.packed = pack(self.weight.detach()) if can_pack(self.weight) else None
+    def pack_weight(self, gemm: Gemm) -> None:
+        self.packed = pack(self.weight.detach(), gemm) if can_pack(self.weight) else None
 
     def forward(self, x: Tensor) -> Tensor:
         return dense(x, self.weight, self.bias, self.packed)
