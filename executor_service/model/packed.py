@@ -73,9 +73,10 @@ def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm 
     else the faster of the two on these shapes at CALIBRATION_ROWS rows (MKL unless oneDNN is clearly faster);
     None if neither can run."""
     if requested != "auto":
-        if requested not in GEMMS:
+        forced = next((g for g in GEMMS if g == requested), None)
+        if forced is None:
             raise ValueError(f"cpu_gemm must be auto, mkl or onednn, got {requested!r}")
-        return requested if available(requested) else None  # type: ignore[return-value]
+        return forced if available(forced) else None
     usable = [g for g in GEMMS if available(g)]
     if len(usable) < 2:
         return usable[0] if usable else None
