@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -123,6 +124,7 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
         ex_args += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.device == "cuda":
         ex_args += ["--dtype", "float32"]
+    ex_args += shlex.split(args.executor_args)
     sc_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     runs = []
     with service("executor_service", ex_args, env=env, name="executor") as ex:
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="executor KV cache GiB")
     p.add_argument("--num-gpu-blocks", type=int, default=0, help="override the executor's KV block count (0: off)")
+    p.add_argument("--executor-args", default="", help="more executor flags, e.g. '--cpu-gemm mkl'")
     p.add_argument("--only", choices=["pagedserve", "transformers"], default=None)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
