@@ -12,8 +12,10 @@ request's own max_tokens output tokens (EOS never stops either side).
   written to --requests as JSON ({"requests": [{"prompt_token_ids": [...], "max_tokens": n}, ...]}, the
   format `python -m client bench --dataset FILE` reads).
 - pagedserve: `python -m executor_service --model DIR --device cpu` and `python -m scheduler_service
-  --max-num-seqs M --max-num-batched-tokens B` as processes; this process submits every request at once
-  through client.lib (greedy, ignore_eos) and times from the first submission to the last final token.
+  --max-num-seqs M --max-num-batched-tokens B --no-enable-prefix-caching` as processes (caching off, as
+  the peer's block sharing is: a repeat must not reuse the previous run's prompt KV); this process submits
+  every request at once through client.lib (greedy, ignore_eos) and times from the first submission to the
+  last final token.
 - transformers, --hf-mode continuous (default): AutoModelForCausalLM in this process with transformers' own
   continuous batching (`continuous_batching_context_manager`: paged cache, per-request max_new_tokens, the
   same --max-num-seqs / --max-num-batched-tokens budgets), every request added at once, greedy, EOS off;
@@ -125,7 +127,9 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
     if args.device == "cuda":
         ex_args += ["--dtype", "float32"]
     ex_args += shlex.split(args.executor_args)
-    sc_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    # Prefix caching off: a repeat would otherwise reuse the previous run's prompt KV (the peer shares no blocks).
+    sc_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--no-enable-prefix-caching"]
     runs = []
     with service("executor_service", ex_args, env=env, name="executor") as ex:
         sc_args = ["--executor", ex.address, "--metrics-port", "-1", *sc_flags]
