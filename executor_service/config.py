@@ -42,6 +42,10 @@ class ExecutorConfig:
         "the packed GEMM for --cpu-weight-prepack: mkl (bit-identical to F.linear from 16 rows), onednn (JIT for"
         " the CPU's ISA: much faster where MKL runs its AVX2 code, as on AMD), or auto (the faster on the model's"
         " shapes, timed at load)", choices=["auto", "mkl", "onednn"]))
+    cpu_skinny_rows: int = field(default=-1, metadata=flag(
+        "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
+        " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
+        " 0: off)"))
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0

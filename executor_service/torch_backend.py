@@ -105,8 +105,9 @@ class TorchBackend:
         model = load_model(model_dir, device=device, dtype=dtype, ops=attention_ops(device, dtype),
                            parallel=parallel)
         if config.cpu_weight_prepack:
-            gemm = model.pack_weights(config.cpu_gemm)
-            log.info("linear weights packed for %s", gemm or "nothing (F.linear)")
+            packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows)
+            log.info("linear weights packed for %s; skinny kernel up to %d rows", packing.gemm or "nothing (F.linear)",
+                     packing.skinny_rows)
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)

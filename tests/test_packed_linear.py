@@ -1,8 +1,10 @@
 """Linear weights packed once for the CPU's GEMM (executor_service/model/packed.py): MKL's panels bit-identical to
-F.linear from 16 rows, oneDNN's equal up to rounding; the GEMM chosen per machine."""
+F.linear from 16 rows, oneDNN's equal up to rounding; the GEMM chosen per machine; the skinny kernel for batches of
+a few rows equal up to rounding, used up to the rows chosen at load."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,9 +85,61 @@ def test_choose_gemm_takes_a_forced_choice_and_refuses_an_unknown_one() -> None:
         packed.choose_gemm(shapes, "blas")
 
 
-def backend(model: Path, prepack: bool, gemm: str = "mkl") -> TorchBackend:
+needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 304, generator=gen), torch.randn(700, generator=gen)
+    x = torch.randn(rows, 304, generator=gen)
+    b = bias if with_bias else None
+    torch.testing.assert_close(torch.ops.pagedserve_model.skinny_linear(x, weight, b), linear(x, weight, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_skinny
+def test_dense_takes_the_skinny_kernel_up_to_its_rows_and_the_packed_gemm_above() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 128, generator=gen)
+    weights = replace(packed.pack(weight), skinny_rows=8)
+    for rows in (2, 8):
+        x = torch.randn(rows, 128, generator=gen)
+        assert torch.equal(packed.dense(x, weight, None, weights),
+                           torch.ops.pagedserve_model.skinny_linear(x, weight, None))
+    x = torch.randn(packed.BITWISE_ROWS, 128, generator=gen)
+    assert torch.equal(packed.dense(x, weight, None, weights), linear(x, weight))
+    one = x[:1]
+    assert torch.equal(packed.dense(one, weight, None, weights), linear(one, weight))
+
+
+@needs_skinny
+def test_skinny_refuses_shapes_it_cannot_tile() -> None:
+    assert not packed.can_skinny(torch.randn(64, 24)) and not packed.can_skinny(torch.randn(62, 32))
+    assert packed.can_skinny(torch.randn(64, 32)) and not packed.can_skinny(torch.randn(64, 32).double())
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.pagedserve_model.skinny_linear(torch.randn(4, 24), torch.randn(64, 24), None)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.pagedserve_model.skinny_linear(torch.randn(4, 48), torch.randn(64, 32), None)
+
+
+@needs_skinny
+def test_choose_skinny_rows_takes_a_forced_count_and_refuses_a_bad_one() -> None:
+    weights = [torch.randn(64, 32)]
+    packs = [packed.pack(weights[0])]
+    assert packed.choose_skinny_rows(weights, packs, 0) == 0
+    assert packed.choose_skinny_rows(weights, packs, 12) == 12
+    assert packed.choose_skinny_rows(weights, packs) in (0, *packed.SKINNY_CALIBRATION_ROWS)
+    assert packed.choose_skinny_rows([], [], 12) == 0
+    with pytest.raises(ValueError, match="cpu_skinny_rows"):
+        packed.choose_skinny_rows(weights, packs, -2)
+
+
+def backend(model: Path, prepack: bool, gemm: str = "mkl", skinny_rows: int = 0) -> TorchBackend:
     return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
-                                              cpu_weight_prepack=prepack, cpu_gemm=gemm))
+                                              cpu_weight_prepack=prepack, cpu_gemm=gemm, cpu_skinny_rows=skinny_rows))
 
 
 def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> None:
@@ -113,6 +167,19 @@ def test_model_logits_over_onednn_weights_equal_up_to_rounding(tmp_path: Path) -
     assert all(m.packed is not None and m.packed.gemm == "onednn" for m in fast.model.modules()
                if isinstance(m, Linear))
     for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):
+        items = step_items(kind, n, length, 512, 2)
+        plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
+        assert plain_logits is not None and fast_logits is not None
+        torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_skinny
+def test_model_logits_through_the_skinny_kernel_equal_up_to_rounding(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True, skinny_rows=32)
+    assert all(m.packed is not None and m.packed.skinny_rows == 32 for m in fast.model.modules()
+               if isinstance(m, Linear))
+    for kind, n, length in (("prefill", 3, 4), ("decode", 24, 20)):
         items = step_items(kind, n, length, 512, 2)
         plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
         assert plain_logits is not None and fast_logits is not None

@@ -1,6 +1,6 @@
-"""The model's C++ CPU ops (csrc/): linear layers over packed weights (packed.py) and the fused RoPE + KV-cache
-write (rope_write_kv below). One extension, built like the attention kernel (executor_service/cpu_build.py);
-where it cannot be built, the model keeps its torch path."""
+"""The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py) and the
+fused RoPE + KV-cache write (rope_write_kv below). One extension, built like the attention kernel
+(executor_service/cpu_build.py); where it cannot be built, the model keeps its torch path."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from executor_service.cpu_build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp"]
+SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp"]
 CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
 
 

@@ -12,7 +12,7 @@ from torch.nn.functional import rms_norm, silu
 
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.model.config import ModelConfig, RopeScaling
-from executor_service.model.packed import Gemm, can_pack, choose_gemm
+from executor_service.model.packed import Packing, can_pack, can_skinny, choose_gemm, choose_skinny_rows
 from executor_service.model.parallel import (
     SINGLE,
     Linear,
@@ -186,16 +186,22 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_select(0, output_rows)
         return self.model.norm(x)
 
-    def pack_weights(self, requested: str = "auto") -> Gemm | None:
+    def pack_weights(self, requested: str = "auto", skinny_rows: int = -1) -> Packing:
         """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are):
-        `requested` ("mkl", "onednn"), or with "auto" the faster of the two on this model's shapes. The GEMM used."""
+        `requested` ("mkl", "onednn"), or with "auto" the faster of the two on this model's shapes; and let batches
+        of up to `skinny_rows` rows (-1: as many as beat the GEMM, measured here) take the skinny kernel."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
         shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
         gemm = choose_gemm(shapes, requested) if linears else None
-        if gemm is not None:
-            for module in linears:
-                module.pack_weight(gemm)
-        return gemm
+        if gemm is None:
+            return Packing(None, 0)
+        for module in linears:
+            module.pack_weight(gemm)
+        skinny = [(m, m.packed) for m in linears if m.packed is not None and can_skinny(m.weight)]
+        rows = choose_skinny_rows([m.weight.detach() for m, _ in skinny], [p for _, p in skinny], skinny_rows)
+        for module, _ in skinny:
+            module.allow_skinny(rows)
+        return Packing(gemm, rows)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""

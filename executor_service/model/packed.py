@@ -11,12 +11,19 @@ call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). Two packed GEM
   oneDNN JIT-compiles for the ISA it finds (AVX-512 on AMD Zen 4/5: 2 - 3.5x MKL's FLOP/s at 4 - 2,048 rows there).
   Equal to F.linear up to rounding (~1e-6 relative).
 
+Skinny batches (MIN_ROWS to PackedWeight.skinny_rows rows) can take a third kernel instead
+(csrc/skinny_linear_cpu.cpp, AVX-512): it reads the weight in place and keeps the memory busy while it computes,
+where a decode step of a few sequences is bound by streaming the weights from memory. choose_skinny_rows measures
+up to how many rows it beats the packed GEMM over the model's own weights at load (0 where the weights stay in
+cache and it does not); equal to F.linear up to rounding.
+
 A single row keeps F.linear on both: packing does not speed it up, and a batch of one then computes exactly what
 transformers' one-sequence decode does. Where neither can be used, every layer keeps F.linear.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -33,16 +40,37 @@ Gemm = Literal["mkl", "onednn"]
 GEMMS: tuple[Gemm, ...] = ("mkl", "onednn")
 CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
+SKINNY_CALIBRATION_ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
+SKINNY_MARGIN = 1.05
 
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     gemm: Gemm
     panels: Tensor
+    skinny_rows: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """What a model's linears were packed for: the GEMM (None: F.linear) and the skinny kernel's most rows."""
+
+    gemm: Gemm | None
+    skinny_rows: int
 
 
 def can_pack(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+
+def can_skinny(weight: Tensor) -> bool:
+    return (can_pack(weight) and weight.is_contiguous() and weight.shape[1] > 0 and weight.shape[1] % 16 == 0
+            and weight.shape[0] % 4 == 0)
+
+
+@functools.cache
+def skinny_available() -> bool:
+    return cpu_ops.load() and bool(torch.ops.pagedserve_model.has_skinny())
 
 
 def available(gemm: Gemm) -> bool:
@@ -60,9 +88,12 @@ def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
 
 
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
-    """F.linear(x, weight, bias); over `packed` (pack(weight)) when x is a matrix of at least MIN_ROWS rows."""
+    """F.linear(x, weight, bias); over `packed` (pack(weight)) when x is a matrix of at least MIN_ROWS rows, with the
+    skinny kernel up to packed.skinny_rows rows."""
     if packed is None or x.dim() != 2 or x.shape[0] < MIN_ROWS or x.stride(1) != 1:
         return linear(x, weight, bias)
+    if x.shape[0] <= packed.skinny_rows and x.is_contiguous():
+        return torch.ops.pagedserve_model.skinny_linear(x, weight, bias)
     if packed.gemm == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.panels, bias, "none", [], "")
     return torch.ops.pagedserve_model.linear(x, packed.panels, weight, bias)
@@ -99,5 +130,43 @@ def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3) -> 
             start = clock()
             for x, w, p in operands:
                 dense(x, w, None, p)
+            best = min(best, clock() - start)
+    return best
+
+
+def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], requested: int = -1) -> int:
+    """Rows up to which dense() takes the skinny kernel for these weights (can_skinny) and their packs: `requested`
+    if >= 0, else the most of SKINNY_CALIBRATION_ROWS at which one pass over all of them (as a decode step reads
+    them: from memory when they outgrow the caches) beats the packed GEMM by SKINNY_MARGIN; 0 if it never does or
+    cannot run here."""
+    if requested < -1:
+        raise ValueError(f"cpu_skinny_rows must be -1 (auto), 0 (off) or a row count, got {requested}")
+    if not weights or not skinny_available():
+        return 0
+    if requested >= 0:
+        return requested
+    rows = 0
+    for m in SKINNY_CALIBRATION_ROWS:
+        skinny, gemm = (pass_seconds(weights, packs, m, skinny) for skinny in (True, False))
+        if skinny * SKINNY_MARGIN < gemm:
+            rows = m
+    return rows
+
+
+def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:
+    """Best time of one pass over these linears at `rows` rows, with the skinny kernel or the packed GEMM."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {i: torch.randn(rows, i, generator=gen) for i in {w.shape[1] for w in weights}}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds + 1):  # the first round warms up
+            start = clock()
+            for w, p in zip(weights, packs, strict=True):
+                x = inputs[w.shape[1]]
+                if skinny:
+                    torch.ops.pagedserve_model.skinny_linear(x, w, None)
+                else:
+                    dense(x, w, None, PackedWeight(p.gemm, p.panels))
             best = min(best, clock() - start)
     return best

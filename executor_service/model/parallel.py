@@ -9,7 +9,7 @@ multiple of the world size; logits are all-gathered so every rank sees the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.functional import embedding
 
 from executor_service.model.config import ModelConfig, ModelLoadError
-from executor_service.model.packed import Gemm, PackedWeight, can_pack, dense, pack
+from executor_service.model.packed import Gemm, PackedWeight, can_pack, can_skinny, dense, pack
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,6 +131,10 @@ class Linear(nn.Module):
 
     def pack_weight(self, gemm: Gemm) -> None:
         self.packed = pack(self.weight.detach(), gemm) if can_pack(self.weight) else None
+
+    def allow_skinny(self, rows: int) -> None:
+        if self.packed is not None and can_skinny(self.weight):
+            self.packed = replace(self.packed, skinny_rows=rows)
 
     def forward(self, x: Tensor) -> Tensor:
         return dense(x, self.weight, self.bias, self.packed)
