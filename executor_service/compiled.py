@@ -62,18 +62,26 @@ def _(query: Tensor, key: Tensor, value: Tensor, layer: int, scale: float, handl
 
 
 PACKED_LINEAR = "pagedserve_model::linear"  # model/packed.py's op: (x, packed, weight, bias) -> x @ weight^T + bias
+SKINNY_LINEAR = "pagedserve_model::skinny_linear"  # and its skinny kernel: (x, weight, bias) -> the same
 
 
 def register_packed_linear_fake() -> None:
-    """The packed CPU linear (model/packed.py), when loaded, is opaque to the compiler too."""
-    namespace, name = PACKED_LINEAR.split("::")
-    if not hasattr(getattr(torch.ops, namespace), name) or torch._C._dispatch_has_kernel_for_dispatch_key(
-            PACKED_LINEAR, "Meta"):
-        return
+    """The packed CPU linear and the skinny one (model/packed.py), when loaded, are opaque to the compiler too."""
+    if needs_fake(PACKED_LINEAR):
+        @torch.library.register_fake(PACKED_LINEAR)
+        def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            return x.new_empty((x.shape[0], weight.shape[0]))
 
-    @torch.library.register_fake(PACKED_LINEAR)
-    def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
+    if needs_fake(SKINNY_LINEAR):
+        @torch.library.register_fake(SKINNY_LINEAR)
+        def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def needs_fake(op: str) -> bool:
+    namespace, name = op.split("::")
+    return hasattr(getattr(torch.ops, namespace), name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        op, "Meta")
 
 
 def route_attention(attn: Attention, layer: int, handle: int) -> None:
