@@ -69,12 +69,12 @@ def register_packed_linear_fake() -> None:
     """The packed CPU linear and the skinny one (model/packed.py), when loaded, are opaque to the compiler too."""
     if needs_fake(PACKED_LINEAR):
         @torch.library.register_fake(PACKED_LINEAR)
-        def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        def packed_fake(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             return x.new_empty((x.shape[0], weight.shape[0]))
 
     if needs_fake(SKINNY_LINEAR):
         @torch.library.register_fake(SKINNY_LINEAR)
-        def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        def skinny_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             return x.new_empty((x.shape[0], weight.shape[0]))
 
 
