@@ -166,11 +166,7 @@ def test_model_logits_over_onednn_weights_equal_up_to_rounding(tmp_path: Path) -
     plain, fast = backend(model, False), backend(model, True, "onednn")
     assert all(m.packed is not None and m.packed.gemm == "onednn" for m in fast.model.modules()
                if isinstance(m, Linear))
-    for kind, n, length in (("prefill", 3, 20), ("decode", 24, 20)):
-        items = step_items(kind, n, length, 512, 2)
-        plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
-        assert plain_logits is not None and fast_logits is not None
-        torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)
+    assert_logits_close(plain, fast, (("prefill", 3, 20), ("decode", 24, 20)))
 
 
 @needs_skinny
@@ -179,7 +175,12 @@ def test_model_logits_through_the_skinny_kernel_equal_up_to_rounding(tmp_path: P
     plain, fast = backend(model, False), backend(model, True, skinny_rows=32)
     assert all(m.packed is not None and m.packed.skinny_rows == 32 for m in fast.model.modules()
                if isinstance(m, Linear))
-    for kind, n, length in (("prefill", 3, 4), ("decode", 24, 20)):
+    assert_logits_close(plain, fast, (("prefill", 3, 4), ("decode", 24, 20)))
+
+
+def assert_logits_close(plain: TorchBackend, fast: TorchBackend, steps: tuple[tuple[str, int, int], ...]) -> None:
+    """Both backends' logits on each (kind, sequences, length) step equal up to rounding."""
+    for kind, n, length in steps:
         items = step_items(kind, n, length, 512, 2)
         plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
         assert plain_logits is not None and fast_logits is not None

@@ -199,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
             module.pack_weight(gemm)
         skinny = [(m, m.packed) for m in linears if m.packed is not None and can_skinny(m.weight)]
         rows = choose_skinny_rows([m.weight.detach() for m, _ in skinny], [p for _, p in skinny], skinny_rows)
-        for module, _ in skinny:
-            module.allow_skinny(rows)
+        for module, packed in skinny:
+            module.allow_skinny(packed, rows)
         return Packing(gemm, rows)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

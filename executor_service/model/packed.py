@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -116,22 +117,18 @@ def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm 
 
 
 def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3) -> float:
-    """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm` (this thread's
-    CPU time when torch runs one thread)."""
+    """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm`."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) for i, o in shapes]
     packs = [pack(w, gemm) for w in weights]
     inputs = [torch.randn(m, i, generator=gen) for m in CALIBRATION_ROWS for i, _ in shapes]
     operands = list(zip(inputs, weights * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(rounds + 1):  # the first round warms up
-            start = clock()
-            for x, w, p in operands:
-                dense(x, w, None, p)
-            best = min(best, clock() - start)
-    return best
+
+    def one_pass() -> None:
+        for x, w, p in operands:
+            dense(x, w, None, p)
+
+    return best_seconds(one_pass, rounds)
 
 
 def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], requested: int = -1) -> int:
@@ -145,28 +142,39 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         return 0
     if requested >= 0:
         return requested
+    gemm_packs = [replace(p, skinny_rows=0) for p in packs]
     rows = 0
     for m in SKINNY_CALIBRATION_ROWS:
-        skinny, gemm = (pass_seconds(weights, packs, m, skinny) for skinny in (True, False))
+        skinny, gemm = (pass_seconds(weights, gemm_packs, m, skinny) for skinny in (True, False))
         if skinny * SKINNY_MARGIN < gemm:
             rows = m
     return rows
 
 
 def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:
-    """Best time of one pass over these linears at `rows` rows, with the skinny kernel or the packed GEMM."""
+    """Best time of one pass over these linears at `rows` rows, with the skinny kernel or over `packs`."""
     gen = torch.Generator().manual_seed(0)
     inputs = {i: torch.randn(rows, i, generator=gen) for i in {w.shape[1] for w in weights}}
+
+    def one_pass() -> None:
+        for w, p in zip(weights, packs, strict=True):
+            x = inputs[w.shape[1]]
+            if skinny:
+                torch.ops.pagedserve_model.skinny_linear(x, w, None)
+            else:
+                dense(x, w, None, p)
+
+    return best_seconds(one_pass, rounds)
+
+
+def best_seconds(run: Callable[[], None], rounds: int) -> float:
+    """Best time of `rounds` calls of `run` after one warm-up call (this thread's CPU time when torch runs one
+    thread)."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = float("inf")
     with torch.inference_mode():
         for _ in range(rounds + 1):  # the first round warms up
             start = clock()
-            for w, p in zip(weights, packs, strict=True):
-                x = inputs[w.shape[1]]
-                if skinny:
-                    torch.ops.pagedserve_model.skinny_linear(x, w, None)
-                else:
-                    dense(x, w, None, PackedWeight(p.gemm, p.panels))
+            run()
             best = min(best, clock() - start)
     return best

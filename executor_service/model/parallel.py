@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.functional import embedding
 
 from executor_service.model.config import ModelConfig, ModelLoadError
-from executor_service.model.packed import Gemm, PackedWeight, can_pack, can_skinny, dense, pack
+from executor_service.model.packed import Gemm, PackedWeight, can_pack, dense, pack
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,9 +132,8 @@ class Linear(nn.Module):
     def pack_weight(self, gemm: Gemm) -> None:
         self.packed = pack(self.weight.detach(), gemm) if can_pack(self.weight) else None
 
-    def allow_skinny(self, rows: int) -> None:
-        if self.packed is not None and can_skinny(self.weight):
-            self.packed = replace(self.packed, skinny_rows=rows)
+    def allow_skinny(self, packed: PackedWeight, rows: int) -> None:
+        self.packed = replace(packed, skinny_rows=rows)
 
     def forward(self, x: Tensor) -> Tensor:
         return dense(x, self.weight, self.bias, self.packed)
