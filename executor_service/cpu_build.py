@@ -1,8 +1,9 @@
 """Build and load the executor's C++ CPU extensions (torch.utils.cpp_extension, g++ and ninja).
 
-Each extension is compiled with -O3 -march=native into PAGEDSERVE_KERNEL_DIR (default
-~/.cache/pagedserve/kernels), in a directory keyed by its sources, the flags, the torch and Python versions
-and the CPU's feature flags, so a build is reused only where it runs. Loading an extension registers its
+Each extension is compiled with -O3 -march=native, with the shared headers of executor_service/csrc/ on its
+include path, into PAGEDSERVE_KERNEL_DIR (default ~/.cache/pagedserve/kernels), in a directory keyed by its
+sources and those headers, the flags, the torch and Python versions and the CPU's feature flags, so a build is
+reused only where it runs. Loading an extension registers its
 torch.ops; callers decide what to do when a build fails (every extension has a pure-torch fallback).
 """
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+SHARED_HEADERS = Path(__file__).resolve().parent / "csrc"
 
 
 def kernel_dir() -> Path:
@@ -30,7 +32,7 @@ def kernel_dir() -> Path:
 
 def build_key(sources: list[Path], cflags: list[str]) -> str:
     digest = hashlib.sha256()
-    for source in sources:
+    for source in [*sources, *sorted(SHARED_HEADERS.glob("*.h"))]:
         digest.update(source.read_bytes())
     digest.update(" ".join([*cflags, torch.__version__, sys.version]).encode())
     digest.update(cpu_flags().encode())
@@ -56,7 +58,8 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       build_directory=str(directory), is_python_module=False, verbose=False)
+                       extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
+                       is_python_module=False, verbose=False)
 
 
 def try_build(name: str, sources: list[Path], what: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:

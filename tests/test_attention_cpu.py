@@ -15,6 +15,7 @@ from torch import Tensor
 
 from executor_service import cpu_build
 from executor_service.attention import ENV_VAR, cpu, get_attention_ops, reference
+from executor_service.model import cpu_ops
 from tests.test_attention import (
     BATCHED_CASES,
     RAGGED_CONTEXTS,
@@ -95,15 +96,18 @@ def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
     assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
 
 
-def test_the_source_compiles_for_a_cpu_without_avx512() -> None:
-    """Builds elsewhere get only the portable tile (tested here through paged_attention_portable)."""
+@pytest.mark.parametrize("source", [cpu.SOURCE, *cpu_ops.SOURCES], ids=lambda p: p.name)
+def test_the_source_compiles_for_a_cpu_without_avx512(source: Path) -> None:
+    """Builds elsewhere get only the portable attention tile (tested here through paged_attention_portable) and no
+    skinny linear (has_skinny() false)."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
 
-    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    includes = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]  # torch's own warnings
+    includes.append(f"-I{cpu_build.SHARED_HEADERS}")
     done = subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-march=x86-64-v3", "-fopenmp-simd", "-Wall",
-                           "-Werror=unused-parameter", "-fsyntax-only", *includes, str(cpu.SOURCE)],
+                           "-Werror=unused-parameter", "-fsyntax-only", *includes, str(source)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
 

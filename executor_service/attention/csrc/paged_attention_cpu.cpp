@@ -23,13 +23,9 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512 one)
 
@@ -186,21 +182,7 @@ struct KeyChunk {
   int64_t count;
 };
 
-// lane t of the result = the sum of the 16 lanes of p[t].
-ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of 4 keys
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const auto halves = [](__m512 a, __m512 b) {  // lanes (a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3)
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
-}
+using pagedserve::sum_lanes16;
 
 // exp_nonpositive on 16 lanes (the same polynomial).
 ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) {

@@ -20,9 +20,7 @@
 #include <cstdint>
 #include <optional>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -31,25 +29,9 @@ constexpr int64_t kRows = 4;  // x rows per tile
 constexpr int64_t kLane = 16;
 
 #ifdef __AVX512F__
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
 constexpr int64_t kPrefetchBlocks = 2;
 
-// lane t of the result = the sum of the 16 lanes of p[t].
-ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const auto halves = [](__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
-}
+using pagedserve::sum_lanes16;
 
 // Cache lines still to prefetch, handed out a few per iteration.
 struct Prefetcher {

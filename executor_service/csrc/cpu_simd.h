@@ -1,0 +1,31 @@
+// What the executor's C++ CPU kernels share (attention/csrc, model/csrc): the inlining macro and AVX-512 helpers.
+// On the include path of every extension executor_service/cpu_build.py builds.
+#pragma once
+
+#ifndef ALWAYS_INLINE
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace pagedserve {
+
+// lane t of the result = the sum of the 16 lanes of p[t].
+ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of 4 inputs
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const auto halves = [](__m512 a, __m512 b) {  // lanes (a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
+}
+
+}  // namespace pagedserve
+#endif  // __AVX512F__
