@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from executor_service.model import AttentionMetadata, AttentionOps, LlamaForCausalLM
+from executor_service.model import AttentionMetadata, LlamaForCausalLM, ModelOps
 from executor_service.model.llama import Attention, KVCaches
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class StepContext:
     """What the attention op of a compiled step reads besides q, k and v."""
 
-    ops: AttentionOps
+    ops: ModelOps
     kv_caches: KVCaches
     meta: AttentionMetadata | None = None
     num_tokens: int = 0

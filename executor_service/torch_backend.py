@@ -33,9 +33,9 @@ from executor_service.kv_cache import CacheShape, KVCache
 from executor_service.model import (
     SINGLE,
     AttentionMetadata,
-    AttentionOps,
     LlamaForCausalLM,
     ModelConfig,
+    ModelOps,
     ParallelContext,
     cpu_ops,
     load_model,
@@ -102,7 +102,7 @@ class TorchBackend:
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=attention_ops(device, dtype),
+        model = load_model(model_dir, device=device, dtype=dtype, ops=model_ops(device, dtype),
                            parallel=parallel)
         if config.cpu_weight_prepack:
             packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows)
@@ -209,11 +209,13 @@ def done_future() -> Future[list[SampleOutput | None]]:
     return future
 
 
-def attention_ops(device: torch.device, dtype: torch.dtype) -> AttentionOps:
-    """The device's attention kernels; on the CPU in float32, RoPE and the KV write fused in C++ where it builds."""
+def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
+    """The device's attention kernels; on the CPU in float32, RoPE and the KV write, and RMSNorm with the residual
+    add, fused in C++ where it builds."""
     write_kv, paged_attention = get_attention_ops(device)
-    fused = device.type == "cpu" and dtype == torch.float32 and cpu_ops.load()
-    return AttentionOps(write_kv, paged_attention, cpu_ops.rope_write_kv if fused else None)
+    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load():
+        return ModelOps(write_kv, paged_attention, cpu_ops.rope_write_kv, cpu_ops.rms_norm, cpu_ops.add_rms_norm)
+    return ModelOps(write_kv, paged_attention)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -121,3 +121,54 @@ def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path() -> None:
         cpu_ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.full((tokens,), 32), heads, kv_heads)
     with pytest.raises(RuntimeError, match="qkv"):
         cpu_ops.rope_write_kv(qkv[:, :-dim], cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+
+
+def test_fused_rms_norms_match_torch_and_add_the_residual_in_place() -> None:
+    from executor_service.model import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("the C++ CPU ops cannot be built here")
+    gen = torch.Generator().manual_seed(6)
+    hidden = 80  # one 64-wide vector block and a scalar tail
+    wide = torch.randn(11, hidden + 5, generator=gen) * 4
+    x = wide[:, 2 : 2 + hidden]  # strided rows
+    residual = torch.randn(11, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen)
+    expected_sum = residual + x
+    expected = torch.nn.functional.rms_norm(expected_sum, (hidden,), weight, 1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5),
+                               torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-5), rtol=2e-6, atol=2e-6)
+    out = cpu_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the add is exact, in place
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=2e-6)
+    assert out.is_contiguous() and out.data_ptr() != residual.data_ptr()
+    with pytest.raises(RuntimeError, match="rows"):
+        cpu_ops.add_rms_norm(x[:5], residual, weight, 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_ops.add_rms_norm(x, residual[:, :-1], weight, 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_ops.rms_norm(x, weight.double(), 1e-5)
+
+
+def test_layers_with_fused_norms_match_the_torch_norms() -> None:
+    """The model's residual stream (each layer's output added by the next layer's norm) gives the same hidden
+    states with the C++ norms as with torch's, up to rounding."""
+    from executor_service.backend import BatchItem, SamplingConfig
+    from executor_service.model import cpu_ops
+    from executor_service.model.llama import RMSNorm
+    from executor_service.torch_backend import TorchBackend
+
+    if not cpu_ops.load():
+        pytest.skip("the C++ CPU ops cannot be built here")
+    backend = TorchBackend.create(ExecutorConfig(device="cpu", num_gpu_blocks=64, num_cpu_blocks=0))
+    norms = [m for m in backend.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(n.fused_add_norm is cpu_ops.add_rms_norm for n in norms)
+    items = [BatchItem(str(i), list(range(3 + i, 40 + 2 * i)), 37 + i, 0, 37 + i, [4 * i, 4 * i + 1, 4 * i + 2],
+                       True, SamplingConfig(temperature=0.0)) for i in range(3)]
+    batch = backend.prepare(items)
+    fused = backend.run_batch(batch)
+    for norm in norms:
+        norm.fused_norm = norm.fused_add_norm = None
+    plain = backend.run_batch(backend.prepare(items))
+    assert fused is not None and plain is not None
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

@@ -38,7 +38,7 @@ from executor_service.distributed import (
     strip_tensors,
     unpack,
 )
-from executor_service.model import AttentionOps, ModelConfig, ModelLoadError, ParallelContext, ShardLayout, load_model
+from executor_service.model import ModelConfig, ModelLoadError, ModelOps, ParallelContext, ShardLayout, load_model
 from executor_service.torch_backend import TorchBackend, build_batch
 from protos.pagedserve.v1 import generation_pb2
 from tests import tp_peer
@@ -60,7 +60,7 @@ LENGTH = generation_pb2.FINISH_REASON_LENGTH
 SWAP = "pagedserve:num_preemptions_by_mode_total{swap}"
 RECOMPUTE = "pagedserve:num_preemptions_by_mode_total{recompute}"
 STARTED = re.compile(r"tensor-parallel rank 1 started as pid (\d+)")
-NO_OPS = AttentionOps(lambda *a: None, lambda *a: torch.empty(0))
+NO_OPS = ModelOps(lambda *a: None, lambda *a: torch.empty(0))
 
 
 def make_prompt(length: int, seed: int) -> list[int]:

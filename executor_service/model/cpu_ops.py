@@ -1,6 +1,7 @@
-"""The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py) and the
-fused RoPE + KV-cache write (rope_write_kv below). One extension, built like the attention kernel
-(executor_service/cpu_build.py); where it cannot be built, the model keeps its torch path."""
+"""The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py), the
+fused RoPE + KV-cache write (rope_write_kv below) and RMSNorm, alone or after the residual add, in one pass. One
+extension, built like the attention kernel (executor_service/cpu_build.py); where it cannot be built, the model
+keeps its torch path."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import Tensor
 from executor_service.cpu_build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp"]
+SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp",
+           CSRC / "rms_norm_cpu.cpp"]
 CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
 
 
@@ -31,3 +33,14 @@ def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cach
     into the caches at slot_mapping (float32 CPU tensors; bit-identical to apply_rope + write_kv)."""
     return torch.ops.pagedserve_model.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                     num_kv_heads)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x's rows [tokens, hidden] (float32 CPU, each row contiguous): a new contiguous tensor, equal to
+    torch's rms_norm up to rounding."""
+    return torch.ops.pagedserve_model.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """residual += x in place, then RMSNorm of the sum's rows, in one pass (as rms_norm)."""
+    return torch.ops.pagedserve_model.add_rms_norm(x, residual, weight, eps)

@@ -38,24 +38,34 @@ class AttentionMetadata:
 
 
 RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
+RMSNormFn = Callable[[Tensor, Tensor, float], Tensor]
+AddRMSNormFn = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
 
 @dataclass(slots=True)
-class AttentionOps:
-    """The attention kernels; rope_write_kv (optional) fuses apply_rope and write_kv and returns the queries."""
+class ModelOps:
+    """The kernels the model calls besides its linears: writing and attending over the paged KV cache, and
+    optional fused ones: rope_write_kv (apply_rope + write_kv, returns the queries), rms_norm and add_rms_norm
+    (residual += x, then the norm of the sum) in one pass each."""
 
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
     rope_write_kv: RopeWriteKVFn | None = None
+    rms_norm: RMSNormFn | None = None
+    add_rms_norm: AddRMSNormFn | None = None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModelOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.fused_norm = ops.rms_norm if ops is not None else None
+        self.fused_add_norm = ops.add_rms_norm if ops is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused_norm is not None and not torch.compiler.is_compiling():
+            return self.fused_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
         if input_dtype == torch.float32:  # one fused kernel, bit-identical to the steps below
             return rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -63,11 +73,20 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
 
+    def add_forward(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The norm of residual + x, and that sum, which is the residual updated in place (x itself where the
+        residual is None: the stream starts at x)."""
+        if residual is None:
+            return self(x), x
+        if self.fused_add_norm is not None and not torch.compiler.is_compiling():
+            return self.fused_add_norm(x, residual, self.weight, self.eps), residual
+        return self(residual.add_(x)), residual
+
 
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they use: QKV column-parallel, o_proj row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.num_heads = layout.num_heads
@@ -123,31 +142,34 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(silu(gate, inplace=True).mul_(up))
+        return self.down_proj(silu(gate).mul_(up))  # contiguous rows: the skinny kernel takes them
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layout, ops, dtype, parallel)
         self.mlp = MLP(cfg, layout, dtype, parallel)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
-                meta: AttentionMetadata) -> Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """This layer's output and the residual stream it is yet to be added to; `x` is the last layer's output
+        (the embeddings, with no residual yet, for the first layer)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: AttentionOps, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ops, dtype, parallel) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -159,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
 
     inv_freq: Tensor
 
-    def __init__(self, cfg: ModelConfig, ops: AttentionOps, *, device: torch.device,
+    def __init__(self, cfg: ModelConfig, ops: ModelOps, *, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.config = cfg
@@ -180,11 +202,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} KV cache layers, got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         if output_rows is not None:
             x = x.index_select(0, output_rows)
-        return self.model.norm(x)
+            residual = None if residual is None else residual.index_select(0, output_rows)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def pack_weights(self, requested: str = "auto", skinny_rows: int = -1) -> Packing:
         """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are):

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
-from executor_service.model.llama import AttentionOps, LlamaForCausalLM
+from executor_service.model.llama import LlamaForCausalLM, ModelOps
 from executor_service.model.parallel import SINGLE, ParallelContext, ShardLayout
 
 WEIGHTS_FILE = "model.safetensors"
@@ -54,7 +54,7 @@ class Target:
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
-               ops: AttentionOps, parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+               ops: ModelOps, parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
     """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter."""
     directory = Path(model_dir)
     if not directory.is_dir():
