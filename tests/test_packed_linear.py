@@ -89,7 +89,7 @@ needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the ski
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row tiles
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
