@@ -57,8 +57,20 @@ keep = [d for d in deps if re.split(r"[ <>=!~;\[]", d, maxsplit=1)[0].lower() no
 open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")' \
     && cat /tmp/requirements.txt
 RUN pip install -r /tmp/requirements.txt
+# A C++ compiler for the executor's CPU kernels (paged attention; the model's linear, RoPE and RMSNorm ops), in
+# this stage only: the runtime loads the libraries built here and needs no compiler.
+ARG BUILD_APT_PACKAGES="g++"
+RUN if [ -n "$(echo ${BUILD_APT_PACKAGES})" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends ${BUILD_APT_PACKAGES} \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 COPY . /src
 RUN pip install --no-deps /src
+# Built with -march=native for the CPU this image is built on, keyed by its feature flags: an executor on a CPU
+# with other flags finds no build of its own, warns and runs the torch fallbacks (2 - 3x slower on the CPU).
+ENV PAGEDSERVE_KERNEL_DIR=/opt/pagedserve/kernels
+RUN cd / && (python -m executor_service.cpu_build \
+    || echo "WARNING: the C++ CPU kernels did not build; the executor will run its torch fallbacks")
 # The trained default model ships inside the package (a few MB of bf16 weights); check that it was installed.
 ENV PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache
 RUN cd / && mkdir -p /opt/pagedserve/cache \
@@ -71,6 +83,7 @@ FROM python AS runtime
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache \
+    PAGEDSERVE_KERNEL_DIR=/opt/pagedserve/kernels \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     HOME=/home/pagedserve
 RUN groupadd --system --gid 10001 pagedserve \

@@ -48,11 +48,14 @@ def cpu_flags() -> str:
 
 
 def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...] = ()) -> None:
-    """Compile (or reuse) and load the extension `name`; raises when it cannot be built here."""
+    """Load the extension `name` built for these sources, flags and machine (a prebuilt one needs no compiler, as in
+    the Docker image), else compile it; raises when it cannot be built here."""
     from torch.utils import cpp_extension
 
     cflags = [*CFLAGS, *extra_cflags]
     directory = kernel_dir() / f"{name}-{build_key(sources, cflags)}"
+    if load_prebuilt(directory / f"{name}.so"):
+        return
     directory.mkdir(parents=True, exist_ok=True)
     env_bin = str(Path(sys.executable).parent)  # a pip-installed ninja lives beside the interpreter
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
@@ -60,6 +63,18 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                        extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
                        is_python_module=False, verbose=False)
+
+
+def load_prebuilt(library: Path) -> bool:
+    """Load a library a finished build left (ninja links it last); False if there is none or it does not load."""
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as e:
+        log.warning("could not load %s (%s); building it again", library, e)
+        return False
+    return True
 
 
 def try_build(name: str, sources: list[Path], what: str, fallback: str, extra_cflags: tuple[str, ...] = ()) -> bool:
@@ -78,7 +93,8 @@ def main() -> int:
     from executor_service.model import cpu_ops
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    built = {"CPU paged attention": attention.load(), "CPU model ops (packed linear, RoPE + KV write)": cpu_ops.load()}
+    built = {"CPU paged attention": attention.load(),
+             "CPU model ops (packed and skinny linear, RoPE + KV write, RMSNorm)": cpu_ops.load()}
     for name, ok in built.items():
         print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} in {kernel_dir()}")
     return 0 if all(built.values()) else 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the image from the Dockerfile and runs compose.yaml for real, with Debian's podman serving the
 # Docker API and Debian's docker-compose driving it; then checks the stack through its published ports:
-# a streamed generation, the OpenAI-compatible HTTP API (/v1/models and a completion), /metrics, and an
+# a streamed generation, the OpenAI-compatible HTTP API (/v1/models and a completion), /metrics, the C++ CPU
+# kernels built into the image loaded by the executor, and an
 # executor restart with a stream in flight (which must finish with
 # exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving.
 # Prints one line per stage with its time.
@@ -319,6 +320,15 @@ print(f"{done:.0f} requests, {tokens:.0f} generation tokens")
 EOF
 }
 
+# The image ships the executor's C++ CPU kernels built for this CPU: the executor must load them, not warn and
+# fall back to torch.
+check_kernels() {
+  local text
+  text=$(compose logs --no-color executor 2>&1)
+  if grep "unavailable" <<<"$text"; then return 1; fi
+  note "$(grep -o 'linear weights packed for .*' <<<"$text" | head -n 1)"
+}
+
 RESTART_ARGS=(--max-tokens "$RESTART_MAX_TOKENS" --temperature 0 --ignore-eos "The executor restarts while this streams")
 
 # The undisturbed greedy run the restarted stream must equal, token for token.
@@ -450,6 +460,7 @@ stage "wait healthy" wait_healthy 300
 stage "generate" check_generate
 stage "http api" check_http
 stage "metrics" check_metrics
+stage "cpu kernels" check_kernels
 stage "reference greedy run" reference_run
 stage "restart executor" check_restart
 stage "healthy after restart" wait_healthy 120

@@ -248,3 +248,31 @@ def test_without_a_compiler_the_executor_falls_back_to_the_reference(tmp_path: P
     assert done.returncode == 0, done.stderr
     assert "CPU attention kernel unavailable" in done.stderr
     assert "refused: PAGEDSERVE_ATTENTION=cpu" in done.stdout
+
+
+def test_a_prebuilt_library_loads_without_a_compiler_and_a_broken_one_is_rebuilt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The Docker image ships kernels built in its build stage and no g++ or ninja: the executor must load them as
+    they are; a library that does not load is built again."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv(cpu_build.KERNEL_DIR_ENV, str(tmp_path))
+    sources = [tmp_path / "op.cpp"]
+    sources[0].write_text("// a source\n")
+    library = tmp_path / f"ext-{cpu_build.build_key(sources, cpu_build.CFLAGS)}" / "ext.so"
+    loaded: list[str] = []
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **_: compiled.append(name))
+    cpu_build.build_extension("ext", sources)  # nothing built yet: compiles
+    assert compiled == ["ext"] and loaded == []
+    library.write_bytes(b"\x7fELF")  # what a finished build leaves
+    cpu_build.build_extension("ext", sources)
+    assert compiled == ["ext"] and loaded == [str(library)]
+
+    def broken(path: str) -> None:
+        raise OSError(f"{path}: invalid ELF header")
+
+    monkeypatch.setattr(torch.ops, "load_library", broken)
+    cpu_build.build_extension("ext", sources)
+    assert compiled == ["ext", "ext"] and "building it again" in caplog.text
