@@ -210,11 +210,12 @@ def done_future() -> Future[list[SampleOutput | None]]:
 
 
 def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
-    """The device's attention kernels; on the CPU in float32, RoPE and the KV write, and RMSNorm with the residual
-    add, fused in C++ where it builds."""
+    """The device's attention kernels; on the CPU in float32, RoPE and the KV write, RMSNorm with the residual add
+    and SiLU-and-multiply, fused in C++ where it builds."""
     write_kv, paged_attention = get_attention_ops(device)
     if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load():
-        return ModelOps(write_kv, paged_attention, cpu_ops.rope_write_kv, cpu_ops.rms_norm, cpu_ops.add_rms_norm)
+        return ModelOps(write_kv, paged_attention, cpu_ops.rope_write_kv, cpu_ops.rms_norm, cpu_ops.add_rms_norm,
+                        cpu_ops.silu_and_mul)
     return ModelOps(write_kv, paged_attention)
 
 

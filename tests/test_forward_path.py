@@ -150,12 +150,29 @@ def test_fused_rms_norms_match_torch_and_add_the_residual_in_place() -> None:
         cpu_ops.rms_norm(x, weight.double(), 1e-5)
 
 
-def test_layers_with_fused_norms_match_the_torch_norms() -> None:
+def test_fused_silu_and_mul_matches_torch_over_the_whole_range() -> None:
+    from executor_service.model import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("the C++ CPU ops cannot be built here")
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(9, 2 * 40 + 3, generator=gen) * 6  # 40 = a 16-lane vector part and a scalar tail
+    wide[0, :9] = torch.tensor([-1e4, -104.0, -88.0, -20.0, 0.0, 20.0, 88.0, 104.0, 1e4])  # exp's range ends
+    gate_up = wide[:, 1 : 1 + 2 * 40]  # strided rows
+    gate, up = gate_up.split(40, dim=-1)
+    out = cpu_ops.silu_and_mul(gate_up)
+    assert out.shape == (9, 40) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    with pytest.raises(RuntimeError, match="even"):
+        cpu_ops.silu_and_mul(gate_up[:, :-1])
+
+
+def test_layers_with_fused_ops_match_the_torch_ops() -> None:
     """The model's residual stream (each layer's output added by the next layer's norm) gives the same hidden
-    states with the C++ norms as with torch's, up to rounding."""
+    states with the C++ norms and activation as with torch's, up to rounding."""
     from executor_service.backend import BatchItem, SamplingConfig
     from executor_service.model import cpu_ops
-    from executor_service.model.llama import RMSNorm
+    from executor_service.model.llama import MLP, RMSNorm
     from executor_service.torch_backend import TorchBackend
 
     if not cpu_ops.load():
@@ -169,6 +186,9 @@ def test_layers_with_fused_norms_match_the_torch_norms() -> None:
     fused = backend.run_batch(batch)
     for norm in norms:
         norm.fused_norm = norm.fused_add_norm = None
+    for mlp in (m for m in backend.model.modules() if isinstance(m, MLP)):
+        assert mlp.fused_silu_and_mul is cpu_ops.silu_and_mul
+        mlp.fused_silu_and_mul = None
     plain = backend.run_batch(backend.prepare(items))
     assert fused is not None and plain is not None
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)

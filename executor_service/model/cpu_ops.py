@@ -1,7 +1,7 @@
 """The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py), the
-fused RoPE + KV-cache write (rope_write_kv below) and RMSNorm, alone or after the residual add, in one pass. One
-extension, built like the attention kernel (executor_service/cpu_build.py); where it cannot be built, the model
-keeps its torch path."""
+fused RoPE + KV-cache write (rope_write_kv below), RMSNorm (alone or after the residual add) and the MLP's
+SiLU-and-multiply, each in one pass. One extension, built like the attention kernel (executor_service/cpu_build.py);
+where it cannot be built, the model keeps its torch path."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from executor_service.cpu_build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp",
-           CSRC / "rms_norm_cpu.cpp"]
+           CSRC / "rms_norm_cpu.cpp", CSRC / "silu_mul_cpu.cpp"]
 CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
 
 
@@ -44,3 +44,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
     """residual += x in place, then RMSNorm of the sum's rows, in one pass (as rms_norm)."""
     return torch.ops.pagedserve_model.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of the fused gate/up projection's rows [tokens, 2 * intermediate] (float32 CPU) in one pass:
+    a new contiguous [tokens, intermediate], equal to torch's up to rounding."""
+    return torch.ops.pagedserve_model.silu_and_mul(gate_up)

@@ -40,19 +40,21 @@ class AttentionMetadata:
 RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
 RMSNormFn = Callable[[Tensor, Tensor, float], Tensor]
 AddRMSNormFn = Callable[[Tensor, Tensor, Tensor, float], Tensor]
+SiluAndMulFn = Callable[[Tensor], Tensor]
 
 
 @dataclass(slots=True)
 class ModelOps:
     """The kernels the model calls besides its linears: writing and attending over the paged KV cache, and
-    optional fused ones: rope_write_kv (apply_rope + write_kv, returns the queries), rms_norm and add_rms_norm
-    (residual += x, then the norm of the sum) in one pass each."""
+    optional fused ones: rope_write_kv (apply_rope + write_kv, returns the queries), rms_norm, add_rms_norm
+    (residual += x, then the norm of the sum) and silu_and_mul (of the fused gate/up output) in one pass each."""
 
     write_kv: WriteKVFn
     paged_attention: PagedAttentionFn
     rope_write_kv: RopeWriteKVFn | None = None
     rms_norm: RMSNormFn | None = None
     add_rms_norm: AddRMSNormFn | None = None
+    silu_and_mul: SiluAndMulFn | None = None
 
 
 class RMSNorm(nn.Module):
@@ -133,15 +135,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's slice of the intermediate dimension: gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
         super().__init__()
         inter = self.intermediate_size = layout.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, parallel)
+        self.fused_silu_and_mul = ops.silu_and_mul
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu_and_mul is not None and not torch.compiler.is_compiling():
+            return self.down_proj(self.fused_silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(silu(gate).mul_(up))  # contiguous rows: the skinny kernel takes them
 
 
@@ -150,7 +156,7 @@ class DecoderLayer(nn.Module):
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layout, ops, dtype, parallel)
-        self.mlp = MLP(cfg, layout, dtype, parallel)
+        self.mlp = MLP(cfg, layout, ops, dtype, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
