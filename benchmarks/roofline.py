@@ -89,6 +89,16 @@ class ModelShape:
         return (computed * self.linear_flops_per_token + self.attention_flops(0, computed)
                 + output_len * self.lm_head_flops_per_row)
 
+    def step_flops(self, tokens: int, sampled: int, attended: int) -> int:
+        """A forward pass of `tokens` tokens whose queries attend to `attended` keys, `sampled` rows sampled."""
+        return (tokens * self.linear_flops_per_token + sampled * self.lm_head_flops_per_row
+                + 4 * self.heads * self.head_dim * self.layers * attended)
+
+    def step_bytes(self, tokens: int, context: int) -> int:
+        """Bytes a pass must move at least: the weights once, the K/V of its sequences' `context` keys read once and
+        the `tokens` new ones written."""
+        return self.weight_bytes + (context + tokens) * self.kv_bytes_per_token
+
     def decode_step_bytes(self, context_lens: Iterable[int]) -> int:
         """Bytes a decode step moves: weights once, K/V of every attended key read, one token's K/V written."""
         lens = list(context_lens)
@@ -110,6 +120,11 @@ class Limits:
 
     def bandwidth_pct(self, bytes_per_s: float) -> float:
         return 100.0 * bytes_per_s / (self.read_gbs * 1e9)
+
+    def floor_seconds(self, flops: float, moved: float) -> float:
+        """The least time a pass can take here: its FLOPs at the matmul peak or its bytes at the read bandwidth,
+        whichever is longer (compute and memory traffic perfectly overlapped)."""
+        return max(flops / (self.matmul_peak_gflops * 1e9), moved / (self.read_gbs * 1e9))
 
 
 def best_time(fn: Callable[[], object], sync: Callable[[], None], reps: int, rounds: int = 5,

@@ -32,6 +32,9 @@ request's own max_tokens output tokens (EOS never stops either side).
   the model's linear shapes. Each side's model FLOP/s = the FLOPs the requests need (every prompt token and
   every output token but the last through the linears and attention, one LM-head row per output token; no
   recompute or padding counted) / its seconds, printed as a % of that peak.
+--step-log FILE: the executor logs every step (executor --step-log) and pagedserve's seconds are broken down by
+kind of step (with prefill; decodes of <= 8, 9 - 32, 33 - 64, > 64 sequences) beside those steps' floor: each
+step's FLOPs at the matmul peak or its bytes (weights once, its sequences' K/V) at the read bandwidth, the longer.
 Each side gets one untimed warm-up request/batch first; with both sides, their --repeats timed runs alternate
 (pagedserve, transformers, pagedserve, ...) so that both see the same machine load. Prints useful output
 tokens/s of both (medians) and the ratio.
@@ -127,6 +130,9 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
     if args.device == "cuda":
         ex_args += ["--dtype", "float32"]
     ex_args += shlex.split(args.executor_args)
+    if args.step_log is not None:
+        args.step_log.unlink(missing_ok=True)
+        ex_args += ["--step-log", str(args.step_log)]
     # Prefix caching off: a repeat would otherwise reuse the previous run's prompt KV (the peer shares no blocks).
     sc_flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--no-enable-prefix-caching"]
@@ -272,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=0, help="override the executor's KV block count (0: off)")
     p.add_argument("--executor-args", default="", help="more executor flags, e.g. '--cpu-gemm mkl'")
     p.add_argument("--only", choices=["pagedserve", "transformers"], default=None)
+    p.add_argument("--step-log", type=Path, default=None,
+                   help="have the executor log every step here (--step-log) and print where pagedserve's time goes:"
+                   " seconds per kind of step against that step's floor at the measured limits")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     model = ensure_model(args.model_dir)
@@ -304,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         between = (lambda: peer_runs.append(once())) if once is not None else (lambda: None)
         results["pagedserve"] = with_flops(run_pagedserve(model, requests, args, between), flops, limits)
         emit({"bench": "vs_transformers", "side": "pagedserve", **results["pagedserve"]}, args.json_out)
+        if args.step_log is not None:
+            for row in step_breakdown(args.step_log, model_shape, limits, args.repeats):
+                emit({"bench": "vs_transformers", "side": "pagedserve", **row}, args.json_out)
     elif once is not None:
         peer_runs = [once() for _ in range(args.repeats)]
     if once is not None:
@@ -315,6 +327,39 @@ def main(argv: list[str] | None = None) -> None:
         emit({"bench": "vs_transformers", "side": "transformers", **results["transformers"]}, args.json_out)
     if len(results) == 2:
         summarize(results, args, limits)
+
+
+STEP_KINDS = ((8, "decode <= 8 seqs"), (32, "decode 9 - 32 seqs"), (64, "decode 33 - 64 seqs"),
+              (None, "decode > 64 seqs"))
+
+
+def step_kind(step: dict[str, int]) -> str:
+    if step["tokens"] > step["seqs"]:
+        return "with prefill"
+    return next(name for most, name in STEP_KINDS if most is None or step["seqs"] <= most)
+
+
+def step_breakdown(path: Path, shape: ModelShape, limits: Limits, runs: int) -> list[dict[str, Any]]:
+    """Per kind of step (and all together), per timed run: steps, executor seconds, and the floor those steps
+    have at the measured limits (each step's FLOPs at the matmul peak or its bytes at the read bandwidth, the
+    longer; benchmarks/roofline.py), from the executor's step log (the warm-up request's few steps included)."""
+    sums: dict[str, list[float]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        step = json.loads(line)
+        if not step["seqs"]:
+            continue
+        flops = shape.step_flops(step["tokens"], step["sampled"], step["attended"]) * step["passes"]
+        moved = shape.step_bytes(step["tokens"], step["context"]) * step["passes"]
+        floor = limits.floor_seconds(flops, moved)
+        for kind in (step_kind(step), "all"):
+            total = sums.setdefault(kind, [0, 0.0, 0.0])
+            total[0] += 1
+            total[1] += step["total_ns"] / 1e9
+            total[2] += floor
+    order = ["with prefill", *(name for _, name in STEP_KINDS), "all"]
+    return [{"steps": kind, "count": round(n / runs), "seconds": round(seconds / runs, 2),
+             "floor_seconds": round(floor / runs, 2), "x_floor": round(seconds / floor, 2)}
+            for kind in order if kind in sums for n, seconds, floor in [sums[kind]]]
 
 
 def with_flops(result: dict[str, Any], flops: float, limits: Limits) -> dict[str, Any]:

@@ -37,8 +37,9 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     stop = asyncio.Event()
+    step_log = open(config.step_log, "a", buffering=1, encoding="utf-8") if config.step_log else None  # noqa: SIM115
     server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file),
-                               stop)
+                               stop, step_log)
     info = backend.info
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
              config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
@@ -51,6 +52,8 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=2.0)
+    if step_log is not None:
+        step_log.close()
     log.info("executor stopped")
 
 

@@ -56,6 +56,9 @@ class ExecutorConfig:
         "CPU: token counts of steps to run through torch.compile (inductor), one graph each, compiled on first use,"
         " e.g. 1,2,4,8,16; a step runs the smallest size that holds it (default: none, eager; helps small decode"
         " batches only, see BENCHMARKS.md)", parse=parse_sizes))
+    step_log: str | None = field(default=None, metadata=flag(
+        "append one JSON line per step (sequences, tokens, sampled rows, attended and context keys, passes,"
+        " timings) to this file, for benchmarks (benchmarks/vs_transformers.py --step-log)"))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "shard the model over this many ranks, one process per device (under torchrun: its WORLD_SIZE)",
         group=TP_GROUP, aliases=["-tp"]))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,9 +27,11 @@ HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, backend: Backend, stopping: asyncio.Event | None = None) -> None:
+    def __init__(self, backend: Backend, stopping: asyncio.Event | None = None,
+                 step_log: TextIO | None = None) -> None:
         self.backend = backend
         self.stopping = stopping or asyncio.Event()
+        self.step_log = step_log
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
@@ -129,6 +133,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.prepare_ns = t_prep - t_swap
         result.timings.forward_ns = t_fwd - t_prep
         result.timings.total_ns = time.perf_counter_ns() - t0
+        if self.step_log is not None:
+            self.step_log.write(step_record(items, step.num_steps, result.timings) + "\n")
         return result
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
@@ -174,6 +180,16 @@ def _token_logprobs(s: SampleOutput) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(token_id=s.token_id, logprob=s.logprob or 0.0, top=top)
 
 
+def step_record(items: list[BatchItem], num_steps: int, timings: executor_pb2.StepTimings) -> str:
+    """One step as a JSON line: its work (attended = the keys its queries attend to, causally; context = the keys
+    its sequences hold) and its timings."""
+    return json.dumps({
+        "seqs": len(items), "tokens": sum(i.num_tokens for i in items), "sampled": sum(i.sample for i in items),
+        "attended": sum(i.num_tokens * i.start + i.num_tokens * (i.num_tokens + 1) // 2 for i in items),
+        "context": sum(i.start + i.num_tokens for i in items), "passes": max(1, num_steps),
+        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})
+
+
 def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:
     """SampledTokens as three column extends; logprobs for the requests that asked for them."""
     columns = outputs.values()
@@ -187,12 +203,13 @@ def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[Sampl
 
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,
-                secret: str | None = None, stopping: asyncio.Event | None = None) -> tuple[grpc.aio.Server, int]:
+                secret: str | None = None, stopping: asyncio.Event | None = None,
+                step_log: TextIO | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the Executor API. Once `stopping` is set, an open Execute stream ends UNAVAILABLE at its next
     step instead of serving on through the shutdown's grace period."""
     interceptors = [SecretInterceptor(secret)] if secret else []
     server = grpc.aio.server(options=EXECUTOR_LINK_OPTIONS, interceptors=interceptors)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping), server)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping, step_log), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name, health.SERVICE_NAME,

@@ -142,3 +142,22 @@ async def test_a_stream_ends_unavailable_at_its_next_step_once_the_executor_is_s
             await assert_ends_unavailable(call, "shutting down")
     finally:
         await server.stop(None)
+
+
+async def test_the_step_log_has_one_line_per_step_with_its_work_and_timings() -> None:
+    import io
+    import json
+
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    log = io.StringIO()
+    s = ExecutorServicer(SimulatedBackend(config), step_log=log)
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1], n=5),
+                                                                                    new("b", [2, 3])]))).error
+    running = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_new_blocks=[0, 0])
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=2, running=running))).error
+    prefill, decode = (json.loads(line) for line in log.getvalue().splitlines())
+    assert {k: prefill[k] for k in ("seqs", "tokens", "sampled", "attended", "context", "passes")} == {
+        "seqs": 2, "tokens": 9, "sampled": 2, "attended": 15 + 10, "context": 9, "passes": 1}
+    assert {k: decode[k] for k in ("seqs", "tokens", "sampled", "attended", "context")} == {
+        "seqs": 2, "tokens": 2, "sampled": 2, "attended": 6 + 5, "context": 11}
+    assert 0 < decode["forward_ns"] <= decode["total_ns"]
