@@ -1,4 +1,5 @@
-// What the executor's C++ CPU kernels share (attention/csrc, model/csrc): the inlining macro and AVX-512 helpers.
+// What the executor's C++ CPU kernels share (attention/csrc, model/csrc): the inlining macro and AVX-512 helpers
+// (a 16-lane horizontal sum, e^x).
 // On the include path of every extension executor_service/cpu_build.py builds.
 #pragma once
 
@@ -25,6 +26,24 @@ ALWAYS_INLINE __m512 sum_lanes16(const __m512* p) {
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
   };
   return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
+}
+
+// e^x on 16 lanes for x in [-87.3, 88.3] (the caller clamps): Cephes' expf, x = n ln2 + r with ln2 in two parts,
+// a degree-6 polynomial in r, times 2^n built in the exponent bits; within 2 ulp.
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 }  // namespace pagedserve

@@ -1,8 +1,9 @@
 // The MLP's activation in one pass: silu(gate) * up over the fused gate/up projection's output, into a new
 // contiguous tensor (torch takes a pass for the SiLU and another for the product, and the down projection then
 // reads a strided half). silu(g) = g / (1 + e^-g), then times up, each step rounded as torch's; e^x comes from
-// Cephes' expf polynomial (within 2 ulp of the exact value; torch uses SLEEF's), so the result equals torch's up to
-// rounding. Registered as torch.ops.pagedserve_model.silu_and_mul; built by executor_service/model/cpu_ops.py.
+// Cephes' expf polynomial (cpu_simd.h, within 2 ulp; torch uses SLEEF's) with -g clamped to [-87.3, 88.3] (beyond
+// it g / (1 + e^-g) is g, or within 1e-30 of 0), so the result equals torch's up to rounding.
+// Registered as torch.ops.pagedserve_model.silu_and_mul; built by executor_service/model/cpu_ops.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,33 +18,14 @@
 
 namespace {
 
-#ifdef __AVX512F__
-// e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by Cephes' polynomial, times 2^n by scalef (which
-// gives inf and 0 where float's range ends).
-ALWAYS_INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 void silu_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 one = _mm512_set1_ps(1.0f), lowest = _mm512_set1_ps(-87.3f), highest = _mm512_set1_ps(88.3f);
   for (; i + 16 <= n; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 minus_g = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), lowest), highest);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, pagedserve::exp16(minus_g)));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
   }
 #endif
