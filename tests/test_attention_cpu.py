@@ -276,3 +276,18 @@ def test_a_prebuilt_library_loads_without_a_compiler_and_a_broken_one_is_rebuilt
     monkeypatch.setattr(torch.ops, "load_library", broken)
     cpu_build.build_extension("ext", sources)
     assert compiled == ["ext", "ext"] and "building it again" in caplog.text
+
+
+def test_every_kernel_source_ships_as_package_data() -> None:
+    """The Docker image and any pip install build the kernels from the installed package, so every C++ source and
+    shared header must be listed as package data of the package that holds it."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    packages = {Path(*name.split(".")): patterns for name, patterns in data.items() if name != "*"}
+    for source in [cpu.SOURCE, *cpu_ops.SOURCES, *cpu_build.SHARED_HEADERS.glob("*.h")]:
+        path = source.relative_to(ROOT)
+        assert any(fnmatch(str(path.relative_to(package)), pattern)
+                   for package, patterns in packages.items() if path.is_relative_to(package)
+                   for pattern in patterns), f"{path} is not package data in pyproject.toml"
