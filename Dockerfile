@@ -57,7 +57,7 @@ keep = [d for d in deps if re.split(r"[ <>=!~;\[]", d, maxsplit=1)[0].lower() no
 open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")' \
     && cat /tmp/requirements.txt
 RUN pip install -r /tmp/requirements.txt
-# A C++ compiler for the executor's CPU kernels (paged attention; the model's linear, RoPE and RMSNorm ops), in
+# A C++ compiler for the executor's CPU kernels (paged attention; the model's linear, RoPE, RMSNorm, SiLU ops), in
 # this stage only: the runtime loads the libraries built here and needs no compiler.
 ARG BUILD_APT_PACKAGES="g++"
 RUN if [ -n "$(echo ${BUILD_APT_PACKAGES})" ]; then \

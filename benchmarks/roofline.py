@@ -94,10 +94,12 @@ class ModelShape:
         return (tokens * self.linear_flops_per_token + sampled * self.lm_head_flops_per_row
                 + 4 * self.heads * self.head_dim * self.layers * attended)
 
-    def step_bytes(self, tokens: int, context: int) -> int:
-        """Bytes a pass must move at least: the weights once, the K/V of its sequences' `context` keys read once and
-        the `tokens` new ones written."""
-        return self.weight_bytes + (context + tokens) * self.kv_bytes_per_token
+    def step_bytes(self, tokens: int, context: int, sampled: int) -> int:
+        """Bytes a pass must move at least: the weights once (the LM head's only if it samples a row), the K/V of
+        its sequences' `context` keys read once and the `tokens` new ones written."""
+        lm_head = self.hidden * self.vocab * self.dtype_bytes if sampled else 0
+        return self.weight_bytes - self.hidden * self.vocab * self.dtype_bytes + lm_head + (
+            context + tokens) * self.kv_bytes_per_token
 
     def decode_step_bytes(self, context_lens: Iterable[int]) -> int:
         """Bytes a decode step moves: weights once, K/V of every attended key read, one token's K/V written."""

@@ -349,7 +349,7 @@ def step_breakdown(path: Path, shape: ModelShape, limits: Limits, runs: int) -> 
         if not step["seqs"]:
             continue
         flops = shape.step_flops(step["tokens"], step["sampled"], step["attended"]) * step["passes"]
-        moved = shape.step_bytes(step["tokens"], step["context"]) * step["passes"]
+        moved = shape.step_bytes(step["tokens"], step["context"], step["sampled"]) * step["passes"]
         floor = limits.floor_seconds(flops, moved)
         for kind in (step_kind(step), "all"):
             total = sums.setdefault(kind, [0, 0.0, 0.0])

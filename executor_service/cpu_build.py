@@ -66,13 +66,16 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
 
 
 def load_prebuilt(library: Path) -> bool:
-    """Load a library a finished build left (ninja links it last); False if there is none or it does not load."""
-    if not library.is_file():
+    """Load a library a finished build left; False if there is none, a build holds the directory's lock (the
+    library may be half linked: let cpp_extension wait for it), or it does not load (then it is removed, so that
+    the build links it again instead of finding it up to date)."""
+    if not library.is_file() or (library.parent / "lock").exists():
         return False
     try:
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError) as e:
         log.warning("could not load %s (%s); building it again", library, e)
+        library.unlink(missing_ok=True)
         return False
     return True
 
@@ -94,7 +97,7 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = {"CPU paged attention": attention.load(),
-             "CPU model ops (packed and skinny linear, RoPE + KV write, RMSNorm)": cpu_ops.load()}
+             "CPU model ops (packed and skinny linear, RoPE + KV write, RMSNorm, SiLU-and-mul)": cpu_ops.load()}
     for name, ok in built.items():
         print(f"{name}: {'built' if ok else 'NOT built (torch fallback)'} in {kernel_dir()}")
     return 0 if all(built.values()) else 1

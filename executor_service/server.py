@@ -134,7 +134,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.forward_ns = t_fwd - t_prep
         result.timings.total_ns = time.perf_counter_ns() - t0
         if self.step_log is not None:
-            self.step_log.write(step_record(items, step.num_steps, result.timings) + "\n")
+            passes = max(map(len, outputs.values()), default=1)
+            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings))
         return result
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
@@ -180,13 +181,24 @@ def _token_logprobs(s: SampleOutput) -> common_pb2.TokenLogprobs:
     return common_pb2.TokenLogprobs(token_id=s.token_id, logprob=s.logprob or 0.0, top=top)
 
 
-def step_record(items: list[BatchItem], num_steps: int, timings: executor_pb2.StepTimings) -> str:
-    """One step as a JSON line: its work (attended = the keys its queries attend to, causally; context = the keys
-    its sequences hold) and its timings."""
+def append_line(log_file: TextIO, line: str) -> TextIO | None:
+    """The file, after appending the line; None (the log is off) when the write fails (a full disk), which must not
+    fail the step."""
+    try:
+        log_file.write(line + "\n")
+    except (OSError, ValueError) as e:
+        log.warning("step log off: %s", e)
+        return None
+    return log_file
+
+
+def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings) -> str:
+    """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
+    context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
     return json.dumps({
         "seqs": len(items), "tokens": sum(i.num_tokens for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(i.num_tokens * i.start + i.num_tokens * (i.num_tokens + 1) // 2 for i in items),
-        "context": sum(i.start + i.num_tokens for i in items), "passes": max(1, num_steps),
+        "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
         "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})
 
 

@@ -250,7 +250,7 @@ def test_without_a_compiler_the_executor_falls_back_to_the_reference(tmp_path: P
     assert "refused: PAGEDSERVE_ATTENTION=cpu" in done.stdout
 
 
-def test_a_prebuilt_library_loads_without_a_compiler_and_a_broken_one_is_rebuilt(
+def test_a_prebuilt_library_loads_without_a_compiler_and_a_broken_or_locked_one_is_built(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The Docker image ships kernels built in its build stage and no g++ or ninja: the executor must load them as
     they are; a library that does not load is built again."""
@@ -274,8 +274,12 @@ def test_a_prebuilt_library_loads_without_a_compiler_and_a_broken_one_is_rebuilt
         raise OSError(f"{path}: invalid ELF header")
 
     monkeypatch.setattr(torch.ops, "load_library", broken)
+    cpu_build.build_extension("ext", sources)  # removed, so that ninja links it again rather than keep it
+    assert compiled == ["ext", "ext"] and "building it again" in caplog.text and not library.exists()
+    library.write_bytes(b"\x7fELF")
+    (library.parent / "lock").touch()  # another process is building it: it may be half linked
     cpu_build.build_extension("ext", sources)
-    assert compiled == ["ext", "ext"] and "building it again" in caplog.text
+    assert compiled == ["ext", "ext", "ext"] and library.exists()
 
 
 def test_every_kernel_source_ships_as_package_data() -> None:

@@ -155,9 +155,23 @@ async def test_the_step_log_has_one_line_per_step_with_its_work_and_timings() ->
                                                                                     new("b", [2, 3])]))).error
     running = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_new_blocks=[0, 0])
     assert not (await s.run_step(executor_pb2.StepRequest(step_id=2, running=running))).error
-    prefill, decode = (json.loads(line) for line in log.getvalue().splitlines())
+    # 8 passes asked; the tables (2 blocks of 4) hold 2 more tokens of "a" and 3 more of "b": 3 passes run
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=3, running=running, num_steps=8))).error
+    prefill, decode, multi = (json.loads(line) for line in log.getvalue().splitlines())
+    assert multi["passes"] == 3 and multi["seqs"] == 2
     assert {k: prefill[k] for k in ("seqs", "tokens", "sampled", "attended", "context", "passes")} == {
         "seqs": 2, "tokens": 9, "sampled": 2, "attended": 15 + 10, "context": 9, "passes": 1}
     assert {k: decode[k] for k in ("seqs", "tokens", "sampled", "attended", "context")} == {
         "seqs": 2, "tokens": 2, "sampled": 2, "attended": 6 + 5, "context": 11}
     assert 0 < decode["forward_ns"] <= decode["total_ns"]
+
+
+async def test_a_step_log_that_cannot_be_written_turns_off_and_the_step_is_served() -> None:
+    class FullDisk:
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    s = ExecutorServicer(SimulatedBackend(config), step_log=FullDisk())  # type: ignore[arg-type]
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+    assert not result.error and list(result.sampled.request_ids) == ["a"] and s.step_log is None

@@ -2,7 +2,7 @@
 // contiguous tensor (torch takes a pass for the SiLU and another for the product, and the down projection then
 // reads a strided half). silu(g) = g / (1 + e^-g), then times up, each step rounded as torch's; e^x comes from
 // Cephes' expf polynomial (cpu_simd.h, within 2 ulp; torch uses SLEEF's) with -g clamped to [-87.3, 88.3] (beyond
-// it g / (1 + e^-g) is g, or within 1e-30 of 0), so the result equals torch's up to rounding.
+// it g / (1 + e^-g) is g, or g * 5e-39 where torch's is -0), so the result equals torch's up to rounding.
 // Registered as torch.ops.pagedserve_model.silu_and_mul; built by executor_service/model/cpu_ops.py.
 
 #include <ATen/Parallel.h>
