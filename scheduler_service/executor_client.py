@@ -20,6 +20,11 @@ class ExecutorLost(Exception):
     """The stream broke: the executor's KV cache and request state are gone."""
 
 
+class MalformedResult(ValueError):
+    """A step result that breaks the contract (its sampled-token columns disagree): the executor is not trusted
+    with the step's requests any more."""
+
+
 def sampling_proto(s: SamplingOptions) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -78,12 +83,14 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
         result.errors = {w.request.request_id: f"executor refused the step: {msg.error}" for w in out.scheduled}
         return result
     s = msg.sampled
-    tokens = list(s.token_ids)
-    counts = list(s.num_tokens)
-    if len(tokens) == len(counts):
-        result.ids, result.tokens = list(s.request_ids), tokens
+    ids, tokens, counts = list(s.request_ids), list(s.token_ids), list(s.num_tokens)
+    if len(ids) != len(counts) or sum(counts) != len(tokens):
+        raise MalformedResult(f"step {msg.step_id}: sampled tokens of {len(ids)} requests with {len(counts)} counts"
+                              f" adding up to {sum(counts)}, but {len(tokens)} tokens")
+    if counts.count(1) == len(counts):  # one token each: the columns are the answer
+        result.ids, result.tokens = ids, tokens
     else:
-        result.sampled = dict(zip(s.request_ids, split_columns(tokens, counts), strict=True))
+        result.sampled = dict(zip(ids, split_columns(tokens, counts), strict=True))
     for lp in msg.logprobs:
         result.logprobs[lp.request_id] = [token_logprob(t) for t in lp.tokens]
     result.errors = {e.request_id: e.message for e in msg.errors}
@@ -153,7 +160,11 @@ class ExecutorConnection:
             self.drop_stream()
             raise ExecutorLost(f"executor closed the step stream{f' ({status})' if status else ''}")
         self.busy_ns += msg.timings.total_ns
-        return result_from_proto(msg, out)
+        try:
+            return result_from_proto(msg, out)
+        except MalformedResult as e:
+            self.drop_stream()
+            raise ExecutorLost(f"executor broke the step contract: {e}") from e
 
     async def _status(self) -> str:
         """The finished stream's status and message, for the log; empty if it has not finished."""

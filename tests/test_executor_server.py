@@ -175,3 +175,49 @@ async def test_a_step_log_that_cannot_be_written_turns_off_and_the_step_is_serve
     s = ExecutorServicer(SimulatedBackend(config), step_log=FullDisk())  # type: ignore[arg-type]
     result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
     assert not result.error and list(result.sampled.request_ids) == ["a"] and s.step_log is None
+
+
+def test_sampled_columns_are_read_by_their_counts_even_when_they_have_as_many_tokens_as_requests() -> None:
+    from scheduler_service.core.outputs import SchedulerOutput
+    from scheduler_service.executor_client import MalformedResult, result_from_proto
+
+    def result(ids: list[str], counts: list[int], tokens: list[int]) -> executor_pb2.StepResult:
+        return executor_pb2.StepResult(step_id=1, sampled=executor_pb2.SampledTokens(
+            request_ids=ids, num_tokens=counts, token_ids=tokens))
+
+    out = SchedulerOutput(step_id=1)
+    read = result_from_proto(result(["a", "b"], [0, 2], [7, 8]), out)  # as many tokens as requests, not one each
+    assert read.sampled == {"a": [], "b": [7, 8]} and not read.ids
+    one_each = result_from_proto(result(["a", "b"], [1, 1], [7, 8]), out)
+    assert one_each.ids == ["a", "b"] and one_each.tokens == [7, 8]
+    for ids, counts, tokens in ((["a", "b"], [1], [7]), (["a"], [2], [7]), (["a"], [1], [7, 8])):
+        with pytest.raises(MalformedResult, match="sampled tokens"):
+            result_from_proto(result(ids, counts, tokens), out)
+
+
+async def test_an_executor_whose_answer_breaks_the_contract_is_dropped_as_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third-party executor that counts more tokens than it sends must not crash the scheduler's engine or
+    hand tokens to the wrong request: the connection treats it as lost (its requests are recomputed)."""
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.core.request import Request, SamplingOptions
+    from scheduler_service.executor_client import ExecutorConnection, ExecutorLost
+
+    honest = ExecutorServicer.run_step
+
+    async def miscounting(self: ExecutorServicer, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        result = await honest(self, step)
+        result.sampled.num_tokens[0] = 2  # one token sent
+        return result
+
+    monkeypatch.setattr(ExecutorServicer, "run_step", miscounting)
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    server, port = await serve(backend, "127.0.0.1:0")
+    try:
+        connection = ExecutorConnection(f"127.0.0.1:{port}")
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        with pytest.raises(ExecutorLost, match="broke the step contract"):
+            await connection.execute(out)
+        await connection.close()
+    finally:
+        await server.stop(None)
