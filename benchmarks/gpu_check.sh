@@ -46,7 +46,7 @@ run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${ngpu:-0}" -ge 2 ]; then
   run tp2_equality env PAGEDSERVE_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
-  run tp2_decode "$PY" benchmarks/tensor_parallel.py --device cuda --batch-sizes 1,16,64,256 --steps 64
+  run tp2_decode "$PY" -m benchmarks.tensor_parallel --device cuda --batch-sizes 1,16,64,256 --steps 64
 else
   echo "== tensor parallel on CUDA: skipped, ${ngpu:-0} GPU(s); it needs 2"
 fi

@@ -18,12 +18,8 @@ import asyncio
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client.bench.record import emit, machine
 

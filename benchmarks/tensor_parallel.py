@@ -1,6 +1,6 @@
 """Decode tokens/s of the torch executor at --tensor-parallel-size 1 and 2, side by side in one run.
 
-    python benchmarks/tensor_parallel.py [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32]
+    python -m benchmarks.tensor_parallel [--batch-sizes 1,16,64] [--steps 32] [--prompt-len 32]
                                          [--model DIR] [--device cpu|cuda] [--cores 2] [--repeats 3]
 
 Every configuration is an executor process (`python -m executor_service`) on the same weights (--model,
@@ -26,15 +26,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from benchmarks.executor import executor_run, prompts
+from client.local import free_port, stop, wait_healthy
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import grpc  # noqa: E402
-
-from benchmarks.executor import executor_run, prompts  # noqa: E402
-from client.local import free_port, stop, wait_healthy  # noqa: E402
-from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 
 @dataclass(slots=True)
