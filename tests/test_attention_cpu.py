@@ -112,15 +112,19 @@ def test_the_source_compiles_for_a_cpu_without_avx512(source: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_split_sends_long_queries_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = make_batch([(10, 1), (0, 40), (20, 3), (5, 33)], 16, 2, 2, 32, torch.float32)
+def test_split_sends_long_chunks_behind_a_long_prefix_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(prefix, queries): decodes, short chunks and long chunks that are mostly their own causal triangle (a
+    prefix under a third of their length) take the kernel; long chunks behind a longer prefix take SDPA."""
+    batch = make_batch([(10, 1), (0, 40), (20, 3), (40, 33), (5, 33), (11, 33)], 16, 2, 2, 32, torch.float32)
     split = cpu.plan_split(batch.query, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    assert split.kernel_seqs is not None and split.kernel_seqs.tolist() == [0, 2]
+    assert split.kernel_seqs is not None and split.kernel_seqs.tolist() == [0, 1, 2, 4]
     assert sum(g.num_seqs for g in split.plan.groups) == 2
+    torch.testing.assert_close(cpu.paged_attention(*args(batch)), reference.paged_attention(*args(batch)),
+                               atol=2e-6, rtol=2e-6)
     monkeypatch.setattr(cpu, "KERNEL_MAX_QUERY", 100)
     everything = cpu.plan_split(batch.query, batch.k_cache, batch.block_tables, batch.seq_lens,
                                 batch.query_start_loc)
-    assert everything.kernel_seqs is not None and everything.kernel_seqs.tolist() == [0, 1, 2, 3]
+    assert everything.kernel_seqs is not None and everything.kernel_seqs.tolist() == [0, 1, 2, 3, 4, 5]
     assert everything.plan.groups == []
     torch.testing.assert_close(cpu.paged_attention(*args(batch)), reference.paged_attention(*args(batch)),
                                atol=2e-6, rtol=2e-6)

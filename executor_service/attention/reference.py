@@ -133,11 +133,11 @@ def run_plan(plan: Plan, query: Tensor, k_cache: Tensor, v_cache: Tensor, scale:
 
 
 def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-               query_start_loc: Tensor, min_query_len: int = 1) -> Plan:
-    """The groups of every sequence with at least min_query_len query tokens."""
+               query_start_loc: Tensor, seqs: list[int] | None = None) -> Plan:
+    """The groups of the named sequences (None: every sequence with query tokens)."""
     starts, lens = _host_metadata(query_start_loc, seq_lens)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-    order = sorted((s for s in range(len(lens)) if q_lens[s] >= max(1, min_query_len)),
+    order = sorted((s for s in (range(len(lens)) if seqs is None else seqs) if q_lens[s] > 0),
                    key=lambda s: (q_lens[s], lens[s]))
     budget = _chunk_tokens(k_cache)
     group_size = query.shape[1] // k_cache.shape[2]
