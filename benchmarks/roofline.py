@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from executor_service.backend import attended_keys
+
 PEAK_ROWS = (64, 128, 256, 512)
 BANDWIDTH_MIB = 512
 
@@ -63,10 +65,14 @@ class ModelShape:
         return 2 * self.hidden * self.vocab
 
     @property
+    def lm_head_bytes(self) -> int:
+        return self.hidden * self.vocab * self.dtype_bytes
+
+    @property
     def weight_bytes(self) -> int:
         """Linear and LM-head weights: what every forward pass reads once."""
         per_layer = sum(i * o for i, o in self.linears())
-        return (self.layers * per_layer + self.hidden * self.vocab) * self.dtype_bytes
+        return self.layers * per_layer * self.dtype_bytes + self.lm_head_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -74,7 +80,10 @@ class ModelShape:
 
     def attention_flops(self, start: int, num_tokens: int) -> int:
         """Causal attention of positions [start, start + num_tokens): position p attends to p + 1 keys."""
-        keys = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        return self.attended_flops(attended_keys(start, num_tokens))
+
+    def attended_flops(self, keys: int) -> int:
+        """QK^T and PV of queries that attend to `keys` keys in all, in every layer."""
         return 4 * self.heads * self.head_dim * self.layers * keys
 
     def pass_flops(self, start: int, num_tokens: int, sampled: bool) -> int:
@@ -92,14 +101,13 @@ class ModelShape:
     def step_flops(self, tokens: int, sampled: int, attended: int) -> int:
         """A forward pass of `tokens` tokens whose queries attend to `attended` keys, `sampled` rows sampled."""
         return (tokens * self.linear_flops_per_token + sampled * self.lm_head_flops_per_row
-                + 4 * self.heads * self.head_dim * self.layers * attended)
+                + self.attended_flops(attended))
 
     def step_bytes(self, tokens: int, context: int, sampled: int) -> int:
         """Bytes a pass must move at least: the weights once (the LM head's only if it samples a row), the K/V of
         its sequences' `context` keys read once and the `tokens` new ones written."""
-        lm_head = self.hidden * self.vocab * self.dtype_bytes if sampled else 0
-        return self.weight_bytes - self.hidden * self.vocab * self.dtype_bytes + lm_head + (
-            context + tokens) * self.kv_bytes_per_token
+        weights = self.weight_bytes if sampled else self.weight_bytes - self.lm_head_bytes
+        return weights + (context + tokens) * self.kv_bytes_per_token
 
     def decode_step_bytes(self, context_lens: Iterable[int]) -> int:
         """Bytes a decode step moves: weights once, K/V of every attended key read, one token's K/V written."""

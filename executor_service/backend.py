@@ -7,12 +7,18 @@ from typing import Protocol
 
 from protos.contract import BlockMap, SamplingConfig
 
-__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig"]
+__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig",
+           "attended_keys"]
 
 
 class BackendLost(RuntimeError):
     """The backend can run no more steps (a tensor-parallel peer or collective failed): the executor ends
     its stream instead of answering, and the process is going down (fail-stop)."""
+
+
+def attended_keys(start: int, num_tokens: int) -> int:
+    """Keys the causal queries at positions [start, start + num_tokens) attend to: position p sees p + 1."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass(slots=True)

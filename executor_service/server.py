@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_service.auth import SecretInterceptor
-from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput
+from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
 from executor_service.state import RequestState, RequestTable
 from executor_service.validator import MAX_NUM_STEPS, RequestRefused, StepRefused, StepValidator, check_span
 from protos.contract import BlockMap
@@ -197,7 +197,7 @@ def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepT
     context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
     return json.dumps({
         "seqs": len(items), "tokens": sum(i.num_tokens for i in items), "sampled": sum(i.sample for i in items),
-        "attended": sum(i.num_tokens * i.start + i.num_tokens * (i.num_tokens + 1) // 2 for i in items),
+        "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
         "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})
 

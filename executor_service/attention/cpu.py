@@ -46,10 +46,11 @@ def plan_split(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: T
                query_start_loc: Tensor) -> Split:
     tables, lens, starts = (t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc))
     q_lens = starts[1:] - starts[:-1]
+    has_queries = q_lens > 0
     mostly_causal = (lens - q_lens).float() < KERNEL_MAX_PREFIX_SHARE * q_lens
-    to_kernel = (q_lens > 0) & ((q_lens <= KERNEL_MAX_QUERY) | mostly_causal)
+    to_kernel = has_queries & ((q_lens <= KERNEL_MAX_QUERY) | mostly_causal)
     kernel_seqs = to_kernel.nonzero().flatten().to(torch.int32)
-    rest = ((q_lens > 0) & ~to_kernel).nonzero().flatten().tolist()
+    rest = (has_queries & ~to_kernel).nonzero().flatten().tolist()
     plan = Plan([], query.shape[0]) if not rest else build_plan(query, k_cache, block_tables, seq_lens,
                                                                 query_start_loc, rest)
     return Split(kernel_seqs if kernel_seqs.numel() else None, tables, lens, starts, plan)
