@@ -69,12 +69,12 @@ RUN pip install --no-deps /src
 # Built with -march=native for the CPU this image is built on, keyed by its feature flags: an executor on a CPU
 # with other flags finds no build of its own, warns and runs the torch fallbacks (2 - 3x slower on the CPU).
 ENV PAGEDSERVE_KERNEL_DIR=/opt/pagedserve/kernels
-RUN cd / && (python -m executor_service.cpu_build \
+RUN cd / && (python -m executor_service.kernels \
     || echo "WARNING: the C++ CPU kernels did not build; the executor will run its torch fallbacks")
 # The trained default model ships inside the package (a few MB of bf16 weights); check that it was installed.
 ENV PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache
 RUN cd / && mkdir -p /opt/pagedserve/cache \
-    && python -c "from executor_service.default_model import ensure_default_model as e; assert (e() / 'model.safetensors').is_file(); print(e())" \
+    && python -c "from executor_service.default_model.model import ensure_default_model as e; assert (e() / 'model.safetensors').is_file(); print(e())" \
     && chmod -R a+rX /opt/pagedserve \
     && python -m executor_service --help >/dev/null && python -m scheduler_service --help >/dev/null
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from executor_service import cpu_build
 from executor_service.attention import cpu, reference
+from executor_service.kernels import build as cpu_build
 
 BLOCK_SIZE = 16
 HEADS = {"default (4/2/64)": (4, 2, 64), "32M (8/4/64)": (8, 4, 64)}

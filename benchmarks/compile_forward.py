@@ -4,13 +4,13 @@
         [--greedy-steps 32] [--json-out FILE]
 
 The model step is TorchBackend.forward plus the LM head (no batch building, no sampler) on a default backend
-(eager) and on one with executor_service.compiled.CompiledForward (--compile-sizes) for the steps' token counts.
+(eager) and on one with executor_service.runner.compiled.CompiledForward (--compile-sizes) for the steps' token counts.
 Steps: decode at batch 1, 16 and 64 (contexts 48 - 200 tokens) and a prefill of 8 x 64 prompt tokens. Each
 variant compiles with `torch.compile(..., backend="inductor", dynamic=False, fullgraph=True)` and inductor
 options (--variants: default; freezing = weights constant-folded and prepacked by inductor; cpp_wrapper = the
 graph's wrapper in C++; both; a "-unpacked" suffix: the compiled backend without the executor's own packed MKL
 weights, --no-cpu-weight-prepack). One graph per token count; attention is an opaque custom op
-(executor_service/compiled.py).
+(executor_service/runner/compiled.py).
 
 Reported per step: the compile size, its compile time (wall, and CPU of this process and the compiler's
 children; under whatever load the machine has, and shorter when TORCHINDUCTOR_CACHE_DIR already holds its
@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 
 from executor_service.backend import BatchItem, SamplingConfig
-from executor_service.compiled import CompiledForward
 from executor_service.config import ExecutorConfig
-from executor_service.default_model import ensure_random_model
-from executor_service.torch_backend import Batch, TorchBackend
+from executor_service.default_model.model import ensure_random_model
+from executor_service.runner.compiled import CompiledForward
+from executor_service.runner.torch_backend import Batch, TorchBackend
 
 GREEDY = SamplingConfig(temperature=0.0)
 NUM_BLOCKS = 2048

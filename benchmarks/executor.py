@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not batch_sizes or min(batch_sizes) < 1 or args.steps < 1 or args.prompt_len < 1:
         p.error("batch sizes, --steps and --prompt-len must be positive")
 
-    from executor_service.default_model import ensure_random_model
+    from executor_service.default_model.model import ensure_random_model
     from executor_service.model import ModelConfig
 
     model_dir = Path(args.model) if args.model else ensure_random_model()

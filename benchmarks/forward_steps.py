@@ -29,7 +29,7 @@ from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
 from executor_service.attention import ENV_VAR
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
-from executor_service.torch_backend import TorchBackend
+from executor_service.runner.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
           ("decode", 16, 300), ("decode", 4, 400)]

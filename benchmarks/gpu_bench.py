@@ -81,7 +81,7 @@ def attention_cases(read_gbs: float) -> list[dict[str, Any]]:
 
 
 def swap_case() -> dict[str, Any]:
-    from executor_service.kv_cache import CacheShape, KVCache
+    from executor_service.runner.kv_cache import CacheShape, KVCache
 
     shape = CacheShape(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float16)
     blocks = 1024
@@ -101,7 +101,7 @@ def swap_case() -> dict[str, Any]:
 def graph_cases(model: str | None, sizes: tuple[int, ...]) -> tuple[list[dict[str, Any]], bool]:
     from executor_service.backend import BatchItem, SamplingConfig
     from executor_service.config import ExecutorConfig
-    from executor_service.torch_backend import TorchBackend
+    from executor_service.runner.torch_backend import TorchBackend
 
     config = ExecutorConfig(model=model, device="cuda", num_gpu_blocks=8 * max(sizes) + 64, num_cpu_blocks=0)
     eager = TorchBackend.create(config)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device", file=sys.stderr)
         return 1
-    from executor_service.default_model import ensure_default_model
+    from executor_service.default_model.model import ensure_default_model
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     limits = measure_limits(ModelShape.from_dir(model_dir, dtype_bytes=2), 1, "cuda", bandwidth_mib=4096)

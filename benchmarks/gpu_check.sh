@@ -37,15 +37,15 @@ run() {
 }
 run nvidia-smi nvidia-smi
 run gpu_bench "$PY" -m benchmarks.gpu_bench --json-out "$OUT/gpu_bench.json"
-run attention "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_forward_path.py
-run equality "$PY" -m pytest -q -p no:cacheprovider tests/test_torch_grpc.py tests/test_conformance.py
+run attention "$PY" -m pytest -q -p no:cacheprovider tests/executor/test_attention.py tests/executor/test_forward_path.py
+run equality "$PY" -m pytest -q -p no:cacheprovider tests/e2e/test_torch_grpc.py tests/e2e/test_conformance.py
 run executor "$PY" -m benchmarks.executor --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda
 # Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
 # still runs over gloo on the CPU in the conformance suite above.
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${ngpu:-0}" -ge 2 ]; then
-  run tp2_equality env PAGEDSERVE_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py
+  run tp2_equality env PAGEDSERVE_TP_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/executor/test_tensor_parallel.py
   run tp2_decode "$PY" -m benchmarks.tensor_parallel --device cuda --batch-sizes 1,16,64,256 --steps 64
 else
   echo "== tensor parallel on CUDA: skipped, ${ngpu:-0} GPU(s); it needs 2"

@@ -4,7 +4,8 @@ process, decoded there, and a small reply sent back (the round trip of one step'
     python benchmarks/ipc.py [--deltas 256,1024] [--iters 300]
 
 Candidates (the same content each way):
-- zmq+msgspec: ZeroMQ DEALER/ROUTER over ipc://, msgpack via msgspec Structs (scheduler_service/ipc.py; vLLM's choice);
+- zmq+msgspec: ZeroMQ DEALER/ROUTER over ipc://, msgpack via msgspec Structs
+  (scheduler_service/messages.py; vLLM's choice);
 - grpc+protobuf: a gRPC bidi stream over a unix:// socket, the deltas as protobuf columns (the Execute stream's
   SampledTokens message, the cheapest protobuf form this project has);
 - pipe+pickle: multiprocessing.Pipe with pickled RequestDelta dataclasses.
@@ -35,7 +36,7 @@ def deltas(n: int) -> list[object]:
 def zmq_peer(address: str) -> None:
     import zmq
 
-    from scheduler_service.ipc import ToCore, encoder, to_frontend_decoder
+    from scheduler_service.messages import ToCore, encoder, to_frontend_decoder
 
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
@@ -51,7 +52,7 @@ def zmq_peer(address: str) -> None:
 def zmq_rounds(n: int, iters: int) -> list[float]:
     import zmq
 
-    from scheduler_service.ipc import ToFrontend, delta_to_wire, encoder, ipc_address, to_core_decoder
+    from scheduler_service.messages import ToFrontend, delta_to_wire, encoder, ipc_address, to_core_decoder
 
     address = ipc_address("bench")
     sock = zmq.Context().socket(zmq.ROUTER)

@@ -39,14 +39,14 @@ from typing import Any
 
 import uvloop
 
-import scheduler_service.executor_client as executor_client
+import scheduler_service.engine.executor_link as executor_client
 from client.bench.record import emit, machine
 from client.bench.stats import median, percentile
 from client.lib import PagedServeClient
 from client.local import free_port, parse_metrics, service
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
-from scheduler_service.engine import Engine
+from scheduler_service.engine.executor_loop import Engine
 
 PROMPT_LEN = 16
 SEED_BUDGET_S = 50e-6

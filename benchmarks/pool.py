@@ -46,7 +46,7 @@ from client.local import free_port, start, stop, wait_healthy, wait_until
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Request, SamplingOptions
-from scheduler_service.pool import ExecutorPool, PoolConfig
+from scheduler_service.engine.pool import ExecutorPool, PoolConfig
 
 PROMPT_LEN = 16
 

@@ -33,7 +33,7 @@ from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import median
 from client.lib import PagedServeClient
 from client.local import free_port, parse_metrics, service
-from executor_service.default_model import ensure_random_model
+from executor_service.default_model.model import ensure_random_model
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions

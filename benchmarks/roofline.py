@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
-    from executor_service.default_model import ensure_default_model
+    from executor_service.default_model.model import ensure_default_model
 
     shape = ModelShape.from_dir(args.model or ensure_default_model())
     print(json.dumps({"bench": "roofline", "shape": asdict(shape),

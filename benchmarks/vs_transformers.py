@@ -6,7 +6,7 @@ Both sides get the same model directory and the same request file, and count the
 request's own max_tokens output tokens (EOS never stops either side).
 
 - Model: a 33.6M-parameter Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1536, vocab
-  8192, random weights) written by executor_service.default_model.make_model into --model-dir (made once).
+  8192, random weights) written by executor_service.default_model.model.make_model into --model-dir (made once).
   Requests carry prompt_token_ids, so the tokenizer plays no part.
 - Requests: --num-requests ShareGPT-like requests from client.bench.datasets' seeded lognormal generator,
   written to --requests as JSON ({"requests": [{"prompt_token_ids": [...], "max_tokens": n}, ...]}, the
@@ -70,7 +70,7 @@ DEFAULT_CACHE = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cach
 def ensure_model(path: Path) -> Path:
     if (path / "config.json").is_file():  # made earlier, or any Hugging Face model directory
         return path
-    from executor_service.default_model import make_model
+    from executor_service.default_model.model import make_model
 
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     make_model(tmp, **MODEL_SPEC)

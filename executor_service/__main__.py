@@ -24,7 +24,7 @@ def build_backend(config: ExecutorConfig) -> Backend:
     if config.simulated:
         from executor_service.simulated import SimulatedBackend
         return SimulatedBackend(config)
-    from executor_service.torch_backend import TorchBackend
+    from executor_service.runner.torch_backend import TorchBackend
     return TorchBackend.create(config)
 
 
@@ -62,7 +62,7 @@ def run(argv: list[str] | None = None) -> int:
     config = ExecutorConfig.from_args(argv)
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from executor_service.distributed import launch
+            from executor_service.parallel.launch import launch
             return launch(config, lambda backend: uvloop.run(main(config, backend)))
         uvloop.run(main(config))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)

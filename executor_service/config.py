@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from protos.flags import add_flags, config_from, flag
+from client.flags import add_flags, config_from, flag
 
 TP_GROUP = "tensor parallelism (docs/operations.md)"
 

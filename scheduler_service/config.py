@@ -6,10 +6,10 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
-from protos.flags import add_flags, config_from, flag
+from client.flags import add_flags, config_from, flag
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
-from scheduler_service.membership import parse_target
+from scheduler_service.engine.membership import parse_target
 
 
 @dataclass(slots=True)

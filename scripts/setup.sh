@@ -15,4 +15,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # The C++ CPU kernels (g++, ninja): paged attention and packed-weight linear layers, built once per machine
 # and source, cached under ~/.cache/pagedserve/kernels; the executor falls back to torch where they cannot be built.
-.venv/bin/python -m executor_service.cpu_build || true
+.venv/bin/python -m executor_service.kernels || true

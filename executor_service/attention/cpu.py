@@ -1,10 +1,10 @@
 """The CPU paged-attention kernel (csrc/paged_attention_cpu.cpp): built once per machine, loaded on demand.
 
-`load()` compiles the C++ source (executor_service/cpu_build.py: g++ -O3 -march=native, cached per source,
+`load()` compiles the C++ source (executor_service/kernels/build.py: g++ -O3 -march=native, cached per source,
 torch version and CPU flags in PAGEDSERVE_KERNEL_DIR), or loads an earlier build. It returns False, once, with
 a warning, when the kernel cannot be built (no compiler): callers then use the pure-torch reference. `python -m
 executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh builds every CPU extension with
-`python -m executor_service.cpu_build`).
+`python -m executor_service.kernels`).
 
 The kernel computes float32 only; `paged_attention` below sends it decode-like sequences, short chunks (query
 length <= KERNEL_MAX_QUERY) and longer chunks whose cached prefix is under KERNEL_MAX_PREFIX_SHARE of their length
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from executor_service.attention.reference import Plan, Scratch, build_plan, run_plan
-from executor_service.cpu_build import kernel_dir, try_build
+from executor_service.kernels.build import kernel_dir, try_build
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 KERNEL_MAX_QUERY = 32

@@ -1,6 +1,6 @@
 """The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py), the
 fused RoPE + KV-cache write (rope_write_kv below), RMSNorm (alone or after the residual add) and the MLP's
-SiLU-and-multiply, each in one pass. One extension, built like the attention kernel (executor_service/cpu_build.py);
+SiLU-and-multiply, each in one pass. One extension, built like the attention kernel (executor_service/kernels/build.py);
 where it cannot be built, the model keeps its torch path."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from executor_service.cpu_build import try_build
+from executor_service.kernels.build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protos.flags import flag
+from client.flags import flag
 from scheduler_service.core.policy import Policy
 
 
@@ -22,7 +22,7 @@ class Victim(enum.Enum):
 
 @dataclass(slots=True)
 class CoreConfig:
-    """The scheduler core's knobs; each is also a flag of `python -m scheduler_service` (protos/flags.py)."""
+    """The scheduler core's knobs; each is also a flag of `python -m scheduler_service` (client/flags.py)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

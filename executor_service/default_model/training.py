@@ -1,0 +1,130 @@
+"""Train the embedded default model on the shipped corpus, deterministically, on CPU.
+
+`python -m executor_service.default_model train` runs it (fixed seeds, deterministic algorithms, a fixed thread
+count) and writes the model in Hugging Face format with bfloat16 weights into
+executor_service/default_model/data/default-model-v2.
+Training uses transformers' LlamaForCausalLM (a dev dependency), so the weights mean exactly what transformers
+and our executor compute at inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from executor_service.default_model import model as dm
+
+
+@dataclass(slots=True, frozen=True)
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.05
+    seed: int = 0
+    threads: int = 2
+    log_every: int = 50
+
+
+def token_stream(tokenizer: Tokenizer, text: str) -> torch.Tensor:
+    """Every document (blank-line separated) as BOS + tokens + EOS, concatenated."""
+    docs = [doc.strip() for doc in text.split("\n\n") if doc.strip()]
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
+        ids += [dm.BOS_TOKEN_ID, *encoding.ids, dm.EOS_TOKEN_ID]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def sample_batch(stream: torch.Tensor, cfg: TrainConfig, generator: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=generator)
+    return torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])
+
+
+def build_hf_model(spec: dm.ModelSpec) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(**dm.build_config(spec))
+    torch.manual_seed(spec.seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(out_dir: Path, cfg: TrainConfig, spec: dm.ModelSpec = dm.TRAINED_SPEC) -> float:
+    """Train, write the model to out_dir, return the final training loss (mean over the last log window)."""
+    torch.set_num_threads(cfg.threads)
+    torch.use_deterministic_algorithms(True)
+    tokenizer = dm.train_tokenizer()
+    stream = token_stream(tokenizer, dm.read_corpus())
+    model = build_hf_model(spec).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    print(f"corpus: {len(stream)} tokens; model: {sum(p.numel() for p in model.parameters())} parameters", flush=True)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        batch = sample_batch(stream, cfg, generator)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % cfg.log_every == 0:
+            window = sum(losses[-cfg.log_every :]) / cfg.log_every
+            print(f"step {step + 1}/{cfg.steps} loss {window:.3f} {time.perf_counter() - start:.0f}s", flush=True)
+    write_trained(out_dir, model, tokenizer, spec)
+    return sum(losses[-cfg.log_every :]) / min(len(losses), cfg.log_every)
+
+
+def write_trained(out_dir: Path, model: torch.nn.Module, tokenizer: Tokenizer, spec: dm.ModelSpec) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {name: tensor.detach().to(torch.bfloat16).contiguous() for name, tensor in model.state_dict().items()
+               if not (spec.tie_word_embeddings and name == "lm_head.weight")}
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = dm.build_config(spec)
+    config["dtype"] = "bfloat16"
+    dm.write_json(out_dir / "config.json", config)
+    dm.write_tokenizer_files(out_dir, spec, tokenizer)
+
+
+def parse_args(argv: list[str]) -> tuple[Path, TrainConfig]:
+    defaults = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m executor_service.default_model train",
+                                description="Train the embedded default model on the shipped corpus.")
+    p.add_argument("--out", type=Path, default=dm.TRAINED_MODEL_DIR, help="output directory (default: the package's)")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (cosine decay after warmup)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed for batch sampling")
+    p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (fixed for determinism)")
+    args = p.parse_args(argv)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      min_lr=args.lr / 10, seed=args.seed, threads=args.threads)
+    return args.out, cfg
+
+
+def main(argv: list[str]) -> int:
+    out, cfg = parse_args(argv)
+    loss = train(out, cfg)
+    print(f"final loss {loss:.3f}; wrote {out}")
+    return 0

@@ -1,0 +1,486 @@
+"""The torch executor backend: a Llama-family model over a paged KV cache, on CUDA or the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from executor_service.attention import get_attention_ops
+from executor_service.backend import (
+    BackendInfo,
+    BatchItem,
+    SampleOutput,
+    SamplingConfig,
+)
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import ensure_default_model
+from executor_service.model import (
+    SINGLE,
+    AttentionMetadata,
+    LlamaForCausalLM,
+    ModelConfig,
+    ModelOps,
+    ParallelContext,
+    cpu_ops,
+    load_model,
+)
+from executor_service.runner.compiled import CompiledForward
+from executor_service.runner.cuda_graphs import DecodeGraphs
+from executor_service.runner.kv_cache import CacheShape, KVCache
+from executor_service.runner.sampler import Sampler, SampleRequest
+from executor_service.validator import RequestRefused, check_span
+from protos.contract import BlockMap
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROFILE_SAMPLE_ROWS = 256
+INLINE_STEP_S = 0.02
+"""A decode step expected to take less than this runs on the event loop's thread: the hop to the forward thread
+and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it)."""
+
+log = logging.getLogger("pagedserve.executor")
+
+
+@dataclass(slots=True)
+class Batch:
+    input_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    output_rows: Tensor
+    sample_items: list[int]
+    decode_only: bool
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeTime:
+    """How long the last decode step of how many requests took (none yet: unknown, so infinite)."""
+
+    seconds: float = math.inf
+    num_items: int = 1
+
+    def expected_s(self, num_items: int) -> float:
+        """A step of num_items decodes, scaled linearly from the last one (an upper bound: decode is weight-bound
+        at small batches)."""
+        return self.seconds * max(1.0, num_items / self.num_items)
+
+
+class TorchBackend:
+    def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
+                 device: torch.device, graphs: DecodeGraphs | None = None,
+                 compiled: CompiledForward | None = None) -> None:
+        self.info = info
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = device
+        self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.graphs = graphs
+        self.compiled = compiled
+        self._last_decode = DecodeTime()
+        self._on_thread: Future[list[SampleOutput | None]] = done_future()
+
+    @classmethod
+    def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
+        """Load the model (config.model, or the embedded default), size and allocate the KV cache.
+        Under tensor parallelism every rank calls this together and holds its shard of both."""
+        if config.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {config.block_size}")
+        device = resolve_device(config.device)
+        model_dir = Path(config.model) if config.model else ensure_default_model()
+        model_cfg = ModelConfig.from_dir(model_dir)
+        max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
+        dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
+        model = load_model(model_dir, device=device, dtype=dtype, ops=model_ops(device, dtype),
+                           parallel=parallel)
+        if config.cpu_weight_prepack:
+            packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows)
+            log.info("linear weights packed for %s; skinny kernel up to %d rows", packing.gemm or "nothing (F.linear)",
+                     packing.skinny_rows)
+        parallel.wait_for_all()
+        shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
+                           model_cfg.head_dim, dtype)
+        sampler = Sampler(config.seed, device)
+        num_device_blocks = parallel.min_int(count_device_blocks(config, model, sampler, shape, device), device)
+        num_swap_blocks = count_swap_blocks(config, shape)
+        kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
+                           device=device)
+        info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
+                          num_swap_blocks)
+        graphs = None
+        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
+            graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
+                                  -(-max_model_len // config.block_size), device)
+        compiled = None
+        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1:
+            compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
+        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
+                   compiled=compiled)
+
+    def swap_out(self, mapping: BlockMap) -> None:
+        self.kv_cache.swap_out(mapping)
+
+    def swap_in(self, mapping: BlockMap) -> None:
+        self.kv_cache.swap_in(mapping)
+
+    def copy(self, mapping: BlockMap) -> None:
+        self.kv_cache.copy(mapping)
+
+    async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """On the forward thread, so that the event loop serves on during the pass; inline where the pass is a
+        decode step that the last one says is short and no pass is still running there (a cancelled step's)."""
+        if self._runs_inline(items):
+            return self.execute(items)
+        self._on_thread = self._forward_thread.submit(self.execute, items)
+        return await asyncio.wrap_future(self._on_thread)
+
+    def _runs_inline(self, items: list[BatchItem]) -> bool:
+        return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
+                and all(item.num_tokens == 1 for item in items))
+
+    def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """Run one forward pass over all items; one entry per item, None where item.sample is False."""
+        if not items:
+            return []
+        t0 = time.perf_counter()
+        batch = self.prepare(items)
+        with torch.inference_mode():  # once a step: entering it costs ~10 us with the caches cold from the pass
+            results = self.sample(items, batch, self.run_batch(batch))
+        if batch.decode_only:
+            self._last_decode = DecodeTime(time.perf_counter() - t0, len(items))
+        return results
+
+    def prepare(self, items: list[BatchItem]) -> Batch:
+        """Check the items and pack them into device tensors; raises ValueError before any work."""
+        for item in items:
+            validate_item(item, self.info)
+        return build_batch(items, self.info, self.device)
+
+    def run_batch(self, batch: Batch) -> Tensor | None:
+        """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
+        every rank runs this on the same batch, in step."""
+        with inference_mode():
+            hidden = self.forward(batch)
+            return self.model.compute_logits(hidden) if batch.sample_items else None
+
+    def sample(self, items: list[BatchItem], batch: Batch, logits: Tensor | None) -> list[SampleOutput | None]:
+        results: list[SampleOutput | None] = [None] * len(items)
+        if logits is None:
+            return results
+        with inference_mode():
+            samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
+        for i, sample in zip(batch.sample_items, samples, strict=True):
+            results[i] = sample
+        return results
+
+    def forward(self, batch: Batch) -> Tensor:
+        """Final hidden states of the sampled rows: a CUDA graph replay for decode steps that fit one, a compiled
+        graph for steps that fit one."""
+        if self.graphs is not None and batch.decode_only:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden.index_select(0, batch.output_rows)
+        if self.compiled is not None:
+            hidden = self.compiled.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden.index_select(0, batch.output_rows)
+        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+
+
+def inference_mode() -> AbstractContextManager[object]:
+    """torch.inference_mode(), or nothing where it is on already."""
+    return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+def done_future() -> Future[list[SampleOutput | None]]:
+    future: Future[list[SampleOutput | None]] = Future()
+    future.set_result([])
+    return future
+
+
+def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
+    """The device's attention kernels; on the CPU in float32, RoPE and the KV write, RMSNorm with the residual add
+    and SiLU-and-multiply, fused in C++ where it builds."""
+    write_kv, paged_attention = get_attention_ops(device)
+    if device.type == "cpu" and dtype == torch.float32 and cpu_ops.load():
+        return ModelOps(write_kv, paged_attention, cpu_ops.rope_write_kv, cpu_ops.rms_norm, cpu_ops.add_rms_norm,
+                        cpu_ops.silu_and_mul)
+    return ModelOps(write_kv, paged_attention)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda was requested but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be auto, cuda or cpu, got {name!r}")
+
+
+def resolve_dtype(requested: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {requested!r}")
+        return DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    dtype = DTYPES.get(model_dtype, torch.float16)
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
+                        device: torch.device) -> int:
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    if device.type != "cuda":
+        return shape.blocks_in(config.cpu_kv_cache_space)
+    return profile_cuda_blocks(config, model, sampler, shape, device)
+
+
+def count_swap_blocks(config: ExecutorConfig, shape: CacheShape) -> int:
+    if config.num_cpu_blocks is not None:
+        return config.num_cpu_blocks
+    return shape.blocks_in(config.swap_space)
+
+
+def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
+                        device: torch.device) -> int:
+    """Peak memory of a max_num_batched_tokens forward + sampling decides what is left for KV blocks."""
+    if not 0.0 < config.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    num_tokens = max(1, config.max_num_batched_tokens)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = KVCache(shape, num_device_blocks=math.ceil(num_tokens / shape.block_size), num_swap_blocks=0,
+                      device=device)
+    run_profile_pass(model, sampler, scratch, num_tokens, device)
+    torch.cuda.synchronize(device)
+    scratch_bytes = scratch.num_device_blocks * shape.bytes_per_block
+    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    del scratch
+    torch.cuda.empty_cache()
+    available = total * config.gpu_memory_utilization - peak - non_torch
+    blocks = int(available // shape.bytes_per_block)
+    if blocks <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: {total / 2**30:.2f} GiB total"
+            f" x {config.gpu_memory_utilization} utilisation, {(peak + non_torch) / 2**30:.2f} GiB used by"
+            " weights and activations; raise"
+            " --gpu-memory-utilization or lower --max-num-batched-tokens"
+        )
+    return blocks
+
+
+def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, num_tokens: int,
+                     device: torch.device) -> None:
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        block_tables=torch.arange(cache.num_device_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
+    rows = min(num_tokens, PROFILE_SAMPLE_ROWS)
+    output_rows = torch.arange(num_tokens - rows, num_tokens, device=device)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(input_ids, positions, meta, cache.layers, output_rows))
+        request = SampleRequest(SamplingConfig(temperature=1.0, top_p=0.9, top_k=50), (), 0, 0)
+        sampler.sample(logits, [request] * rows)
+
+
+def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, dtype: torch.dtype,
+               device: torch.device, max_model_len: int, num_device_blocks: int,
+               num_swap_blocks: int) -> BackendInfo:
+    tokenizer_json = read_text(model_dir / "tokenizer.json")
+    bos_token_id, add_bos = read_bos(model_dir, tokenizer_json, model_cfg.bos_token_id)
+    return BackendInfo(
+        model_id=model_dir.resolve().name,
+        vocab_size=model_cfg.vocab_size,
+        eos_token_ids=read_eos_ids(model_dir, model_cfg),
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        num_device_blocks=num_device_blocks,
+        num_swap_blocks=num_swap_blocks,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        tokenizer_json=tokenizer_json,
+        bos_token_id=bos_token_id,
+        add_bos_token=add_bos,
+        chat_template=read_chat_template(model_dir),
+    )
+
+
+def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return limit
+    if not 0 < requested <= limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+    return requested
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_chat_template(model_dir: Path) -> str:
+    """chat_template.jinja if present, else tokenizer_config.json's chat_template (a string, or a list of
+    named templates of which "default" is used)."""
+    jinja = read_text(model_dir / "chat_template.jinja")
+    if jinja:
+        return jinja
+    template = read_json(model_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else ""
+
+
+def read_eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    generation_eos = read_json(model_dir / "generation_config.json").get("eos_token_id")
+    extra = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    ids = [*cfg.eos_token_ids, *(int(i) for i in extra if isinstance(i, int))]
+    return tuple(dict.fromkeys(ids))
+
+
+def read_bos(model_dir: Path, tokenizer_json: str, config_bos: int | None) -> tuple[int | None, bool]:
+    """BOS id, and whether the scheduler must prepend it (tokenizer_config says so and the
+    tokenizer.json post-processor does not already add it)."""
+    tok_config = read_json(model_dir / "tokenizer_config.json")
+    bos = tok_config.get("bos_token")
+    bos_text = bos.get("content") if isinstance(bos, dict) else bos
+    tokenizer = json.loads(tokenizer_json) if tokenizer_json else {}
+    bos_id = lookup_token_id(tokenizer, bos_text) if isinstance(bos_text, str) else None
+    bos_id = config_bos if bos_id is None else bos_id
+    post_adds_bos = isinstance(bos_text, str) and bos_text in json.dumps(tokenizer.get("post_processor"))
+    add_bos = bool(tok_config.get("add_bos_token", False)) and bos_id is not None and not post_adds_bos
+    return bos_id, add_bos
+
+
+def lookup_token_id(tokenizer: dict[str, Any], text: str) -> int | None:
+    for token in tokenizer.get("added_tokens") or []:
+        if token.get("content") == text:
+            return int(token["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and text in vocab:
+        return int(vocab[text])
+    return None
+
+
+def validate_item(item: BatchItem, info: BackendInfo) -> None:
+    end = item.start + item.num_tokens
+    if item.start < 0 or end > len(item.token_ids):
+        raise ValueError(
+            f"request {item.request_id}: cannot compute positions [{item.start}, {end}) of"
+            f" {len(item.token_ids)} known tokens"
+        )
+    if item.sample and end != len(item.token_ids):
+        raise ValueError(f"request {item.request_id}: sample=True needs the pass to end at the last token")
+    try:
+        check_span(item.start, item.num_tokens, len(item.block_table), info.block_size, info.max_model_len)
+    except RequestRefused as e:
+        raise ValueError(f"request {item.request_id}: {e}") from None
+
+
+def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:
+    if all(item.num_tokens == 1 for item in items):
+        batch = build_decode_batch(items, info, device)
+        if batch is not None:
+            return batch
+    return build_mixed_batch(items, info, device)
+
+
+def build_decode_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch | None:
+    """build_mixed_batch's tensors for a step of one token per item, from Python lists in one pass; None
+    where a block id or token id is out of range (build_mixed_batch then raises its error)."""
+    block_size, n = info.block_size, len(items)
+    starts = [item.start for item in items]
+    tables = [item.block_table[: start // block_size + 1] for item, start in zip(items, starts, strict=True)]
+    width = max(map(len, tables))
+    if any(len(t) != width for t in tables):
+        tables = [t + [0] * (width - len(t)) for t in tables]
+    flat = list(chain.from_iterable(tables))
+    input_ids = [item.token_ids[start] for item, start in zip(items, starts, strict=True)]
+    if (min(flat) < 0 or max(flat) >= info.num_device_blocks or min(input_ids) < 0
+            or max(input_ids) >= info.vocab_size):
+        return None
+    slots = [table[start // block_size] * block_size + start % block_size
+             for table, start in zip(tables, starts, strict=True)]
+    sample_items = [i for i, item in enumerate(items) if item.sample]
+    longs = to_device(np.array([*input_ids, *starts, *slots, *sample_items], dtype=np.int64), device)
+    ints = to_device(np.array([*(s + 1 for s in starts), *range(n + 1), *flat], dtype=np.int32), device)
+    meta = AttentionMetadata(slot_mapping=longs[2 * n:3 * n], block_tables=ints[2 * n + 1:].view(n, width),
+                             seq_lens=ints[:n], query_start_loc=ints[n:2 * n + 1])
+    return Batch(longs[:n], longs[n:2 * n], meta, longs[3 * n:], sample_items, True)
+
+
+def to_device(values: np.ndarray, device: torch.device) -> Tensor:
+    tensor = torch.from_numpy(values)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def build_mixed_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:
+    block_size, num_blocks = info.block_size, info.num_device_blocks
+    starts = torch.tensor([item.start for item in items], dtype=torch.long)
+    q_lens = torch.tensor([item.num_tokens for item in items], dtype=torch.long)
+    seq_lens = starts + q_lens
+    query_start_loc = torch.zeros(len(items) + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    tables = [item.block_table[: -(-(item.start + item.num_tokens) // block_size)] for item in items]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got {block_tables.unique().tolist()}")
+    seq_index = torch.repeat_interleave(torch.arange(len(items)), q_lens)
+    total = int(query_start_loc[-1])
+    positions = torch.arange(total) - query_start_loc[seq_index] + starts[seq_index]
+    slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+    chunks = (item.token_ids[item.start : item.start + item.num_tokens] for item in items)
+    input_ids = torch.tensor(list(chain.from_iterable(chunks)), dtype=torch.long)
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= info.vocab_size:
+        raise ValueError(f"token ids must be in [0, {info.vocab_size})")
+    sample_items = [i for i, item in enumerate(items) if item.sample]
+    output_rows = query_start_loc[1:][sample_items] - 1
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device=device, dtype=torch.int32),
+        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+    )
+    return Batch(input_ids.to(device), positions.to(device), meta, output_rows.to(device), sample_items,
+                 total == len(items))
+
+
+def sample_request(item: BatchItem) -> SampleRequest:
+    return SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, len(item.token_ids))

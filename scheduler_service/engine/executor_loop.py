@@ -1,0 +1,487 @@
+"""The engine loop: schedule, execute on the executor, update, route deltas to request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput, StepDeltas
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
+from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
+
+log = logging.getLogger("pagedserve.engine")
+
+
+class QueueFull(Exception):
+    pass
+
+
+def settled_by_frontend(reason: FinishReason | None, stop_strings: bool) -> bool:
+    """A LENGTH finish of a request whose stop strings the front-end matches: the front-end may answer it
+    `stop` (the last allowed token completed one), so it is counted when the front-end settles it."""
+    return stop_strings and reason is FinishReason.LENGTH
+
+
+@dataclass(slots=True)
+class RequestStream:
+    request: Request
+    queue: asyncio.Queue[RequestDelta]
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
+    # The front-end matches stop strings: a LENGTH finish may still be answered `stop` (the last allowed
+    # token completed one), so it is counted when the front-end settles it with finish().
+    stop_strings: bool = False
+
+
+def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
+    return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
+                       num_cpu_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
+                       eos_token_ids=tuple(describe.eos_token_ids))
+
+
+class Engine:
+    """One executor's step loop and its own Scheduler (one block domain). ExecutorPool drives several."""
+
+    def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,
+                 metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
+                 executor_secret: str | None = None, metrics: EngineMetrics | None = None,
+                 steps_in_flight: int = 2) -> None:
+        self.core_config = core_config
+        self.label = executor_address
+        self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
+        self.executor_wait_timeout = executor_wait_timeout
+        self._lost_since: float | None = None  # when the executor was lost; None while steps succeed
+        self._losses = 0  # losses in a row without a successful step: sets the reconnect back-off
+        self.max_queue_len = max_queue_len
+        self.metrics_model_name = metrics_model_name
+        self.describe: executor_pb2.DescribeResponse | None = None
+        self.scheduler: Scheduler | None = None
+        self.metrics: EngineMetrics | None = metrics
+        self.series: ExecutorSeries | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self._unsettled: dict[str, tuple[RequestStream, float]] = {}  # LENGTH finishes the front-end settles
+        self.ready = asyncio.Event()
+        self.became_idle = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.steps_in_flight = steps_in_flight
+        self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
+        self._unrouted = StepDeltas()
+        self.on_ready_change: Callable[[bool], object] | None = None
+        # The pool's check of a described executor: "" to accept, else why it is refused.
+        self.admit: Callable[[executor_pb2.DescribeResponse], str] | None = None
+
+    async def start(self) -> None:
+        await self._connect()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine loop died: %r; failing every request and refusing new ones", task.exception())
+        self.ready.clear()
+        if self.on_ready_change is not None:
+            self.on_ready_change(False)
+        self.abort_all("the scheduler's engine loop stopped; see its log", FinishReason.ERROR)
+
+    def idle(self) -> bool:
+        return self.scheduler is None or not self.scheduler.has_unfinished()
+
+    async def _connect(self) -> None:
+        describe = await self._describe_admitted()
+        self.describe = describe
+        max_steps = describe.capabilities.max_num_steps
+        if max_steps and self.core_config.num_scheduler_steps > max_steps:
+            log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
+                      "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
+        limits = executor_limits(describe)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.core_config, limits)
+        else:
+            self.scheduler.set_executor_limits(limits)
+        if self.metrics is None:
+            self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
+        self.series = self.metrics.executor_series(self.label)
+        self.series.device_blocks.set(describe.num_device_blocks)
+        self.metrics.set_capacity(self.label, describe.num_device_blocks, describe.num_swap_blocks)
+        self.ready.set()
+        if self.on_ready_change is not None:
+            self.on_ready_change(True)
+        log.info("executor %s: model=%s blocks=%d swap_blocks=%d block_size=%d max_model_len=%d",
+                 self.connection.address, describe.model_id, describe.num_device_blocks,
+                 describe.num_swap_blocks, describe.block_size, describe.max_model_len)
+
+    async def _describe_admitted(self) -> executor_pb2.DescribeResponse:
+        """Describe the executor, retrying with backoff until it answers and the pool accepts it."""
+        delay, attempts = 0.05, 0
+        while True:
+            self._fail_if_lost_too_long()
+            try:
+                describe = await self.connection.describe(timeout=self._patience(5.0))
+                refusal = self.admit(describe) if self.admit is not None else ""
+                if not refusal:
+                    return describe
+                log.error("executor %s refused: %s; asking again in 30 s", self.label, refusal)
+                await asyncio.sleep(self._patience(30.0))
+                continue
+            except grpc.aio.AioRpcError as e:
+                if attempts % 10 == 0:
+                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
+                                self.connection.address, e.code().name, e.details())
+                attempts += 1
+                await asyncio.sleep(self._patience(delay))
+                delay = min(delay * 2, 2.0)
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():  # a loop that died was logged by _loop_ended
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.connection.close()
+
+    def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
+            ) -> RequestStream:
+        sched = self._sched()
+        if len(sched.waiting) >= self.max_queue_len:
+            raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
+        sched.add_request(request)
+        stream = RequestStream(request, queue, stop_strings=stop_strings)
+        self.streams[request.request_id] = stream
+        self.became_idle.clear()
+        self._wake.set()
+        return stream
+
+    def adopt(self, stream: RequestStream, front: bool = False) -> None:
+        """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""
+        self._sched().add_request(stream.request, front)
+        self.streams[stream.request.request_id] = stream
+        self.became_idle.clear()
+        self._wake.set()
+
+    def release(self, request_id: str) -> RequestStream | None:
+        """Hand a WAITING request back to the pool (to move it); None if it is running here or unknown."""
+        if self.scheduler is None or self.scheduler.release(request_id) is None:
+            return None
+        return self.streams.pop(request_id, None)
+
+    def release_waiting(self, limit: int | None = None, accept: Callable[[Request], bool] | None = None
+                        ) -> list[RequestStream]:
+        """Hand back up to `limit` WAITING requests that `accept` takes (all by default), oldest first: they
+        gain most from a move."""
+        if self.scheduler is None:
+            return []
+        ids = self.scheduler.waiting_ids()
+        if accept is not None:
+            streams = self.streams
+            ids = [rid for rid in ids if rid in streams and accept(streams[rid].request)]
+        released = [stream for stream in (self.release(rid) for rid in ids[:limit]) if stream is not None]
+        if released:
+            self._refresh_gauges()
+        return released
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, device KV usage) of this executor's scheduler."""
+        if self.scheduler is None:
+            return 0, 0, 0.0
+        s = self.scheduler.stats()
+        return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
+
+    def fits(self, request: Request) -> bool:
+        """Whether this executor's max_model_len holds the request's prompt and all its max_tokens."""
+        d = self.describe
+        return d is not None and request.num_prompt_tokens + request.sampling.max_tokens <= d.max_model_len
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0
+
+    def abort(self, request_id: str) -> None:
+        self.finish(request_id, FinishReason.ABORTED)
+        self._wake.set()
+
+    def holds(self, request_id: str) -> bool:
+        """Whether finish() has anything to do for this id: an open stream, or a finish to settle."""
+        return request_id in self.streams or request_id in self._unsettled
+
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
+        """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown.
+        For a LENGTH finish the front-end settles, this counts it: `stop` if the front-end answered that
+        (a stop string completed by the last allowed token), else `length`."""
+        unsettled = self._unsettled.pop(request_id, None)
+        if unsettled is not None:
+            done, ended = unsettled
+            self._count_finish(done, FinishReason.STOPPED if reason is FinishReason.STOPPED
+                               else FinishReason.LENGTH, "", ended)
+            return
+        stream = self.streams.pop(request_id, None)
+        if self.scheduler is not None:
+            self.scheduler.finish(request_id, reason)
+            self._refresh_gauges()
+        if stream is not None:
+            self._count_finish(stream, reason, error, time.monotonic())
+
+    def _count_finish(self, stream: RequestStream, reason: FinishReason, error: str, now: float) -> None:
+        self._log_finish(stream, reason, error, now)
+        if self.metrics is not None:
+            self.metrics.on_finish(reason, now - stream.arrival)
+
+    def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
+        """End every unfinished request, telling each stream why (and count the unsettled as `length`)."""
+        for request_id in list(self._unsettled):
+            self.finish(request_id, FinishReason.LENGTH)
+        streams = list(self.streams.values())
+        for stream in streams:
+            self.finish(stream.request.request_id, reason, message)
+            stream.queue.put_nowait(RequestDelta(stream.request.request_id, [], reason, message))
+        return len(streams)
+
+    def _refresh_gauges(self) -> None:
+        if self.metrics is not None and self.scheduler is not None:
+            self.metrics.observe_stats(self.scheduler.stats(), self.label)
+
+    def _sched(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("engine not started")
+        return self.scheduler
+
+    async def _run(self) -> None:
+        sched = self._sched()
+        step = self._step_async if self.core_config.async_scheduling else self._step
+        while True:
+            if not sched.has_unfinished() and not self._pending:
+                self.became_idle.set()
+                if await self._sleep_until_work_or_loss():
+                    await self._recover("connection lost while idle")
+                    continue
+            try:
+                await step(sched)
+            except (asyncio.CancelledError, ExecutorLost):
+                raise
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight and resetting the executor")
+                self.abort_all("internal error in the scheduler; see its log", FinishReason.ERROR)
+                await self._recover("engine step failed")
+
+    async def _step_async(self, sched: Scheduler) -> None:
+        """Async scheduling: keep steps_in_flight steps written to the Execute stream before reading the
+        oldest one's result, so the executor finds the next step queued when it finishes one and never
+        waits for schedule()/update()/routing (Scheduler._schedule_ahead). A step's deltas are routed
+        after the next step is sent: routing is off the executor's critical path."""
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        core = time.perf_counter() - t0
+        if out.needs_executor:
+            try:
+                await self.connection.send(out)
+            except ExecutorLost as e:
+                await self._lose(str(e), out)
+                return
+            self._pending.append(out)
+        else:
+            self._route(sched.update(out, ExecutorResult()))
+        self._route_unrouted()
+        executor = None
+        if self._pending and (len(self._pending) >= self.steps_in_flight or not out.needs_executor):
+            prev = self._pending[0]
+            t1 = time.perf_counter()
+            try:
+                result = await self.connection.receive(prev)
+            except ExecutorLost as e:
+                await self._lose(str(e), prev)
+                return
+            t2 = time.perf_counter()
+            self._executor_answered()
+            self._pending.popleft()
+            self._unrouted = sched.update(prev, result)
+            executor = t2 - t1
+            core += time.perf_counter() - t2
+        if self._unrouted and not self._pending:
+            self._route_unrouted()
+        self._observe(core, executor)
+        if not out.scheduled and not self._pending:
+            await self._idle()
+        else:
+            await asyncio.sleep(0)
+
+    def _route_unrouted(self) -> None:
+        if self._unrouted:
+            deltas, self._unrouted = self._unrouted, StepDeltas()
+            self._route(deltas)
+
+    async def _lose(self, reason: str, *outs: SchedulerOutput) -> None:
+        self._route_unrouted()
+        for out in {id(o): o for o in (*outs, *self._pending)}.values():
+            self._route(out.rejected)
+        await self._recover(reason)
+
+    async def _step(self, sched: Scheduler) -> None:
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        result = ExecutorResult()
+        if out.needs_executor:
+            try:
+                result = await self.connection.execute(out)
+            except ExecutorLost as e:
+                self._route(out.rejected)
+                await self._recover(str(e))
+                return
+            self._executor_answered()
+        t2 = time.perf_counter()
+        deltas = sched.update(out, result)
+        t3 = time.perf_counter()
+        self._route(deltas)
+        self._observe(t1 - t0 + t3 - t2, t2 - t1 if out.needs_executor else None)
+        if not out.scheduled:
+            await self._idle()
+        else:
+            await asyncio.sleep(0)
+
+    async def _sleep_until_work_or_loss(self) -> bool:
+        """Wait for a new request; True if the executor connection dropped first."""
+        self._wake.clear()
+        woken = asyncio.create_task(self._wake.wait())
+        lost = asyncio.create_task(self.connection.wait_until_lost())
+        try:
+            await asyncio.wait((woken, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (woken, lost):
+                task.cancel()
+        return lost.done() and not lost.cancelled() and not woken.done()
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=0.005)
+
+    async def _recover(self, reason: str) -> None:
+        sched = self._sched()
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+        if sched.running or sched.swapped:
+            log.error("executor stream lost (%s): requeueing %d running and %d swapped requests for recompute",
+                      reason, len(sched.running), len(sched.swapped))
+        elif self._losses % 10 == 0:
+            log.warning("executor connection lost (%s); reconnecting", reason)
+        self.ready.clear()
+        self._pending.clear()
+        self._unrouted = StepDeltas()
+        sched.reset_executor()
+        self._refresh_gauges()
+        if self.on_ready_change is not None:
+            self.on_ready_change(False)
+        self.connection.drop_stream()
+        if self._losses:
+            await asyncio.sleep(min(0.05 * 2 ** min(self._losses, 6), 2.0))
+        self._losses += 1
+        self._fail_if_lost_too_long()
+        await self._connect()
+
+    def _fail_if_lost_too_long(self) -> None:
+        """A request waits for a lost executor at most executor_wait_timeout (from the loss, or from its
+        arrival if later), then ends UNAVAILABLE."""
+        if self._lost_since is None or not self.streams:
+            return
+        now = time.monotonic()
+        expired = [s for s in self.streams.values() if now >= self._deadline(s)]
+        for stream in expired:
+            stream.executor_unavailable = True
+            rid = stream.request.request_id
+            message = (f"no executor for {now - max(self._lost_since, stream.arrival):.1f}s (--executor-wait-timeout "
+                       f"{self.executor_wait_timeout}s); the request was dropped, retry it")
+            self.finish(rid, FinishReason.ERROR, message)
+            stream.queue.put_nowait(RequestDelta(rid, [], FinishReason.ERROR, message))
+        if expired:
+            log.error("executor %s away: failed %d requests that waited --executor-wait-timeout %.1fs",
+                      self.connection.address, len(expired), self.executor_wait_timeout)
+
+    def _deadline(self, stream: RequestStream) -> float:
+        return max(self._lost_since or 0.0, stream.arrival) + self.executor_wait_timeout
+
+    def _patience(self, seconds: float) -> float:
+        """`seconds`, shortened so that requests in flight are failed on time when the executor is away."""
+        if self._lost_since is None or not self.streams:
+            return seconds
+        left = min(self._deadline(s) for s in self.streams.values()) - time.monotonic()
+        return min(seconds, max(0.05, left))
+
+    def _executor_answered(self) -> None:
+        self._lost_since = None
+        self._losses = 0
+
+    def _route(self, deltas: Iterable[RequestDelta]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        generated = 0
+        for delta in deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if m is not None:
+                generated += self._observe_tokens(stream, delta, now, m)
+            if delta.finish_reason is not None:
+                del self.streams[delta.request_id]
+                if settled_by_frontend(delta.finish_reason, stream.stop_strings):
+                    self._unsettled[delta.request_id] = (stream, now)
+                else:
+                    self._count_finish(stream, delta.finish_reason, delta.error, now)
+            stream.queue.put_nowait(delta)
+        if m is not None:
+            if generated:
+                m.generation_tokens.inc(generated)
+            m.itl.flush()
+
+    def _log_finish(self, stream: RequestStream, reason: FinishReason, error: str, now: float) -> None:
+        """The one log line of each finished request, however it finished."""
+        req = stream.request
+        queue = (req.first_scheduled_time or now) - stream.arrival
+        ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
+        hit_rate = self.scheduler.prefix_cache_hit_rate() if self.scheduler is not None else 0.0
+        log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d queue=%.3fs "
+                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s", req.request_id, reason.value,
+                 req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), queue, ttft,
+                 now - stream.arrival, req.num_preemptions, hit_rate, f" error={error!r}" if error else "")
+
+    def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
+        """Latency metrics of one delta; the number of new tokens."""
+        n = len(delta.new_token_ids)
+        if n:
+            if stream.first_token is None:
+                stream.first_token = now
+                m.ttft.observe(now - stream.arrival)
+                m.prompt_tokens.inc(stream.request.num_prompt_tokens)
+                scheduled = stream.request.first_scheduled_time
+                if scheduled is not None:
+                    m.queue_time.observe(max(0.0, scheduled - stream.arrival))
+            elif stream.last_token is not None:
+                m.itl.observe((now - stream.last_token) / n)
+            stream.last_token = now
+        return n
+
+    def _observe(self, core_seconds: float, executor_seconds: float | None) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        series = self.series
+        if series is not None:
+            series.step_time.observe(core_seconds)
+            if executor_seconds is not None:
+                series.executor_step_time.observe(executor_seconds)
+            if self.connection.busy_ns:
+                series.executor_busy.inc(self.connection.busy_ns / 1e9)
+                self.connection.busy_ns = 0
+        self._refresh_gauges()

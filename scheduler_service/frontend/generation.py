@@ -1,0 +1,384 @@
+"""The public Generation service: validate, tokenize, queue, stream deltas back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
+from protos.wire import DEFAULT_MAX_REQUEST_BYTES, add_port, public_server_options
+from scheduler_service.core.outputs import RequestDelta, TokenLogprob
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.engine.executor_loop import QueueFull
+from scheduler_service.engine.metrics import RefusalCounter
+from scheduler_service.frontend.auth import ApiKeyInterceptor
+from scheduler_service.frontend.stop_strings import StopMatcher
+from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
+from scheduler_service.frontend.validation import (
+    InvalidArgument,
+    MalformedRequest,
+    RequestLimits,
+    max_prompt_bytes,
+    parse_generate_request,
+    sampling_options,
+    validate_prompt,
+)
+
+log = logging.getLogger("pagedserve.scheduler")
+FINISH_REASONS = {
+    FinishReason.STOPPED: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: generation_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
+}
+API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the api server process serving the call
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    index: int
+    detokenizer: TokenStream
+    stops: StopMatcher
+    min_tokens: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+    def read(self, token_ids: list[int]) -> tuple[str, int | None]:
+        """Text to emit for new tokens, and how many of them to keep when a stop string ends the sequence.
+
+        Stop strings count only once min_tokens are out (as in vLLM); the tokens after the one that
+        completed a stop string are dropped, like the text after it."""
+        if not self.stops.active:
+            self.num_tokens += len(token_ids)
+            return self.detokenizer.step(token_ids), None
+        text = ""
+        for i, token in enumerate(token_ids):
+            self.num_tokens += 1
+            piece = self.detokenizer.step([token])
+            if self.num_tokens < self.min_tokens:
+                text += self.stops.feed_unchecked(piece)
+                continue
+            emitted, stopped = self.stops.feed(piece)
+            text += emitted
+            if stopped:
+                return text, i + 1
+        return text, None
+
+
+class RequestError(Exception):
+    """A Generate call refused or ended with a status: what any transport (gRPC, HTTP) turns into its own."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class ServingLimits:
+    """Bounds on what the public API admits (docs/operations.md, "Limits")."""
+
+    max_open_calls: int = 10_000
+    executor_wait_timeout: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+class StreamHandle(Protocol):
+    """What add() returns: the engine's record of one sequence (RequestStream, or an api server's)."""
+
+    executor_unavailable: bool
+
+
+class EngineHandle(Protocol):
+    """What the public API needs of an engine: the in-process Engine, or an api server's CoreClient."""
+
+    describe: executor_pb2.DescribeResponse | None
+    ready: asyncio.Event
+    metrics_model_name: str | None
+
+    def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> StreamHandle:
+        """stop_strings: this front-end matches stop strings for the request, so it settles a LENGTH finish
+        with finish() (as `stop` when the last allowed token completed one)."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None: ...
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: EngineHandle, max_logprobs: int, tokenizer_dir: str | None = None,
+                 serving: ServingLimits | None = None) -> None:
+        self.engine = engine
+        self.max_logprobs = max_logprobs
+        self.serving = serving or ServingLimits()
+        self.shutting_down = False
+        self.server_index: int | None = None
+        self.open_calls = 0
+        self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
+                                       (engine.describe.model_id if engine.describe else ""))
+        self._tokenizer: TextTokenizer | None = None
+        self._tokenizer_key: tuple[str, int, bool] | None = None
+        self._fixed_tokenizer = (HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
+                                 if tokenizer_dir else None)
+        self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    def tokenizer(self) -> TextTokenizer:
+        """--tokenizer's if given, else the one the connected executor ships (rebuilt if it changes)."""
+        if self._fixed_tokenizer is not None:
+            return self._fixed_tokenizer
+        d = self.engine.describe
+        key = (d.tokenizer_json, d.bos_token_id, d.add_bos_token) if d is not None else None
+        if self._tokenizer is None or key != self._tokenizer_key:
+            if d is not None and d.tokenizer_json:
+                self._tokenizer = HFTokenizer(d.tokenizer_json, d.bos_token_id if d.add_bos_token else None)
+            else:
+                self._tokenizer = ByteTokenizer()
+            self._tokenizer_key = key
+        return self._tokenizer
+
+    def request_limits(self) -> RequestLimits:
+        d = self.engine.describe
+        if d is None:
+            raise RuntimeError("no executor described yet")
+        prompt_bytes = max_prompt_bytes(d.max_model_len, self.tokenizer().max_token_bytes,
+                                        self.serving.max_request_bytes)
+        return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs,
+                      max_prompt_bytes=prompt_bytes)
+
+    async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if self.server_index is not None:
+            await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
+        try:
+            async for response in self.generate(request):
+                yield response
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure."""
+        if isinstance(request, MalformedRequest):
+            raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
+        if self.open_calls >= self.serving.max_open_calls:
+            raise self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"too many open calls ({self.serving.max_open_calls}); retry later")
+        self.open_calls += 1
+        try:
+            async for response in self._generate(request):
+                yield response
+        finally:
+            self.open_calls -= 1
+
+    async def _generate(self, request: generation_pb2.GenerateRequest
+                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self._refuse_if_shutting_down()
+        await self._wait_for_executor()
+        self._refuse_if_shutting_down()
+        try:
+            rid, prompt_ids, requests = await self._build(request)
+        except InvalidArgument as e:
+            raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
+        streams: dict[str, StreamHandle] = {}
+        stop_strings = any(request.sampling.stop)  # as StopMatcher.active
+        try:
+            for req in requests:
+                streams[req.request_id] = self.engine.add(req, queue, stop_strings)
+        except (QueueFull, ValueError) as e:
+            for sub_id in streams:
+                self.engine.abort(sub_id)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
+            raise self.refuse(code, str(e)) from None
+        answered: set[str] = set()
+        try:
+            async for response in self._stream(request, rid, prompt_ids, streams, queue, answered):
+                yield response
+        finally:
+            for req in requests:
+                if not req.is_finished or (stop_strings and req.request_id not in answered):
+                    self.engine.abort(req.request_id)
+
+    def refuse(self, code: grpc.StatusCode, message: str) -> RequestError:
+        """Count and log (at INFO, at most once a second per status) a call ended with `code`."""
+        self.refusals.add(code.name, message)
+        return RequestError(code, message)
+
+    def _refuse_if_shutting_down(self) -> None:
+        if self.shutting_down:
+            raise self.refuse(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+
+    async def _wait_for_executor(self) -> None:
+        if self.engine.ready.is_set():
+            return
+        timeout = self.serving.executor_wait_timeout
+        try:
+            await asyncio.wait_for(self.engine.ready.wait(), timeout)
+        except TimeoutError:
+            raise self.refuse(grpc.StatusCode.UNAVAILABLE,
+                              f"no executor connected within --executor-wait-timeout {timeout}s; retry later"
+                              ) from None
+
+    async def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
+        limits = self.request_limits()
+        validate_prompt(request, limits)
+        if request.prompt_token_ids:
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            prompt_ids = await encode_off_loop(self.tokenizer(), request.prompt, self._encode_pool)
+        sampling = sampling_options(request, limits, len(prompt_ids))
+        n = request.sampling.n if request.sampling.HasField("n") else 1
+        rid = request.request_id or uuid.uuid4().hex
+        hint = request.output_len_hint if request.HasField("output_len_hint") else None
+        now = time.monotonic()
+        requests: list[Request] = []
+        for i in range(n):
+            sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
+            sub_id = rid if n == 1 else f"{rid}#{i}"
+            requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
+                                    share_prompt_with=requests[0].request_id if requests else None))
+        return rid, prompt_ids, requests
+
+    async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
+                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError],
+                      answered: set[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        tok = self.tokenizer()
+        stops = list(request.sampling.stop)
+        min_tokens = request.sampling.min_tokens
+        seqs = {sub_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops), min_tokens)
+                for i, sub_id in enumerate(streams)}
+        remaining = len(seqs)
+        while remaining:
+            for delta in coalesce(self._checked([await queue.get(), *drain(queue)])):
+                seq = seqs.get(delta.request_id)
+                if seq is None or seq.done:
+                    continue
+                if streams[delta.request_id].executor_unavailable and delta.finish_reason is not None:
+                    raise self.refuse(grpc.StatusCode.UNAVAILABLE, delta.error)
+                response = self._respond(delta, seq, rid, len(prompt_ids))
+                if seq.done:
+                    remaining -= 1
+                    answered.add(delta.request_id)
+                if response is not None:
+                    yield response
+
+    def _checked(self, items: list[RequestDelta | RequestError]) -> list[RequestDelta]:
+        """The deltas; a refusal that came instead (from an engine core in another process) is raised."""
+        for item in items:
+            if isinstance(item, RequestError):
+                raise self.refuse(item.code, item.message)
+        return items  # type: ignore[return-value]
+
+    def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
+                 ) -> generation_pb2.GenerateResponse | None:
+        text, keep = seq.read(delta.new_token_ids)
+        token_ids, logprobs = delta.new_token_ids, delta.logprobs
+        reason = delta.finish_reason
+        if keep is not None:
+            token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+            if reason in (None, FinishReason.LENGTH):
+                reason = FinishReason.STOPPED
+        elif reason is not None:
+            text += seq.stops.feed_unchecked(seq.detokenizer.flush()) + seq.stops.flush()
+        if reason is not None and delta.finish_reason in (None, FinishReason.LENGTH) and seq.stops.active:
+            self.engine.finish(delta.request_id, reason)  # ends it in the core, or settles its LENGTH finish
+        response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
+        if logprobs:
+            response.logprobs.extend(token_logprobs_proto(lp) for lp in logprobs)
+        if reason is not None:
+            seq.done = True
+            response.finish_reason = FINISH_REASONS[reason]
+            response.error = delta.error
+            response.usage.prompt_tokens = prompt_len
+            response.usage.completion_tokens = seq.num_tokens
+        if not (response.token_ids or response.text or seq.done):
+            return None
+        return response
+
+
+def token_logprobs_proto(lp: TokenLogprob) -> common_pb2.TokenLogprobs:
+    top = [common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top=top)
+
+
+def drain(queue: asyncio.Queue[RequestDelta | RequestError]) -> list[RequestDelta | RequestError]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """One delta per request: when the stream falls behind the engine, it sends what piled up as one
+    response instead of one per step."""
+    if len(deltas) == 1:
+        return deltas
+    merged: dict[str, RequestDelta] = {}
+    for d in deltas:
+        into = merged.get(d.request_id)
+        if into is None:
+            merged[d.request_id] = RequestDelta(d.request_id, list(d.new_token_ids), d.finish_reason, d.error,
+                                                list(d.logprobs))
+            continue
+        into.new_token_ids += d.new_token_ids
+        into.logprobs += d.logprobs
+        into.finish_reason, into.error = d.finish_reason, d.error
+    return list(merged.values())
+
+
+@dataclass(slots=True)
+class PublicServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    generation: GenerationServicer
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_GenerationServicer_to_server, with a deserializer that never raises."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse_generate_request,
+        response_serializer=generation_pb2.GenerateResponse.SerializeToString)
+    generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"Generate": handler})
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(GENERATION_SERVICE, {"Generate": handler})
+
+
+async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
+                credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
+                serving: ServingLimits | None = None, reuse_port: bool = False) -> PublicServer:
+    """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
+    serving = serving or ServingLimits()
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
+    options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
+    add_generation_servicer(generation, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = add_port(server, listen, credentials)
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    return PublicServer(server, port, health_servicer, generation)
+
+
+async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", GENERATION_SERVICE):
+        await servicer.set(name, status)

@@ -1,0 +1,376 @@
+"""The OpenAI-compatible HTTP API on aiohttp: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+A thin adapter over the transport-neutral GenerationServicer.generate: each prompt becomes one GenerateRequest,
+its GenerateResponses become OpenAI choices or Server-Sent Events chunks, and a RequestError becomes an OpenAI
+error object with the matching HTTP status. A client that disconnects cancels the handler, which closes the
+generate() streams, which abort their requests and free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from tokenizers import Tokenizer
+
+from protos.pagedserve.v1 import generation_pb2
+from scheduler_service.frontend.generation import GenerationServicer, RequestError
+from scheduler_service.frontend.openai.chat import ChatTemplate
+from scheduler_service.frontend.openai.errors import ApiError, from_status
+from scheduler_service.frontend.openai.protocol import ApiRequest, parse_chat, parse_completion
+from scheduler_service.frontend.openai.responses import (
+    Choice,
+    LogprobFormatter,
+    Usage,
+    chat_choice,
+    completion_choice,
+    finish_reason,
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = ("/health", "/ping")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+
+COMPLETIONS = Endpoint("cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+class OpenAIApi:
+    def __init__(self, generation: GenerationServicer, served_model_name: str | None = None,
+                 api_keys: list[str] | None = None, tokenizer_dir: str | None = None) -> None:
+        self.generation = generation
+        self.served_model_name = served_model_name
+        self._keys = [k.encode() for k in api_keys or []]
+        self._tokenizer_dir = tokenizer_dir
+        self._chat_template: ChatTemplate | None = None
+        self._chat_key: tuple[str, str] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 2**20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except RequestError as e:
+            error = from_status(e.code, e.message)
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as e:
+            error = ApiError(e.status, e.reason)
+            return web.json_response(error.body(), status=e.status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._keys and request.path not in OPEN_PATHS and not self._valid(presented_key(request)):
+            raise ApiError(401, "missing or invalid API key (send the header 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    def _valid(self, key: str) -> bool:
+        return any(hmac.compare_digest(key.encode(), k) for k in self._keys)
+
+    def model_name(self) -> str | None:
+        describe = self.generation.engine.describe
+        return self.served_model_name or (describe.model_id if describe is not None else None)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.generation.shutting_down or not self.generation.engine.ready.is_set():
+            raise ApiError(503, "not ready: no executor connected, or shutting down")
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.model_name()
+        data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+                                         "max_model_len": self._max_model_len()}]
+        return web.json_response({"object": "list", "data": data})
+
+    def _max_model_len(self) -> int | None:
+        describe = self.generation.engine.describe
+        return describe.max_model_len if describe is not None else None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        api = parse_completion(await read_json(request))
+        self._check_model(api.model)
+        return await self._serve(request, api, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        api, messages, kwargs = parse_chat(await read_json(request))
+        self._check_model(api.model)
+        api.prompts = [self._chat_prompt(api, messages, kwargs)]
+        return await self._serve(request, api, CHAT)
+
+    def _check_model(self, model: str | None) -> None:
+        if not self.generation.engine.ready.is_set():
+            raise ApiError(503, "no executor is connected; try again shortly")
+        if model is not None and model != self.model_name():
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def _chat_prompt(self, api: ApiRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+        """The rendered conversation as token ids (the template writes any BOS itself, as in transformers)."""
+        template = self._template()
+        text = template.render(messages, kwargs)
+        describe = self.generation.engine.describe
+        bos = template.special_tokens.get("bos_token")
+        if describe is not None and describe.add_bos_token and bos and text.startswith(bos):
+            text = text[len(bos):]
+        ids = self.generation.tokenizer().encode(text)
+        room = (describe.max_model_len if describe is not None else 0) - len(ids)
+        if not api.max_tokens_given and room > 0:
+            api.sampling.max_tokens = room
+        return ids
+
+    def _template(self) -> ChatTemplate:
+        source, tokenizer_json = self._template_source()
+        if not source:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        if self._chat_template is None or self._chat_key != (source, tokenizer_json):
+            self._chat_template = ChatTemplate(source, self._special_tokens(tokenizer_json))
+            self._chat_key = (source, tokenizer_json)
+        return self._chat_template
+
+    def _template_source(self) -> tuple[str, str]:
+        describe = self.generation.engine.describe
+        tokenizer_json = describe.tokenizer_json if describe is not None else ""
+        if self._tokenizer_dir:
+            directory = Path(self._tokenizer_dir)
+            config = read_json_file(directory / "tokenizer_config.json")
+            jinja = directory / "chat_template.jinja"
+            source = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template", "")
+            return (source if isinstance(source, str) else ""), (directory / "tokenizer.json").read_text()
+        return (describe.chat_template if describe is not None else ""), tokenizer_json
+
+    def _special_tokens(self, tokenizer_json: str) -> dict[str, str]:
+        describe = self.generation.engine.describe
+        if describe is None or not tokenizer_json:
+            return {}
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+        tokens = {"bos_token": tokenizer.id_to_token(describe.bos_token_id)}
+        if describe.eos_token_ids:
+            tokens["eos_token"] = tokenizer.id_to_token(describe.eos_token_ids[0])
+        return {name: token for name, token in tokens.items() if token is not None}
+
+    async def _serve(self, request: web.Request, api: ApiRequest, endpoint: Endpoint) -> web.StreamResponse:
+        call_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        requests = [generate_request(f"{call_id}-{i}", prompt, api) for i, prompt in enumerate(api.prompts)]
+        n = api.sampling.n if api.sampling.HasField("n") else 1
+        responses = merged([self.generation.generate(r) for r in requests])
+        async with contextlib.aclosing(responses):  # type: ignore[type-var]
+            first = await anext(responses, None)
+            formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
+            stream = Stream(call_id, self.model_name() or "", endpoint, n, formatter, api.include_usage)
+            stream.prompt_index = {r.request_id: i for i, r in enumerate(requests)}
+            if api.stream:
+                return await stream.send(request, first, responses)
+            return web.json_response(await stream.collect(first, responses))
+
+
+class Stream:
+    """One call's responses as either a whole OpenAI response or a stream of SSE chunks."""
+
+    def __init__(self, call_id: str, model: str, endpoint: Endpoint, n: int, formatter: LogprobFormatter | None,
+                 include_usage: bool) -> None:
+        self.call_id, self.model, self.endpoint, self.n = call_id, model, endpoint, n
+        self.formatter, self.include_usage = formatter, include_usage
+        self.created = int(time.time())
+        self.usage = Usage()
+        self.offsets: dict[int, int] = {}
+        self.prompt_index: dict[str, int] = {}
+
+    async def collect(self, first: generation_pb2.GenerateResponse | None,
+                      rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
+        choices: dict[int, Choice] = {}
+        if first is not None:
+            self._gather(first, choices)
+            async for response in rest:
+                self._gather(response, choices)
+        build = chat_choice if self.endpoint.chat else completion_choice
+        return {"id": self.call_id, "object": self.endpoint.object, "created": self.created, "model": self.model,
+                "choices": [build(choices[i], self.formatter) for i in sorted(choices)], "usage": self.usage.body()}
+
+    def _gather(self, response: generation_pb2.GenerateResponse, choices: dict[int, Choice]) -> None:
+        prompt_index = self.prompt_index.get(response.request_id, 0)
+        index = prompt_index * self.n + response.index
+        choice = choices.setdefault(index, Choice(index))
+        choice.text.append(response.text)
+        choice.logprobs.extend(response.logprobs)
+        choice.finish_reason = finish_reason(response) or choice.finish_reason
+        self.usage.add(prompt_index, response)
+
+    async def send(self, request: web.Request, first: generation_pb2.GenerateResponse | None,
+                   rest: AsyncIterator[generation_pb2.GenerateResponse]) -> web.StreamResponse:
+        out = web.StreamResponse(headers=SSE_HEADERS)
+        await out.prepare(request)
+        try:
+            if first is not None:
+                if self.endpoint.chat:
+                    await out.write(self._event(self._role_chunk()))
+                await out.write(self._event(self._chunk(first)))
+                async for response in rest:
+                    await out.write(self._event(self._chunk(response)))
+            if self.include_usage:
+                await out.write(self._event({**self._head(), "choices": [], "usage": self.usage.body()}))
+        except (ApiError, RequestError) as e:
+            error = e if isinstance(e, ApiError) else from_status(e.code, e.message)
+            await out.write(self._event(error.body()))
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.call_id, "object": self.endpoint.chunk_object, "created": self.created,
+                "model": self.model}
+
+    def _event(self, data: dict[str, Any]) -> bytes:
+        return f"data: {dumps(data)}\n\n".encode()
+
+    def _role_chunk(self) -> dict[str, Any]:
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(self.n)]
+        return {**self._head(), "choices": choices, **({"usage": None} if self.include_usage else {})}
+
+    def _chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+        prompt_index = self.prompt_index.get(response.request_id, 0)
+        index = prompt_index * self.n + response.index
+        self.usage.add(prompt_index, response)
+        reason = finish_reason(response)
+        f = self.formatter
+        if self.endpoint.chat:
+            delta = {"content": response.text} if response.text or reason is None else {}
+            logprobs = f.chat(list(response.logprobs)) if f is not None else None
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            logprobs = None
+            if f is not None:
+                logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
+                self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": reason}
+        return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+
+
+def generate_request(request_id: str, prompt: str | list[int], api: ApiRequest) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(request_id=request_id)
+    request.sampling.CopyFrom(api.sampling)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    return request
+
+
+def merged(streams: list[AsyncIterator[generation_pb2.GenerateResponse]]
+           ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The responses of every stream as they come (one stream is passed through as it is); closing the
+    result closes them all."""
+    if len(streams) == 1:
+        return streams[0]
+    return interleaved(streams)
+
+
+async def interleaved(streams: list[AsyncIterator[generation_pb2.GenerateResponse]]
+                      ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | RequestError | None] = asyncio.Queue()
+    tasks = [asyncio.create_task(pump(s, queue)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, RequestError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def pump(stream: AsyncIterator[generation_pb2.GenerateResponse],
+               queue: asyncio.Queue[generation_pb2.GenerateResponse | RequestError | None]) -> None:
+    try:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for response in stream:
+                queue.put_nowait(response)
+    except RequestError as e:
+        queue.put_nowait(e)
+    queue.put_nowait(None)
+
+
+def presented_key(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("X-Api-Key", "").strip()
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def read_json_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(slots=True)
+class HttpServer:
+    runner: web.AppRunner
+    port: int
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve_http(api: OpenAIApi, listen: str, tls_cert: str | None = None,
+                     tls_key: str | None = None, reuse_port: bool = False) -> HttpServer:
+    """Start the HTTP API on HOST:PORT (port 0 picks a free one); HTTPS when a certificate is given."""
+    host, _, port = listen.rpartition(":")
+    context = None
+    if tls_cert and tls_key:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls_cert, tls_key)
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=context,
+                       reuse_port=reuse_port or None)
+    await site.start()
+    return HttpServer(runner, runner.addresses[0][1])

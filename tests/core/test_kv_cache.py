@@ -1,0 +1,253 @@
+"""KV-cache manager and the scheduler around it: prefix caching, eviction order, swap and recompute
+with cached blocks, n > 1 prompt sharing with copy-on-write."""
+
+from __future__ import annotations
+
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
+from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
+from scheduler_service.core.outputs import NewRequestData, SchedulerOutput
+from scheduler_service.core.request import Request, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from tests.support.core_helpers import FakeClock
+from tests.support.model_executor import ModelExecutor, token_at
+
+BS = 4
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 4, share: str | None = None) -> Request:
+    return Request(rid, list(prompt), SamplingOptions(max_tokens=max_tokens, ignore_eos=True), 0.0,
+                   share_prompt_with=share)
+
+
+class Run:
+    def __init__(self, num_blocks: int = 32, cpu_blocks: int = 0, **config: object) -> None:
+        cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
+        self.s = Scheduler(cfg, ExecutorLimits(BS, num_blocks, cpu_blocks, max_model_len=512), clock=FakeClock())
+        self.ex = ModelExecutor(num_blocks, max(cpu_blocks, 1), BS)
+        self.tokens: dict[str, list[int]] = {}
+        self.outs: list[SchedulerOutput] = []
+        self.new: list[NewRequestData] = []
+
+    def add(self, *requests: Request) -> None:
+        for r in requests:
+            self.tokens[r.request_id] = []
+            self.s.add_request(r)
+
+    def step(self) -> SchedulerOutput:
+        out = self.s.schedule()
+        self.new = out.new_requests()
+        for d in self.s.update(out, self.ex.step(out)):
+            self.tokens[d.request_id] += d.new_token_ids
+        self.outs.append(out)
+        return out
+
+    def finish_all(self) -> None:
+        for _ in range(1000):
+            if not self.s.has_unfinished():
+                return
+            self.step()
+        raise AssertionError("unfinished")
+
+    def expect(self, r: Request) -> list[int]:
+        return [token_at(r.request_id, r.num_prompt_tokens + i) for i in range(r.sampling.max_tokens)]
+
+
+PROMPT = list(range(10, 27))  # 17 tokens: 4 full blocks and one token
+
+
+def test_a_second_request_takes_the_cached_full_blocks_and_computes_only_the_rest() -> None:
+    run = Run()
+    a = req("a", PROMPT)
+    run.add(a)
+    run.finish_all()
+    b = req("b", [*PROMPT[:16], 99, 98])
+    run.add(b)
+    run.step()
+    new = run.new[0]
+    assert (new.num_computed_tokens, new.num_scheduled_tokens) == (16, 2)
+    assert run.s.stats().prefix_cache_hits == 16 and run.s.stats().prefix_cache_queries == 17 + 18
+    run.finish_all()
+    assert run.tokens["b"] == run.expect(b)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
+    run = Run()
+    run.add(req("a", PROMPT[:16]))
+    run.finish_all()
+    run.add(req("b", PROMPT[:16]))
+    run.step()
+    new = run.new[0]
+    assert (new.num_computed_tokens, new.num_scheduled_tokens) == (12, 4)
+
+
+def test_caching_off_computes_everything() -> None:
+    run = Run(enable_prefix_caching=False)
+    run.add(req("a", PROMPT))
+    run.finish_all()
+    run.add(req("b", PROMPT))
+    run.step()
+    assert run.new[0].num_computed_tokens == 0
+    assert run.s.stats().prefix_cache_hits == 0
+
+
+def test_freed_blocks_are_evicted_uncached_first_then_least_recently_freed() -> None:
+    kv = KVCacheManager(6, 0, BS)
+    a, b = req("a", [*list(range(8)), 50]), req("b", [*list(range(100, 108)), 51])
+    for r in (a, b):
+        kv.admit(r, PrefixHit(), r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+    table_a, table_b = list(kv.block_table("a")), list(kv.block_table("b"))
+    kv.free(a)
+    kv.free(b)
+    # a's and b's partial third blocks hold nothing reusable: they go first; then a (freed first),
+    # tail before head, then b.
+    order = kv.device.allocate(6)
+    assert order == [table_a[2], table_b[2], table_a[1], table_a[0], table_b[1], table_b[0]]
+    assert kv.device.num_cached == 0
+
+
+def test_a_hit_on_a_free_cached_block_counts_against_the_free_pool() -> None:
+    kv = KVCacheManager(4, 0, BS)
+    a = req("a", list(range(9)))
+    kv.admit(a, PrefixHit(), 9)
+    a.num_computed_tokens = 9
+    kv.free(a)
+    b = req("b", list(range(9)))
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 8 and kv.device.evictable(hit.blocks) == 2
+    assert kv.can_admit(hit, 9) is AllocStatus.OK  # 2 cached + 1 fresh of 4 free
+    assert kv.can_admit(hit, 9 + 2 * BS) is AllocStatus.LATER
+
+
+def test_recompute_preemption_refinds_its_own_blocks() -> None:
+    run = Run(num_blocks=7, preemption_mode=PreemptionMode.RECOMPUTE)
+    a = req("a", list(range(40, 52)), max_tokens=8)  # 3 blocks, grows to 5
+    b = req("b", list(range(60, 68)), max_tokens=8)  # 2 blocks, grows to 4
+    run.add(a, b)
+    preempted = None
+    while preempted is None:
+        out = run.step()
+        preempted = next((rid for rid in out.finished_ids), None)
+    victim = run.s.requests[preempted]
+    while preempted in {r.request_id for r in run.s.running} or not run.s.running:
+        run.step()
+    back = None
+    while back is None:
+        run.step()
+        back = next((n for n in run.new if n.request_id == preempted), None)
+    # Its own full blocks, minus any the other request's growth evicted since (tail first).
+    assert back.num_computed_tokens > 0 and back.num_computed_tokens % BS == 0
+    assert back.num_computed_tokens <= (len(back.token_ids) - 1) // BS * BS
+    assert victim.num_preemptions == 1
+    run.finish_all()
+    assert run.tokens["a"] == run.expect(a) and run.tokens["b"] == run.expect(b)
+
+
+def test_swap_out_of_a_shared_prefix_leaves_the_other_holder_intact() -> None:
+    run = Run(num_blocks=8, cpu_blocks=16, preemption_mode=PreemptionMode.SWAP)
+    a = req("a", [*PROMPT[:12], 1], max_tokens=10)
+    run.add(a)
+    run.step()
+    b = req("b", [*PROMPT[:12], 2], max_tokens=10)
+    run.add(b)
+    run.step()
+    shared = set(run.s.kv.block_table("a")) & set(run.s.kv.block_table("b"))
+    assert len(shared) == 3
+    run.finish_all()
+    assert run.s.stats().num_preemptions_swap > 0
+    assert any(set(src for src, _ in o.swap_out) & shared for o in run.outs)
+    assert run.tokens["a"] == run.expect(a) and run.tokens["b"] == run.expect(b)
+
+
+def test_n_siblings_share_the_prompt_and_copy_its_partial_block_once_each() -> None:
+    run = Run(num_blocks=40)
+    prompt = [*PROMPT, 27]  # 18 tokens: 4 full blocks and 2 in a fifth
+    seqs = [req("s0", prompt, max_tokens=6)] + [req(f"s{i}", prompt, max_tokens=6, share="s0") for i in (1, 2, 3)]
+    run.add(*seqs)
+    run.step()
+    assert [n.request_id for n in run.new] == ["s0"]
+    second = run.step()
+    forks = run.new
+    assert [n.request_id for n in forks] == ["s1", "s2", "s3"]
+    assert all((n.num_computed_tokens, n.num_scheduled_tokens) == (17, 1) for n in forks)
+    leader = run.s.kv.block_table("s0")
+    assert all(n.block_ids[:4] == leader[:4] and n.block_ids[4] != leader[4] for n in forks)
+    assert sorted(second.copy) == sorted((leader[4], n.block_ids[4]) for n in forks)
+    assert run.s.kv.device.ref_count(leader[0]) == 4 and run.s.kv.device.ref_count(leader[4]) == 1
+    assert run.s.kv.device.num_used == 5 + 3  # s0's five, one copy per sibling
+    run.finish_all()
+    for r in seqs:
+        assert run.tokens[r.request_id] == run.expect(r)
+    assert run.s.kv.device.num_used == 0
+
+
+def test_a_sibling_whose_source_finished_falls_back_to_the_cache() -> None:
+    run = Run()
+    a = req("a", PROMPT, max_tokens=1)
+    b = req("b", PROMPT, max_tokens=3, share="a")
+    run.add(a, b)
+    run.step()  # a computes the prompt, samples its one token and finishes
+    out = run.step()
+    assert [n.request_id for n in run.new] == ["b"] and not out.copy
+    assert run.new[0].num_computed_tokens == 16
+    run.finish_all()
+    assert run.tokens["b"] == run.expect(b)
+
+
+def test_aborting_a_held_sibling_and_its_source() -> None:
+    run = Run()
+    a = req("a", PROMPT * 3, max_tokens=3)
+    b = req("b", PROMPT * 3, max_tokens=3, share="a")
+    c = req("c", PROMPT * 3, max_tokens=3, share="a")
+    run.s.config.long_prefill_token_threshold = 8
+    run.add(a, b, c)
+    run.step()
+    assert run.s.stats().num_waiting == 2
+    run.s.abort("b")
+    run.s.abort("a")
+    run.step()
+    assert [n.request_id for n in run.new] == ["c"]
+    run.finish_all()
+    assert run.s.requests == {} and run.s.kv.device.num_used == 0
+    assert run.tokens["c"] == run.expect(c)
+
+
+def test_reset_executor_forgets_every_cached_block() -> None:
+    run = Run()
+    run.add(req("a", PROMPT))
+    run.finish_all()
+    assert run.s.kv.device.num_cached == 5  # 17 prompt + 3 computed outputs
+    run.s.reset_executor()
+    run.ex = ModelExecutor(32, 1, BS)  # the executor lost its state with its cache
+    assert run.s.kv.device.num_cached == 0
+    run.add(req("b", PROMPT))
+    run.step()
+    assert run.new[0].num_computed_tokens == 0
+
+
+def test_cached_prefix_tokens_answers_from_the_cache_for_placement() -> None:
+    run = Run()
+    assert run.s.cached_prefix_tokens(PROMPT) == 0
+    run.add(req("a", PROMPT, max_tokens=2))
+    run.finish_all()
+    assert run.s.cached_prefix_tokens(PROMPT) == 16
+    assert run.s.cached_prefix_tokens(PROMPT[:9]) == 8
+    assert run.s.cached_prefix_tokens([99, *PROMPT[1:]]) == 0
+    off = Run(enable_prefix_caching=False)
+    off.add(req("a", PROMPT, max_tokens=2))
+    off.finish_all()
+    assert off.s.cached_prefix_tokens(PROMPT) == 0
+
+
+def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
+    run = Run()
+    a, b, c = (req(r, PROMPT * 3, max_tokens=2, share=None if r == "a" else "a") for r in "abc")
+    run.s.config.long_prefill_token_threshold = 8
+    run.add(a, b, c)
+    assert run.s.waiting_ids() == ["a", "b", "c"]
+    assert run.s.release("b") is b and run.s.waiting_ids() == ["a", "c"]
+    run.step()
+    assert run.s.release("a") is None  # running: it finishes here
+    run.finish_all()
+    assert run.tokens["a"] == run.expect(a) and run.tokens["c"] == run.expect(c)
+    assert run.s.kv.device.num_used == 0 and run.s.requests == {}

@@ -1,0 +1,426 @@
+"""Executor conformance: the Executor contract checked over real gRPC against any executor.
+
+With `PAGEDSERVE_EXECUTOR=HOST:PORT[,HOST:PORT...]` set, the suite tests those addresses only, each in turn
+(every executor of a pool: docs/operations.md shows how on Kubernetes). Otherwise it starts the
+simulated executor, the torch executor on the embedded default model (small pools) and the same with
+--tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test
+opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
+uses greedy, seeded requests, so two runs of the same request are comparable token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from tests.support.procs import free_port, start, stop, wait_healthy
+
+ENV = "PAGEDSERVE_EXECUTOR"
+STEP_TIMEOUT_S = 60.0
+SEED = 1234
+SAMPLING = common_pb2.SamplingParams(temperature=0.0, seed=SEED, ignore_eos=True, max_tokens=4096)
+EXECUTORS: dict[str, list[str]] = {
+    "simulated": ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64"],
+    "torch": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64",
+              "--device", os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")],
+    # two ranks over gloo (a CUDA run needs two devices: benchmarks/gpu_check.sh does that one)
+    "torch-tp2": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--device", "cpu", "--tensor-parallel-size", "2"],
+}
+
+
+def targets() -> list[str]:
+    """Every address in PAGEDSERVE_EXECUTOR (comma-separated: each executor of a pool), else our own two."""
+    external = [a.strip() for a in os.environ.get(ENV, "").split(",") if a.strip()]
+    return [f"external:{a}" for a in external] or list(EXECUTORS)
+
+
+@pytest.fixture(scope="module", params=targets())
+def executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param.startswith("external:"):
+        yield request.param.removeprefix("external:")
+        return
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp(f"executor-{request.param}") / "executor.log"
+    proc = start("executor_service", ["--listen", address, *EXECUTORS[request.param]], log)
+    try:
+        wait_healthy(address, proc)
+        yield address
+    finally:
+        stop(proc)
+
+
+# ---- a minimal scheduler speaking the protocol -------------------------------------------------
+
+
+@dataclass
+class Seq:
+    """One request as the test's scheduler sees it."""
+
+    rid: str
+    tokens: list[int]
+    num_prompt: int
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    swap_blocks: list[int] = field(default_factory=list)
+    live: bool = False  # the executor holds its state
+    resume: bool = False  # swapped back in: the next step sends its whole table with resumed=True
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+
+@dataclass
+class Running:
+    """One running request's diff; a step carries them as the columns of RunningRequests."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+    resumed: bool = False
+
+
+def columns(running: list[Running]) -> executor_pb2.RunningRequests:
+    return executor_pb2.RunningRequests(
+        request_ids=[r.request_id for r in running], num_scheduled_tokens=[r.num_scheduled_tokens for r in running],
+        num_new_blocks=[len(r.new_block_ids) for r in running],
+        new_block_ids=[b for r in running for b in r.new_block_ids], resumed=[r.resumed for r in running])
+
+
+def sampled_tokens(result: executor_pb2.StepResult) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    tokens = iter(result.sampled.token_ids)
+    for rid, n in zip(result.sampled.request_ids, result.sampled.num_tokens, strict=True):
+        out[rid] = [next(tokens) for _ in range(n)]
+    return out
+
+
+class Session:
+    """One Execute stream plus the block bookkeeping a scheduler would do."""
+
+    def __init__(self, stub: executor_pb2_grpc.ExecutorStub, describe: executor_pb2.DescribeResponse) -> None:
+        self.stub = stub
+        self.describe = describe
+        self.block_size = describe.block_size
+        self.free = list(range(describe.num_device_blocks))
+        self.free_swap = list(range(describe.num_swap_blocks))
+        self.call = stub.Execute()
+        self.step_id = 0
+
+    def prompt(self, length: int, seed: int) -> list[int]:
+        rng = random.Random(seed)
+        high = min(self.describe.vocab_size, 4096)
+        return [rng.randrange(3, high) for _ in range(length)]
+
+    def seq(self, rid: str, length: int, seed: int) -> Seq:
+        tokens = self.prompt(length, seed)
+        return Seq(rid, tokens, len(tokens))
+
+    def take(self, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        picked = [b for b in self.free if b not in avoid][:n]
+        assert len(picked) == n, f"the test needs {n} more device blocks than the executor has free"
+        for b in picked:
+            self.free.remove(b)
+        return picked
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    async def step(self, running_requests: list[Running] = (), **fields: object) -> executor_pb2.StepResult:  # type: ignore[assignment]
+        self.step_id += 1
+        step = executor_pb2.StepRequest(step_id=self.step_id, running=columns(running_requests), **fields)  # type: ignore[arg-type]
+        await self.call.write(step)
+        result = await asyncio.wait_for(self.call.read(), STEP_TIMEOUT_S)
+        assert result is not grpc.aio.EOF, "the executor closed the stream"
+        assert result.step_id == self.step_id
+        return result
+
+    def work(self, seq: Seq, n: int, extra_slots: int = 0,
+             avoid: set[int] | frozenset[int] = frozenset()
+             ) -> executor_pb2.NewRequest | Running:
+        """The message that schedules n tokens of seq, growing its table as a scheduler would."""
+        added = self.take(max(0, self.blocks_for(seq.computed + n + extra_slots) - len(seq.blocks)), avoid)
+        seq.blocks += added
+        if not seq.live:
+            return executor_pb2.NewRequest(
+                request_id=seq.rid, token_ids=seq.tokens, num_prompt_tokens=seq.num_prompt,
+                num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks, sampling=SAMPLING)
+        if seq.resume:
+            return Running(seq.rid, seq.blocks, n, resumed=True)
+        return Running(seq.rid, added, n)
+
+    async def run(self, work: list[tuple[Seq, int]], num_steps: int = 1,
+                  avoid: set[int] | frozenset[int] = frozenset(), **fields: object) -> executor_pb2.StepResult:
+        """One step that must succeed: a token per completed request (num_steps of them), none otherwise."""
+        new: list[executor_pb2.NewRequest] = []
+        running: list[Running] = []
+        for seq, n in work:
+            msg = self.work(seq, n, num_steps - 1, avoid)
+            (new if isinstance(msg, executor_pb2.NewRequest) else running).append(msg)  # type: ignore[arg-type]
+        result = await self.step(new_requests=new, running_requests=running, num_steps=num_steps, **fields)
+        assert not result.error, f"step refused: {result.error}"
+        assert not result.errors, f"request errors: {[(e.request_id, e.message) for e in result.errors]}"
+        outputs = sampled_tokens(result)
+        for seq, n in work:
+            seq.live, seq.resume = True, False
+            seq.computed += n
+            got = outputs.pop(seq.rid, [])
+            if seq.computed < len(seq.tokens):
+                assert got == [], f"{seq.rid}: a partial prefill chunk returned tokens {got}"
+                continue
+            assert len(got) == num_steps, f"{seq.rid}: expected {num_steps} token(s), got {got}"
+            assert all(0 <= t < self.describe.vocab_size for t in got)
+            seq.tokens += got
+            seq.computed = len(seq.tokens) - 1
+        assert not outputs, f"tokens for requests not in the step: {outputs}"
+        return result
+
+    async def decode(self, seqs: list[Seq], steps: int) -> None:
+        for _ in range(steps):
+            await self.run([(s, 1) for s in seqs])
+
+    async def generate(self, seq: Seq, num_outputs: int) -> None:
+        await self.run([(seq, len(seq.tokens) - seq.computed)])
+        await self.decode([seq], num_outputs - 1)
+
+    def finish(self, seq: Seq) -> str:
+        """Forget seq here and return its id for finished_ids; its blocks go back to the free list."""
+        self.free = seq.blocks + self.free
+        seq.blocks, seq.live = [], False
+        return seq.rid
+
+    def swap_out(self, seq: Seq) -> list[executor_pb2.BlockMapping]:
+        seq.swap_blocks = self.free_swap[: len(seq.blocks)]
+        assert len(seq.swap_blocks) == len(seq.blocks), "the executor has too few swap blocks for this test"
+        del self.free_swap[: len(seq.blocks)]
+        mapping = [executor_pb2.BlockMapping(src=d, dst=s) for d, s in zip(seq.blocks, seq.swap_blocks, strict=True)]
+        self.free = seq.blocks + self.free
+        seq.blocks = []
+        return mapping
+
+    def swap_in(self, seq: Seq, avoid: set[int]) -> list[executor_pb2.BlockMapping]:
+        seq.blocks = self.take(len(seq.swap_blocks), avoid)
+        mapping = [executor_pb2.BlockMapping(src=s, dst=d) for s, d in zip(seq.swap_blocks, seq.blocks, strict=True)]
+        self.free_swap += seq.swap_blocks
+        seq.swap_blocks, seq.resume = [], True
+        return mapping
+
+
+@pytest.fixture
+async def session(executor: str) -> AsyncIterator[Session]:
+    async with grpc.aio.insecure_channel(executor) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        describe = await stub.Describe(executor_pb2.DescribeRequest(), timeout=30)
+        s = Session(stub, describe)
+        try:
+            yield s
+        finally:
+            s.call.cancel()
+
+
+def refused(result: executor_pb2.StepResult, rid: str) -> bool:
+    """The request was refused: named in errors, or the whole step refused; and no token came back for it."""
+    named = any(e.request_id == rid and e.message for e in result.errors)
+    sampled = bool(sampled_tokens(result).get(rid))
+    return (bool(result.error) or named) and not sampled
+
+
+# ---- the contract ------------------------------------------------------------------------------
+
+
+async def test_describe_reports_usable_sizes(session: Session) -> None:
+    d = session.describe
+    assert d.block_size > 0 and d.num_device_blocks > 0
+    assert d.vocab_size > 0 and d.max_model_len > 0
+    assert list(d.eos_token_ids) and all(0 <= t < d.vocab_size for t in d.eos_token_ids)
+    assert d.model_id
+
+
+async def test_prefill_then_decodes_give_one_token_per_step_as_the_table_grows(session: Session) -> None:
+    bs = session.block_size
+    a = session.seq("a", max(1, bs - 2), seed=1)
+    result = await session.run([(a, len(a.tokens))])
+    assert list(result.sampled.request_ids) == ["a"]
+    sizes = [len(a.blocks)]
+    for _ in range(2 * bs + 3):
+        await session.run([(a, 1)])
+        sizes.append(len(a.blocks))
+    assert len(a.outputs) == 2 * bs + 4
+    assert sizes[-1] >= sizes[0] + 2, "the table must have grown through new_block_ids"
+
+
+async def test_chunked_prefill_first_chunk_returns_no_token(session: Session) -> None:
+    if not session.describe.capabilities.chunked_prefill:
+        pytest.skip("executor does not support chunked prefill")
+    length = 2 * session.block_size + 7
+    whole = session.seq("whole", length, seed=2)
+    chunked = session.seq("chunked", length, seed=2)
+    await session.run([(whole, length), (chunked, session.block_size + 3)])
+    assert chunked.outputs == [] and len(whole.outputs) == 1
+    await session.run([(chunked, length - chunked.computed), (whole, 1)])
+    await session.decode([chunked, whole], 4)
+    assert chunked.outputs == whole.outputs[: len(chunked.outputs)] and len(chunked.outputs) == 5
+
+
+async def test_multi_step_decode_equals_single_steps(session: Session) -> None:
+    k = min(4, session.describe.capabilities.max_num_steps)
+    if k < 2:
+        pytest.skip("executor does not support multi-step decode")
+    single = session.seq("single", 11, seed=3)
+    multi = session.seq("multi", 11, seed=3)
+    await session.run([(single, 11), (multi, 11)])
+    await session.decode([single], k)
+    await session.run([(multi, 1)], num_steps=k)
+    assert multi.outputs == single.outputs and len(multi.outputs) == k + 1
+
+
+async def test_swap_out_and_in_to_other_blocks_preserves_the_continuation(session: Session) -> None:
+    if not session.describe.capabilities.swap or session.describe.num_swap_blocks < 4:
+        pytest.skip("executor does not support swap")
+    bs = session.block_size
+    ref = session.seq("ref", bs + 5, seed=4)
+    a = session.seq("a", bs + 5, seed=4)
+    await session.run([(ref, len(ref.tokens)), (a, len(a.tokens))])
+    await session.decode([ref, a], 3)
+    old_blocks = set(a.blocks)
+    # Swap a out; in the same step a new request takes a's device blocks and overwrites their KV.
+    mapping = session.swap_out(a)
+    intruder = session.seq("intruder", len(old_blocks) * bs, seed=5)
+    await session.run([(ref, 1), (intruder, len(intruder.tokens))], swapped_out_ids=["a"], swap_out=mapping)
+    assert old_blocks <= set(intruder.blocks), "the intruder must reuse the swapped-out blocks"
+    await session.decode([ref, intruder], 2)
+    # Swap a back in, to blocks it never held, in the step that drops the intruder.
+    finished = [session.finish(intruder)]
+    mapping = session.swap_in(a, avoid=old_blocks)
+    assert not set(a.blocks) & old_blocks
+    await session.run([(a, 1), (ref, 1)], avoid=old_blocks, finished_ids=finished, swap_in=mapping)
+    await session.decode([a, ref], bs)
+    assert a.outputs == ref.outputs[: len(a.outputs)] and len(a.outputs) == bs + 5
+
+
+async def test_copied_blocks_serve_a_new_request(session: Session) -> None:
+    if not session.describe.capabilities.copy:
+        pytest.skip("executor does not support copy")
+    bs = session.block_size
+    dirty = session.seq("dirty", 3 * bs, seed=6)
+    await session.run([(dirty, len(dirty.tokens))])
+    a = session.seq("a", 2 * bs + 6, seed=7)
+    await session.generate(a, 3)
+    # Copy a's blocks over the dirty request's blocks; b starts there as a NEW request that has
+    # a's computed tokens, in the step that drops the dirty request.
+    targets = dirty.blocks[: len(a.blocks)]
+    finished = [session.finish(dirty)]
+    session.take(len(targets), avoid=set(session.free) - set(targets))
+    copy = [executor_pb2.BlockMapping(src=s, dst=d) for s, d in zip(a.blocks, targets, strict=True)]
+    b = Seq("b", list(a.tokens), a.num_prompt, computed=a.computed, blocks=list(targets))
+    await session.run([(a, 1), (b, 1)], finished_ids=finished, copy=copy)
+    assert b.outputs[-1] == a.outputs[-1]
+    await session.decode([a, b], 3)
+    assert b.outputs == a.outputs
+
+
+async def test_out_of_range_block_is_refused_and_the_stream_stays_usable(session: Session) -> None:
+    n = session.describe.num_device_blocks
+    bad_new = executor_pb2.NewRequest(request_id="bad", token_ids=session.prompt(5, seed=8), num_prompt_tokens=5,
+                                      num_scheduled_tokens=5, block_ids=[n], sampling=SAMPLING)
+    assert refused(await session.step(new_requests=[bad_new]), "bad")
+    a = session.seq("a", 5, seed=9)
+    await session.generate(a, 2)
+    grow = Running("a", [n + 7], 1)
+    assert refused(await session.step(running_requests=[grow]), "a")
+    after = session.seq("after", 5, seed=9)
+    await session.generate(after, 3)
+    assert len(after.outputs) == 3
+
+
+async def test_a_new_request_shares_a_live_requests_computed_prefix_blocks(session: Session) -> None:
+    # Prefix caching and n > 1: b holds a's first two (full, computed) blocks as they are and computes
+    # only its last tokens into a block of its own; both continue exactly like a solo run.
+    bs = session.block_size
+    ref = session.seq("ref", 2 * bs + 5, seed=10)
+    a = session.seq("a", 2 * bs + 5, seed=10)
+    await session.run([(ref, len(ref.tokens)), (a, len(a.tokens))])
+    b = Seq("b", list(a.tokens[: 2 * bs + 5]), 2 * bs + 5, computed=2 * bs, blocks=a.blocks[:2] + session.take(1))
+    await session.run([(b, 5)])
+    assert b.outputs == ref.outputs[:1]
+    await session.decode([a, ref, b], 3)
+    assert a.outputs == ref.outputs and b.outputs == ref.outputs
+
+
+async def test_swap_in_or_copy_onto_a_live_block_is_refused_before_it_writes(session: Session) -> None:
+    caps = session.describe.capabilities
+    if not (caps.swap and caps.copy) or session.describe.num_swap_blocks < 4:
+        pytest.skip("executor does not support swap and copy")
+    bs = session.block_size
+    ref = session.seq("ref", bs + 3, seed=16)
+    a = session.seq("a", bs + 3, seed=16)
+    other = session.seq("other", bs + 3, seed=17)
+    await session.run([(ref, bs + 3), (a, bs + 3), (other, bs + 3)])
+    onto_a = [executor_pb2.BlockMapping(src=s, dst=d) for s, d in zip(other.blocks, a.blocks, strict=True)]
+    assert (await session.step(copy=onto_a)).error, "a copy onto a live request's block must refuse the step"
+    mapping = session.swap_out(other)
+    await session.run([(ref, 1), (a, 1)], swapped_out_ids=["other"], swap_out=mapping)
+    onto_a = [executor_pb2.BlockMapping(src=m.dst, dst=d) for m, d in zip(mapping, a.blocks, strict=True)]
+    resume = Running("other", a.blocks[: len(onto_a)],
+                                         num_scheduled_tokens=1, resumed=True)
+    assert refused(await session.step(swap_in=onto_a, running_requests=[resume]), "other")
+    await session.decode([ref, a], 3)
+    assert a.outputs == ref.outputs, "a refused mapping must not have overwritten the live request's KV"
+
+
+async def test_finished_requests_free_their_blocks_within_the_step(session: Session) -> None:
+    a = session.seq("a", 2 * session.block_size, seed=12)
+    await session.generate(a, 2)
+    blocks = list(a.blocks)
+    finished = [session.finish(a)]
+    b = session.seq("b", 2 * session.block_size, seed=13)
+    b.blocks = session.take(len(blocks), avoid=set(session.free) - set(blocks))
+    await session.run([(b, len(b.tokens))], finished_ids=finished)
+    assert b.blocks == blocks and len(b.outputs) == 1
+    stale = Running("a", [], 1)
+    assert refused(await session.step(running_requests=[stale]), "a"), "a finished request must be forgotten"
+
+
+async def test_num_steps_above_max_num_steps_is_refused_quickly(session: Session) -> None:
+    a = session.seq("a", 6, seed=17)
+    await session.generate(a, 1)
+    limit = session.describe.capabilities.max_num_steps
+    started = asyncio.get_running_loop().time()
+    result = await session.step(running_requests=[Running("a", [], 1)], num_steps=10**9)
+    assert result.error and str(limit) in result.error and not sampled_tokens(result)
+    assert asyncio.get_running_loop().time() - started < STEP_TIMEOUT_S
+
+
+async def test_a_second_stream_is_refused_while_the_first_is_open(session: Session) -> None:
+    a = session.seq("a", 10, seed=16)
+    await session.generate(a, 2)
+    intruder = session.stub.Execute()
+    try:
+        await intruder.write(executor_pb2.StepRequest(step_id=1, running=columns([Running("a", [], 1)])))
+        with pytest.raises(grpc.aio.AioRpcError) as refused_call:
+            await asyncio.wait_for(intruder.read(), STEP_TIMEOUT_S)
+        assert refused_call.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "one scheduler at a time" in (refused_call.value.details() or "")
+    finally:
+        intruder.cancel()
+    await session.generate(a, 2)  # the first stream's requests are untouched
+
+
+async def test_a_new_stream_after_the_old_one_ends_drops_its_state(session: Session) -> None:
+    a = session.seq("a", 10, seed=14)
+    await session.generate(a, 2)
+    session.call.cancel()
+    session.call = session.stub.Execute()
+    resumed = Running("a", [], 1)
+    assert refused(await session.step(running_requests=[resumed]), "a")
+    # a's blocks are free on the new stream.
+    b = session.seq("b", 10, seed=15)
+    b.blocks = list(a.blocks)
+    await session.generate(b, 2)

@@ -1,0 +1,181 @@
+"""The engine loop in-process against a real simulated executor process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler_service.core.config import CoreConfig
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+from scheduler_service.engine.executor_loop import Engine
+from tests.support.procs import free_port, start, stop, wait_healthy
+
+
+@pytest.fixture
+def executor(tmp_path: Path) -> Iterator[str]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--simulated", "--listen", address], tmp_path / "executor.log")
+    wait_healthy(address, proc)
+    yield address
+    stop(proc)
+
+
+async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
+    tokens: list[int] = []
+    while True:
+        delta = await queue.get()
+        tokens += delta.new_token_ids
+        if delta.finish_reason is not None:
+            return tokens, delta
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
+    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        sched = engine._sched()
+        real_update = sched.update
+        calls = {"n": 0}
+
+        def update_failing_once(out, result):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected")
+            return real_update(out, result)
+
+        sched.update = update_failing_once  # type: ignore[method-assign]
+        first: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("a", [65] * 4, SamplingOptions(max_tokens=20), 0.0), first)
+        tokens, last = await asyncio.wait_for(collect(first), 30)
+        assert last.finish_reason is FinishReason.ERROR and "internal error" in last.error
+        assert sched.kv.device.num_used == 0 and not sched.has_unfinished()
+
+        second: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("b", [65] * 4, SamplingOptions(max_tokens=5), 0.0), second)
+        tokens, last = await asyncio.wait_for(collect(second), 30)
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 5
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_rejected_in_a_step_whose_executor_is_lost_still_gets_its_answer(executor: str) -> None:
+    from scheduler_service.engine.executor_link import ExecutorLost
+
+    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        real_execute = engine.connection.execute
+        calls = {"n": 0}
+
+        async def lose_first(out):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ExecutorLost("injected")
+            return await real_execute(out)
+
+        engine.connection.execute = lose_first  # type: ignore[method-assign]
+        limit = engine._sched().limits.max_model_len
+        big: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        small: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("big", [65] * (limit + 1), SamplingOptions(max_tokens=1), 0.0), big)
+        engine.add(Request("small", [65] * 4, SamplingOptions(max_tokens=3), 0.0), small)
+        _, last = await asyncio.wait_for(collect(big), 30)
+        assert last.finish_reason is FinishReason.ERROR and "max_model_len" in last.error
+        tokens, last = await asyncio.wait_for(collect(small), 30)
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 3
+        assert "big" not in engine.streams
+    finally:
+        await engine.stop()
+
+
+async def test_a_step_without_answer_within_the_timeout_counts_as_a_lost_executor(tmp_path: Path) -> None:
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "5000"],
+                 tmp_path / "slow.log")
+    try:
+        wait_healthy(address, proc)
+        connection = ExecutorConnection(address, step_timeout=0.3)
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ExecutorLost, match=r"no answer to step 1 within 0\.3s"):
+            await connection.execute(out)
+        assert loop.time() - started < 3
+        await connection.close()
+    finally:
+        stop(proc)
+
+
+async def test_a_dying_engine_loop_fails_its_requests_and_health(executor: str) -> None:
+    from scheduler_service.engine.executor_link import ExecutorLost
+
+    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    health: list[bool] = []
+    engine.on_ready_change = health.append
+    try:
+        async def lose(out):
+            raise ExecutorLost("injected")
+
+        async def broken_recover(reason: str) -> None:
+            raise RuntimeError("recovery bug")
+
+        engine.connection.execute = lose  # type: ignore[method-assign]
+        engine._recover = broken_recover  # type: ignore[method-assign]
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("a", [65] * 4, SamplingOptions(max_tokens=5), 0.0), queue)
+        _, last = await asyncio.wait_for(collect(queue), 30)
+        assert last.finish_reason is FinishReason.ERROR and last.error
+        assert engine._task is not None
+        await asyncio.wait([engine._task], timeout=10)
+        assert isinstance(engine._task.exception(), RuntimeError), "the loop died"
+        assert not engine.ready.is_set() and health == [False], "health says NOT_SERVING"
+        late: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("b", [65] * 4, SamplingOptions(max_tokens=5), 0.0), late)
+        engine._loop_ended(engine._task)  # what a death with "b" in flight does to it
+        _, last = await asyncio.wait_for(collect(late), 5)
+        assert last.finish_reason is FinishReason.ERROR and "engine loop stopped" in last.error
+        assert not engine.streams
+    finally:
+        await engine.stop()
+
+
+async def test_every_kind_of_stream_failure_is_a_lost_executor(executor: str) -> None:
+    """A refused stream, a call already finished (asyncio.InvalidStateError), a closed stream: all
+    ExecutorLost, never an internal error."""
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
+
+    holder, intruder = ExecutorConnection(executor), ExecutorConnection(executor)
+    try:
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        await holder.execute(out)
+        with pytest.raises(ExecutorLost, match="FAILED_PRECONDITION: this executor already serves a scheduler"):
+            await intruder.execute(out)
+
+        class FinishedCall:
+            async def write(self, message: object) -> None:
+                raise asyncio.InvalidStateError("RPC already finished")
+
+            def done(self) -> bool:
+                return False
+
+            def cancel(self) -> bool:
+                return True
+
+        intruder._call = FinishedCall()
+        with pytest.raises(ExecutorLost, match="RPC already finished"):
+            await intruder.execute(out)
+        assert intruder._call is None, "a failed stream is dropped, so the next step opens a new one"
+    finally:
+        await holder.close()
+        await intruder.close()

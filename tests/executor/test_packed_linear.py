@@ -1,0 +1,187 @@
+"""Linear weights packed once for the CPU's GEMM (executor_service/model/packed.py): MKL's panels bit-identical to
+F.linear from 16 rows, oneDNN's equal up to rounding; the GEMM chosen per machine; the skinny kernel for batches of
+a few rows equal up to rounding, used up to the rows chosen at load."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.functional import linear
+
+from benchmarks.forward_steps import step_items
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.model import cpu_ops, packed
+from executor_service.model.llama import Attention
+from executor_service.model.parallel import Linear
+from executor_service.runner.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the C++ CPU model ops cannot be built here")
+
+
+@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, packed.BITWISE_ROWS, 17, 64, 333])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear_bit_for_bit_from_16_rows(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 300, generator=gen), torch.randn(700, generator=gen)
+    wide = torch.randn(rows, 900, generator=gen)
+    weights = packed.pack(weight)
+    for x in (wide[:, :300].contiguous(), wide[:, 100:400]):  # also a row stride wider than the row (a split view)
+        b = bias if with_bias else None
+        out = torch.ops.pagedserve_model.linear(x, weights.panels, weight, b)
+        if rows >= packed.BITWISE_ROWS:
+            assert torch.equal(out, linear(x, weight, b))
+        else:  # F.linear's small-matrix path rounds differently
+            torch.testing.assert_close(out, linear(x, weight, b), rtol=1e-5, atol=1e-4)
+        assert torch.equal(packed.dense(x, weight, b, weights), out)
+
+
+def test_a_single_row_takes_f_linear() -> None:
+    weight = torch.randn(64, 32)
+    x = torch.randn(1, 32)
+    assert packed.MIN_ROWS == 2
+    assert torch.equal(packed.dense(x, weight, None, packed.pack(weight)), linear(x, weight))
+
+
+def test_bad_operands_are_refused() -> None:
+    weight = torch.randn(64, 32)
+    weights = packed.pack(weight)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights.panels, weight, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.pagedserve_model.linear(torch.randn(20, 32), weights.panels[:10], weight, None)
+    for gemm in packed.GEMMS:
+        with pytest.raises(RuntimeError, match="float32"):
+            packed.pack(weight.double(), gemm)
+
+
+needs_onednn = pytest.mark.skipif(not packed.available("onednn"), reason="torch has no oneDNN here")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [packed.MIN_ROWS, 5, 64, 333])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_packed_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 300, generator=gen), torch.randn(700, generator=gen)
+    wide = torch.randn(rows, 900, generator=gen)
+    weights = packed.pack(weight, "onednn")
+    for x in (wide[:, :300].contiguous(), wide[:, 100:400]):
+        b = bias if with_bias else None
+        torch.testing.assert_close(packed.dense(x, weight, b, weights), linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    one = wide[:1, :300]
+    assert torch.equal(packed.dense(one, weight, None, weights), linear(one, weight))
+
+
+def test_choose_gemm_takes_a_forced_choice_and_refuses_an_unknown_one() -> None:
+    shapes = [(32, 64)]
+    assert packed.choose_gemm(shapes, "mkl") == "mkl"
+    assert packed.choose_gemm(shapes, "onednn") == ("onednn" if packed.available("onednn") else None)
+    assert packed.choose_gemm(shapes, "auto") in packed.GEMMS
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        packed.choose_gemm(shapes, "blas")
+
+
+needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row tiles
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(700, 304, generator=gen), torch.randn(700, generator=gen)
+    x = torch.randn(rows, 304, generator=gen)
+    b = bias if with_bias else None
+    torch.testing.assert_close(torch.ops.pagedserve_model.skinny_linear(x, weight, b), linear(x, weight, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_skinny
+def test_dense_takes_the_skinny_kernel_up_to_its_rows_and_the_packed_gemm_above() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 128, generator=gen)
+    weights = replace(packed.pack(weight), skinny_rows=8)
+    for rows in (2, 8):
+        x = torch.randn(rows, 128, generator=gen)
+        assert torch.equal(packed.dense(x, weight, None, weights),
+                           torch.ops.pagedserve_model.skinny_linear(x, weight, None))
+    x = torch.randn(packed.BITWISE_ROWS, 128, generator=gen)
+    assert torch.equal(packed.dense(x, weight, None, weights), linear(x, weight))
+    one = x[:1]
+    assert torch.equal(packed.dense(one, weight, None, weights), linear(one, weight))
+
+
+@needs_skinny
+def test_skinny_refuses_shapes_it_cannot_tile() -> None:
+    assert not packed.can_skinny(torch.randn(64, 24)) and not packed.can_skinny(torch.randn(62, 32))
+    assert packed.can_skinny(torch.randn(64, 32)) and not packed.can_skinny(torch.randn(64, 32).double())
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.pagedserve_model.skinny_linear(torch.randn(4, 24), torch.randn(64, 24), None)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.pagedserve_model.skinny_linear(torch.randn(4, 48), torch.randn(64, 32), None)
+
+
+@needs_skinny
+def test_choose_skinny_rows_takes_a_forced_count_and_refuses_a_bad_one() -> None:
+    weights = [torch.randn(64, 32)]
+    packs = [packed.pack(weights[0])]
+    assert packed.choose_skinny_rows(weights, packs, 0) == 0
+    assert packed.choose_skinny_rows(weights, packs, 12) == 12
+    assert packed.choose_skinny_rows(weights, packs) in (0, *packed.SKINNY_CALIBRATION_ROWS)
+    assert packed.choose_skinny_rows([], [], 12) == 0
+    with pytest.raises(ValueError, match="cpu_skinny_rows"):
+        packed.choose_skinny_rows(weights, packs, -2)
+
+
+def backend(model: Path, prepack: bool, gemm: str = "mkl", skinny_rows: int = 0) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
+                                              cpu_weight_prepack=prepack, cpu_gemm=gemm, cpu_skinny_rows=skinny_rows))
+
+
+def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True)
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(m.packed is not None and m.packed.gemm == "mkl" for m in linears)
+    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    attentions = [m for m in fast.model.modules() if isinstance(m, Attention)]
+    assert attentions and all(a.ops.rope_write_kv is cpu_ops.rope_write_kv for a in attentions)  # fused on the CPU
+    for kind, n, length in (("prefill", 16, 4), ("decode", 24, 20)):  # every linear (LM head too) at 16+ rows
+        items = step_items(kind, n, length, 512, 2)
+        logits = []
+        for b in (plain, fast):
+            batch = b.prepare(items)
+            logits.append(b.run_batch(batch))
+        assert logits[0] is not None and logits[1] is not None
+        assert torch.equal(logits[0], logits[1])
+
+
+@needs_onednn
+def test_model_logits_over_onednn_weights_equal_up_to_rounding(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True, "onednn")
+    assert all(m.packed is not None and m.packed.gemm == "onednn" for m in fast.model.modules()
+               if isinstance(m, Linear))
+    assert_logits_close(plain, fast, (("prefill", 3, 20), ("decode", 24, 20)))
+
+
+@needs_skinny
+def test_model_logits_through_the_skinny_kernel_equal_up_to_rounding(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
+    plain, fast = backend(model, False), backend(model, True, skinny_rows=32)
+    assert all(m.packed is not None and m.packed.skinny_rows == 32 for m in fast.model.modules()
+               if isinstance(m, Linear))
+    assert_logits_close(plain, fast, (("prefill", 3, 4), ("decode", 24, 20)))
+
+
+def assert_logits_close(plain: TorchBackend, fast: TorchBackend, steps: tuple[tuple[str, int, int], ...]) -> None:
+    """Both backends' logits on each (kind, sequences, length) step equal up to rounding."""
+    for kind, n, length in steps:
+        items = step_items(kind, n, length, 512, 2)
+        plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
+        assert plain_logits is not None and fast_logits is not None
+        torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,223 @@
+"""The executor shell in-process (simulated backend): a bad step never kills the stream or another request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from executor_service.backend import BackendLost, BatchItem, SampleOutput
+from executor_service.config import ExecutorConfig
+from executor_service.server import ExecutorServicer, serve
+from executor_service.simulated import SimulatedBackend
+from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
+
+
+def servicer(max_model_len: int = 64) -> ExecutorServicer:
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4,
+                            max_model_len=max_model_len)
+    return ExecutorServicer(SimulatedBackend(config))
+
+
+async def assert_ends_unavailable(call: grpc.aio.StreamStreamCall, detail: str) -> None:
+    """The Execute stream ends UNAVAILABLE (detail in its message) without answering the step just sent."""
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        answer = await call.read()
+        pytest.fail(f"the step was answered: {answer}")
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert detail in (ended.value.details() or "")
+
+
+def new(rid: str, blocks: list[int], n: int = 4) -> executor_pb2.NewRequest:
+    return executor_pb2.NewRequest(request_id=rid, token_ids=[65] * n, num_prompt_tokens=n, num_scheduled_tokens=n,
+                                   block_ids=blocks)
+
+
+async def test_a_request_id_twice_in_one_step_is_refused_and_changes_nothing() -> None:
+    s = servicer()
+    step = executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), new("a", [1]), new("c", [2])])
+    result = await s.run_step(step)
+    assert "more than once" in result.error and not s.table.states
+    ok = await s.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[new("c", [0])]))
+    assert not ok.error and list(ok.sampled.request_ids) == ["c"]
+
+
+async def test_multi_step_stops_at_max_model_len_without_failing_the_step() -> None:
+    s = servicer(max_model_len=8)
+    prefill = executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1], n=5), new("b", [2, 3])])
+    first = await s.run_step(prefill)
+    assert not first.error
+    running = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_new_blocks=[0, 0])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=2, running=running, num_steps=4))
+    assert not result.error and not result.errors
+    counts = dict(zip(result.sampled.request_ids, result.sampled.num_tokens, strict=True))
+    assert counts == {"a": 2, "b": 3}
+    assert len(s.table.states["a"].token_ids) == 8
+
+
+async def test_a_bad_token_fails_only_its_request() -> None:
+    s = servicer()
+    bad = executor_pb2.NewRequest(request_id="b", token_ids=[10**6], num_prompt_tokens=1, num_scheduled_tokens=1,
+                                  block_ids=[1])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), bad]))
+    assert not result.error
+    assert [e.request_id for e in result.errors] == ["b"] and list(result.sampled.request_ids) == ["a"]
+
+
+async def test_a_backend_exception_fails_the_step_and_the_stream_carries_on() -> None:
+    s = servicer()
+    real_execute = s.backend.execute
+
+    def explode(items):
+        raise RuntimeError("device on fire")
+
+    s.backend.execute = explode  # type: ignore[method-assign]
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+    assert result.step_id == 1 and result.error == "device on fire"
+    assert not result.sampled.request_ids and not s.table.states, "the failed step's requests are dropped"
+    s.backend.execute = real_execute  # type: ignore[method-assign]
+    ok = await s.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[new("a", [0])]))
+    assert not ok.error and list(ok.sampled.request_ids) == ["a"]
+
+
+async def test_a_lost_backend_ends_the_stream_unanswered_over_grpc() -> None:
+    """A tensor-parallel peer gone mid-step (BackendLost) must not be answered as a failed step (its
+    requests would end in error): the stream ends UNAVAILABLE, which the scheduler treats as a lost
+    executor and recomputes."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+
+    async def lose(items: list[BatchItem]) -> list[SampleOutput | None]:
+        raise BackendLost("forward pass: connection closed by peer")
+
+    backend.execute_async = lose  # type: ignore[method-assign]
+    server, port = await serve(backend, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            await assert_ends_unavailable(call, "connection closed by peer")
+    finally:
+        await server.stop(None)
+
+
+async def test_num_steps_above_the_advertised_max_is_refused() -> None:
+    s = servicer()
+    first = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1])]))
+    assert not first.error
+    running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+    refused = await s.run_step(executor_pb2.StepRequest(step_id=2, running=running, num_steps=10**9))
+    assert refused.error == "num_steps 1000000000 exceeds max_num_steps 64 (Describe.capabilities)"
+    assert not refused.sampled.request_ids
+    at_max = await s.run_step(executor_pb2.StepRequest(step_id=3, running=running, num_steps=2))
+    assert not at_max.error and list(at_max.sampled.num_tokens) == [2]
+
+
+async def test_the_simulated_executor_answers_logprobs() -> None:
+    s = servicer()
+    asked = new("a", [0])
+    asked.sampling.logprobs = 3
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[asked, new("b", [1])]))
+    assert [lp.request_id for lp in result.logprobs] == ["a"]
+    (token,) = result.logprobs[0].tokens
+    assert token.token_id == result.sampled.token_ids[0] and token.logprob == 0.0
+    assert [(t.token_id, t.logprob) for t in token.top] == [(token.token_id, 0.0)]
+
+
+async def test_a_stream_ends_unavailable_at_its_next_step_once_the_executor_is_stopping() -> None:
+    """SIGTERM sets `stopping`: the scheduler hears of it at once (and recomputes), rather than having
+    steps served through the shutdown's grace period."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    stopping = asyncio.Event()
+    server, port = await serve(backend, "127.0.0.1:0", stopping=stopping)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            first = await call.read()
+            assert not first.error and list(first.sampled.request_ids) == ["a"]
+            stopping.set()
+            running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+            await call.write(executor_pb2.StepRequest(step_id=2, running=running))
+            await assert_ends_unavailable(call, "shutting down")
+    finally:
+        await server.stop(None)
+
+
+async def test_the_step_log_has_one_line_per_step_with_its_work_and_timings() -> None:
+    import io
+    import json
+
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    log = io.StringIO()
+    s = ExecutorServicer(SimulatedBackend(config), step_log=log)
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 1], n=5),
+                                                                                    new("b", [2, 3])]))).error
+    running = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], num_new_blocks=[0, 0])
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=2, running=running))).error
+    # 8 passes asked; the tables (2 blocks of 4) hold 2 more tokens of "a" and 3 more of "b": 3 passes run
+    assert not (await s.run_step(executor_pb2.StepRequest(step_id=3, running=running, num_steps=8))).error
+    prefill, decode, multi = (json.loads(line) for line in log.getvalue().splitlines())
+    assert multi["passes"] == 3 and multi["seqs"] == 2
+    assert {k: prefill[k] for k in ("seqs", "tokens", "sampled", "attended", "context", "passes")} == {
+        "seqs": 2, "tokens": 9, "sampled": 2, "attended": 15 + 10, "context": 9, "passes": 1}
+    assert {k: decode[k] for k in ("seqs", "tokens", "sampled", "attended", "context")} == {
+        "seqs": 2, "tokens": 2, "sampled": 2, "attended": 6 + 5, "context": 11}
+    assert 0 < decode["forward_ns"] <= decode["total_ns"]
+
+
+async def test_a_step_log_that_cannot_be_written_turns_off_and_the_step_is_served() -> None:
+    class FullDisk:
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    s = ExecutorServicer(SimulatedBackend(config), step_log=FullDisk())  # type: ignore[arg-type]
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+    assert not result.error and list(result.sampled.request_ids) == ["a"] and s.step_log is None
+
+
+def test_sampled_columns_are_read_by_their_counts_even_when_they_have_as_many_tokens_as_requests() -> None:
+    from scheduler_service.core.outputs import SchedulerOutput
+    from scheduler_service.engine.executor_link import MalformedResult, result_from_proto
+
+    def result(ids: list[str], counts: list[int], tokens: list[int]) -> executor_pb2.StepResult:
+        return executor_pb2.StepResult(step_id=1, sampled=executor_pb2.SampledTokens(
+            request_ids=ids, num_tokens=counts, token_ids=tokens))
+
+    out = SchedulerOutput(step_id=1)
+    read = result_from_proto(result(["a", "b"], [0, 2], [7, 8]), out)  # as many tokens as requests, not one each
+    assert read.sampled == {"a": [], "b": [7, 8]} and not read.ids
+    one_each = result_from_proto(result(["a", "b"], [1, 1], [7, 8]), out)
+    assert one_each.ids == ["a", "b"] and one_each.tokens == [7, 8]
+    for ids, counts, tokens in ((["a", "b"], [1], [7]), (["a"], [2], [7]), (["a"], [1], [7, 8])):
+        with pytest.raises(MalformedResult, match="sampled tokens"):
+            result_from_proto(result(ids, counts, tokens), out)
+
+
+async def test_an_executor_whose_answer_breaks_the_contract_is_dropped_as_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third-party executor that counts more tokens than it sends must not crash the scheduler's engine or
+    hand tokens to the wrong request: the connection treats it as lost (its requests are recomputed)."""
+    from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
+    from scheduler_service.core.request import Request, SamplingOptions
+    from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
+
+    honest = ExecutorServicer.run_step
+
+    async def miscounting(self: ExecutorServicer, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        result = await honest(self, step)
+        result.sampled.num_tokens[0] = 2  # one token sent
+        return result
+
+    monkeypatch.setattr(ExecutorServicer, "run_step", miscounting)
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    server, port = await serve(backend, "127.0.0.1:0")
+    try:
+        connection = ExecutorConnection(f"127.0.0.1:{port}")
+        request = Request("a", [65] * 4, SamplingOptions(max_tokens=2), 0.0)
+        out = SchedulerOutput(step_id=1, scheduled=[ScheduledWork(request, 4, [0], is_new=True)])
+        with pytest.raises(ExecutorLost, match="broke the step contract"):
+            await connection.execute(out)
+        await connection.close()
+    finally:
+        await server.stop(None)

@@ -1,0 +1,130 @@
+"""The torch backend's per-step path: the decode-only batch fast path gives the general path's tensors and errors;
+short decode steps run on the event loop's thread, everything else on the forward thread."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from executor_service.backend import BackendInfo, BatchItem, SampleOutput, SamplingConfig
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.runner.torch_backend import (
+    INLINE_STEP_S,
+    Batch,
+    DecodeTime,
+    TorchBackend,
+    build_batch,
+    build_decode_batch,
+    build_mixed_batch,
+)
+
+INFO = BackendInfo("m", vocab_size=100, eos_token_ids=(), max_model_len=512, block_size=4, num_device_blocks=64,
+                   num_swap_blocks=0, dtype="float32", device="cpu")
+CPU = torch.device("cpu")
+
+
+def decode_items(n: int, seed: int) -> list[BatchItem]:
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        length = rng.randrange(1, 40)
+        tokens = [rng.randrange(INFO.vocab_size) for _ in range(length)]
+        start = length - 1 if rng.random() < 0.8 else rng.randrange(length)  # some recompute a past token
+        table = rng.sample(range(INFO.num_device_blocks), start // INFO.block_size + 1 + rng.randrange(3))
+        items.append(BatchItem(str(i), tokens, 1, start, 1, table, start + 1 == length, SamplingConfig()))
+    return items
+
+
+def assert_same(fast: Batch, general: Batch) -> None:
+    for name in ("input_ids", "positions", "output_rows"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        a, b = getattr(fast.meta, name), getattr(general.meta, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (fast.sample_items, fast.decode_only) == (general.sample_items, general.decode_only)
+
+
+@pytest.mark.parametrize(("n", "seed"), [(1, 0), (2, 1), (7, 2), (64, 3), (64, 4)])
+def test_decode_fast_path_equals_general_path(n: int, seed: int) -> None:
+    items = decode_items(n, seed)
+    fast = build_decode_batch(items, INFO, CPU)
+    assert fast is not None
+    assert_same(fast, build_mixed_batch(items, INFO, CPU))
+    assert_same(build_batch(items, INFO, CPU), fast)
+
+
+def test_a_step_with_a_prefill_chunk_takes_the_general_path() -> None:
+    items = decode_items(5, 5)
+    items[2] = replace(items[2], start=0, num_tokens=len(items[2].token_ids), sample=True)
+    batch = build_batch(items, INFO, CPU)
+    assert not batch.decode_only
+    assert_same(batch, build_mixed_batch(items, INFO, CPU))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"block_table": [INFO.num_device_blocks]}, "block ids must be in"),
+    ({"block_table": [-1]}, "block ids must be in"),
+    ({"token_ids": [INFO.vocab_size]}, "token ids must be in"),
+    ({"token_ids": [-3]}, "token ids must be in"),
+])
+def test_decode_fast_path_raises_the_general_errors(change: dict[str, list[int]], message: str) -> None:
+    items = decode_items(4, 6)
+    fields: dict[str, Any] = {"token_ids": [5], "block_table": [3], **change}
+    items[1] = replace(items[1], start=0, **fields)
+    assert build_decode_batch(items, INFO, CPU) is None
+    with pytest.raises(ValueError, match=message) as fast:
+        build_batch(items, INFO, CPU)
+    with pytest.raises(ValueError, match=message) as general:
+        build_mixed_batch(items, INFO, CPU)
+    assert str(fast.value) == str(general.value)
+
+
+def test_decode_time_scales_with_the_batch() -> None:
+    assert DecodeTime().expected_s(1) == float("inf")
+    assert DecodeTime(0.004, 8).expected_s(4) == 0.004
+    assert DecodeTime(0.004, 8).expected_s(32) == pytest.approx(0.016)
+
+
+def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    threads: list[str] = []
+    execute = backend.execute
+    release = threading.Event()
+
+    def recorded(items: list[BatchItem]) -> list[SampleOutput | None]:
+        threads.append(threading.current_thread().name)
+        if items[0].request_id == "blocked":
+            release.wait()
+        return execute(items)
+
+    backend.execute = recorded  # type: ignore[method-assign]
+    tokens = [5, 6, 7, 8, 9]
+    prefill = BatchItem("a", tokens, 5, 0, 5, [0, 1], True, SamplingConfig(temperature=0.0))
+    decode = replace(prefill, start=4, num_tokens=1)
+
+    async def steps() -> None:
+        await backend.execute_async([prefill])  # a prefill: forward thread
+        await backend.execute_async([decode])  # the first decode: its time is unknown, forward thread
+        assert backend._last_decode.expected_s(1) < INLINE_STEP_S
+        await backend.execute_async([decode])  # inline
+        stuck = asyncio.ensure_future(backend.execute_async([replace(prefill, request_id="blocked")]))
+        while len(threads) < 4:
+            await asyncio.sleep(0)  # let the blocked step start on the forward thread
+        stuck.cancel()  # its stream went away; the pass still runs on the forward thread
+        after = asyncio.ensure_future(backend.execute_async([decode]))
+        await asyncio.sleep(0)  # it chooses its thread while the cancelled pass still runs
+        release.set()
+        await after  # queued behind the cancelled pass, not run beside it
+
+    asyncio.run(steps())
+    assert threads == ["forward_0", "forward_0", "MainThread", "forward_0", "forward_0"]

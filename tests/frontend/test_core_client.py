@@ -1,0 +1,83 @@
+"""The api server's side of the engine-core socket: delivery, refusals and the per-stream buffer cap."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+from scheduler_service.frontend.core_client import CoreClient, RemoteStream
+from scheduler_service.frontend.generation import RequestError
+from scheduler_service.messages import (
+    Delta,
+    Ended,
+    Refusal,
+    Refused,
+    ToFrontend,
+    encoder,
+    ipc_address,
+    to_core_decoder,
+    to_frontend_decoder,
+)
+
+
+def client(max_buffered: int = 3) -> CoreClient:
+    return CoreClient("ipc:///nonexistent", b"test", max_buffered)
+
+
+def wire(msg: ToFrontend) -> ToFrontend:
+    return to_frontend_decoder.decode(encoder.encode(msg))
+
+
+async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it_holds() -> None:
+    c = client(max_buffered=3)
+    queue: asyncio.Queue[object] = asyncio.Queue()
+    c.streams["r"] = RemoteStream(queue)
+    for step in range(6):
+        c._deliver(wire(ToFrontend([Delta("r", [step])])))
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [d.new_token_ids for d in items[:3]] == [[0], [1], [2]]  # type: ignore[attr-defined]
+    last = items[3]
+    assert last.finish_reason is FinishReason.ABORTED and "--max-stream-buffer" in last.error  # type: ignore[attr-defined]
+    assert len(items) == 4, "nothing more is buffered for it"
+    assert c._ended == [Ended("r", FinishReason.ABORTED)] and "r" not in c.streams
+    assert c.num_overflowed == 1 and c._unreported_overflows == 1
+
+
+async def test_a_refusal_reaches_the_call_as_its_status_code() -> None:
+    c = client()
+    queue: asyncio.Queue[object] = asyncio.Queue()
+    c.streams["r"] = RemoteStream(queue)
+    c._refuse(wire(ToFrontend(refused=[Refused("r", Refusal.QUEUE_FULL, "full")])).refused)
+    error = queue.get_nowait()
+    assert isinstance(error, RequestError) and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "r" not in c.streams
+
+
+async def test_adds_and_ends_of_one_loop_turn_go_to_the_core_as_one_message() -> None:
+    address = ipc_address("test")
+    ctx = zmq.asyncio.Context()
+    core = ctx.socket(zmq.ROUTER)
+    core.bind(address)
+    c = CoreClient(address, b"api-0-0", 8)
+    try:
+        await c.start()
+        identity, hello = await asyncio.wait_for(core.recv_multipart(), 10)
+        assert identity == b"api-0-0" and to_core_decoder.decode(hello).hello
+        options = SamplingOptions(max_tokens=4)
+        for i in range(5):
+            c.add(Request(f"r{i}", [1, 2], options, 0.0), asyncio.Queue())
+        c.abort("r0")
+        c.finish("r1", FinishReason.STOPPED)
+        _, payload = await asyncio.wait_for(core.recv_multipart(), 10)
+        msg = to_core_decoder.decode(payload)
+        assert [n.request_id for n in msg.new] == [f"r{i}" for i in range(5)]
+        assert msg.ended == [Ended("r0", FinishReason.ABORTED), Ended("r1", FinishReason.STOPPED)]
+        assert await core.poll(50) == 0, "one message for the whole turn"
+    finally:
+        await c.close()
+        core.close(linger=0)
+        ctx.term()
