@@ -93,7 +93,7 @@ def simulate(args: argparse.Namespace) -> tuple[Trace, dict[str, Any]]:
     config = CoreConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         preemption_mode=PreemptionMode(args.preemption_mode), watermark=args.watermark)
     limits = ExecutorLimits(block_size=args.block_size, num_device_blocks=args.num_gpu_blocks,
-                         num_cpu_blocks=args.num_cpu_blocks, max_model_len=args.input_max + args.max_tokens + 8,
+                         num_swap_blocks=args.num_cpu_blocks, max_model_len=args.input_max + args.max_tokens + 8,
                          eos_token_ids=(EOS,))
     sched = Scheduler(config, limits)
     target_len: dict[str, int] = {}

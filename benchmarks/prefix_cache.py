@@ -98,7 +98,7 @@ def fake_execute(out: SchedulerOutput) -> ExecutorResult:
 
 
 def peak_blocks(prompt_len: int, output_len: int, n: int, share: bool) -> int:
-    limits = ExecutorLimits(BLOCK_SIZE, num_device_blocks=4096, num_cpu_blocks=0,
+    limits = ExecutorLimits(BLOCK_SIZE, num_device_blocks=4096, num_swap_blocks=0,
                          max_model_len=prompt_len + output_len + 16)
     s = Scheduler(CoreConfig(max_num_batched_tokens=16384, watermark=0.0), limits)
     prompt = [10 + i % 200 for i in range(prompt_len)]

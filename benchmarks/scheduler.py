@@ -68,7 +68,7 @@ def build(running: int, waiting: int, steps: int, warmup: int, async_scheduling:
     num_blocks = running * blocks_per_request + 64
     config = CoreConfig(max_num_seqs=running, max_num_batched_tokens=max(2048, running * (PROMPT_LEN + BLOCK_SIZE)),
                         watermark=0.0, async_scheduling=async_scheduling)
-    limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_cpu_blocks=0,
+    limits = ExecutorLimits(block_size=BLOCK_SIZE, num_device_blocks=num_blocks, num_swap_blocks=0,
                          max_model_len=tokens_per_request + 1024, eos_token_ids=(EOS,))
     scheduler = Scheduler(config, limits)
     options = SamplingOptions(max_tokens=10**9, ignore_eos=True)

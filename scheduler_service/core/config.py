@@ -47,6 +47,6 @@ class CoreConfig:
 class ExecutorLimits:
     block_size: int
     num_device_blocks: int
-    num_cpu_blocks: int
+    num_swap_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()

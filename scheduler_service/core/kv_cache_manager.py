@@ -42,12 +42,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int, watermark: float = 0.01,
+    def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.device = DevicePool(num_device_blocks)
-        self.cpu = SwapPool(num_cpu_blocks)
+        self.cpu = SwapPool(num_swap_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.usable_blocks = num_device_blocks - self.watermark_blocks
         self.prefix_stats = PrefixCacheStats()

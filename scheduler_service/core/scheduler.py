@@ -115,7 +115,7 @@ class Scheduler:
         return self.rs.requests
 
     def _new_kv(self, limits: ExecutorLimits) -> KVCacheManager:
-        return KVCacheManager(limits.num_device_blocks, limits.num_cpu_blocks, limits.block_size,
+        return KVCacheManager(limits.num_device_blocks, limits.num_swap_blocks, limits.block_size,
                               self.config.watermark, self.config.enable_prefix_caching)
 
     # ---- requests in and out -------------------------------------------------------------

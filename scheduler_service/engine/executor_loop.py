@@ -48,7 +48,7 @@ class RequestStream:
 
 def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
     return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
-                       num_cpu_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
+                       num_swap_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
                        eos_token_ids=tuple(describe.eos_token_ids))
 
 

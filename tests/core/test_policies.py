@@ -27,7 +27,7 @@ class Harness:
                  max_model_len: int = 4096, **config: object) -> None:
         self.clock = FakeClock()
         cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
-        limits = ExecutorLimits(block_size=block_size, num_device_blocks=num_blocks, num_cpu_blocks=cpu_blocks,
+        limits = ExecutorLimits(block_size=block_size, num_device_blocks=num_blocks, num_swap_blocks=cpu_blocks,
                              max_model_len=max_model_len, eos_token_ids=(EOS,))
         self.s = Scheduler(cfg, limits, clock=self.clock)
         self.ex = ModelExecutor(num_blocks, max(cpu_blocks, 1), block_size)
@@ -383,7 +383,7 @@ def test_a_step_that_preempted_admits_nothing_new() -> None:
 
 
 def test_kv_cache_manager_admission_ok_later_never_with_watermark() -> None:
-    kv = KVCacheManager(num_device_blocks=10, num_cpu_blocks=0, block_size=16, watermark=0.1)
+    kv = KVCacheManager(num_device_blocks=10, num_swap_blocks=0, block_size=16, watermark=0.1)
     assert kv.watermark_blocks == 1
     assert kv.can_admit(PrefixHit(), 9 * 16) is AllocStatus.OK
     assert kv.never_fits(9 * 16 + 1) and not kv.never_fits(9 * 16)  # 10 blocks > 10 - watermark

@@ -14,7 +14,7 @@ EOS = 2
 def make_scheduler(num_blocks: int = 64, cpu_blocks: int = 0, max_model_len: int = 4096,
                    **config: object) -> Scheduler:
     cfg = CoreConfig(watermark=0.0, **config)  # type: ignore[arg-type]
-    limits = ExecutorLimits(block_size=16, num_device_blocks=num_blocks, num_cpu_blocks=cpu_blocks,
+    limits = ExecutorLimits(block_size=16, num_device_blocks=num_blocks, num_swap_blocks=cpu_blocks,
                          max_model_len=max_model_len, eos_token_ids=(EOS,))
     return Scheduler(cfg, limits, clock=FakeClock())
 

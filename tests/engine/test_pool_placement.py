@@ -19,7 +19,7 @@ from scheduler_service.engine.executor_loop import Engine, QueueFull
 from scheduler_service.engine.membership import ExecutorTarget, Resolver, parse_target, pick_family
 from scheduler_service.engine.pool import ExecutorPool, Member, PoolConfig
 
-LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_cpu_blocks=16, max_model_len=4096)
+LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_swap_blocks=16, max_model_len=4096)
 
 
 def member(core: CoreConfig, label: str, max_queue_len: int = 1000,
