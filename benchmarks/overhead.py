@@ -4,9 +4,9 @@
 
 Mode `engine` (the measurement the target is judged on): the real executor runs as its own process
 (`python -m executor_service --simulated --num-gpu-blocks 100000`), and this process runs the scheduler
-service's real `Engine` loop (schedule() -> step_proto -> gRPC bidi stream -> result -> update() -> route
+service's real `ExecutorLoop` loop (schedule() -> step_proto -> gRPC bidi stream -> result -> update() -> route
 deltas -> metrics), with N long requests (16-token prompts, ignore_eos, huge max_tokens) all RUNNING in
-decode. Every step is timed with perf_counter inside the loop (a subclass hooks Engine._observe, which the
+decode. Every step is timed with perf_counter inside the loop (a subclass hooks ExecutorLoop._observe, which the
 loop calls once per step with its core and executor times) and the executor's own busy time per step is
 read from StepResult.timings.total_ns. Deltas go to a counting sink instead of client streams, so the cost
 of streaming to N gRPC clients is left out here and measured by mode `service`.
@@ -46,7 +46,7 @@ from client.lib import PagedServeClient
 from client.local import free_port, parse_metrics, service
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
-from scheduler_service.engine.executor_loop import Engine
+from scheduler_service.engine.executor_loop import ExecutorLoop
 
 PROMPT_LEN = 16
 SEED_BUDGET_S = 50e-6
@@ -103,8 +103,8 @@ executor_client.step_proto = _timed_step_proto
 executor_client.result_from_proto = _timed_result_from_proto
 
 
-class TimedEngine(Engine):
-    """The service's Engine; _observe runs once per step after routing, so it marks the end of each step."""
+class TimedEngine(ExecutorLoop):
+    """The service's ExecutorLoop; _observe runs once per step after routing, so it marks the end of each step."""
 
     def _observe(self, core_seconds: float, executor_seconds: float | None) -> None:
         super()._observe(core_seconds, executor_seconds)
@@ -132,7 +132,7 @@ class Sink:
 
 
 async def engine_window(executor: str, running: int, steps: int) -> dict[str, float]:
-    """One measurement window: a fresh Engine (a fresh executor stream), N decodes, `steps` timed steps."""
+    """One measurement window: a fresh ExecutorLoop (a fresh executor stream), N decodes, `steps` timed steps."""
     config = CoreConfig(max_num_seqs=max(2048, running), max_num_batched_tokens=65536, watermark=0.0)
     engine = TimedEngine(config, executor, max_queue_len=100_000, metrics_model_name="bench")
     PROBE.reset()

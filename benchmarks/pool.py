@@ -8,7 +8,7 @@ whatever its batch, and --max-num-seqs caps each executor's batch (it stands for
 so K executors can deliver at most K * max_num_seqs tokens per 20 ms. 512 streams of --output-len tokens
 (16-token prompts, ignore_eos) all arrive at once.
 
-Mode `engine` (the pool itself): this process runs the scheduler service's real ExecutorPool (one Engine, step
+Mode `engine` (the pool itself): this process runs the scheduler service's real ExecutorPool (one ExecutorLoop, step
 loop and Scheduler per executor, each its own Execute stream over gRPC), and deltas go to a counting queue
 instead of client streams. It reports delivered tokens/s, each executor's busy fraction (steps * step time /
 wall) this process's CPU use (cpu seconds / wall: near 1.0 means the scheduler process is the limit) and each

@@ -9,7 +9,33 @@ from dataclasses import dataclass, field, fields
 from client.flags import add_flags, config_from, flag
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
-from scheduler_service.engine.membership import parse_target
+
+DNS_SCHEME = "dns:///"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorTarget:
+    host: str
+    port: int
+    dns: bool = False
+
+    def __str__(self) -> str:
+        return f"{DNS_SCHEME if self.dns else ''}{self.address}"
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_target(text: str) -> ExecutorTarget:
+    """`HOST:PORT` (one executor) or `dns:///NAME:PORT` (every address NAME resolves to); ValueError if neither."""
+    dns = text.startswith(DNS_SCHEME)
+    rest = text[len(DNS_SCHEME):] if dns else text
+    host, sep, port = rest.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"executor address {text!r} is neither HOST:PORT nor {DNS_SCHEME}NAME:PORT")
+    return ExecutorTarget(host, int(port), dns)
 
 
 @dataclass(slots=True)

@@ -1,17 +1,25 @@
-"""What the engine core and its front-end processes exchange: one msgpack message per step each way,
-over a ZeroMQ DEALER (front-end) / ROUTER (core) pair on an ipc:// socket."""
+"""The vocabulary both tiers of the scheduler service share: what the engine core and its api servers exchange
+(one msgpack message per step each way, over a ZeroMQ DEALER (api server) / ROUTER (engine core) pair), the
+refusals and errors either side raises, and the count of refused calls."""
 
 from __future__ import annotations
 
 import enum
+import logging
+import math
 import os
 import tempfile
+import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import msgspec
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 class Refusal(enum.IntEnum):
@@ -22,13 +30,23 @@ class Refusal(enum.IntEnum):
     NOT_READY = 3
 
 
+class QueueFull(Exception):
+    pass
+
+
+def settled_by_frontend(reason: FinishReason | None, stop_strings: bool) -> bool:
+    """A LENGTH finish of a request whose stop strings the front-end matches: the front-end may answer it
+    `stop` (the last allowed token completed one), so it is counted when the front-end settles it."""
+    return stop_strings and reason is FinishReason.LENGTH
+
+
 class NewRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     arrival_time: float
     output_len_hint: int | None = None
-    stop_strings: bool = False  # the front-end settles a LENGTH finish (Engine.add)
+    stop_strings: bool = False  # the front-end settles a LENGTH finish (ExecutorLoop.add)
     share_prompt_with: str | None = None  # the first sibling of an n > 1 request
 
 
@@ -99,3 +117,44 @@ def ipc_address(name: str) -> str:
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 to_frontend_decoder = msgspec.msgpack.Decoder(ToFrontend)
+
+
+class RefusalCounter:
+    """Calls the public API refused or ended with a status, by status code: counted, and logged at INFO at
+    most once a second per code (a burst of refusals must not flood the log)."""
+
+    def __init__(self, model_name: Callable[[], str], log_interval: float = 1.0) -> None:
+        self._model_name = model_name
+        self._counts: dict[str, int] = {}
+        self._last_log: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+        self._interval = log_interval
+        self.listener: Callable[[str], None] | None = None  # an api server forwards each to the engine core
+
+    def add(self, code: str, message: str) -> None:
+        self._counts[code] = self._counts.get(code, 0) + 1
+        if self.listener is not None:
+            self.listener(code)
+        now = time.monotonic()
+        if now - self._last_log.get(code, -math.inf) < self._interval:
+            self._unlogged[code] = self._unlogged.get(code, 0) + 1
+            return
+        more = self._unlogged.pop(code, 0)
+        self._last_log[code] = now
+        log.info("refused a call with %s: %s%s", code, message,
+                 f" (and {more} more since the last such line)" if more else "")
+
+    def merge(self, counts: dict[str, int]) -> None:
+        """Counts an api server process refused (logged there)."""
+        for code, n in counts.items():
+            self._counts[code] = self._counts.get(code, 0) + n
+
+    def count(self, code: str) -> int:
+        return self._counts.get(code, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("pagedserve:requests_refused", "Generate calls refused or ended with a "
+                                     "non-OK status, by gRPC status code", labels=["model_name", "code"])
+        for code, n in sorted(self._counts.items()):
+            family.add_metric([self._model_name(), code], n)
+        yield family

@@ -1,4 +1,4 @@
-"""The engine core's children: --api-server-count front-end processes, restarted when one dies."""
+"""Supervision of the engine core's children: --api-server-count api server processes, restarted when one dies."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from scheduler_service.config import SchedulerServiceConfig
-from scheduler_service.frontend.api_server import run_frontend
+from scheduler_service.frontend.api_server import run_api_server
 
 log = logging.getLogger("pagedserve.core")
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
@@ -21,7 +21,7 @@ STABLE_AFTER_S = 10.0
 
 
 @dataclass(slots=True)
-class ApiServer:
+class ApiServerProcess:
     index: int
     generation: int
     process: BaseProcess
@@ -48,7 +48,7 @@ class ApiServers:
         self.core_address = core_address
         self.listen = listen
         self.on_death = on_death
-        self.servers: list[ApiServer] = []
+        self.servers: list[ApiServerProcess] = []
         self.stopping = False
         self._ctx = multiprocessing.get_context("spawn")
         self._restarts: set[asyncio.Task[None]] = set()
@@ -57,16 +57,16 @@ class ApiServers:
         for index in range(self.config.api_server_count or 0):
             self.servers.append(self._spawn(index, 0, 0))
 
-    def _spawn(self, index: int, generation: int, quick_deaths: int) -> ApiServer:
+    def _spawn(self, index: int, generation: int, quick_deaths: int) -> ApiServerProcess:
         identity = api_server_identity(index, generation)
-        process = self._ctx.Process(target=run_frontend, name=f"pagedserve-api-{index}", daemon=True,
+        process = self._ctx.Process(target=run_api_server, name=f"pagedserve-api-{index}", daemon=True,
                                     args=(self.config, index, identity, self.core_address, self.listen))
         process.start()
-        server = ApiServer(index, generation, process, time.monotonic(), quick_deaths)
+        server = ApiServerProcess(index, generation, process, time.monotonic(), quick_deaths)
         asyncio.get_running_loop().add_reader(server.process.sentinel, self._ended, server)
         return server
 
-    def _ended(self, server: ApiServer) -> None:
+    def _ended(self, server: ApiServerProcess) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(server.process.sentinel)
         server.process.join(timeout=1.0)
@@ -82,7 +82,7 @@ class ApiServers:
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
 
-    async def _restart(self, old: ApiServer, delay: float, quick_deaths: int) -> None:
+    async def _restart(self, old: ApiServerProcess, delay: float, quick_deaths: int) -> None:
         await asyncio.sleep(delay)
         if not self.stopping:
             self.servers[old.index] = self._spawn(old.index, old.generation + 1, quick_deaths)

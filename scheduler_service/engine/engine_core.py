@@ -1,6 +1,6 @@
-"""The engine core: the Engine (scheduler + executor stream) plus request intake from the front-end
-processes and delta routing back to them, one message per step per front-end each way. It does no
-per-client work: no tokenizing, no detokenizing, no stop strings, no gRPC to clients."""
+"""The engine core: the executor pool (an ExecutorLoop, with its scheduler and executor stream, per executor) plus
+request intake from the api server processes and delta routing back to them, one message per step per api server
+each way. It does no per-client work: no tokenizing, no detokenizing, no stop strings, no gRPC to clients."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from prometheus_client import CollectorRegistry, Counter
 
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
-from scheduler_service.engine.executor_loop import QueueFull, RequestStream, settled_by_frontend
-from scheduler_service.engine.metrics import RefusalCounter
+from scheduler_service.engine.executor_loop import RequestStream
 from scheduler_service.engine.pool import ExecutorPool
 from scheduler_service.messages import (
     Delta,
     NewRequest,
+    QueueFull,
     Refusal,
+    RefusalCounter,
     Refused,
     Status,
     ToCore,
@@ -27,6 +28,7 @@ from scheduler_service.messages import (
     delta_to_wire,
     encoder,
     request_from,
+    settled_by_frontend,
     to_core_decoder,
 )
 
@@ -34,7 +36,7 @@ log = logging.getLogger("pagedserve.core")
 
 
 class RequestSink:
-    """Stands in for one request's queue in the Engine: its deltas go to its api server's link."""
+    """Stands in for one request's queue in the ExecutorLoop: its deltas go to its api server's link."""
 
     __slots__ = ("link", "stream")
 
@@ -82,8 +84,8 @@ class CoreCounters:
 
 
 class EngineCore:
-    def __init__(self, engine: ExecutorPool, address: str) -> None:
-        self.engine = engine
+    def __init__(self, pool: ExecutorPool, address: str) -> None:
+        self.pool = pool
         self.address = address
         self.links: dict[bytes, FrontendLink] = {}
         self._ctx = zmq.asyncio.Context()
@@ -132,14 +134,14 @@ class EngineCore:
 
     def _end(self, request_id: str, reason: FinishReason) -> None:
         if reason is FinishReason.ABORTED:
-            self.engine.abort(request_id)
+            self.pool.abort(request_id)
         else:
-            self.engine.finish(request_id, reason)
+            self.pool.finish(request_id, reason)
 
     def _add(self, link: FrontendLink, new: NewRequest) -> None:
         sink = RequestSink(link)
         try:
-            sink.stream = self.engine.add(request_from(new), sink, new.stop_strings)  # type: ignore[arg-type]
+            sink.stream = self.pool.add(request_from(new), sink, new.stop_strings)  # type: ignore[arg-type]
         except QueueFull as e:
             self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
             return
@@ -176,8 +178,8 @@ class EngineCore:
         self._sock.send_multipart([link.identity, encoder.encode(msg)])
 
     def status(self) -> Status:
-        d = self.engine.describe
-        return Status(self.engine.ready.is_set(), d.SerializeToString() if d is not None else b"")
+        d = self.pool.describe
+        return Status(self.pool.ready.is_set(), d.SerializeToString() if d is not None else b"")
 
     def broadcast_status(self) -> None:
         status = self.status()
@@ -187,9 +189,9 @@ class EngineCore:
     def counters(self) -> CoreCounters:
         if self._counters is not None:
             return self._counters
-        if self.engine.metrics is None:  # no executor met yet: nothing is served on /metrics either
+        if self.pool.metrics is None:  # no executor met yet: nothing is served on /metrics either
             return CoreCounters(CollectorRegistry())
-        self._counters = CoreCounters(self.engine.metrics.registry, self.engine.metrics.model_name)
+        self._counters = CoreCounters(self.pool.metrics.registry, self.pool.metrics.model_name)
         return self._counters
 
     def drop_frontend(self, identity: bytes) -> int:
@@ -199,5 +201,5 @@ class EngineCore:
         if link is None:
             return 0
         for request_id in list(link.request_ids):
-            self.engine.abort(request_id)
+            self.pool.abort(request_id)
         return len(link.request_ids)

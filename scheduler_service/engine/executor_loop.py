@@ -19,18 +19,9 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
+from scheduler_service.messages import QueueFull, settled_by_frontend
 
 log = logging.getLogger("pagedserve.engine")
-
-
-class QueueFull(Exception):
-    pass
-
-
-def settled_by_frontend(reason: FinishReason | None, stop_strings: bool) -> bool:
-    """A LENGTH finish of a request whose stop strings the front-end matches: the front-end may answer it
-    `stop` (the last allowed token completed one), so it is counted when the front-end settles it."""
-    return stop_strings and reason is FinishReason.LENGTH
 
 
 @dataclass(slots=True)
@@ -52,7 +43,7 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
                        eos_token_ids=tuple(describe.eos_token_ids))
 
 
-class Engine:
+class ExecutorLoop:
     """One executor's step loop and its own Scheduler (one block domain). ExecutorPool drives several."""
 
     def __init__(self, core_config: CoreConfig, executor_address: str, max_queue_len: int,

@@ -6,40 +6,15 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler_service.config import ExecutorTarget
+
 log = logging.getLogger("pagedserve.membership")
-DNS_SCHEME = "dns:///"
 # getaddrinfo(host, port) -> [(family, type, proto, canonname, sockaddr)], as asyncio's loop.getaddrinfo.
 AddrInfo = Sequence[tuple[int, int, int, str, tuple[Any, ...]]]
 GetAddrInfo = Callable[[str, int], Awaitable[AddrInfo]]
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorTarget:
-    host: str
-    port: int
-    dns: bool = False
-
-    def __str__(self) -> str:
-        return f"{DNS_SCHEME if self.dns else ''}{self.address}"
-
-    @property
-    def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def parse_target(text: str) -> ExecutorTarget:
-    """`HOST:PORT` (one executor) or `dns:///NAME:PORT` (every address NAME resolves to); ValueError if neither."""
-    dns = text.startswith(DNS_SCHEME)
-    rest = text[len(DNS_SCHEME):] if dns else text
-    host, sep, port = rest.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"executor address {text!r} is neither HOST:PORT nor {DNS_SCHEME}NAME:PORT")
-    return ExecutorTarget(host, int(port), dns)
 
 
 def read_hosts(path: Path) -> dict[str, list[str]]:

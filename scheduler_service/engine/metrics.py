@@ -7,14 +7,13 @@ import contextlib
 import logging
 import math
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from scheduler_service.core.request import FinishReason
 from scheduler_service.core.scheduler import SchedulerStats
@@ -215,47 +214,6 @@ class EngineMetrics:
         self.success[reason].inc()
         self.e2e.observe(e2e)
 
-
-
-class RefusalCounter:
-    """Calls the public API refused or ended with a status, by status code: counted, and logged at INFO at
-    most once a second per code (a burst of refusals must not flood the log)."""
-
-    def __init__(self, model_name: Callable[[], str], log_interval: float = 1.0) -> None:
-        self._model_name = model_name
-        self._counts: dict[str, int] = {}
-        self._last_log: dict[str, float] = {}
-        self._unlogged: dict[str, int] = {}
-        self._interval = log_interval
-        self.listener: Callable[[str], None] | None = None  # an api server forwards each to the engine core
-
-    def add(self, code: str, message: str) -> None:
-        self._counts[code] = self._counts.get(code, 0) + 1
-        if self.listener is not None:
-            self.listener(code)
-        now = time.monotonic()
-        if now - self._last_log.get(code, -math.inf) < self._interval:
-            self._unlogged[code] = self._unlogged.get(code, 0) + 1
-            return
-        more = self._unlogged.pop(code, 0)
-        self._last_log[code] = now
-        log.info("refused a call with %s: %s%s", code, message,
-                 f" (and {more} more since the last such line)" if more else "")
-
-    def merge(self, counts: dict[str, int]) -> None:
-        """Counts an api server process refused (logged there)."""
-        for code, n in counts.items():
-            self._counts[code] = self._counts.get(code, 0) + n
-
-    def count(self, code: str) -> int:
-        return self._counts.get(code, 0)
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("pagedserve:requests_refused", "Generate calls refused or ended with a "
-                                     "non-OK status, by gRPC status code", labels=[*MODEL, "code"])
-        for code, n in sorted(self._counts.items()):
-            family.add_metric([self._model_name(), code], n)
-        yield family
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Data parallel: one Engine (step loop + Scheduler, one block domain) per executor, behind one surface.
+"""Data parallel: one ExecutorLoop (step loop + Scheduler, one block domain) per executor, behind one surface.
 
 Placement of a new request (SGLang's cache-aware router's order, vLLM's DP load score):
   1. load balance wins while the pool is imbalanced: max - min load > BALANCE_ABS and max > BALANCE_REL * min;
@@ -22,18 +22,20 @@ from functools import partial
 from pathlib import Path
 
 from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.config import ExecutorTarget, parse_target
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.engine.executor_loop import Engine, QueueFull, RequestStream
-from scheduler_service.engine.membership import ExecutorTarget, Resolver, parse_target
+from scheduler_service.engine.executor_loop import ExecutorLoop, RequestStream
+from scheduler_service.engine.membership import Resolver
 from scheduler_service.engine.metrics import EngineMetrics
+from scheduler_service.messages import QueueFull
 
 log = logging.getLogger("pagedserve.pool")
 BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD = 32, 1.5, 0.3
 REBALANCE_INTERVAL_S = 0.1
-# (executor address, the pool's metrics once known) -> an Engine for it: the service's flags live there.
-EngineFactory = Callable[[str, EngineMetrics | None], Engine]
+# (executor address, the pool's metrics once known) -> an ExecutorLoop for it: the service's flags live there.
+LoopFactory = Callable[[str, EngineMetrics | None], ExecutorLoop]
 
 
 @dataclass(slots=True)
@@ -46,17 +48,17 @@ class PoolConfig:
 
 @dataclass(slots=True)
 class Member:
-    engine: Engine
+    loop: ExecutorLoop
     task: asyncio.Task[None] | None = None
     draining: bool = False   # in the drain file: no new work, waiting requests move, running ones finish
     leaving: bool = False    # gone from --executor / DNS: drained, then closed
 
     @property
     def serving(self) -> bool:
-        return self.engine.ready.is_set() and not (self.draining or self.leaving)
+        return self.loop.ready.is_set() and not (self.draining or self.leaving)
 
 
-def movable(request: Request, src: Engine, dst: Engine, shared: set[str]) -> bool:
+def movable(request: Request, src: ExecutorLoop, dst: ExecutorLoop, shared: set[str]) -> bool:
     """Whether rebalancing may move a waiting request from src to dst: it fits dst, and no sibling it shares
     a prompt with stays behind on src (`shared`: the requests whose prompt a sibling on src shares)."""
     if not dst.fits(request) or request.request_id in shared:
@@ -70,17 +72,17 @@ def load_score(running: int, waiting: int) -> int:
 
 
 class ExecutorPool:
-    """The scheduler service's engine: the same surface as one Engine (add/abort/finish/abort_all/ready/
+    """The engine core's executors: the same surface as one ExecutorLoop (add/abort/finish/abort_all/ready/
     describe/metrics) over a changing set of executors."""
 
     def __init__(self, pool_config: PoolConfig, core_config: CoreConfig, max_queue_len: int,
-                 make_engine: EngineFactory | None = None, metrics_model_name: str | None = None,
+                 make_loop: LoopFactory | None = None, metrics_model_name: str | None = None,
                  resolver: Resolver | None = None) -> None:
         self.config = pool_config
         self.targets: list[ExecutorTarget] = [parse_target(t) for t in pool_config.executors]
         self.core_config = core_config
         self.max_queue_len = max_queue_len
-        self.make_engine = make_engine or (lambda address, metrics: Engine(core_config, address, max_queue_len,
+        self.make_loop = make_loop or (lambda address, metrics: ExecutorLoop(core_config, address, max_queue_len,
                                                                            metrics=metrics))
         self.metrics_model_name = metrics_model_name
         self.resolver = resolver or Resolver(pool_config.hosts_file)
@@ -136,7 +138,7 @@ class ExecutorPool:
             member.leaving, member.draining = leaving, draining
             if not member.serving:
                 self._move_waiting(member)
-            if member.leaving and member.engine.idle():
+            if member.leaving and member.loop.idle():
                 await self._close(member)
         self._update_ready()
 
@@ -159,22 +161,22 @@ class ExecutorPool:
         return await self.resolver.resolve(targets)
 
     def _join(self, address: str) -> None:
-        engine = self.make_engine(address, self.metrics)
-        engine.admit = self._admit
-        member = self.members[address] = Member(engine)
-        engine.on_ready_change = lambda ready: self._member_ready(member, ready)
-        member.task = asyncio.create_task(engine.start(), name=f"executor-{address}")
+        loop = self.make_loop(address, self.metrics)
+        loop.admit = self._admit
+        member = self.members[address] = Member(loop)
+        loop.on_ready_change = lambda ready: self._member_ready(member, ready)
+        member.task = asyncio.create_task(loop.start(), name=f"executor-{address}")
         log.info("executor %s joins the pool (%d members)", address, len(self.members))
 
     async def _close(self, member: Member) -> None:
-        address = member.engine.label
+        address = member.loop.label
         self.members.pop(address, None)
         self._move_waiting(member)
         if member.task is not None and not member.task.done():
             member.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await member.task
-        await member.engine.stop()
+        await member.loop.stop()
         if self.metrics is not None:
             self.metrics.forget_executor(address)
         log.info("executor %s left the pool (%d members)", address, len(self.members))
@@ -188,7 +190,7 @@ class ExecutorPool:
             self.describe = describe
             self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
             for member in self.members.values():
-                member.engine.metrics = self.metrics
+                member.loop.metrics = self.metrics
             return ""
         if describe.model_id != ref.model_id or describe.vocab_size != ref.vocab_size:
             return (f"it serves model {describe.model_id!r} (vocab {describe.vocab_size}) but the pool serves "
@@ -198,7 +200,7 @@ class ExecutorPool:
     def _update_max_model_len(self) -> None:
         """The pool's description carries its members' largest max_model_len: requests are validated against
         it and placed where they fit. Front-ends hear of a change as a status change."""
-        lengths = [e.describe.max_model_len for e in self._engines() if e.describe is not None]
+        lengths = [e.describe.max_model_len for e in self._loops() if e.describe is not None]
         if self.describe is None or not lengths or max(lengths) == self.describe.max_model_len:
             return
         describe = executor_pb2.DescribeResponse()
@@ -219,8 +221,8 @@ class ExecutorPool:
 
     def _update_ready(self) -> None:
         for m in self.members.values():
-            if m.engine.series is not None:
-                m.engine.series.serving.set(1 if m.serving else 0)
+            if m.loop.series is not None:
+                m.loop.series.serving.set(1 if m.serving else 0)
         serving = any(m.serving for m in self.members.values())
         if serving == self.ready.is_set():
             return
@@ -234,10 +236,10 @@ class ExecutorPool:
 
     # ---- placement and moves ----------------------------------------------------------------------------
 
-    def serving(self) -> list[Engine]:
-        return [m.engine for m in self.members.values() if m.serving]
+    def serving(self) -> list[ExecutorLoop]:
+        return [m.loop for m in self.members.values() if m.serving]
 
-    def choose(self, request: Request) -> Engine | None:
+    def choose(self, request: Request) -> ExecutorLoop | None:
         candidates = [e for e in self.serving() if e.fits(request)]
         sibling = self._owner(request.share_prompt_with) if request.share_prompt_with else None
         if sibling is not None and sibling in candidates:
@@ -257,10 +259,10 @@ class ExecutorPool:
 
     def _place(self, stream: RequestStream) -> bool:
         """Queue a moved request at the head of the chosen executor's queue: it waited (or ran) already."""
-        engine = self.choose(stream.request)
-        if engine is None:
+        loop = self.choose(stream.request)
+        if loop is None:
             return False
-        engine.adopt(stream, front=True)
+        loop.adopt(stream, front=True)
         return True
 
     def _move_waiting(self, member: Member) -> None:
@@ -268,16 +270,16 @@ class ExecutorPool:
         executor is lost). Requests with nowhere to go stay where they are until an executor serves."""
         if not self.serving():
             return
-        moved = member.engine.release_waiting()
+        moved = member.loop.release_waiting()
         for stream in reversed(moved):  # each goes to the front: newest first keeps the order
             if not self._place(stream):
-                member.engine.adopt(stream, front=True)
+                member.loop.adopt(stream, front=True)
         if moved:
-            log.info("moved %d waiting requests off executor %s", len(moved), member.engine.label)
+            log.info("moved %d waiting requests off executor %s", len(moved), member.loop.label)
 
     def _adopt_orphans(self) -> None:
         for member in list(self.members.values()):
-            if not member.serving and not member.engine.idle():
+            if not member.serving and not member.loop.idle():
                 self._move_waiting(member)
 
     async def _rebalance_loop(self) -> None:
@@ -288,16 +290,16 @@ class ExecutorPool:
     def rebalance(self) -> None:
         """Move waiting requests (new or preempted for recompute) from a backed-up executor to one with room:
         this is how a joining executor takes work from a queue that was placed before it came."""
-        engines = self.serving()
-        if len(engines) < 2:
+        loops = self.serving()
+        if len(loops) < 2:
             return
         max_seqs = self.core_config.max_num_seqs
-        for dst in engines:
+        for dst in loops:
             running, waiting, _ = dst.load()
             room = max_seqs - running - waiting
             if waiting or room <= 0:
                 continue
-            src = max(engines, key=lambda e: e.load()[1])
+            src = max(loops, key=lambda e: e.load()[1])
             backlog = src.load()[1]
             if src is dst or backlog == 0:
                 return
@@ -306,51 +308,51 @@ class ExecutorPool:
             for stream in src.release_waiting(min(room, (backlog + 1) // 2), accept):
                 dst.adopt(stream)
 
-    # ---- the Engine surface the service uses ------------------------------------------------------------
+    # ---- the ExecutorLoop surface the service uses ------------------------------------------------------------
 
     def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
             ) -> RequestStream:
-        if sum(e.load()[1] for e in self._engines()) >= self.max_queue_len:
+        if sum(e.load()[1] for e in self._loops()) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         if self._owner(request.request_id) is not None:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
-        engine = self.choose(request)
-        if engine is None:
+        loop = self.choose(request)
+        if loop is None:
             need = request.num_prompt_tokens + request.sampling.max_tokens
             raise QueueFull("no executor is serving" if not self.serving() else
                             f"no serving executor's max_model_len holds prompt + max_tokens ({need} tokens); "
                             "retry later")
-        return engine.add(request, queue, stop_strings)
+        return loop.add(request, queue, stop_strings)
 
-    def _engines(self) -> list[Engine]:
-        return [m.engine for m in self.members.values()]
+    def _loops(self) -> list[ExecutorLoop]:
+        return [m.loop for m in self.members.values()]
 
-    def _owner(self, request_id: str) -> Engine | None:
-        for engine in self._engines():
-            if request_id in engine.streams:
-                return engine
+    def _owner(self, request_id: str) -> ExecutorLoop | None:
+        for loop in self._loops():
+            if request_id in loop.streams:
+                return loop
         return None
 
-    def _holder(self, request_id: str) -> Engine | None:
-        return next((e for e in self._engines() if e.holds(request_id)), None)
+    def _holder(self, request_id: str) -> ExecutorLoop | None:
+        return next((e for e in self._loops() if e.holds(request_id)), None)
 
     def abort(self, request_id: str) -> None:
-        engine = self._holder(request_id)
-        if engine is not None:
-            engine.abort(request_id)
+        loop = self._holder(request_id)
+        if loop is not None:
+            loop.abort(request_id)
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None:
-        engine = self._holder(request_id)
-        if engine is not None:
-            engine.finish(request_id, reason, error)
+        loop = self._holder(request_id)
+        if loop is not None:
+            loop.finish(request_id, reason, error)
 
     def abort_all(self, message: str, reason: FinishReason = FinishReason.ABORTED) -> int:
-        return sum(e.abort_all(message, reason) for e in self._engines())
+        return sum(e.abort_all(message, reason) for e in self._loops())
 
     def idle(self) -> bool:
-        return all(e.idle() for e in self._engines())
+        return all(e.idle() for e in self._loops())
 
     async def wait_idle(self) -> None:
         while not self.idle():
-            await asyncio.gather(*(e.became_idle.wait() for e in self._engines() if not e.idle()))
+            await asyncio.gather(*(e.became_idle.wait() for e in self._loops() if not e.idle()))
             await asyncio.sleep(0.01)

@@ -1,5 +1,7 @@
-"""A front-end process: the public gRPC port (shared with its siblings through SO_REUSEPORT), validation,
-tokenization, detokenization, stop strings, n > 1 fan-out and streaming, over the engine core's socket."""
+"""An api server: the public gRPC port (shared with its siblings through SO_REUSEPORT) and the OpenAI HTTP API over
+one GenerationServicer, and its lifecycle (open, follow the engine's readiness, drain). The same lifecycle serves
+both layouts: an api server process over the engine core's socket (run_api_server), and the single-process layout
+over the in-process executor pool (scheduler_service.launch)."""
 
 from __future__ import annotations
 
@@ -8,53 +10,120 @@ import contextlib
 import logging
 import os
 import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import grpc
 import uvloop
 from grpc_health.v1 import health_pb2
 
+from protos.wire import server_credentials
 from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.frontend.auth import load_api_keys
 from scheduler_service.frontend.core_client import CoreClient
-from scheduler_service.frontend.generation import PublicServer, serve, set_health
+from scheduler_service.frontend.generation import EngineHandle, ServingLimits
+from scheduler_service.frontend.grpc_server import PublicServer, serve, set_health
+from scheduler_service.process import configure_logging, freeze_startup_objects
+
+if TYPE_CHECKING:
+    from scheduler_service.frontend.openai.app import HttpServer
 
 log = logging.getLogger("pagedserve.frontend")
+LIVENESS = "liveness"  # a liveness probe's health name: SERVING while the event loop answers
 PARENT_CHECK_S = 0.5
 
 
-def run_frontend(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-                 listen: str) -> None:
-    """Entry point of a front-end process (started by the engine core with multiprocessing spawn)."""
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s %(name)s[api-server {index}]: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
-    uvloop.run(main(config, index, identity, core_address, listen))
+@dataclass(slots=True)
+class ApiServer:
+    public: PublicServer
+    http: HttpServer | None
+    health_updates: set[asyncio.Task[None]]
 
 
-async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-               listen: str) -> None:
-    from scheduler_service.launch import LIVENESS, credentials, freeze_startup_objects, serving_limits, start_http
+def public_credentials(config: SchedulerServiceConfig) -> grpc.ServerCredentials | None:
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    return server_credentials(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
 
-    public_creds, _ = credentials(config)
-    core = CoreClient(core_address, identity, config.max_stream_buffer)
-    await core.start()
-    public = await serve(core, listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
-                         credentials=public_creds, api_keys=load_api_keys(config.api_key, config.api_key_file),
-                         serving=serving_limits(config), reuse_port=True)
-    public.generation.server_index = index
-    public.generation.refusals.listener = core.count_refusal
+
+def serving_limits(config: SchedulerServiceConfig) -> ServingLimits:
+    return ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
+                         executor_wait_timeout=config.executor_wait_timeout,
+                         max_request_bytes=config.max_request_bytes)
+
+
+async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse_port: bool = False
+                     ) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API over the same GenerationServicer."""
+    if not config.http_listen:
+        return None
+    from scheduler_service.frontend.openai.app import OpenAIApi, serve_http
+
+    api = OpenAIApi(public.generation, config.served_model_name,
+                    load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port)
+    log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
+    return http
+
+
+async def open_api_server(config: SchedulerServiceConfig, engine: EngineHandle, listen: str, *,
+                          reuse_port: bool = False) -> ApiServer:
+    """The gRPC port and the HTTP API, NOT_SERVING until follow_readiness sees the engine ready."""
+    public = await serve(engine, listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
+                         credentials=public_credentials(config),
+                         api_keys=load_api_keys(config.api_key, config.api_key_file),
+                         serving=serving_limits(config), reuse_port=reuse_port)
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-    http = await start_http(config, public, reuse_port=True)
-    health_updates: set[asyncio.Task[None]] = set()
+    http = await start_http(config, public, reuse_port)
+    return ApiServer(public, http, set())
+
+
+async def follow_readiness(api: ApiServer, engine: EngineHandle) -> None:
+    """Health SERVING while the engine has an executor (and this server is not draining)."""
 
     def on_ready_change(ready: bool) -> None:
-        task = asyncio.ensure_future(set_health(public.health, ready and not public.generation.shutting_down))
-        health_updates.add(task)
-        task.add_done_callback(health_updates.discard)
+        task = asyncio.ensure_future(set_health(api.public.health,
+                                                ready and not api.public.generation.shutting_down))
+        api.health_updates.add(task)
+        task.add_done_callback(api.health_updates.discard)
 
-    core.on_ready_change = on_ready_change
-    if core.ready.is_set():
-        await set_health(public.health, True)
+    engine.on_ready_change = on_ready_change
+    if engine.ready.is_set():
+        await set_health(api.public.health, True)
+
+
+async def drain(config: SchedulerServiceConfig, api: ApiServer, engine: EngineHandle) -> None:
+    """Refuse new calls (health NOT_SERVING), let open streams finish for up to --shutdown-timeout, abort the rest,
+    close the ports."""
+    api.public.generation.shutting_down = True
+    await set_health(api.public.health, False)
+    if not engine.idle():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.wait_idle(), timeout=config.shutdown_timeout)
+    aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
+    log.info("drained; aborted %d unfinished requests", aborted)
+    await api.public.server.stop(grace=2.0)
+    if api.http is not None:
+        await api.http.stop()
+
+
+def run_api_server(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
+                   listen: str) -> None:
+    """Entry point of an api server process (started by the engine core with multiprocessing spawn)."""
+    configure_logging(f"[api-server {index}]")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
+    uvloop.run(serve_engine_core(config, index, identity, core_address, listen))
+
+
+async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
+                            listen: str) -> None:
+    core = CoreClient(core_address, identity, config.max_stream_buffer)
+    await core.start()
+    api = await open_api_server(config, core, listen, reuse_port=True)
+    api.public.generation.server_index = index
+    api.public.generation.refusals.listener = core.count_refusal
+    await follow_readiness(api, core)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     watcher = asyncio.create_task(watch_parent(os.getppid(), stop))
@@ -62,9 +131,9 @@ async def main(config: SchedulerServiceConfig, index: int, identity: bytes, core
     log.info("api server %d (pid %d) serving %s", index, os.getpid(), listen)
     await stop.wait()
     watcher.cancel()
-    await drain(config, public, core)
-    if http is not None:
-        await http.stop()
+    await drain(config, api, core)
+    with contextlib.suppress(Exception):
+        await core.close()
 
 
 async def watch_parent(parent: int, stop: asyncio.Event) -> None:
@@ -72,16 +141,3 @@ async def watch_parent(parent: int, stop: asyncio.Event) -> None:
         await asyncio.sleep(PARENT_CHECK_S)
     log.error("engine core (pid %d) is gone; this api server exits", parent)
     os._exit(1)
-
-
-async def drain(config: SchedulerServiceConfig, public: PublicServer, core: CoreClient) -> None:
-    public.generation.shutting_down = True
-    await set_health(public.health, False)
-    deadline = asyncio.get_running_loop().time() + config.shutdown_timeout
-    while core.streams and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.02)
-    aborted = core.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
-    log.info("drained; aborted %d unfinished requests", aborted)
-    await public.server.stop(grace=2.0)
-    with contextlib.suppress(Exception):
-        await core.close()

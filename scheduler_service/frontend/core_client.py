@@ -1,4 +1,4 @@
-"""The engine core as a front-end process sees it: Engine's add/abort/finish/describe/ready surface over
+"""The engine core as a front-end process sees it: ExecutorLoop's add/abort/finish/describe/ready surface over
 one ZeroMQ socket, with one batched message per event-loop turn toward the core."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import zmq.asyncio
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.engine.executor_loop import settled_by_frontend
 from scheduler_service.frontend.generation import RequestError
 from scheduler_service.messages import (
     Delta,
@@ -30,6 +29,7 @@ from scheduler_service.messages import (
     ToFrontend,
     encoder,
     new_request,
+    settled_by_frontend,
     to_frontend_decoder,
 )
 
@@ -41,11 +41,11 @@ REFUSAL_CODES = {Refusal.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 @dataclass(slots=True)
 class RemoteStream:
-    """An api server's record of one sequence it added (what Engine.add's RequestStream is in-process)."""
+    """An api server's record of one sequence it added (what ExecutorLoop.add's RequestStream is in-process)."""
 
     queue: asyncio.Queue[Any]
     executor_unavailable: bool = False
-    stop_strings: bool = False  # a LENGTH finish waits for finish() to settle it (Engine.add)
+    stop_strings: bool = False  # a LENGTH finish waits for finish() to settle it (ExecutorLoop.add)
 
 
 class CoreClient:
@@ -112,6 +112,13 @@ class CoreClient:
             self.abort(rid)
             stream.queue.put_nowait(RequestDelta(rid, [], FinishReason.ABORTED, message))
         return len(streams)
+
+    def idle(self) -> bool:
+        return not self.streams
+
+    async def wait_idle(self) -> None:
+        while self.streams:
+            await asyncio.sleep(0.02)
 
     def count_refusal(self, code: str) -> None:
         """A call this api server refused: counted on the engine core's /metrics with the next message."""

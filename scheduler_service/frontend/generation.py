@@ -1,4 +1,5 @@
-"""The public Generation service: validate, tokenize, queue, stream deltas back."""
+"""The public Generate call, transport-neutral: validate, tokenize, queue, stream deltas back (gRPC and the OpenAI
+HTTP API are adapters over GenerationServicer.generate)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,18 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
-from protos.wire import DEFAULT_MAX_REQUEST_BYTES, add_port, public_server_options
+from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.engine.executor_loop import QueueFull
-from scheduler_service.engine.metrics import RefusalCounter
-from scheduler_service.frontend.auth import ApiKeyInterceptor
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.frontend.validation import (
@@ -31,10 +27,10 @@ from scheduler_service.frontend.validation import (
     MalformedRequest,
     RequestLimits,
     max_prompt_bytes,
-    parse_generate_request,
     sampling_options,
     validate_prompt,
 )
+from scheduler_service.messages import QueueFull, RefusalCounter
 
 log = logging.getLogger("pagedserve.scheduler")
 FINISH_REASONS = {
@@ -44,7 +40,6 @@ FINISH_REASONS = {
     FinishReason.ERROR: generation_pb2.FINISH_REASON_ERROR,
 }
 API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the api server process serving the call
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 @dataclass(slots=True)
@@ -103,11 +98,12 @@ class StreamHandle(Protocol):
 
 
 class EngineHandle(Protocol):
-    """What the public API needs of an engine: the in-process Engine, or an api server's CoreClient."""
+    """What the public API needs of the engine core: the in-process ExecutorPool, or an api server's CoreClient."""
 
     describe: executor_pb2.DescribeResponse | None
     ready: asyncio.Event
     metrics_model_name: str | None
+    on_ready_change: Callable[[bool], object] | None
 
     def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> StreamHandle:
         """stop_strings: this front-end matches stop strings for the request, so it settles a LENGTH finish
@@ -117,6 +113,14 @@ class EngineHandle(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def finish(self, request_id: str, reason: FinishReason, error: str = "") -> None: ...
+
+    def abort_all(self, message: str) -> int:
+        """End every open request (shutdown after the drain timeout); how many there were."""
+        ...
+
+    def idle(self) -> bool: ...
+
+    async def wait_idle(self) -> None: ...
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -338,47 +342,3 @@ def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
         into.logprobs += d.logprobs
         into.finish_reason, into.error = d.finish_reason, d.error
     return list(merged.values())
-
-
-@dataclass(slots=True)
-class PublicServer:
-    server: grpc.aio.Server
-    port: int
-    health: health.aio.HealthServicer
-    generation: GenerationServicer
-
-
-def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
-    """Like the generated add_GenerationServicer_to_server, with a deserializer that never raises."""
-    handler = grpc.unary_stream_rpc_method_handler(
-        servicer.Generate, request_deserializer=parse_generate_request,
-        response_serializer=generation_pb2.GenerateResponse.SerializeToString)
-    generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"Generate": handler})
-    server.add_generic_rpc_handlers((generic,))
-    server.add_registered_method_handlers(GENERATION_SERVICE, {"Generate": handler})
-
-
-async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
-                credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
-                serving: ServingLimits | None = None, reuse_port: bool = False) -> PublicServer:
-    """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
-    serving = serving or ServingLimits()
-    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
-    options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
-    generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
-    add_generation_servicer(generation, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = add_port(server, listen, credentials)
-    for name in ("", GENERATION_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    return PublicServer(server, port, health_servicer, generation)
-
-
-async def set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", GENERATION_SERVICE):
-        await servicer.set(name, status)

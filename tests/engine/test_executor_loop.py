@@ -11,7 +11,7 @@ import pytest
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
-from scheduler_service.engine.executor_loop import Engine
+from scheduler_service.engine.executor_loop import ExecutorLoop
 from tests.support.procs import free_port, start, stop, wait_healthy
 
 
@@ -34,7 +34,7 @@ async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], Reques
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
-    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
     await engine.start()
     try:
         sched = engine._sched()
@@ -65,7 +65,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(execu
 async def test_a_request_rejected_in_a_step_whose_executor_is_lost_still_gets_its_answer(executor: str) -> None:
     from scheduler_service.engine.executor_link import ExecutorLost
 
-    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
     await engine.start()
     try:
         real_execute = engine.connection.execute
@@ -117,7 +117,7 @@ async def test_a_step_without_answer_within_the_timeout_counts_as_a_lost_executo
 async def test_a_dying_engine_loop_fails_its_requests_and_health(executor: str) -> None:
     from scheduler_service.engine.executor_link import ExecutorLost
 
-    engine = Engine(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
     await engine.start()
     health: list[bool] = []
     engine.on_ready_change = health.append

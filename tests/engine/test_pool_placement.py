@@ -11,21 +11,23 @@ from pathlib import Path
 import pytest
 
 from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.config import ExecutorTarget, parse_target
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine.executor_loop import Engine, QueueFull
-from scheduler_service.engine.membership import ExecutorTarget, Resolver, parse_target, pick_family
+from scheduler_service.engine.executor_loop import ExecutorLoop
+from scheduler_service.engine.membership import Resolver, pick_family
 from scheduler_service.engine.pool import ExecutorPool, Member, PoolConfig
+from scheduler_service.messages import QueueFull
 
 LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_swap_blocks=16, max_model_len=4096)
 
 
 def member(core: CoreConfig, label: str, max_queue_len: int = 1000,
-           max_model_len: int = LIMITS.max_model_len) -> Engine:
+           max_model_len: int = LIMITS.max_model_len) -> ExecutorLoop:
     """An engine with a scheduler that counts as connected (described), with no executor behind it."""
-    engine = Engine(core, label, max_queue_len)
+    engine = ExecutorLoop(core, label, max_queue_len)
     engine.scheduler = Scheduler(core, replace(LIMITS, max_model_len=max_model_len))
     engine.describe = executor_pb2.DescribeResponse(model_id="m", vocab_size=100, max_model_len=max_model_len)
     engine.ready.set()
@@ -50,8 +52,8 @@ def request(rid: str, prompt_len: int = 8, max_tokens: int = 4, sibling_of: str 
                    share_prompt_with=sibling_of)
 
 
-def engines(pool: ExecutorPool) -> list[Engine]:
-    return [m.engine for m in pool.members.values()]
+def engines(pool: ExecutorPool) -> list[ExecutorLoop]:
+    return [m.loop for m in pool.members.values()]
 
 
 def queue() -> asyncio.Queue[RequestDelta]:

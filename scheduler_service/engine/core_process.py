@@ -1,0 +1,121 @@
+"""The engine core process: the executor pool, the api servers' socket, and the api server processes it supervises.
+Also what the single-process layout shares with it: building the pool, signals, and starting until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+
+import grpc
+
+from protos.wire import channel_credentials, read_secret
+from scheduler_service.config import SchedulerServiceConfig
+from scheduler_service.engine.api_servers import ApiServers
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.executor_loop import ExecutorLoop
+from scheduler_service.engine.metrics import EngineMetrics, MetricsServer
+from scheduler_service.engine.pool import ExecutorPool, PoolConfig
+from scheduler_service.messages import ipc_address
+from scheduler_service.process import freeze_startup_objects
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+def executor_credentials(config: SchedulerServiceConfig) -> grpc.ChannelCredentials | None:
+    return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls_ca else None
+
+
+def make_pool(config: SchedulerServiceConfig) -> ExecutorPool:
+    pool_config = PoolConfig(config.executor, config.executor_resolve_interval, config.executor_hosts_file,
+                             config.executor_drain_file)
+    secret = read_secret(config.executor_secret_file)
+    creds = executor_credentials(config)
+
+    def make_loop(address: str, metrics: EngineMetrics | None) -> ExecutorLoop:
+        return ExecutorLoop(config.core(), address, config.max_queue_len, config.served_model_name, creds,
+                            config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
+                            executor_secret=secret, metrics=metrics, steps_in_flight=config.steps_in_flight)
+
+    return ExecutorPool(pool_config, config.core(), config.max_queue_len, make_loop, config.served_model_name)
+
+
+def resolve_listen(listen: str) -> str:
+    """Api servers share one port: a requested port 0 is fixed here, once, for all of them."""
+    host, _, port = listen.rpartition(":")
+    if port != "0":
+        return listen
+    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
+        s.bind((host.strip("[]") or "0.0.0.0", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def stop_on_signals(pool: ExecutorPool) -> asyncio.Event:
+    """SIGINT/SIGTERM set the returned event; SIGHUP re-resolves the executors. Installed before the
+    process says it is waiting for an executor, so a signal sent on that line is never the default kill."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, pool.refresh_soon)
+    return stop
+
+
+async def start_until_stopped(pool: ExecutorPool, stop: asyncio.Event) -> bool:
+    """Start the pool until it has an executor or `stop` is set first (then the start is cancelled).
+    Whether the pool started."""
+    starting = asyncio.create_task(pool.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        return False
+    starting.result()
+    return True
+
+
+async def start_metrics(config: SchedulerServiceConfig, pool: ExecutorPool) -> MetricsServer | None:
+    if config.metrics_port is None or pool.metrics is None:
+        return None
+    server = MetricsServer(pool.metrics.registry)
+    await server.start(config.metrics_host, config.metrics_port)
+    log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    return server
+
+
+async def run_engine_core(config: SchedulerServiceConfig) -> int:
+    """The engine core process: the executor pool, the api servers' socket, and the api server processes."""
+    pool = make_pool(config)
+    core = EngineCore(pool, ipc_address("core"))
+    core.bind()
+    core.start()
+    listen = resolve_listen(config.listen)
+    if config.http_listen:
+        config.http_listen = resolve_listen(config.http_listen)
+    servers = ApiServers(config, core.address, listen, core.drop_frontend)
+    servers.start()
+    pool.on_ready_change = lambda ready: core.broadcast_status()
+    stop = stop_on_signals(pool)
+    log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
+             config.api_server_count, listen, ", ".join(config.executor))
+    started = await start_until_stopped(pool, stop)
+    metrics_server: MetricsServer | None = None
+    if started:
+        core.broadcast_status()
+        if pool.metrics is not None:
+            core.counters()  # its series on the registry from the start
+        metrics_server = await start_metrics(config, pool)
+        freeze_startup_objects()
+        log.info("engine core ready; api servers on %s", listen)
+        await stop.wait()
+        log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+        await servers.drain(config.shutdown_timeout + 5.0)
+    servers.kill()
+    aborted = pool.abort_all("server shut down")
+    log.info("api servers stopped; aborted %d requests left in the core", aborted)
+    await pool.stop()
+    core.close()
+    if metrics_server is not None:
+        await metrics_server.close()
+    return 0
