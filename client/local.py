@@ -1,6 +1,7 @@
 """pagedserve's services as local processes on 127.0.0.1: start, wait until healthy, read metrics, stop.
 
-One home for what the launcher (scripts/launch.py), the tests and the benchmarks all do with processes.
+One home for what the launcher (`pagedserve serve`, client/serve.py), the tests and the benchmarks all do
+with processes.
 """
 
 from __future__ import annotations

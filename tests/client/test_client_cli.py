@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from client.__main__ import build_parser
+from client.commands import build_parser
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
