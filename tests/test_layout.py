@@ -96,7 +96,8 @@ def strongly_connected(graph: Graph) -> list[list[str]]:
 
 
 def reachable(graph: Graph, start: str) -> set[str]:
-    seen, todo = set(), [start]
+    seen: set[str] = set()
+    todo = [start]
     while todo:
         for w in graph[todo.pop()] - seen:
             seen.add(w)
