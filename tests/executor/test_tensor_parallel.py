@@ -29,16 +29,8 @@ from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import TOKENIZER_VOCAB_SIZE, ensure_default_model, make_model
 from executor_service.model import ModelConfig, ModelLoadError, ModelOps, ParallelContext, ShardLayout, load_model
-from executor_service.parallel.launch import (
-    LaunchError,
-    TensorSpec,
-    collect_specs,
-    fill_tensors,
-    pack,
-    resolve_topology,
-    strip_tensors,
-    unpack,
-)
+from executor_service.parallel.channel import TensorSpec, collect_specs, fill_tensors, pack, strip_tensors, unpack
+from executor_service.parallel.topology import LaunchError, resolve_topology
 from executor_service.runner.torch_backend import TorchBackend, build_batch
 from protos.pagedserve.v1 import generation_pb2
 from tests.support import tp_peer
@@ -433,7 +425,7 @@ def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_p
 
 GUARD_RACE = """
 import logging, multiprocessing, signal, threading
-from executor_service.parallel.launch import Guard
+from executor_service.parallel.supervision import Guard
 
 def stubborn(ready):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # holds the first failure in stop_children (join, then kill)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from executor_service.model import AttentionMetadata, ParallelContext
-from executor_service.parallel.launch import Op, StepChannel, strip_tensors
+from executor_service.parallel.channel import Op, StepChannel, strip_tensors
 from executor_service.runner.torch_backend import Batch
 
 
