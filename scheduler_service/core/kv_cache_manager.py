@@ -10,11 +10,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from protos.contract import BlockMap
 from scheduler_service.core.block_hash import BlockKey, extend_keys, prefix_keys
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
-BlockMap = list[tuple[int, int]]
 NO_BLOCKS: list[int] = []
 
 

@@ -3,6 +3,8 @@
 Rows are slots: a request keeps its slot while it runs, so a step scheduled before a request finished
 (or before another took its slot) still finds the right rows; `gen` tells a reused slot apart. The
 ordered lists are replaced, never changed in place, so a step may keep the ones it was built from.
+The stop columns (`limit`, `watch`, `listen`) are derived from the stop-rule table (stop_rules.py),
+which also reads them back in the vectorised check of the plain decodes (decode_rows.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from scheduler_service.core.kv_cache_manager import NO_BLOCKS
 from scheduler_service.core.outputs import ScheduledWork
 from scheduler_service.core.request import Request
+from scheduler_service.core.stop_rules import NO_PLAN, Plans, StopTable
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,25 +32,27 @@ class Order:
 
 
 EMPTY = Order(np.zeros(0, np.int64), [], [], [], [])
-
-
-def watched(request: Request) -> bool:
-    """Whether a plain decode of this request must walk through update()'s per-request rules: a stop
-    token or min_tokens may end it, or it has sampled nothing yet (its prompt's last block is registered
-    in the prefix cache when that token is computed)."""
-    sampling = request.sampling
-    return bool(sampling.stop_token_ids) or sampling.min_tokens > 0 or not request.output_token_ids
+NO_PLANS: Plans = (NO_PLAN, NO_PLAN)
 
 
 class RunningSet:
-    def __init__(self, max_model_len: int, capacity: int = 64) -> None:
-        self.max_model_len = max_model_len
+    """Columns per row: known tokens, tokens not yet computed, table capacity in slots, steps in flight
+    (async scheduling), the slot's generation, and the stop columns of the table `stops`: `limit` (tokens
+    at which a length rule surely ends the request), `watch` (a plain decode must walk through update()'s
+    per-request rules: a general rule may end it, or it has sampled nothing yet, and its prompt's last
+    block is registered in the prefix cache when that token is computed) and `listen` (one column per
+    token rule with ids: the request stops on them)."""
+
+    def __init__(self, stops: StopTable, capacity: int = 64) -> None:
+        self.stops = stops
         self.num_tokens = np.zeros(capacity, np.int64)
         self.uncomputed = np.zeros(capacity, np.int64)
         self.capacity = np.zeros(capacity, np.int64)
         self.limit = np.zeros(capacity, np.int64)
         self.watch = np.zeros(capacity, np.bool_)
-        self.eos = np.zeros(capacity, np.bool_)
+        self.listen = [np.zeros(capacity, np.bool_) for _ in stops.token_sets]
+        self._rules_watch = np.zeros(capacity, np.bool_)  # the rules' part of `watch` (fixed per request)
+        self.plans: list[Plans] = [NO_PLANS] * capacity  # each row's stop plans (StopTable.row)
         self.gen = np.zeros(capacity, np.int64)
         self.inflight = np.zeros(capacity, np.int64)
         self._free_slots = list(range(capacity - 1, -1, -1))
@@ -69,13 +74,14 @@ class RunningSet:
             self._grow()
         slot = self._free_slots.pop()
         request.slot = slot
-        sampling = request.sampling
         self.num_tokens[slot] = request.num_tokens
         self.uncomputed[slot] = request.num_uncomputed_tokens
         self.capacity[slot] = num_slots
-        self.limit[slot] = min(self.max_model_len, request.num_prompt_tokens + sampling.max_tokens)
-        self.watch[slot] = watched(request)
-        self.eos[slot] = not sampling.ignore_eos
+        self.plans[slot], self.limit[slot], watch, listens = self.stops.row(request.sampling, request.num_prompt_tokens)
+        self._rules_watch[slot] = watch
+        self.watch[slot] = watch or not request.output_token_ids
+        for column, listening in zip(self.listen, listens, strict=True):
+            column[slot] = listening
         self.inflight[slot] = 0
         work = ScheduledWork(request, 1, NO_BLOCKS)
         o = self.order
@@ -104,14 +110,20 @@ class RunningSet:
         slot = request.slot
         self.num_tokens[slot] = request.num_tokens
         self.uncomputed[slot] = request.num_uncomputed_tokens
-        self.watch[slot] = watched(request)
+        self.watch[slot] = self._rules_watch[slot] or not request.output_token_ids
 
     def set_capacity(self, request: Request, num_slots: int) -> None:
         self.capacity[request.slot] = num_slots
 
+    def may_stop(self, slots: np.ndarray, num_tokens: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """The stop table's vectorised check over these rows' stop columns (StopTable.may_stop)."""
+        return self.stops.may_stop(slots, num_tokens, tokens, self.limit, self.watch, self.listen)
+
     def _grow(self) -> None:
         old = len(self.num_tokens)
-        (self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen,
-         self.inflight) = (np.concatenate([c, np.zeros_like(c)]) for c in (
-            self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self.eos, self.gen, self.inflight))
+        (self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self._rules_watch, self.gen,
+         self.inflight, *self.listen) = (np.concatenate([c, np.zeros_like(c)]) for c in (
+            self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self._rules_watch, self.gen,
+            self.inflight, *self.listen))
+        self.plans += [NO_PLANS] * old
         self._free_slots.extend(range(2 * old - 1, old - 1, -1))

@@ -1,7 +1,9 @@
 """Continuous batching over paged KV blocks: schedule() then update(), once per step.
 
 Every request takes one path through each phase; the KV-cache manager decides about blocks and the
-scheduler's own maps (admission order, thrash guard, held n > 1 siblings) decide about requests.
+scheduler's own maps (admission order, thrash guard, held n > 1 siblings) decide about requests. The
+step's plain decodes are taken as rows of the running set's columns (decode_rows.py); what ends a
+request is the stop table (stop_rules.py), read by both the per-request path and those rows.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import compress
 
 import numpy as np
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
+from scheduler_service.core.decode_rows import NO_PLAIN, PlainDecodes, append_tokens, count_in_flight, plain_tokens
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import (
     ExecutorResult,
@@ -26,24 +29,11 @@ from scheduler_service.core.outputs import (
     StepDeltas,
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
-from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
-from scheduler_service.core.running import EMPTY, Order, RunningSet
+from scheduler_service.core.request import FinishReason, Request, RequestStatus
+from scheduler_service.core.running import RunningSet
+from scheduler_service.core.stop_rules import StopTable, stop_reason
 
 RUNNING = RequestStatus.RUNNING
-
-
-def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_tokens: int, max_model_len: int,
-                eos_ids: tuple[int, ...]) -> FinishReason | None:
-    """Why a request stops after appending token (now num_output outputs, num_tokens in all), or None."""
-    if num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    if num_output < sampling.min_tokens:
-        return None
-    if (not sampling.ignore_eos and token in eos_ids) or token in sampling.stop_token_ids:
-        return FinishReason.STOPPED
-    if num_output >= sampling.max_tokens:
-        return FinishReason.LENGTH
-    return None
 
 
 class Ahead(enum.Enum):
@@ -84,14 +74,13 @@ class Scheduler:
         self.clock = clock
         self.kv = self._new_kv(limits)
         self.waiting = WaitingQueue(config.policy, config.aging_rate, config.max_waiting_time)
-        self.rs = RunningSet(limits.max_model_len)
+        self.rs = RunningSet(StopTable(limits))
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._admitted: dict[str, int] = {}
         self._thrash_guarded: set[str] = set()
         self._held: dict[str, list[Request]] = {}
-        self._step_order = EMPTY
-        self._step_chosen = np.zeros(0, np.bool_)
+        self._plain = NO_PLAIN  # this step's plain decodes while schedule() runs
         self._known_by_executor: set[str] = set()
         self._to_drop: list[str] = []
         self._entered_running: list[ScheduledWork] = []
@@ -106,8 +95,6 @@ class Scheduler:
         self._swapped_out_blocks = 0
         self._unupdated: list[SchedulerOutput] = []
         self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
-        self._step_grown: dict[int, ScheduledWork] = {}
-        self._step_taken = 0
 
     @property
     def running(self) -> list[Request]:
@@ -208,7 +195,7 @@ class Scheduler:
         if self.running or self.swapped:
             raise RuntimeError("set_executor_limits needs every request out of RUNNING and SWAPPED")
         self.limits = limits
-        self.rs = RunningSet(limits.max_model_len)
+        self.rs = RunningSet(StopTable(limits))
         stats = self.kv.prefix_stats
         self.kv = self._new_kv(limits)
         self.kv.prefix_stats = stats
@@ -235,7 +222,8 @@ class Scheduler:
                                      for w in scheduled.values()):
             out.num_steps = 1
         out.copy = self.kv.end_step()
-        out.plain = self._plain_rows()
+        out.plain = self._plain.rows(self.rs)
+        self._plain = NO_PLAIN
         out.scheduled = out.plain.works + list(scheduled.values())
         # Only work that entered RUNNING this step can be new to the executor (this keeps it O(changes)).
         for work in self._entered_running:
@@ -252,11 +240,8 @@ class Scheduler:
 
     def _count_in_flight(self, out: SchedulerOutput, change: int) -> None:
         """Async scheduling: each running request's number of steps scheduled but not yet updated."""
-        inflight, gen = self.rs.inflight, self.rs.gen
-        plain = out.plain
-        if plain is not None and len(plain.slots):
-            alive = plain.slots[gen[plain.slots] == plain.gens]
-            inflight[alive] += change
+        inflight = self.rs.inflight
+        count_in_flight(self.rs, out.plain, change)
         for work in out.explicit_works():
             if work.request.status is RUNNING:
                 inflight[work.request.slot] += change
@@ -299,85 +284,28 @@ class Scheduler:
         """Running requests in running order until the token budget runs out. A plain decode (one token,
         the steps in flight before it, if any, plain decodes too, and surely not its last) needs nothing
         but a place in the budget and, when it fills its blocks, a new one: runs of them are taken whole
-        (the step's chosen mask); every other request takes _schedule_one."""
+        (the step's PlainDecodes, a mask over the running order); every other request takes _schedule_one."""
         extra = out.num_steps - 1 + self.config.num_lookahead_slots
-        rs = self.rs
-        order = self._step_order = rs.order
-        slots = order.slots
-        ahead = rs.inflight[slots]
-        total = rs.num_tokens[slots] + ahead  # its tokens once the steps in flight are done
-        decode = (rs.uncomputed[slots] == 1) & (total < rs.limit[slots])
-        if out.num_steps > 1:
-            decode &= ahead == 0
-        need = total + extra
-        chosen = self._step_chosen = decode & (need <= rs.capacity[slots])
-        self._step_grown = {}
-        self._step_taken = 0  # the chosen rows before this position have taken their token from the budget
-        short = decode & ~chosen
-        if short.any():
-            self._grow_plain(order, short, need)
+        plain = self._plain = PlainDecodes.choose(self.rs, self.kv, self._grow, out.num_steps, extra)
+        requests = plain.order.requests
         budget_left = [budget.tokens, 0]  # tokens, and requests that wait for their step in flight
         start = 0
-        for p in np.flatnonzero(~chosen).tolist():
-            budget_left[0] = self._take_plain(start, p, budget_left[0])
-            self._step_taken = start = p + 1
+        for p in plain.unchosen():
+            budget_left[0] = plain.take(start, p, budget_left[0])
+            plain.taken = start = p + 1
             if budget_left[0] <= 0:
-                chosen[p:] = False
+                plain.chosen[p:] = False
                 break
-            request = order.requests[p]
+            request = requests[p]
             if request.status is RUNNING:
                 self._schedule_one(request, extra, budget_left, budget, scheduled, out)
         else:
-            budget_left[0] = self._take_plain(start, len(slots), budget_left[0])
-        self._step_taken = len(slots)
-        self._ungrow_unchosen()
+            budget_left[0] = plain.take(start, len(requests), budget_left[0])
+        plain.taken = len(requests)
+        plain.ungrow_unchosen(self.rs, self.kv)
         budget.tokens = budget_left[0]
         # the first phase: only running work so far (and requests that wait for their step in flight)
-        budget.seqs = self.config.max_num_seqs - int(np.count_nonzero(chosen)) - len(scheduled) - budget_left[1]
-
-    def _grow_plain(self, order: Order, short: np.ndarray, need: np.ndarray) -> None:
-        """Blocks for plain decodes that fill theirs: all at once when the pool has them, else in running
-        order while it does (the rest take _schedule_one, which may preempt, or finish one that would
-        outgrow the usable pool)."""
-        bs = self.kv.block_size
-        positions = np.flatnonzero(short & (need <= self.kv.usable_slots))  # the others _reject_outgrown
-        if not len(positions):
-            return
-        slots = order.slots[positions]
-        missing = -(-need[positions] // bs) - self.rs.capacity[slots] // bs
-        requests = [order.requests[p] for p in positions.tolist()]
-        grown = self.kv.grow_tables([r.request_id for r in requests], missing.tolist())
-        if grown is not None:
-            self.rs.capacity[slots] += missing * bs
-            self._step_chosen[positions] = True
-            works = map(ScheduledWork, requests, repeat(1), grown)
-            self._step_grown.update(zip(positions.tolist(), works, strict=True))
-            return
-        for p in positions.tolist():
-            request = order.requests[p]
-            new = self._grow(request, int(need[p]) - request.num_computed_tokens, 0)
-            if new is None:
-                return
-            self._step_chosen[p] = True
-            self._step_grown[p] = ScheduledWork(request, 1, new)
-
-    def _ungrow_unchosen(self) -> None:
-        """A grown decode the budget left out gives its new blocks back (the executor never hears of them)."""
-        chosen, kv = self._step_chosen, self.kv
-        for p, work in self._step_grown.items():
-            request = work.request
-            if not chosen[p] and request.status is RUNNING:
-                kv.release_tail(request.request_id, len(work.new_block_ids))
-                self.rs.set_capacity(request, kv.num_slots(request.request_id))
-
-    def _take_plain(self, start: int, end: int, tokens_left: int) -> int:
-        """The chosen plain decodes in [start, end) take a token each; the budget's end unchooses the rest."""
-        run = self._step_chosen[start:end]
-        count = int(np.count_nonzero(run))
-        if count <= tokens_left:
-            return tokens_left - count
-        self._step_chosen[start + int(np.flatnonzero(run)[tokens_left]):] = False
-        return 0
+        budget.seqs = self.config.max_num_seqs - plain.count() - len(scheduled) - budget_left[1]
 
     def _schedule_one(self, request: Request, extra: int, budget_left: list[int], budget: Budget,
                       scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
@@ -411,37 +339,21 @@ class Scheduler:
             self.rs.set_capacity(request, self.kv.num_slots(request.request_id))
         return new
 
-    def _plain_rows(self) -> PlainRows:
-        order, chosen, rs = self._step_order, self._step_chosen, self.rs
-        self._step_order = EMPTY
-        works = order.works
-        if self._step_grown:
-            works = works.copy()
-            for p, work in self._step_grown.items():
-                works[p] = work
-            self._step_grown = {}
-        if chosen.all():
-            return PlainRows(order.slots, rs.gen[order.slots], order.ids, order.outputs, order.requests, works)
-        keep = chosen.tolist()
-        slots = order.slots[chosen]
-        return PlainRows(slots, rs.gen[slots], list(compress(order.ids, keep)), list(compress(order.outputs, keep)),
-                         list(compress(order.requests, keep)), list(compress(works, keep)))
-
     def _schedule_ahead(self, request: Request, inflight: ScheduledWork, num_inflight: int, out: SchedulerOutput,
                         scheduled: dict[str, ScheduledWork]) -> Ahead:
         """Async scheduling: one more decode for a request whose last step(s) the executor is still running
         (the first of them `inflight`, num_inflight in all, each after the first a one-token decode). The
         executor feeds it its own freshly sampled tokens; update() of those steps runs first. Only when
-        they sample, the request surely goes on (not at max_tokens or max_model_len: a token past an
-        EOS or stop is dropped by update()), and its blocks grow without preempting anyone. A request
-        that waits keeps its place among max_num_seqs; one that surely ends there gives it up."""
-        num_output = len(request.output_token_ids)
-        num_tokens = len(request.prompt_token_ids) + num_output
+        they sample, the request surely goes on (under its row's `limit`, the stop table's length rules:
+        a token past an EOS or stop is dropped by update()), and its blocks grow without preempting
+        anyone. A request that waits keeps its place among max_num_seqs; one that surely ends there gives
+        it up."""
+        num_tokens = request.num_tokens
         computed = request.num_computed_tokens
         if out.num_steps > 1 or computed + inflight.num_tokens < num_tokens:
             return Ahead.WAITS
         total = num_tokens + num_inflight  # its tokens once the steps in flight are done
-        if num_output + num_inflight >= request.sampling.max_tokens or total >= self.limits.max_model_len:
+        if total >= self.rs.limit[request.slot]:  # a length rule of the stop table
             return Ahead.ENDS
         lookahead = self.config.num_lookahead_slots
         if total + lookahead > self.kv.usable_slots:
@@ -507,7 +419,7 @@ class Scheduler:
             budget.seqs += 1
             if not (work.is_new or work.resumed):
                 self.kv.release_tail(rid, len(work.new_block_ids))
-        elif self._unchoose(request):
+        elif self._plain.unchoose(request, self.kv):
             budget.tokens += 1
             budget.seqs += 1
         self.rs.remove(request)
@@ -529,20 +441,6 @@ class Scheduler:
         request.num_preemptions += 1
         self._thrash_guarded.add(rid)
         out.num_preempted += 1
-
-    def _unchoose(self, request: Request) -> bool:
-        """Take a request out of this step's plain decodes, giving back a block it grew by this step;
-        True if it was one of them and its token already came out of the budget (a row the walk of
-        _schedule_running has not reached yet takes its token only then)."""
-        order = self._step_order
-        for pos in np.flatnonzero(order.slots == request.slot).tolist():
-            if order.requests[pos] is request and self._step_chosen[pos]:
-                self._step_chosen[pos] = False
-                grown = self._step_grown.pop(pos, None)
-                if grown is not None:
-                    self.kv.release_tail(request.request_id, len(grown.new_block_ids))
-                return pos < self._step_taken
-        return False
 
     def _forget_in_executor(self, request_id: str) -> None:
         if request_id in self._known_by_executor:
@@ -691,33 +589,16 @@ class Scheduler:
 
     def _update_plain(self, plain: PlainRows, result: ExecutorResult, deltas: StepDeltas) -> None:
         """The plain decodes in columns: each appends its token; only those a stop rule may end, or that
-        the answer does not fit, walk through the per-request rules."""
-        tokens = self._plain_tokens(plain, result)
+        sampled their first token, walk through the per-request rules."""
+        tokens = plain_tokens(plain, result)
         if tokens is None:
             for work in plain.works:
                 self._update_one(work, result, deltas.others)
             return
-        rs = self.rs
-        slots, requests, ids, outputs = plain.slots, plain.requests, plain.ids, plain.outputs
-        alive = rs.gen[slots] == plain.gens
-        if not alive.all():
-            keep = alive.tolist()
-            slots = slots[alive]
-            requests, ids = list(compress(requests, keep)), list(compress(ids, keep))
-            outputs, tokens = list(compress(outputs, keep)), list(compress(tokens, keep))
-        deque(map(list.append, outputs, tokens), maxlen=0)
-        num_tokens = rs.num_tokens[slots] + 1
-        rs.num_tokens[slots] = num_tokens
-        check = (num_tokens >= rs.limit[slots]) | rs.watch[slots]
-        eos_ids = self.limits.eos_token_ids
-        if eos_ids:
-            sampled = np.fromiter(tokens, np.int64, len(tokens))
-            is_eos = sampled == eos_ids[0]
-            for eos in eos_ids[1:]:
-                is_eos |= sampled == eos
-            check |= rs.eos[slots] & is_eos
+        requests, ids, tokens, check = append_tokens(self.rs, plain, tokens)
         self._completed(ids)
         if check.any():
+            rs = self.rs
             for i in np.flatnonzero(check).tolist():
                 request = requests[i]
                 first = len(request.output_token_ids) == 1
@@ -730,24 +611,6 @@ class Scheduler:
             keep = (~check).tolist()
             ids, tokens = list(compress(ids, keep)), list(compress(tokens, keep))
         deltas.ids, deltas.tokens = ids, tokens
-
-    @staticmethod
-    def _plain_tokens(plain: PlainRows, result: ExecutorResult) -> list[int] | None:
-        """The one token each plain decode sampled, aligned with plain.ids; None when the answer says
-        more than that (errors, logprobs, several tokens, one missing)."""
-        if result.errors or result.logprobs:
-            return None
-        ids = plain.ids
-        if result.ids:
-            if result.ids[:len(ids)] == ids:
-                return result.tokens[:len(ids)]
-            found: list[int | None] = list(map(result.token_index().get, ids))
-        else:
-            lists = list(map(result.sampled.get, ids))
-            if any(tokens is None or len(tokens) != 1 for tokens in lists):
-                return None
-            return [tokens[0] for tokens in lists]  # type: ignore[index]
-        return None if None in found else found  # type: ignore[return-value]
 
     def _update_one(self, work: ScheduledWork, result: ExecutorResult, others: list[RequestDelta]) -> None:
         request = work.request
@@ -793,9 +656,9 @@ class Scheduler:
         output = request.output_token_ids
         first = len(output) - len(tokens)
         num_tokens = len(request.prompt_token_ids) + first
+        plans = self.rs.plans[request.slot]
         for i, token in enumerate(tokens):
-            reason = stop_reason(request.sampling, token, first + i + 1, num_tokens + i + 1,
-                                 self.limits.max_model_len, self.limits.eos_token_ids)
+            reason = stop_reason(plans, request.sampling, token, first + i + 1, num_tokens + i + 1)
             if reason is not None or i == len(tokens) - 1:
                 del output[first + i + 1:]
                 if reason is not None:

@@ -175,9 +175,10 @@ def check_columns(s: Scheduler) -> None:
         assert rs.capacity[slot] == len(s.kv.block_table(r.request_id)) * s.kv.block_size, \
             f"{r.request_id}: capacity column"
         assert len(s.kv.block_table(r.request_id)) <= s.kv.usable_blocks, f"{r.request_id} outgrew the usable pool"
+        # the stop columns, as the default stop table (stop_rules.STOP_RULES) derives them
         assert rs.limit[slot] == min(s.limits.max_model_len, r.num_prompt_tokens + opts.max_tokens)
         assert rs.watch[slot] == (bool(opts.stop_token_ids) or opts.min_tokens > 0 or not r.output_token_ids)
-        assert rs.eos[slot] == (not opts.ignore_eos)
+        assert [column[slot] for column in rs.listen] == ([not opts.ignore_eos] if s.limits.eos_token_ids else [])
         if s.kv.enable_caching:  # prompt blocks are registered as soon as they are computed
             assert s.kv._num_cached.get(r.request_id, 0) >= min(r.num_computed_tokens, r.num_prompt_tokens) // BLOCK, \
                 f"{r.request_id}: a computed full prompt block is not in the prefix cache"
