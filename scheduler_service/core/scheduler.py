@@ -34,14 +34,15 @@ RUNNING = RequestStatus.RUNNING
 
 def stop_reason(sampling: SamplingOptions, token: int, num_output: int, num_tokens: int, max_model_len: int,
                 eos_ids: tuple[int, ...]) -> FinishReason | None:
-    """Why a request stops after appending token (now num_output outputs, num_tokens in all), or None."""
-    if num_tokens >= max_model_len:
-        return FinishReason.LENGTH
+    """Why a request stops after appending token (now num_output outputs, num_tokens in all), or None. vLLM's order:
+    nothing stops it below min_tokens (the executor masks EOS and stop tokens there; max_model_len still ends it),
+    then EOS (unless ignore_eos) and stop_token_ids, then the length limits, so a stop token as the last allowed
+    token is a `stop`."""
     if num_output < sampling.min_tokens:
-        return None
+        return FinishReason.LENGTH if num_tokens >= max_model_len else None
     if (not sampling.ignore_eos and token in eos_ids) or token in sampling.stop_token_ids:
         return FinishReason.STOPPED
-    if num_output >= sampling.max_tokens:
+    if num_tokens >= max_model_len or num_output >= sampling.max_tokens:
         return FinishReason.LENGTH
     return None
 

@@ -35,6 +35,7 @@ from scheduler_service.frontend.openai.responses import (
     chat_choice,
     completion_choice,
     finish_reason,
+    stop_reason,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,7 +72,7 @@ class OpenAIApi:
         self._chat_key: tuple[str, str] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors, self._auth, self._json_only], client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
         app.router.add_get("/v1/models", self.models)
@@ -97,6 +98,16 @@ class OpenAIApi:
         if self._keys and request.path not in OPEN_PATHS and not self._valid(presented_key(request)):
             raise ApiError(401, "missing or invalid API key (send the header 'Authorization: Bearer KEY')",
                            code="invalid_api_key")
+        return await handler(request)
+
+    @web.middleware
+    async def _json_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every POST route takes application/json only (a charset parameter is fine), as vLLM: the content types a
+        web page may POST cross-origin without a CORS preflight (text/plain, form encodings, none) get 415, so a
+        page a user visits cannot drive a server that listens without an API key. No CORS header is ever sent."""
+        if (request.method == "POST" and request.match_info.http_exception is None
+                and request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json"):
+            raise ApiError(415, "Unsupported Media Type: Only 'application/json' is allowed")
         return await handler(request)
 
     def _valid(self, key: str) -> bool:
@@ -227,6 +238,7 @@ class Stream:
         choice.text.append(response.text)
         choice.logprobs.extend(response.logprobs)
         choice.finish_reason = finish_reason(response) or choice.finish_reason
+        choice.stop_reason = stop_reason(response) if response.finish_reason else choice.stop_reason
         self.usage.add(prompt_index, response)
 
     async def send(self, request: web.Request, first: generation_pb2.GenerateResponse | None,
@@ -276,6 +288,8 @@ class Stream:
                 logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
                 self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             choice = {"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": reason}
+        if reason is not None:
+            choice["stop_reason"] = stop_reason(response)
         return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}
 
 
