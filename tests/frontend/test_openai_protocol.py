@@ -120,3 +120,17 @@ def test_what_vllm_accepts() -> None:
 def test_error_objects_have_openai_types_and_codes(error: ApiError, kind: str, code: str | None) -> None:
     body = error.body()["error"]
     assert (body["type"], body["code"], body["param"]) == (kind, code, error.param)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("skip_special_tokens", False), ("use_beam_search", True), ("continue_final_message", True), ("echo", True),
+    ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("guided_json", {}),
+    ("structured_outputs", {"regex": "a"}), ("prompt_logprobs", 0),
+])
+def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_default(name: str, value: object) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": messages, name: value})
+    assert caught.value.param == name
+    parse_chat({"messages": messages, "skip_special_tokens": True, "echo": False, "bad_words": [],
+                "truncate_prompt_tokens": None})

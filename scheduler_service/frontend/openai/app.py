@@ -70,6 +70,7 @@ class OpenAIApi:
         self._tokenizer_dir = tokenizer_dir
         self._chat_template: ChatTemplate | None = None
         self._chat_key: tuple[str, str] | None = None
+        self.created = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth, self._json_only], client_max_size=64 * 2**20)
@@ -124,7 +125,8 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.model_name()
-        data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+        data = [] if name is None else [{"id": name, "object": "model", "created": self.created,
+                                         "owned_by": "pagedserve", "root": name, "parent": None,
                                          "max_model_len": self._max_model_len()}]
         return web.json_response({"object": "list", "data": data})
 
