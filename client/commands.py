@@ -50,10 +50,12 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability; default 0")
     g.add_argument("--seed", type=int, help="seed for reproducible sampling")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop string, not included in the output (repeatable)")
+                   help="stop string, not included in the output unless --include-stop-str-in-output (repeatable)")
     g.add_argument("--stop-token-ids", type=_ids, default=None, metavar="ID,ID,...",
                    help="token ids that end the generation")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS to --max-tokens")
+    g.add_argument("--include-stop-str-in-output", action="store_true", default=None,
+                   help="keep the stop string or stop token that ended the text in it")
     g.add_argument("--presence-penalty", type=float, help="in [-2, 2]: penalise tokens already generated")
     g.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: penalise tokens by how often they appeared")
     g.add_argument("--repetition-penalty", type=float, help="in (0, 2]; > 1 discourages repeating prompt or output")
@@ -74,8 +76,8 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
 
 
 SAMPLING_ARGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logprobs", "n", "priority")
+                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logprobs", "n", "priority")
 
 
 def response_json(r: generation_pb2.GenerateResponse) -> str:
@@ -84,6 +86,9 @@ def response_json(r: generation_pb2.GenerateResponse) -> str:
         "finish_reason": FINISH_NAMES.get(r.finish_reason)}
     if r.error:
         obj["error"] = r.error
+    which = r.WhichOneof("stop_reason")
+    if which is not None:
+        obj["stop_reason"] = getattr(r, which)
     if r.finish_reason:
         obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
     if r.logprobs:

@@ -49,10 +49,18 @@ class SimulatedBackend:
         return key
 
     def token_at(self, item: BatchItem, position: int) -> int:
+        """The token at `position`; below min_tokens never EOS or a stop token (the next printable one instead)."""
         h = splitmix64(self._key(item), position)
-        if self.config.sim_eos_rate > 0 and (h >> 32) / 2**32 < self.config.sim_eos_rate:
+        masked = item.sampling.masked_ids(position - item.num_prompt_tokens, self.info.eos_token_ids)
+        if (self.config.sim_eos_rate > 0 and (h >> 32) / 2**32 < self.config.sim_eos_rate
+                and self.config.sim_eos_token_id not in masked):
             return self.config.sim_eos_token_id
-        return PRINTABLE_LOW + h % (PRINTABLE_HIGH - PRINTABLE_LOW)
+        span = PRINTABLE_HIGH - PRINTABLE_LOW
+        for k in range(span):
+            token = PRINTABLE_LOW + (h + k) % span
+            if token not in masked:
+                return token
+        return next(t for t in range(self.info.vocab_size) if t not in masked)
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         return [self.sample(i) if i.sample else None for i in items]

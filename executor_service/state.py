@@ -48,10 +48,12 @@ class StepPlan:
 
 def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
     """The sampler's view of a request's SamplingParams; an unset optional field is SamplingConfig's default
-    (protos/contract.py's SAMPLING table)."""
+    (protos/contract.py's SAMPLING table). min_tokens and stop_token_ids come along: the sampler masks those ids
+    and EOS until min_tokens are out."""
     given = {name: getattr(p, name) for name in OPTIONAL_SAMPLING_FIELDS if p.HasField(name)}
     return SamplingConfig(min_p=p.min_p, presence_penalty=p.presence_penalty,
-                          frequency_penalty=p.frequency_penalty, **given)
+                          frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
+                          stop_token_ids=tuple(p.stop_token_ids), **given)
 
 
 class RequestTable:

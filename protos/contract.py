@@ -73,7 +73,10 @@ SAMPLING = SamplingTable()
 @dataclass(slots=True, frozen=True)
 class SamplingConfig:
     """The parameters that shape a request's next-token distribution: what the executor's sampler reads.
-    The scheduler's SamplingOptions extends them with what only the scheduler needs (lengths, stops)."""
+    The scheduler's SamplingOptions extends them with what only the scheduler needs (lengths, stops).
+
+    min_tokens and stop_token_ids shape it too: until min_tokens tokens are out, the executor masks the
+    stop_token_ids and its own EOS ids (vLLM's min_tokens rule, ignore_eos or not)."""
 
     temperature: float = SAMPLING.temperature.default
     top_p: float = SAMPLING.top_p.default
@@ -84,3 +87,12 @@ class SamplingConfig:
     frequency_penalty: float = SAMPLING.frequency_penalty.default
     repetition_penalty: float = SAMPLING.repetition_penalty.default
     logprobs: int | None = SAMPLING.logprobs.default
+    min_tokens: int = SAMPLING.min_tokens.default
+    stop_token_ids: tuple[int, ...] = ()
+
+    def masked_ids(self, num_output: int, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The token ids a request may not sample after num_output tokens of its own: its stop tokens and the
+        model's EOS ids while num_output < min_tokens (vLLM's min_tokens), none after."""
+        if num_output >= self.min_tokens:
+            return ()
+        return (*eos_token_ids, *self.stop_token_ids)

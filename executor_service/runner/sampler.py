@@ -1,13 +1,14 @@
 """Batched sampling with vLLM's parameter semantics.
 
-Order per row: penalties (repetition over prompt + output, presence/frequency over output), then
-greedy argmax when temperature < 1e-5, else temperature, top-k, top-p, min-p and an exponential-race
+Order per row: penalties (repetition over prompt + output, presence/frequency over output), the min_tokens mask
+(EOS and the request's stop_token_ids at -inf until min_tokens tokens are out, as vLLM's MinTokensLogitsProcessor),
+then greedy argmax when temperature < 1e-5, else temperature, top-k, top-p, min-p and an exponential-race
 draw (argmax of probs / Exp(1) noise, equivalent to sampling from probs). A seeded row's noise comes
 from a generator seeded with mix(seed, position of the sampled token), so its tokens do not depend on
 batching, preemption or recompute. Unseeded rows share one generator seeded once from the executor seed.
 
-Logprobs are the raw model distribution: log_softmax of the logits before penalties, temperature
-and filtering (vLLM's default `raw_logprobs`).
+Logprobs are the raw model distribution: log_softmax of the logits before penalties, the min_tokens mask,
+temperature and filtering (vLLM's default `raw_logprobs`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class RowSets:
     random: list[int]
     penalised: list[int]
     logprobs: list[int]
+    masked: list[tuple[int, tuple[int, ...]]]  # (row, the ids it may not sample): below its min_tokens
 
     @classmethod
-    def of(cls, requests: Sequence[SampleRequest]) -> RowSets:
-        sets = cls([], [], [])
+    def of(cls, requests: Sequence[SampleRequest], eos_token_ids: Sequence[int] = ()) -> RowSets:
+        sets = cls([], [], [], [])
         for i, r in enumerate(requests):
             s = r.sampling
             if not is_greedy(s):
@@ -56,12 +58,17 @@ class RowSets:
                 sets.penalised.append(i)
             if s.logprobs is not None:
                 sets.logprobs.append(i)
+            if s.min_tokens:
+                ids = s.masked_ids(r.position - r.num_prompt_tokens, eos_token_ids)
+                if ids:
+                    sets.masked.append((i, ids))
         return sets
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: Sequence[int] = ()) -> None:
         self.device = device
+        self.eos_token_ids = tuple(eos_token_ids)  # the model's EOS ids, masked with stop_token_ids below min_tokens
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed & (MASK64 >> 1))
 
@@ -72,14 +79,15 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         if not requests:
             return []
-        rows = RowSets.of(requests)
-        if not (rows.random or rows.penalised or rows.logprobs):
+        rows = RowSets.of(requests, self.eos_token_ids)
+        if not (rows.random or rows.penalised or rows.logprobs or rows.masked):
             return [SampleOutput(token_id=t) for t in argmax_rows(logits.float()).tolist()]
         logits = logits.float()
         raw_logprobs = None
         if rows.logprobs:
             raw_logprobs = torch.log_softmax(logits.index_select(0, self.index(rows.logprobs)), dim=-1)
         logits = apply_penalties(logits, requests, rows.penalised)
+        logits = apply_min_tokens(logits, rows.masked)
         tokens = self.choose_tokens(logits, requests, rows.random)
         return build_outputs(tokens, raw_logprobs, requests, rows.logprobs)
 
@@ -150,6 +158,18 @@ def apply_penalties(logits: Tensor, requests: Sequence[SampleRequest], rows: lis
     values = torch.where(seen, torch.where(values > 0, values / rep, values * rep), values)
     values = values - freq * counts - presence * (counts > 0).to(values.dtype)
     return logits.index_copy(0, index, values)
+
+
+def apply_min_tokens(logits: Tensor, masked: list[tuple[int, tuple[int, ...]]]) -> Tensor:
+    """-inf at each masked (row, token id) pair, ids outside the vocabulary ignored; logits is not modified."""
+    if not masked:
+        return logits
+    vocab = logits.shape[1]
+    pairs = [(row, t) for row, ids in masked for t in ids if 0 <= t < vocab]
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.long, device=logits.device).t()
+    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
 
 
 def token_stats(requests: Sequence[SampleRequest], vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -117,6 +117,7 @@ class TorchBackend:
                            device=device)
         info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                           num_swap_blocks)
+        sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
             graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,

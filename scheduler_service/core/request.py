@@ -28,8 +28,6 @@ class SamplingOptions(SamplingConfig):
     defaults from protos/contract.py's SAMPLING table."""
 
     max_tokens: int = SAMPLING.max_tokens.default
-    min_tokens: int = SAMPLING.min_tokens.default
-    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     priority: int = SAMPLING.priority.default
 

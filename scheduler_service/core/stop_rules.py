@@ -104,8 +104,10 @@ class MaxTokens(LengthRule):
         return num_prompt + sampling.max_tokens
 
 
-STOP_RULES: tuple[StopRule, ...] = (MaxModelLen(), Eos(), StopTokens(), MaxTokens())
-"""The stop rules, in the order the per-request check asks them (the first that fires gives the reason)."""
+STOP_RULES: tuple[StopRule, ...] = (Eos(), StopTokens(), MaxModelLen(), MaxTokens())
+"""The stop rules, in the order the per-request check asks them (the first that fires gives the reason): vLLM V1's
+check_stop order, so EOS or a stop token that is the last token the limits allow is a `stop`; below min_tokens
+only max_model_len (ungated) can end a request."""
 
 
 Entry = tuple[int, tuple[int, ...] | None, Fires | None, FinishReason]

@@ -44,18 +44,39 @@ API_SERVER_HEADER = "pagedserve-api-server"  # "INDEX PID" of the api server pro
 
 @dataclass(slots=True)
 class SequenceOutput:
+    """One sequence's text as it streams: detokenized, cut at stop strings, the stop token's text left out."""
+
     index: int
     detokenizer: TokenStream
     stops: StopMatcher
     min_tokens: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids; empty with ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False  # include_stop_str_in_output: the stop string or stop token stays in the text
     num_tokens: int = 0
     done: bool = False
 
-    def read(self, token_ids: list[int]) -> tuple[str, int | None]:
+    def ends_on_stop_token(self, token_ids: list[int], reason: FinishReason | None) -> bool:
+        """Whether the core ended the sequence on its last token being EOS or a stop token (STOPPED past
+        min_tokens: the core's only other STOPPED finishes are the stop strings this front-end reports)."""
+        return (reason is FinishReason.STOPPED and bool(token_ids)
+                and self.num_tokens + len(token_ids) >= self.min_tokens
+                and (token_ids[-1] in self.eos_token_ids or token_ids[-1] in self.stop_token_ids))
+
+    def read(self, token_ids: list[int], stop_token: bool = False) -> tuple[str, int | None]:
         """Text to emit for new tokens, and how many of them to keep when a stop string ends the sequence.
 
         Stop strings count only once min_tokens are out (as in vLLM); the tokens after the one that
-        completed a stop string are dropped, like the text after it."""
+        completed a stop string are dropped, like the text after it. When the last token is the stop token
+        that ended the sequence (stop_token), its text is left out unless include_stop; it still counts."""
+        if stop_token and not self.include_stop:
+            text, keep = self._read(token_ids[:-1])
+            if keep is None:
+                self.num_tokens += 1
+            return text, keep
+        return self._read(token_ids)
+
+    def _read(self, token_ids: list[int]) -> tuple[str, int | None]:
         if not self.stops.active:
             self.num_tokens += len(token_ids)
             return self.detokenizer.step(token_ids), None
@@ -261,9 +282,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                       streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError],
                       answered: set[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
         tok = self.tokenizer()
-        stops = list(request.sampling.stop)
-        min_tokens = request.sampling.min_tokens
-        seqs = {sub_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops), min_tokens)
+        p = request.sampling
+        stops = list(p.stop)
+        include = p.include_stop_str_in_output
+        describe = self.engine.describe
+        eos = frozenset(describe.eos_token_ids if describe is not None and not p.ignore_eos else ())
+        stop_ids = frozenset(p.stop_token_ids)
+        seqs = {sub_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops, include), p.min_tokens, eos,
+                                       stop_ids, include)
                 for i, sub_id in enumerate(streams)}
         remaining = len(seqs)
         while remaining:
@@ -289,9 +315,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
                  ) -> generation_pb2.GenerateResponse | None:
-        text, keep = seq.read(delta.new_token_ids)
         token_ids, logprobs = delta.new_token_ids, delta.logprobs
         reason = delta.finish_reason
+        stop_token = seq.ends_on_stop_token(token_ids, reason)
+        text, keep = seq.read(token_ids, stop_token)
         if keep is not None:
             token_ids, logprobs = token_ids[:keep], logprobs[:keep]
             if reason in (None, FinishReason.LENGTH):
@@ -303,6 +330,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
         if logprobs:
             response.logprobs.extend(token_logprobs_proto(lp) for lp in logprobs)
+        if keep is not None:
+            response.stop_str = seq.stops.matched or ""
+        elif stop_token and token_ids[-1] not in seq.eos_token_ids:
+            response.stop_token_id = token_ids[-1]
         if reason is not None:
             seq.done = True
             response.finish_reason = FINISH_REASONS[reason]

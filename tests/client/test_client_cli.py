@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
-from client.commands import build_parser
+from client.commands import SAMPLING_ARGS, build_parser, response_json
+from client.lib import build_request
+from protos.pagedserve.v1 import generation_pb2
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -28,3 +31,14 @@ def test_bench_backend_flags_parse() -> None:
     assert (args.backend, args.base_url, args.model) == ("openai", "http://h:1", "m")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--backend", "http"])
+
+
+def test_generate_sends_include_stop_str_in_output_and_json_shows_the_stop_reason() -> None:
+    args = build_parser().parse_args(["generate", "--include-stop-str-in-output", "--stop-token-ids", "7", "hi"])
+    sampling = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
+    request = build_request(args.prompt, **sampling)
+    assert request.sampling.include_stop_str_in_output and list(request.sampling.stop_token_ids) == [7]
+    last = generation_pb2.GenerateResponse(token_ids=[7], finish_reason=generation_pb2.FINISH_REASON_STOP,
+                                           stop_token_id=7)
+    assert json.loads(response_json(last))["stop_reason"] == 7
+    assert "stop_reason" not in json.loads(response_json(generation_pb2.GenerateResponse(token_ids=[5])))

@@ -133,11 +133,11 @@ def expected_output(req: Request, max_model_len: int) -> tuple[list[int], Finish
     while True:
         t = token_at(req.request_id, n + len(out), EOS, 23)
         out.append(t)
-        if n + len(out) >= max_model_len:
-            return out, FinishReason.LENGTH
         if len(out) < options.min_tokens:
+            if n + len(out) >= max_model_len:
+                return out, FinishReason.LENGTH
             continue
         if (not options.ignore_eos and t in (EOS, EOS2)) or t in options.stop_token_ids:
             return out, FinishReason.STOPPED
-        if len(out) >= options.max_tokens:
+        if n + len(out) >= max_model_len or len(out) >= options.max_tokens:
             return out, FinishReason.LENGTH

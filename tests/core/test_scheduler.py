@@ -88,6 +88,21 @@ def test_ignore_eos_and_stop_token_ids() -> None:
     assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.STOPPED}
 
 
+def test_a_stop_token_as_the_last_allowed_token_is_a_stop() -> None:
+    """vLLM's order: EOS and stop tokens before the length limits, max_tokens and max_model_len alike."""
+    s = make_scheduler(max_model_len=8)
+    s.add_request(make_request("tokens", 3, max_tokens=2, stop_token_ids=(9,)))
+    s.add_request(make_request("model_len", 5, max_tokens=3))
+    reasons = {}
+    while s.has_unfinished():
+        out = s.schedule()
+        for d in s.update(out, run_step(out, lambda rid, pos: 9 if rid == "tokens" and pos == 4 else
+                                        EOS if rid == "model_len" and pos == 7 else 50)):
+            if d.finish_reason:
+                reasons[d.request_id] = d.finish_reason
+    assert reasons == {"tokens": FinishReason.STOPPED, "model_len": FinishReason.STOPPED}
+
+
 def test_max_model_len_stops() -> None:
     s = make_scheduler(max_model_len=8)
     s.add_request(make_request("a", 5, max_tokens=100))

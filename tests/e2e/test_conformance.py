@@ -27,7 +27,7 @@ STEP_TIMEOUT_S = 60.0
 SEED = 1234
 SAMPLING = common_pb2.SamplingParams(temperature=0.0, seed=SEED, ignore_eos=True, max_tokens=4096)
 EXECUTORS: dict[str, list[str]] = {
-    "simulated": ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64"],
+    "simulated": ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--sim-eos-rate", "0.1"],
     "torch": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64",
               "--device", os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")],
     # two ranks over gloo (a CUDA run needs two devices: benchmarks/gpu_check.sh does that one)
@@ -71,6 +71,7 @@ class Seq:
     swap_blocks: list[int] = field(default_factory=list)
     live: bool = False  # the executor holds its state
     resume: bool = False  # swapped back in: the next step sends its whole table with resumed=True
+    sampling: common_pb2.SamplingParams = field(default_factory=lambda: SAMPLING)
 
     @property
     def outputs(self) -> list[int]:
@@ -151,7 +152,7 @@ class Session:
         if not seq.live:
             return executor_pb2.NewRequest(
                 request_id=seq.rid, token_ids=seq.tokens, num_prompt_tokens=seq.num_prompt,
-                num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks, sampling=SAMPLING)
+                num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks, sampling=seq.sampling)
         if seq.resume:
             return Running(seq.rid, seq.blocks, n, resumed=True)
         return Running(seq.rid, added, n)
@@ -424,3 +425,51 @@ async def test_a_new_stream_after_the_old_one_ends_drops_its_state(session: Sess
     b = session.seq("b", 10, seed=15)
     b.blocks = list(a.blocks)
     await session.generate(b, 2)
+
+
+async def test_min_tokens_masks_eos_and_stop_tokens_counted_from_the_prompt(session: Session) -> None:
+    """min_tokens is a logits mask (vLLM's): while a request has fewer than min_tokens outputs
+    (len(token_ids) - num_prompt_tokens), it samples none of Describe.eos_token_ids and none of its
+    stop_token_ids, ignore_eos or not; past that it samples as without the mask. The count is the same for a
+    request resent as new with its outputs (recompute preemption) and across the steps of a multi-step pass."""
+    eos = set(session.describe.eos_token_ids)
+    candidates = [session.seq(f"c{i}", 10, seed=100 + i) for i in range(4)]
+    await session.run([(c, 10) for c in candidates])
+    await session.decode(candidates, 39)
+    with_eos = [c for c in candidates if eos & set(c.outputs)]
+    if not with_eos:
+        pytest.skip("no greedy run of this executor sampled EOS")
+    ref = min(with_eos, key=lambda c: next(i for i, t in enumerate(c.outputs) if t in eos))
+    first_eos = next(i for i, t in enumerate(ref.outputs) if t in eos)
+    common = sorted({t for t in ref.outputs if t not in eos}, key=ref.outputs.count, reverse=True)[:3]
+    min_tokens = min(first_eos + 3, 30)
+    finished = [session.finish(c) for c in candidates]
+    masked = common_pb2.SamplingParams()
+    masked.CopyFrom(SAMPLING)
+    masked.min_tokens, masked.stop_token_ids[:] = min_tokens, common
+    unmasked = common_pb2.SamplingParams()
+    unmasked.CopyFrom(masked)
+    unmasked.min_tokens = 0
+
+    def like_ref(rid: str, sampling: common_pb2.SamplingParams) -> Seq:
+        return Seq(rid, ref.tokens[:10], 10, sampling=sampling)
+
+    m, zero, resent = like_ref("m", masked), like_ref("zero", unmasked), like_ref("resent", masked)
+    await session.run([(m, 10), (zero, 10), (resent, 10)], finished_ids=finished)
+    await session.decode([m, zero, resent], 2)
+    # recompute: resent is dropped and sent again as new with its outputs; its count goes on from 3 outputs
+    finished = [session.finish(resent)]
+    resent.computed = 0
+    await session.run([(m, 1), (zero, 1), (resent, len(resent.tokens))], finished_ids=finished)
+    await session.decode([m, zero, resent], min_tokens + 16)
+    assert not (eos | set(common)) & set(m.outputs[:min_tokens]), "masked tokens sampled below min_tokens"
+    assert zero.outputs == ref.outputs[:len(zero.outputs)], "stop_token_ids without min_tokens changed the tokens"
+    assert resent.outputs == m.outputs, "a request resent with its outputs must count them towards min_tokens"
+    k = min(4, session.describe.capabilities.max_num_steps)
+    if k > 1:
+        multi = like_ref("multi", masked)
+        finished = [session.finish(s) for s in (m, zero, resent)]
+        await session.run([(multi, 10)], finished_ids=finished)
+        while len(multi.outputs) < min_tokens + 4:
+            await session.run([(multi, 1)], num_steps=k)
+        assert multi.outputs == m.outputs[:len(multi.outputs)], "multi-step passes must count outputs too"

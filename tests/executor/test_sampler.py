@@ -219,3 +219,31 @@ def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="do not match"):
         Sampler(0, CPU).sample(random_logits(2), [request(SamplingConfig())])
     assert Sampler(0, CPU).sample(torch.empty(0, VOCAB), []) == []
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_enough_are_out() -> None:
+    """vLLM's min_tokens: below it, EOS and the request's stop tokens cannot be sampled (greedy or not, whatever
+    ignore_eos says); from it on the distribution is the model's again. Ids outside the vocabulary are ignored."""
+    eos = (5, 6)
+    logits = torch.zeros(8, VOCAB)
+    logits[:, 5], logits[:, 6], logits[:, 9], logits[:, 11] = 19.0, 18.0, 17.0, 6.0  # EOS, EOS, stop token 9, then 11
+    greedy = SamplingConfig(temperature=0.0, min_tokens=3, stop_token_ids=(9, VOCAB + 4))
+    hot = SamplingConfig(temperature=0.3, seed=1, min_tokens=3, stop_token_ids=(9,))
+    # position - prompt length = tokens out so far: 0, 2 are below min_tokens 3; 3 is not
+    reqs = [request(greedy, position=4, prompt=(1, 2, 3, 4)), request(greedy, position=6, prompt=(1, 2, 3, 4)),
+            request(greedy, position=7, prompt=(1, 2, 3, 4)), request(hot, position=4, prompt=(1, 2, 3, 4)),
+            request(SamplingConfig(temperature=0.0), position=0), request(hot, position=9, prompt=(1,)),
+            request(SamplingConfig(temperature=0.0, min_tokens=2, logprobs=1), position=1, prompt=(1,)),  # EOS only
+            request(SamplingConfig(temperature=0.0, min_tokens=1), position=1, prompt=(1,))]
+    out = Sampler(0, CPU, eos_token_ids=eos).sample(logits, reqs)
+    tokens = [o.token_id for o in out]
+    assert tokens[:5] + tokens[6:] == [11, 11, 5, 11, 5, 9, 9] and tokens[5] in (*eos, 9)
+    raw = torch.log_softmax(logits[6], dim=-1)  # logprobs stay the raw distribution, as vLLM's raw_logprobs
+    assert out[6].logprob == pytest.approx(float(raw[9])) and out[6].top_logprobs[0][0] == 5
+
+
+def test_min_tokens_zero_keeps_the_greedy_fast_path() -> None:
+    logits = random_logits(6, seed=8)
+    configs = [SamplingConfig(temperature=0.0, stop_token_ids=tuple(logits.argmax(dim=-1).tolist()))] * 6
+    out = Sampler(0, CPU, eos_token_ids=(int(logits[0].argmax()),)).sample(logits, [request(c) for c in configs])
+    assert [o.token_id for o in out] == logits.argmax(dim=-1).tolist()

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from executor_service.backend import BackendLost, BatchItem, SampleOutput
+from executor_service.backend import BackendLost, BatchItem, SampleOutput, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.server import ExecutorServicer, serve
 from executor_service.simulated import SimulatedBackend
@@ -221,3 +221,22 @@ async def test_an_executor_whose_answer_breaks_the_contract_is_dropped_as_lost(m
         await connection.close()
     finally:
         await server.stop(None)
+
+
+def test_the_simulated_executor_masks_eos_and_stop_tokens_below_min_tokens() -> None:
+    """min_tokens through the contract: below it the simulated model never samples EOS or a stop token (it takes
+    the next printable token instead); at and past it, and with min_tokens 0, its tokens are what they always were."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, sim_eos_rate=1.0, num_gpu_blocks=16, num_cpu_blocks=4))
+    eos = backend.info.eos_token_ids[0]
+
+    def item(prompt: int, outputs: int, **sampling: object) -> BatchItem:
+        tokens = [65] * (prompt + outputs)
+        return BatchItem("r", tokens, prompt, 0, len(tokens), [0], True, SamplingConfig(seed=3, **sampling))  # type: ignore[arg-type]
+
+    assert [backend.sample(item(4, k)).token_id for k in range(4)] == [eos] * 4
+    masked = [backend.sample(item(4, k, min_tokens=3)).token_id for k in range(4)]
+    assert eos not in masked[:3] and masked[3] == eos
+    free = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4))
+    natural = [free.sample(item(4, k)).token_id for k in range(4)]
+    stopped = [free.sample(item(4, k, min_tokens=2, stop_token_ids=tuple(natural))).token_id for k in range(4)]
+    assert not set(stopped[:2]) & set(natural) and stopped[2:] == natural[2:]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from executor_service.default_model.model import ensure_default_model
+from scheduler_service.core.request import FinishReason
+from scheduler_service.frontend.generation import SequenceOutput
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 
@@ -91,3 +94,41 @@ def test_flush_returns_what_was_held_back_at_the_end() -> None:
     streamed = detok.step(ids[:1]) + detok.step(ids[1:])
     assert streamed + detok.flush() == tok.decode(ids)
     assert streamed == "x"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_holds_nothing_back() -> None:
+    m = StopMatcher(["STOP", "xyz"], include=True)
+    assert m.feed("abc ST") == ("abc ST", False)  # nothing held back: the stop string stays in the text anyway
+    assert m.feed("O") == ("O", False)
+    assert m.feed("P! more") == ("P", True)  # a stop string that began in text already sent
+    assert m.matched == "STOP" and m.flush() == ""
+    early = StopMatcher(["ab"], include=True)
+    assert early.feed_unchecked("xab") == "xab"  # before min_tokens: no match, even later
+    assert early.feed("c") == ("c", False)
+    assert early.feed("zab") == ("zab", True) and early.matched == "ab"
+    plain = StopMatcher(["ab", "b"])
+    assert plain.feed("xaby") == ("x", True) and plain.matched == "ab"  # the one that starts first
+
+
+def sequence(tok: TextTokenizer, stops: tuple[str, ...] = (), **fields: Any) -> SequenceOutput:
+    return SequenceOutput(0, tok.stream([]), StopMatcher(list(stops)), **fields)
+
+
+def test_the_stop_token_that_ends_a_sequence_is_counted_but_not_in_the_text() -> None:
+    """vLLM: EOS or a stop_token_ids entry that ends the sequence stays in token_ids and usage, its text is left
+    out unless include_stop_str_in_output; below min_tokens it is no stop at all."""
+    tok = ByteTokenizer()
+    ids = tok.encode("How many")
+    many = ids[3]  # " " as a stop token
+    seq = sequence(tok, stop_token_ids=frozenset({many}), eos_token_ids=frozenset({0}))
+    assert seq.ends_on_stop_token(ids[:4], FinishReason.STOPPED)
+    assert seq.read(ids[:4], True) == ("How", None) and seq.num_tokens == 4
+    kept = sequence(tok, stop_token_ids=frozenset({many}), include_stop=True)
+    assert kept.read(ids[:4], kept.ends_on_stop_token(ids[:4], FinishReason.STOPPED)) == ("How ", None)
+    early = sequence(tok, stop_token_ids=frozenset({many}), min_tokens=5)
+    assert not early.ends_on_stop_token(ids[:4], FinishReason.STOPPED)
+    assert not sequence(tok, stop_token_ids=frozenset({many})).ends_on_stop_token(ids[:4], FinishReason.LENGTH)
+    eos = sequence(tok, eos_token_ids=frozenset({ord("w")}))
+    assert eos.read(ids[:3], eos.ends_on_stop_token(ids[:3], FinishReason.STOPPED)) == ("Ho", None)
+    stopped_before = sequence(tok, stops=("o",), stop_token_ids=frozenset({many}))
+    assert stopped_before.read(ids[:4], True) == ("H", 2)  # a stop string before the stop token cuts there

@@ -74,3 +74,63 @@ def test_chat_template_renders_with_special_tokens_and_refuses_politely() -> Non
     with pytest.raises(ApiError) as caught:
         strict.render([], {})
     assert caught.value.status == 400 and "only one message" in caught.value.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+    ({"prompt": "a", "seed": 2**63}, "seed"),
+    ({"prompt": "a", "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "a", "response_format": "text"}, "response_format"),
+    ({"prompt": "a", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+])
+def test_vllm_request_rules(body: dict[str, object], param: str) -> None:
+    """vLLM's (and OpenAI's) rules: stream_options only with stream true; a signed 64-bit seed; response_format
+    text only, until structured outputs."""
+    with pytest.raises(ApiError) as caught:
+        parse_completion(body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_what_vllm_accepts() -> None:
+    api = parse_completion({"prompt": "a", "model": "", "seed": 2**63 - 1, "stream_options": None,
+                            "response_format": {"type": "text"}, "include_stop_str_in_output": True})
+    assert api.model is None and api.sampling.seed == 2**63 - 1 and api.sampling.include_stop_str_in_output
+    assert parse_completion({"prompt": "a", "seed": -(2**63)}).sampling.seed == 2**63  # two's complement
+    assert not parse_completion({"prompt": "a", "stream_options": {}}).include_usage
+    chat, _, _ = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 0})
+    assert chat.logprobs == 0
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert caught.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(("error", "kind", "code"), [
+    (ApiError(400, "max_tokens: bad", "max_tokens"), "invalid_request_error", None),
+    (ApiError(401, "no key", code="invalid_api_key"), "invalid_request_error", "invalid_api_key"),
+    (ApiError(404, "The model `x` does not exist.", "model", "model_not_found"), "invalid_request_error",
+     "model_not_found"),
+    (ApiError(405, "Method Not Allowed"), "invalid_request_error", None),
+    (ApiError(415, "Unsupported Media Type"), "invalid_request_error", None),
+    (ApiError(429, "queue full"), "rate_limit_error", "rate_limit_exceeded"),
+    (ApiError(500, "boom"), "server_error", None),
+    (ApiError(503, "later"), "service_unavailable_error", None),
+])
+def test_error_objects_have_openai_types_and_codes(error: ApiError, kind: str, code: str | None) -> None:
+    body = error.body()["error"]
+    assert (body["type"], body["code"], body["param"]) == (kind, code, error.param)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("skip_special_tokens", False), ("use_beam_search", True), ("continue_final_message", True), ("echo", True),
+    ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("guided_json", {}),
+    ("structured_outputs", {"regex": "a"}), ("prompt_logprobs", 0),
+])
+def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_default(name: str, value: object) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": messages, name: value})
+    assert caught.value.param == name
+    parse_chat({"messages": messages, "skip_special_tokens": True, "echo": False, "bad_words": [],
+                "truncate_prompt_tokens": None})

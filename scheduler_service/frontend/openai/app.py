@@ -35,6 +35,7 @@ from scheduler_service.frontend.openai.responses import (
     chat_choice,
     completion_choice,
     finish_reason,
+    stop_reason,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -69,9 +70,10 @@ class OpenAIApi:
         self._tokenizer_dir = tokenizer_dir
         self._chat_template: ChatTemplate | None = None
         self._chat_key: tuple[str, str] | None = None
+        self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors, self._auth, self._json_only], client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
         app.router.add_get("/v1/models", self.models)
@@ -99,6 +101,16 @@ class OpenAIApi:
                            code="invalid_api_key")
         return await handler(request)
 
+    @web.middleware
+    async def _json_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every POST route takes application/json only (a charset parameter is fine), as vLLM: the content types a
+        web page may POST cross-origin without a CORS preflight (text/plain, form encodings, none) get 415, so a
+        page a user visits cannot drive a server that listens without an API key. No CORS header is ever sent."""
+        if (request.method == "POST" and request.match_info.http_exception is None
+                and request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower() != "application/json"):
+            raise ApiError(415, "Unsupported Media Type: Only 'application/json' is allowed")
+        return await handler(request)
+
     def _valid(self, key: str) -> bool:
         return any(hmac.compare_digest(key.encode(), k) for k in self._keys)
 
@@ -113,7 +125,8 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.model_name()
-        data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+        data = [] if name is None else [{"id": name, "object": "model", "created": self.created,
+                                         "owned_by": "pagedserve", "root": name, "parent": None,
                                          "max_model_len": self._max_model_len()}]
         return web.json_response({"object": "list", "data": data})
 
@@ -227,6 +240,7 @@ class Stream:
         choice.text.append(response.text)
         choice.logprobs.extend(response.logprobs)
         choice.finish_reason = finish_reason(response) or choice.finish_reason
+        choice.stop_reason = stop_reason(response) if response.finish_reason else choice.stop_reason
         self.usage.add(prompt_index, response)
 
     async def send(self, request: web.Request, first: generation_pb2.GenerateResponse | None,
@@ -276,6 +290,8 @@ class Stream:
                 logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
                 self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             choice = {"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": reason}
+        if reason is not None:
+            choice["stop_reason"] = stop_reason(response)
         return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}
 
 

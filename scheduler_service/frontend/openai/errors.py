@@ -16,29 +16,31 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-}
+ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable_error"}
+"""OpenAI's error types: `invalid_request_error` for what the client got wrong (400, 401, 404, 415, ...),
+`server_error` for the rest, and these two where OpenAI's own names vary by cause."""
+ERROR_CODES = {429: "rate_limit_exceeded"}
 FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[\d+\])?: ")
 PARAMS = {"prompt_token_ids": "prompt", "request_id": "user"}
 
 
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 @dataclass(slots=True)
 class ApiError(Exception):
+    """An OpenAI error object: `code` is null unless OpenAI has a code for the case (model_not_found,
+    invalid_api_key, rate_limit_exceeded)."""
+
     status: int
     message: str
     param: str | None = None
     code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code or kind}}
+        return {"error": {"message": self.message, "type": error_type(self.status), "param": self.param,
+                          "code": self.code or ERROR_CODES.get(self.status)}}
 
 
 def bad_param(param: str, message: str) -> ApiError:

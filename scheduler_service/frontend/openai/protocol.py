@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,17 @@ Prompt = str | list[int]
 UINT32 = 2**32
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 UINT_PARAMS = ("min_tokens", "n")
-REFUSED_PARAMS = ("suffix", "logit_bias", "tools", "functions", "response_format")
+REFUSED_PARAMS = ("suffix", "logit_bias", "tools", "functions")
+DEFAULT_ONLY: dict[str, Any] = {
+    # vLLM's extensions this server does not implement: taken at their default (or null), refused otherwise rather
+    # than ignored, since each changes what comes back. The guided_* and structured_outputs ones wait for the
+    # structured-outputs issue, like response_format.
+    "echo": False, "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+    "continue_final_message": False, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+    "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None, "structured_outputs": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
+INT64 = 2**63
 
 
 @dataclass(slots=True)
@@ -48,10 +59,12 @@ def parse_chat(body: Any) -> tuple[ApiRequest, list[dict[str, Any]], dict[str, A
     """The request, the messages (content flattened to text), and extra template variables."""
     body = require_object(body)
     request = parse_common(body, ("max_completion_tokens", "max_tokens"))
-    if body.get("logprobs"):
-        top = body.get("top_logprobs")
-        request.logprobs = 0 if top is None else read_uint(body, "top_logprobs")
+    top = read_uint(body, "top_logprobs") if body.get("top_logprobs") is not None else None
+    if read_bool(body, "logprobs"):
+        request.logprobs = top or 0
         request.sampling.logprobs = request.logprobs
+    elif top:
+        raise bad_param("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true")
     messages = parse_messages(body.get("messages"))
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -70,11 +83,16 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     for name in REFUSED_PARAMS:
         if body.get(name):
             raise bad_param(name, f"{name} is not supported by this server")
+    for name, default in DEFAULT_ONLY.items():
+        if body.get(name) is not None and body[name] != default:
+            raise bad_param(name, f"{name} is not supported by this server"
+                                  f"{'' if default is None else f' (only {json.dumps(default)})'}")
+    read_response_format(body.get("response_format"))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_param("model", "must be a string")
     sampling = common_pb2.SamplingParams()
-    request = ApiRequest(model, sampling, stream=read_bool(body, "stream"))
+    request = ApiRequest(model or None, sampling, stream=read_bool(body, "stream"))  # "" serves the default model
     for key in max_tokens_keys:
         if body.get(key) is not None:
             sampling.max_tokens = read_uint(body, key)
@@ -89,18 +107,31 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     if body.get("top_k") is not None:
         sampling.top_k = read_int(body, "top_k", -1, 2**31)
     if body.get("seed") is not None:
-        sampling.seed = read_int(body, "seed", -(2**63), 2**64) % 2**64
+        sampling.seed = read_int(body, "seed", -INT64, INT64) % 2**64  # a signed 64-bit seed, as the wire's uint64
     if body.get("priority") is not None:
         sampling.priority = read_int(body, "priority", -(2**31) + 1, 2**31)
     sampling.ignore_eos = read_bool(body, "ignore_eos")
+    sampling.include_stop_str_in_output = read_bool(body, "include_stop_str_in_output")
     sampling.stop.extend(read_stop(body.get("stop")))
     sampling.stop_token_ids.extend(read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
             raise bad_param("stream_options", "must be an object")
+        if options and not request.stream:
+            raise bad_param("stream_options", "Stream options can only be defined when `stream=True`.")
         request.include_usage = bool(options.get("include_usage"))
     return request
+
+
+def read_response_format(value: Any) -> None:
+    """{"type": "text"} is plain text, what the server writes anyway; other formats wait for structured outputs."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_param("response_format", "must be an object with a string type")
+    if value["type"] != "text":
+        raise bad_param("response_format", f"type {value['type']!r} is not supported by this server; only 'text'")
 
 
 def read_bool(body: dict[str, Any], name: str) -> bool:

@@ -16,6 +16,12 @@ FINISH_REASONS = {
 }
 
 
+def stop_reason(response: generation_pb2.GenerateResponse) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the sequence; None otherwise (also for EOS)."""
+    which = response.WhichOneof("stop_reason")
+    return None if which is None else getattr(response, which)
+
+
 def finish_reason(response: generation_pb2.GenerateResponse) -> str | None:
     """The OpenAI finish reason; a failed sequence raises its error as a 500."""
     if response.finish_reason == generation_pb2.FINISH_REASON_UNSPECIFIED:
@@ -47,6 +53,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class LogprobFormatter:
@@ -69,8 +76,14 @@ class LogprobFormatter:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.token(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+                "top_logprobs": [self._top(lp) for lp in logprobs], "text_offset": offsets}
+
+    def _top(self, lp: common_pb2.TokenLogprobs) -> dict[str, float]:
+        """The top alternatives and, as OpenAI and vLLM always give it, the sampled token (so logprobs: k has up
+        to k + 1 entries, and 0 has the sampled one)."""
+        top = {self.token(t.token_id): t.logprob for t in lp.top}
+        top.setdefault(self.token(lp.token_id), lp.logprob)
+        return top
 
     def chat(self, logprobs: list[common_pb2.TokenLogprobs]) -> dict[str, Any]:
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
@@ -85,10 +98,10 @@ class LogprobFormatter:
 def completion_choice(choice: Choice, formatter: LogprobFormatter | None) -> dict[str, Any]:
     logprobs = formatter.completion(choice.logprobs, 0) if formatter is not None else None
     return {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs,
-            "finish_reason": choice.finish_reason}
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def chat_choice(choice: Choice, formatter: LogprobFormatter | None) -> dict[str, Any]:
     logprobs = formatter.chat(choice.logprobs) if formatter is not None else None
     return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
