@@ -34,7 +34,10 @@ class Run:
             self.s.add_request(r)
 
     def step(self) -> SchedulerOutput:
-        out = self.s.schedule()
+        return self.complete(self.s.schedule())
+
+    def complete(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Run a scheduled step on the executor model and update the scheduler with its result."""
         self.new = out.new_requests()
         for d in self.s.update(out, self.ex.step(out)):
             self.tokens[d.request_id] += d.new_token_ids
@@ -195,18 +198,33 @@ def test_recompute_preemption_refinds_its_own_blocks() -> None:
 
 def test_swap_out_of_a_shared_prefix_leaves_the_other_holder_intact() -> None:
     run = Run(num_blocks=8, cpu_blocks=16, preemption_mode=PreemptionMode.SWAP)
+    kv = run.s.kv
     a = req("a", [*PROMPT[:12], 1], max_tokens=10)
     run.add(a)
     run.step()
     b = req("b", [*PROMPT[:12], 2], max_tokens=10)
     run.add(b)
     run.step()
-    shared = set(run.s.kv.block_table("a")) & set(run.s.kv.block_table("b"))
-    assert len(shared) == 3
+    shared = set(kv.block_table("a")) & set(kv.block_table("b"))
+    assert len(shared) == 3 and all(kv.device.ref_count(block) == 2 for block in shared)
+    while not (out := run.s.schedule()).swapped_out_ids:  # looked at as scheduled, before its update
+        run.complete(out)
+        assert run.s.has_unfinished()
+    [victim] = out.swapped_out_ids
+    other = "b" if victim == "a" else "a"
+    # The victim's whole table went to the swap pool, its shared blocks included ...
+    assert shared <= {src for src, _ in out.swap_out}
+    assert len(kv.cpu_table(victim)) == len(out.swap_out) and not kv.block_table(victim)
+    # ... and it dropped its own hold only: the other holder still has them, held once, none free.
+    assert shared <= set(kv.block_table(other))
+    assert all(kv.device.ref_count(block) == 1 for block in shared)
+    assert not shared & kv.device.free_blocks()
+    assert kv.device.num_used == len(kv.block_table(other))
+    run.complete(out)
     run.finish_all()
     assert run.s.stats().num_preemptions_swap > 0
-    assert any(set(src for src, _ in o.swap_out) & shared for o in run.outs)
     assert run.tokens["a"] == run.expect(a) and run.tokens["b"] == run.expect(b)
+    assert kv.device.num_used == 0 and kv.cpu.num_used == 0
 
 
 def test_n_siblings_share_the_prompt_and_copy_its_partial_block_once_each() -> None:
