@@ -92,12 +92,16 @@ def test_a_swap_in_or_copy_destination_past_the_device_pool_refuses_the_step(kin
     apply(t, executor_pb2.StepRequest(swapped_out_ids=["a"], swap_out=[
         executor_pb2.BlockMapping(src=0, dst=0), executor_pb2.BlockMapping(src=1, dst=1)]))
     before = snapshot(t)
-    src = 0 if kind == "swap_in" else 2  # swap block 0 holds a's first block; device block 2 is b's
+
+    def step(dst: int) -> executor_pb2.StepRequest:
+        if kind == "swap_in":  # swap block 0 holds a's first block
+            return executor_pb2.StepRequest(swap_in=[executor_pb2.BlockMapping(src=0, dst=dst)])
+        return executor_pb2.StepRequest(copy=[executor_pb2.BlockMapping(src=2, dst=dst)])  # 2: b's block
+
     with pytest.raises(StepRefused, match=f"{kind} destination block id {dst} out of range \\[0, 8\\)"):
-        apply(t, executor_pb2.StepRequest(**{kind: [executor_pb2.BlockMapping(src=src, dst=dst)]}))
+        apply(t, step(dst))
     assert snapshot(t) == before
-    # The last block of the pool is a destination like any other.
-    assert not apply(t, executor_pb2.StepRequest(**{kind: [executor_pb2.BlockMapping(src=src, dst=7)]})).refused
+    assert not apply(t, step(7)).refused  # the last block of the pool is a destination like any other
 
 
 def test_requests_share_prefix_blocks_and_a_shared_block_stays_until_its_last_holder_goes() -> None:
