@@ -1,9 +1,13 @@
-"""Prefix-cache identity of a full block: its parent's hash chained with its own tokens.
+"""Prefix-cache identity of a full block, exact: no hash is trusted.
 
-A key is (hash of the parent block's key, the block's token ids). The cache is a dict keyed by the
-whole key, so a hit compares the block's tokens exactly; only the parent is identified by a 64-bit
-hash (Python's tuple hash), which makes a wrong hit need a 64-bit collision between two different
-prefixes followed by identical tokens.
+A block's KV depends on every token up to its end, so a cached block may be reused only by a request
+whose tokens up to there are the same. A key is (the parent's prefix id, the block's token ids): the
+prefix id is a number the device pool gives each cached block when it registers it, from a counter,
+never reused (evicting a block retires its number), and ROOT for a request's first block. Two keys are
+then equal exactly when the blocks hold the same tokens after the same whole prefix; the cache is a dict
+keyed by the whole key, so a hash collision between two keys only costs a comparison, never a wrong
+hit. (A chained 64-bit hash as the parent's identity would let two different prefixes whose hashes
+collide share the KV of the blocks after them; tests/core/test_kv_cache.py has such a collision.)
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from scheduler_service.core.request import Request
 
 BlockKey = tuple[int, tuple[int, ...]]
 
-ROOT_HASH = 0x5EED
+ROOT = 0  # the parent id of a request's first block; the pool numbers cached blocks from 1
+NO_ID = -1  # a block whose contents the pool has not identified (not registered, or reused since)
 
 
 def token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -25,22 +30,15 @@ def token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
     return tuple(prompt[start:]) + tuple(output[:end - p])
 
 
-def prefix_keys(token_ids: list[int], block_size: int) -> list[BlockKey]:
-    """The keys of every full block of a token list."""
-    keys: list[BlockKey] = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        key = (parent, tuple(token_ids[start:start + block_size]))
-        keys.append(key)
-        parent = hash(key)
-    return keys
+def full_blocks(token_ids: list[int], block_size: int) -> list[tuple[int, ...]]:
+    """The token ids of every full block of a token list."""
+    return [tuple(token_ids[start:start + block_size])
+            for start in range(0, len(token_ids) - block_size + 1, block_size)]
 
 
-def extend_keys(keys: list[BlockKey], request: Request, num_blocks: int, block_size: int) -> list[BlockKey]:
-    """keys (the request's first block keys) extended in place to num_blocks full blocks."""
-    parent = hash(keys[-1]) if keys else ROOT_HASH
-    for i in range(len(keys), num_blocks):
-        key = (parent, token_range(request, i * block_size, (i + 1) * block_size))
-        keys.append(key)
-        parent = hash(key)
-    return keys
+def extend_blocks(blocks: list[tuple[int, ...]], request: Request, num_blocks: int,
+                  block_size: int) -> list[tuple[int, ...]]:
+    """blocks (the token ids of the request's first full blocks) extended in place to num_blocks."""
+    for i in range(len(blocks), num_blocks):
+        blocks.append(token_range(request, i * block_size, (i + 1) * block_size))
+    return blocks

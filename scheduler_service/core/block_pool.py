@@ -3,13 +3,17 @@
 A device block is free when no request holds it. Allocation takes free blocks holding nothing worth
 keeping first (a plain FIFO), then freed cached blocks in the order they were freed (an LRU queue), so
 the least recently used cached block goes last and its key is evicted only then.
+
+Each block also carries the prefix id of what it holds (see block_hash): a fresh number when the block is
+registered under a key no other block holds, the holder's number when another block holds that key
+already, NO_ID while unidentified. Reallocating a block resets it, and retires the number for good.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from scheduler_service.core.block_hash import BlockKey
+from scheduler_service.core.block_hash import NO_ID, ROOT, BlockKey
 
 
 class DevicePool:
@@ -18,6 +22,8 @@ class DevicePool:
         self._refs = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
+        self._ids = [NO_ID] * num_blocks
+        self._next_id = ROOT + 1
         self._empty: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()
 
@@ -52,9 +58,10 @@ class DevicePool:
         else:
             ids = [*empty, *(self._lru.popitem(last=False)[0] for _ in range(n - len(empty)))]
             empty.clear()
-        refs, keys = self._refs, self._keys
+        refs, keys, prefix_ids = self._refs, self._keys, self._ids
         for i in ids:
             refs[i] = 1
+            prefix_ids[i] = NO_ID
             key = keys[i]
             if key is not None:
                 keys[i] = None
@@ -82,13 +89,26 @@ class DevicePool:
                     lru[i] = None
 
     def cache(self, block_id: int, key: BlockKey) -> None:
-        """Record that block_id holds the KV of the full block key (the first block to do so keeps it)."""
-        if key not in self._cached:
-            self._cached[key] = block_id
-            self._keys[block_id] = key
+        """Record that block_id holds the KV of the full block key (the first block to do so keeps it,
+        and a later one takes its prefix id). A block already identified is left as it is."""
+        if self._ids[block_id] != NO_ID:
+            return
+        holder = self._cached.get(key)
+        if holder is not None:
+            self._ids[block_id] = self._ids[holder]
+            return
+        self._cached[key] = block_id
+        self._keys[block_id] = key
+        self._ids[block_id] = self._next_id
+        self._next_id += 1
 
     def lookup(self, key: BlockKey) -> int | None:
+        """The block cached under exactly this key (equal parent id and equal tokens), or None."""
         return self._cached.get(key)
+
+    def prefix_id(self, block_id: int) -> int:
+        """The prefix id of what the block holds (NO_ID if it was never registered since it was allocated)."""
+        return self._ids[block_id]
 
     def evictable(self, ids: list[int]) -> int:
         """How many of these blocks sit in the free queue (touching them takes them out of it)."""

@@ -1,8 +1,9 @@
 """KV-cache manager: block tables over a device pool and a CPU swap pool, with prefix caching.
 
 The scheduler asks for blocks and gets them or None; tables, reference counts, the watermark and the
-free queue stay in here. A full block that a request has computed is registered under its chained key
-(see block_hash) and stays findable after the request frees it, until allocation evicts it.
+free queue stay in here. A full block that a request has computed is registered under its key (its
+parent's prefix id and its tokens, compared whole: see block_hash) and stays findable after the request
+frees it, until allocation evicts it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import BlockMap
-from scheduler_service.core.block_hash import BlockKey, extend_keys, prefix_keys
+from scheduler_service.core.block_hash import NO_ID, ROOT, extend_blocks, full_blocks
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
@@ -53,7 +54,7 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
         self._cpu_tables: dict[str, list[int]] = {}
-        self._keys: dict[str, list[BlockKey]] = {}
+        self._blocks: dict[str, list[tuple[int, ...]]] = {}  # the token ids of a request's full blocks
         self._num_cached: dict[str, int] = {}
         self._copies: BlockMap = []
 
@@ -89,26 +90,29 @@ class KVCacheManager:
         if not self.enable_caching:
             return PrefixHit()
         max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = extend_keys(self._keys.setdefault(request.request_id, []), request, max_blocks, self.block_size)
+        tokens = extend_blocks(self._blocks.setdefault(request.request_id, []), request, max_blocks,
+                               self.block_size)
+        blocks = self._find(tokens[:max_blocks])
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def _find(self, tokens: list[tuple[int, ...]]) -> list[int]:
+        """The cached blocks holding these full blocks' tokens after the same prefix, from the first on."""
         blocks: list[int] = []
-        lookup = self.device.lookup
-        for key in keys[:max_blocks]:
-            block = lookup(key)
+        lookup, prefix_id = self.device.lookup, self.device.prefix_id
+        parent = ROOT
+        for block_tokens in tokens:
+            block = lookup((parent, block_tokens))
             if block is None:
                 break
             blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+            parent = prefix_id(block)
+        return blocks
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of token_ids sit in cached full blocks (0 with caching off)."""
         if not self.enable_caching:
             return 0
-        found = 0
-        for key in prefix_keys(token_ids, self.block_size):
-            if self.device.lookup(key) is None:
-                break
-            found += self.block_size
-        return found
+        return len(self._find(full_blocks(token_ids, self.block_size))) * self.block_size
 
     def fork_blocks(self, request: Request, source_id: str) -> PrefixHit | None:
         """Share a running sibling's prompt blocks (same prompt, already computed): every full block
@@ -133,10 +137,16 @@ class KVCacheManager:
         rid = request.request_id
         self.device.touch(hit.blocks)
         table = self._tables[rid] = list(hit.blocks)
-        self._num_cached[rid] = len(hit.blocks) if self.enable_caching else 0
+        # Registration goes on after the leading hit blocks the pool has identified (all of a cache hit;
+        # a sibling's blocks are identified once its prompt is computed, which sharing waits for).
+        known = 0
         if self.enable_caching:
+            prefix_id = self.device.prefix_id
+            while known < len(table) and prefix_id(table[known]) != NO_ID:
+                known += 1
             self.prefix_stats.queries += request.num_tokens
             self.prefix_stats.hits += hit.num_tokens
+        self._num_cached[rid] = known
         fresh = self.device.allocate(self.blocks_for(num_slots) - len(table))
         if fresh is None:
             raise RuntimeError(f"device pool short admitting {rid}: call can_admit first")
@@ -202,9 +212,14 @@ class KVCacheManager:
         full = min(request.num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
-        keys = extend_keys(self._keys.setdefault(rid, []), request, full, self.block_size)
+        tokens = extend_blocks(self._blocks.setdefault(rid, []), request, full, self.block_size)
+        device = self.device
         for i in range(done, full):
-            self.device.cache(table[i], keys[i])
+            parent = device.prefix_id(table[i - 1]) if i else ROOT
+            if parent == NO_ID:  # cannot happen: blocks are registered in order, each after its parent
+                full = i
+                break
+            device.cache(table[i], (parent, tokens[i]))
         self._num_cached[rid] = full
 
     def free(self, request: Request) -> None:
@@ -216,7 +231,7 @@ class KVCacheManager:
                 self._cache_computed(request, table)
             self.device.release(table)
         self.cpu.release(self._cpu_tables.pop(rid, NO_BLOCKS))
-        self._keys.pop(rid, None)
+        self._blocks.pop(rid, None)
         self._num_cached.pop(rid, None)
 
     # ---- swap --------------------------------------------------------------------------

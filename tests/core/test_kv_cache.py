@@ -34,7 +34,10 @@ class Run:
             self.s.add_request(r)
 
     def step(self) -> SchedulerOutput:
-        out = self.s.schedule()
+        return self.complete(self.s.schedule())
+
+    def complete(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Run a scheduled step on the executor model and update the scheduler with its result."""
         self.new = out.new_requests()
         for d in self.s.update(out, self.ex.step(out)):
             self.tokens[d.request_id] += d.new_token_ids
@@ -106,6 +109,56 @@ def test_freed_blocks_are_evicted_uncached_first_then_least_recently_freed() -> 
     assert kv.device.num_cached == 0
 
 
+# Python hashes an int to its value modulo 2**61 - 1, so a block starting with token 2**61 and one starting
+# with token 1 (the rest equal) are two different blocks whose keys hash alike: a real collision, standing
+# in for any collision of a hash, with nothing patched.
+COLLIDING = 2**61
+
+
+def test_two_different_blocks_whose_keys_hash_alike_do_not_share_kv() -> None:
+    first, other = [1, 2, 3, 4], [COLLIDING, 2, 3, 4]
+    assert hash(tuple(first)) == hash(tuple(other)) and hash((0, tuple(first))) == hash((0, tuple(other)))
+    run = Run()
+    run.add(req("a", [*first, 5, 6, 7, 8, 9]))
+    run.finish_all()
+    assert run.s.cached_prefix_tokens([*first, 5, 6, 7, 8, 9]) == 8
+    b = req("b", [*other, 5, 6, 7, 8, 9])
+    assert run.s.cached_prefix_tokens(b.prompt_token_ids) == 0
+    hits = run.s.stats().prefix_cache_hits
+    run.add(b)
+    run.step()
+    assert run.new[0].num_computed_tokens == 0 and run.new[0].num_scheduled_tokens == 9
+    assert run.s.stats().prefix_cache_hits == hits  # no cached token counted
+    run.finish_all()
+    assert run.tokens["b"] == run.expect(b)
+
+
+def test_a_collision_in_the_prefix_does_not_share_the_blocks_after_it() -> None:
+    """Two different first blocks whose keys hash alike, then equal tokens: the second blocks hold
+    different KV (each attends to its own first block). Identifying a block's prefix by a hash of its
+    parent's key would make them one key, and a later request would take the other prompt's block."""
+    rest = [5, 6, 7, 8, 9]
+    run = Run()
+    a, b = req("a", [1, 2, 3, 4, *rest]), req("b", [COLLIDING, 2, 3, 4, *rest])
+    run.add(a)
+    run.step()
+    table_a = run.new[0].block_ids
+    run.finish_all()
+    run.add(b)
+    run.step()
+    table_b = run.new[0].block_ids
+    assert run.new[0].num_computed_tokens == 0
+    run.finish_all()
+    c = req("c", [COLLIDING, 2, 3, 4, *rest])
+    run.add(c)
+    run.step()
+    assert run.new[0].num_computed_tokens == 8
+    assert run.new[0].block_ids[:2] == table_b[:2]  # b's own blocks, computed after b's first block
+    assert table_a[1] not in run.new[0].block_ids
+    run.finish_all()
+    assert run.tokens["c"] == run.expect(c)
+
+
 def test_a_hit_on_a_free_cached_block_counts_against_the_free_pool() -> None:
     kv = KVCacheManager(4, 0, BS)
     a = req("a", list(range(9)))
@@ -145,18 +198,33 @@ def test_recompute_preemption_refinds_its_own_blocks() -> None:
 
 def test_swap_out_of_a_shared_prefix_leaves_the_other_holder_intact() -> None:
     run = Run(num_blocks=8, cpu_blocks=16, preemption_mode=PreemptionMode.SWAP)
+    kv = run.s.kv
     a = req("a", [*PROMPT[:12], 1], max_tokens=10)
     run.add(a)
     run.step()
     b = req("b", [*PROMPT[:12], 2], max_tokens=10)
     run.add(b)
     run.step()
-    shared = set(run.s.kv.block_table("a")) & set(run.s.kv.block_table("b"))
-    assert len(shared) == 3
+    shared = set(kv.block_table("a")) & set(kv.block_table("b"))
+    assert len(shared) == 3 and all(kv.device.ref_count(block) == 2 for block in shared)
+    while not (out := run.s.schedule()).swapped_out_ids:  # looked at as scheduled, before its update
+        run.complete(out)
+        assert run.s.has_unfinished()
+    [victim] = out.swapped_out_ids
+    other = "b" if victim == "a" else "a"
+    # The victim's whole table went to the swap pool, its shared blocks included ...
+    assert shared <= {src for src, _ in out.swap_out}
+    assert len(kv.cpu_table(victim)) == len(out.swap_out) and not kv.block_table(victim)
+    # ... and it dropped its own hold only: the other holder still has them, held once, none free.
+    assert shared <= set(kv.block_table(other))
+    assert all(kv.device.ref_count(block) == 1 for block in shared)
+    assert not shared & kv.device.free_blocks()
+    assert kv.device.num_used == len(kv.block_table(other))
+    run.complete(out)
     run.finish_all()
     assert run.s.stats().num_preemptions_swap > 0
-    assert any(set(src for src, _ in o.swap_out) & shared for o in run.outs)
     assert run.tokens["a"] == run.expect(a) and run.tokens["b"] == run.expect(b)
+    assert kv.device.num_used == 0 and kv.cpu.num_used == 0
 
 
 def test_n_siblings_share_the_prompt_and_copy_its_partial_block_once_each() -> None:

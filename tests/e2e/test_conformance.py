@@ -376,6 +376,31 @@ async def test_swap_in_or_copy_onto_a_live_block_is_refused_before_it_writes(ses
     assert a.outputs == ref.outputs, "a refused mapping must not have overwritten the live request's KV"
 
 
+async def test_swap_in_or_copy_past_the_device_pool_is_refused_before_anything_changes(session: Session) -> None:
+    caps = session.describe.capabilities
+    if not (caps.swap and caps.copy) or session.describe.num_swap_blocks < 4:
+        pytest.skip("executor does not support swap and copy")
+    n = session.describe.num_device_blocks
+    bs = session.block_size
+    ref = session.seq("ref", bs + 3, seed=18)
+    a = session.seq("a", bs + 3, seed=18)
+    await session.run([(ref, bs + 3), (a, bs + 3)])
+    mapping = session.swap_out(a)
+    await session.run([(ref, 1)], swapped_out_ids=["a"], swap_out=mapping)
+    for dst in (n, n + 1, n + 7, 2**32 - 1):  # n: the first id past the pool; 2**32 - 1: the largest uint32
+        past = [executor_pb2.BlockMapping(src=a.swap_blocks[0], dst=dst)]
+        result = await session.step(swap_in=past)
+        assert result.error and not sampled_tokens(result), f"a swap_in to block {dst} must refuse the step"
+        past = [executor_pb2.BlockMapping(src=ref.blocks[0], dst=dst)]
+        result = await session.step(copy=past)
+        assert result.error and not sampled_tokens(result), f"a copy to block {dst} must refuse the step"
+    # Nothing of the refused steps happened: a's swap blocks still hold its KV, ref's blocks its own.
+    mapping = session.swap_in(a, avoid=set())
+    await session.run([(a, 1), (ref, 1)], swap_in=mapping)
+    await session.decode([a, ref], 3)
+    assert a.outputs == ref.outputs[: len(a.outputs)] and len(a.outputs) == 5
+
+
 async def test_finished_requests_free_their_blocks_within_the_step(session: Session) -> None:
     a = session.seq("a", 2 * session.block_size, seed=12)
     await session.generate(a, 2)

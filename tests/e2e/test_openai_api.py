@@ -208,6 +208,60 @@ async def test_disconnected_plain_request_is_aborted(http: HttpStack) -> None:
     wait_until(http.stack.idle, what="its blocks to be freed")
 
 
+# A prefill that takes about a minute: the simulated executor spends 1 s a step and the scheduler computes 16
+# prompt tokens a step, so a prompt of 800+ tokens has its first token after 50+ steps.
+SLOW_STEP_S, SLOW_CHUNK, LONG_PROMPT = 1.0, 16, 800
+ABORT_WITHIN_S = 20.0  # well before the first token could come
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
+    port = free_port()
+    executor = ["--simulated", "--sim-step-latency-ms", str(int(SLOW_STEP_S * 1000)), "--num-gpu-blocks", "512"]
+    scheduler = ["--http-listen", f"127.0.0.1:{port}", "--api-key", KEY, "--tokenizer", str(ensure_default_model()),
+                 "--max-num-batched-tokens", str(SLOW_CHUNK)]
+    with running_stack(tmp_path_factory.mktemp("slow-prefill"), executor, scheduler) as stack:
+        yield HttpStack(stack, port)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_disconnected_before_its_first_token_is_aborted_and_frees_blocks(
+        slow_prefill: HttpStack, path: str) -> None:
+    """The client goes away while its request is in a long prefill: nothing was written to it yet (the
+    headers go with the first token), so only the server noticing the closed connection can abort it."""
+    stack = slow_prefill.stack
+    body: dict[str, Any] = {"max_tokens": 8, "stream": True}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": " ".join(f"word{i}" for i in range(LONG_PROMPT))}]
+    else:
+        body["prompt"] = [3 + i % 1000 for i in range(LONG_PROMPT)]
+    data = json.dumps(body).encode()
+    before = stack.metrics()
+    aborted = before.get("vllm:request_success_total{abort}", 0)
+    first_tokens = before.get("vllm:time_to_first_token_seconds_count", 0)
+    port = int(slow_prefill.base_url.split(":")[-1].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+
+    def prefilling() -> bool:
+        m = stack.metrics()
+        return m["vllm:num_requests_running"] == 1 and m["pagedserve:device_blocks_used"] >= LONG_PROMPT // 16
+
+    wait_until(prefilling, what="the request to be running with its prompt's blocks")
+    assert stack.metrics().get("vllm:time_to_first_token_seconds_count", 0) == first_tokens
+    writer.close()
+    await writer.wait_closed()
+    wait_until(lambda: stack.metrics().get("vllm:request_success_total{abort}", 0) == aborted + 1,
+               timeout=ABORT_WITHIN_S, what="the disconnected request to be aborted in the core")
+    wait_until(stack.idle, timeout=ABORT_WITHIN_S, what="its blocks to be freed")
+    after = stack.metrics()
+    assert after["pagedserve:device_blocks_used"] == 0 and after["vllm:num_requests_running"] == 0
+    assert after.get("vllm:time_to_first_token_seconds_count", 0) == first_tokens  # it never had one
+    assert await reader.read() == b""  # nothing was ever sent to the client
+
+
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 100_000}, "max_tokens"),

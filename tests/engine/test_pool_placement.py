@@ -14,7 +14,7 @@ from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.config import ExecutorTarget, parse_target
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import RequestDelta
-from scheduler_service.core.request import Request, RequestStatus, SamplingOptions
+from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.engine.membership import Resolver, pick_family
@@ -270,3 +270,89 @@ async def test_moved_requests_go_ahead_of_the_new_executors_queue_in_their_order
     assert other.scheduler is not None
     admitted = [w.request.request_id for w in other.scheduler.schedule().scheduled]
     assert admitted == ["r0", "r2", "r4", "r1", "r3", "r5"]
+
+
+class OfflineLoop(ExecutorLoop):
+    """An ExecutorLoop with no executor behind it: start() describes it at once (through the pool's admit
+    check) and it counts as connected; stop() is recorded."""
+
+    stopped = False
+
+    async def start(self) -> None:
+        self.scheduler = Scheduler(self.core_config, LIMITS)
+        self.describe = executor_pb2.DescribeResponse(model_id="m", vocab_size=100, max_model_len=LIMITS.max_model_len)
+        assert self.admit is not None and self.admit(self.describe) == ""
+        self.ready.set()
+        if self.on_ready_change is not None:
+            self.on_ready_change(True)
+
+    async def stop(self) -> None:
+        self.stopped = True
+        await super().stop()
+
+
+async def test_an_executor_that_leaves_the_dns_answer_is_drained_then_removed_from_the_pool() -> None:
+    answer = ["10.0.0.1", "10.0.0.2"]
+
+    async def fake(host: str, port: int) -> list[tuple[int, int, int, str, tuple[str, int]]]:
+        assert (host, port) == ("executors", 9)
+        if not answer:
+            raise socket.gaierror(socket.EAI_NONAME, "no such name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answer]
+
+    core = CoreConfig(max_num_seqs=8)
+    made: dict[str, OfflineLoop] = {}
+
+    def make_loop(address: str, metrics: object) -> ExecutorLoop:
+        made[address] = OfflineLoop(core, address, 1000)
+        return made[address]
+
+    pool = ExecutorPool(PoolConfig(["dns:///executors:9"]), core, 1000, make_loop=make_loop,
+                        resolver=Resolver(getaddrinfo=fake))
+
+    async def refresh() -> None:
+        await pool.refresh()
+        await asyncio.gather(*(m.task for m in pool.members.values() if m.task is not None))
+
+    await refresh()
+    assert set(pool.members) == {"10.0.0.1:9", "10.0.0.2:9"} and pool.ready.is_set()
+    for i in range(4):
+        pool.add(request(f"r{i}"), queue())
+    # The members joined in set order: name them by the requests placed on them.
+    first, second = sorted(made.values(), key=lambda loop: "r0" not in loop.streams)
+    assert sorted(first.streams) == ["r0", "r2"] and sorted(second.streams) == ["r1", "r3"]
+    assert first.scheduler is not None
+    first.scheduler.schedule()  # r0 and r2 run on the first executor
+    # The first executor leaves the answer: it takes no new work, and stays until its requests end.
+    answer[:] = [second.label.removesuffix(":9")]
+    await refresh()
+    assert pool.members[first.label].leaving and not pool.members[first.label].serving
+    assert pool.serving() == [second] and not first.stopped
+    pool.add(request("r4"), queue())
+    assert sorted(second.streams) == ["r1", "r3", "r4"]
+    pool.abort("r0")
+    pool.finish("r2", FinishReason.STOPPED)
+    assert first.idle()
+    await refresh()
+    assert list(pool.members) == [second.label] and first.stopped and not second.stopped
+    assert pool.ready.is_set() and sorted(second.streams) == ["r1", "r3", "r4"]
+    # A leaving executor's waiting requests move at once to a serving one, and the executor goes with them.
+    answer[:] = [second.label.removesuffix(":9"), "10.0.0.3"]
+    await refresh()
+    third = made["10.0.0.3:9"]
+    assert set(pool.members) == {second.label, third.label} and not third.streams
+    answer[:] = ["10.0.0.3"]
+    await refresh()
+    assert set(pool.members) == {"10.0.0.3:9"} and second.stopped
+    assert sorted(third.streams) == ["r1", "r3", "r4"] and not second.streams
+    # No address at all: the pool stops serving; the last executor keeps its waiting requests (there is
+    # nowhere to move them) and goes once they end.
+    answer.clear()
+    await refresh()
+    assert list(pool.members) == ["10.0.0.3:9"] and pool.members["10.0.0.3:9"].leaving
+    assert not pool.ready.is_set() and not third.stopped and sorted(third.streams) == ["r1", "r3", "r4"]
+    for rid in ("r1", "r3", "r4"):
+        pool.abort(rid)
+    await refresh()
+    assert pool.members == {} and third.stopped and not pool.ready.is_set()
+    await pool.stop()

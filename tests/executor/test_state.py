@@ -85,6 +85,25 @@ def test_bad_blocks_for_a_new_request(blocks: list[int], error: str) -> None:
     assert "c" not in t.states and t.device_owner == {0: {"a"}, 1: {"a"}, 2: {"b"}, 3: {"b"}}
 
 
+@pytest.mark.parametrize("kind", ["swap_in", "copy"])
+@pytest.mark.parametrize("dst", [8, 9, 2**32 - 1])  # the pool has 8 device blocks: 8 is the first past it
+def test_a_swap_in_or_copy_destination_past_the_device_pool_refuses_the_step(kind: str, dst: int) -> None:
+    t = table_with_two()
+    apply(t, executor_pb2.StepRequest(swapped_out_ids=["a"], swap_out=[
+        executor_pb2.BlockMapping(src=0, dst=0), executor_pb2.BlockMapping(src=1, dst=1)]))
+    before = snapshot(t)
+
+    def step(dst: int) -> executor_pb2.StepRequest:
+        if kind == "swap_in":  # swap block 0 holds a's first block
+            return executor_pb2.StepRequest(swap_in=[executor_pb2.BlockMapping(src=0, dst=dst)])
+        return executor_pb2.StepRequest(copy=[executor_pb2.BlockMapping(src=2, dst=dst)])  # 2: b's block
+
+    with pytest.raises(StepRefused, match=f"{kind} destination block id {dst} out of range \\[0, 8\\)"):
+        apply(t, step(dst))
+    assert snapshot(t) == before
+    assert not apply(t, step(7)).refused  # the last block of the pool is a destination like any other
+
+
 def test_requests_share_prefix_blocks_and_a_shared_block_stays_until_its_last_holder_goes() -> None:
     t = table_with_two()
     assert admit(t, new("c", [0, 4])) == ""  # block 0: a's cached prefix

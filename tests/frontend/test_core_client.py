@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -24,16 +26,28 @@ from scheduler_service.messages import (
 )
 
 
-def client(max_buffered: int = 3) -> CoreClient:
-    return CoreClient("ipc:///nonexistent", b"test", max_buffered)
+@pytest.fixture
+async def client() -> AsyncIterator[Callable[[int], CoreClient]]:
+    """Makes CoreClients that are never started, and closes them however the test ends: an unclosed one
+    leaves a ZeroMQ context whose collection can hang the run after its last test (tests/support/watchdog.py)."""
+    made: list[CoreClient] = []
+
+    def make(max_buffered: int = 3) -> CoreClient:
+        made.append(CoreClient("ipc:///nonexistent", b"test", max_buffered))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
 
 
 def wire(msg: ToFrontend) -> ToFrontend:
     return to_frontend_decoder.decode(encoder.encode(msg))
 
 
-async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it_holds() -> None:
-    c = client(max_buffered=3)
+async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it_holds(
+        client: Callable[[int], CoreClient]) -> None:
+    c = client(3)
     queue: asyncio.Queue[object] = asyncio.Queue()
     c.streams["r"] = RemoteStream(queue)
     for step in range(6):
@@ -47,8 +61,8 @@ async def test_a_stream_past_its_buffer_cap_is_aborted_in_the_core_after_what_it
     assert c.num_overflowed == 1 and c._unreported_overflows == 1
 
 
-async def test_a_refusal_reaches_the_call_as_its_status_code() -> None:
-    c = client()
+async def test_a_refusal_reaches_the_call_as_its_status_code(client: Callable[[int], CoreClient]) -> None:
+    c = client(3)
     queue: asyncio.Queue[object] = asyncio.Queue()
     c.streams["r"] = RemoteStream(queue)
     c._refuse(wire(ToFrontend(refused=[Refused("r", Refusal.QUEUE_FULL, "full")])).refused)
