@@ -36,7 +36,7 @@ class ApiError(Exception):
     code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "server_error")
+        kind = ERROR_TYPES.get(self.status) or ("invalid_request_error" if 400 <= self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code or kind}}
 

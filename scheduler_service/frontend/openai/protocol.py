@@ -13,6 +13,9 @@ UINT32 = 2**32
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 UINT_PARAMS = ("min_tokens", "n")
 REFUSED_PARAMS = ("suffix", "logit_bias", "tools", "functions", "response_format")
+MAX_BODY_DEPTH = 64  # JSON nesting a request body may have (OpenAI's bodies need about 5)
+# Variables the server passes to the chat template itself: chat_template_kwargs may not replace them.
+TEMPLATE_OWN_ARGS = ("messages", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now")
 
 
 @dataclass(slots=True)
@@ -56,6 +59,10 @@ def parse_chat(body: Any) -> tuple[ApiRequest, list[dict[str, Any]], dict[str, A
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_param("chat_template_kwargs", "must be an object")
+    taken = [name for name in TEMPLATE_OWN_ARGS if name in kwargs]
+    if taken:
+        raise bad_param("chat_template_kwargs", f"may not set {', '.join(taken)}: the server passes the template "
+                        f"its own ({', '.join(TEMPLATE_OWN_ARGS)})")
     kwargs = {**kwargs, "add_generation_prompt": bool(body.get("add_generation_prompt", True))}
     return request, messages, kwargs
 
@@ -64,6 +71,54 @@ def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def check_body(body: Any) -> None:
+    """What JSON parses but nothing downstream takes, refused naming the top-level field: a string that is not
+    valid Unicode (a lone UTF-16 surrogate such as \\ud800, which JSON escapes allow and no tokenizer or encoder
+    accepts), and nesting deeper than MAX_BODY_DEPTH levels. One pass over the body, without recursion."""
+    if not isinstance(body, dict):
+        return
+    for key, value in body.items():
+        param = key if _valid_text(key) else None
+        stack: list[tuple[Any, int]] = [(key, 0), (value, 1)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, str):
+                if not _valid_text(item):
+                    raise ApiError(400, f"{param or 'a field name'}: a string holds a lone UTF-16 surrogate "
+                                   "(such as \\ud800): not valid Unicode", param)
+            elif isinstance(item, dict | list):
+                if depth >= MAX_BODY_DEPTH:
+                    raise ApiError(400, f"{param or 'a field name'}: nested deeper than {MAX_BODY_DEPTH} levels",
+                                   param)
+                children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+                stack.extend((child, depth + 1) for child in children)
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string value in a JSON value (keys aside): what a template can put in the prompt."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiRequest:
