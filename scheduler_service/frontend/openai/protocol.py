@@ -14,6 +14,7 @@ FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 UINT_PARAMS = ("min_tokens", "n")
 REFUSED_PARAMS = ("suffix", "logit_bias", "tools", "functions", "response_format")
 MAX_BODY_DEPTH = 64  # JSON nesting a request body may have (OpenAI's bodies need about 5)
+SCALARS = {int, float, bool, type(None)}
 # Variables the server passes to the chat template itself: chat_template_kwargs may not replace them.
 TEMPLATE_OWN_ARGS = ("messages", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now")
 
@@ -93,7 +94,9 @@ def check_body(body: Any) -> None:
                     raise ApiError(400, f"{param or 'a field name'}: nested deeper than {MAX_BODY_DEPTH} levels",
                                    param)
                 children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-                stack.extend((child, depth + 1) for child in children)
+                if set(map(type, children)) <= SCALARS:  # token ids: one pass in C, nothing to look into
+                    continue
+                stack.extend((child, depth + 1) for child in children if type(child) not in SCALARS)
 
 
 def text_bytes(value: Any) -> int:
