@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -37,7 +38,8 @@ from tests.support.procs import ROOT, free_port, run, start, stop, wait_healthy,
 KEY = "test-key-27"
 HEADER_TIMEOUT = 1.5
 BODY_TIMEOUT = 3.0
-KEEP_ALIVE = 5.0
+KEEP_ALIVE = 8.0
+SLACK = 3.5  # this test's own event loop on a loaded 2-core machine: when it sees a close, not when it happened
 SOFT_FILES, HARD_FILES = 100, 256  # the scheduler starts with these open-file limits: at most 128 HTTP connections
 CAP = HARD_FILES // 2
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] + m.get('suffix', '') }}\n{% endfor %}"
@@ -58,6 +60,12 @@ class HttpStack:
 
     def log(self) -> str:
         return (self.log_dir / "scheduler.log").read_text()
+
+    def api_server_files(self) -> int:
+        """Open file descriptors of the (one) api server process."""
+        pid = re.search(r"api server 0 \(pid (\d+)\) serving", self.log())
+        assert pid is not None
+        return len(os.listdir(f"/proc/{pid.group(1)}/fd"))
 
 
 def start_scheduler(args: list[str], log: Path, files: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
@@ -171,12 +179,16 @@ def test_the_process_raised_its_open_file_limit_and_capped_the_http_port(slow_st
 
 async def test_slow_headers_are_closed_and_grpc_and_http_keep_serving(slow_stack: HttpStack) -> None:
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    before = slow_stack.api_server_files()
     attackers = [s for s in await asyncio.gather(*(open_slow(slow_stack.http_port, head) for _ in range(3 * CAP)))
                  if s is not None]
     drips = [asyncio.create_task(trickle(s, b"X-Slow: 1\r\n", 0.3)) for s in attackers]
     try:
-        await asyncio.sleep(0.5)
-        assert sum(s.closed is None for s in attackers) <= CAP, "more connections held than the cap"
+        held = []
+        for _ in range(20):  # for about 1 s, within the header timeout of the first of them
+            await asyncio.sleep(0.05)
+            held.append(slow_stack.api_server_files() - before)
+        assert CAP - 8 <= max(held) <= CAP, f"the api server holds {held} connections; the cap is {CAP}"
         # meanwhile: a new gRPC connection and a new HTTP connection are served
         assert await grpc_generate(slow_stack) == 4
         status, body = await completion(slow_stack, prompt="hello")
@@ -186,7 +198,7 @@ async def test_slow_headers_are_closed_and_grpc_and_http_keep_serving(slow_stack
         for task in drips:
             task.cancel()
     late = [s.closed - s.opened for s in attackers if s.closed is not None]
-    assert len(late) == len(attackers) and max(late) < HEADER_TIMEOUT + 2, "every slow connection closed in time"
+    assert len(late) == len(attackers) and max(late) < HEADER_TIMEOUT + SLACK, "every slow connection closed in time"
     assert max(late) < KEEP_ALIVE, "closed by the header timeout, not the keep-alive timeout"
 
 
@@ -209,7 +221,7 @@ async def test_past_the_cap_of_busy_connections_new_ones_are_refused(slow_stack:
         for task in drips:
             task.cancel()
     late = [s.closed - s.opened for s in holders if s.closed is not None]
-    assert len(late) == len(holders) and max(late) < BODY_TIMEOUT + 2
+    assert len(late) == len(holders) and max(late) < BODY_TIMEOUT + SLACK
     answers = {s.answer.split(b"\r\n", 1)[0] for s in holders}
     assert answers == {b"HTTP/1.1 408 Request Timeout"}, answers
     error = json.loads(holders[0].answer.split(b"\r\n\r\n", 1)[1])["error"]
@@ -229,7 +241,7 @@ async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(slow_st
             b"content-length:"))
         await reader.readexactly(length)
         assert await asyncio.wait_for(reader.read(), KEEP_ALIVE + 5) == b""
-        assert KEEP_ALIVE - 1 < time.monotonic() - answered < KEEP_ALIVE + 3
+        assert KEEP_ALIVE - 1 < time.monotonic() - answered < KEEP_ALIVE + SLACK
     finally:
         writer.close()
 

@@ -31,6 +31,7 @@ log = logging.getLogger("pagedserve.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REPORT_INTERVAL_S = 10.0  # at most one log line this often about closed connections
 MIN_CONNECTIONS = 16
+LINGER_S = 1.0  # after a last answer (503, 408): how long what the client still sends is read and dropped
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +53,7 @@ def connection_cap(max_connections: int, open_file_limit: int) -> int:
 class Connection(asyncio.Protocol):
     """One accepted connection: aiohttp's handler behind the guard's timers and cap."""
 
-    __slots__ = ("busy", "guard", "handler", "header_timer", "served", "transport")
+    __slots__ = ("busy", "dropping", "guard", "handler", "header_timer", "served", "transport")
 
     def __init__(self, handler: RequestHandler, guard: ConnectionGuard) -> None:
         self.handler = handler
@@ -60,6 +61,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = False  # a request's headers are in and its handler has not finished
         self.served = False  # admitted under the cap: the handler has the transport
+        self.dropping = False  # answered for the last time: what still comes in is dropped
         self.header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -69,12 +71,14 @@ class Connection(asyncio.Protocol):
             self.handler.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.dropping:
+            return
         if not self.busy and self.header_timer is None and data:  # the first byte of a request
             self.header_timer = self.guard.loop.call_later(self.guard.limits.header_timeout, self._headers_late)
         self.handler.data_received(data)
 
     def eof_received(self) -> None:
-        if self.served:
+        if self.served and not self.dropping:
             self.handler.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -102,6 +106,18 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def finish(self) -> None:
+        """After a last answer: send it and end our side, drop what the client still sends, and close when it
+        does or after LINGER_S (closing at once with its bytes unread would reset the connection, which can
+        destroy the answer before the client reads it)."""
+        self.dropping = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.guard.loop.call_later(LINGER_S, transport.close)
 
     def _cancel_timer(self) -> None:
         if self.header_timer is not None:
@@ -181,7 +197,7 @@ class ConnectionGuard:
                 await response.prepare(request)
                 await response.write_eof()
             if response.status == 408:  # the rest of the body is not worth reading
-                conn.close()
+                conn.finish()
             return response
         finally:
             conn.request_ended()
@@ -208,7 +224,7 @@ def refuse(conn: Connection) -> None:
             "Connection: close\r\nRetry-After: 1\r\n\r\n").encode()
     if conn.transport is not None:
         conn.transport.write(head + body)
-        conn.transport.close()
+        conn.finish()
 
 
 class GuardedSite(web.BaseSite):
