@@ -53,6 +53,9 @@ SEED_BUDGET_S = 50e-6
 TARGET_S = 0.5e-3
 TARGET_RUNNING = 256
 STREAMS_PER_CHANNEL = 128
+# The executor refuses steps beyond its per-step limits (Describe) and the scheduler caps its budgets to them:
+# the simulated executor here allows what the scheduler flags below ask for.
+BIG_STEPS = ["--max-num-seqs", "100000", "--max-num-batched-tokens", "1000000"]
 
 
 @dataclass
@@ -260,7 +263,7 @@ async def client_window(address: str, metrics_port: int, running: int, window_s:
 
 async def run_service_mode(sizes: list[int], window_s: float, repeats: int) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
-    ex_args = ["--simulated", "--num-gpu-blocks", "100000"]
+    ex_args = ["--simulated", "--num-gpu-blocks", "100000", *BIG_STEPS]
     with service("executor_service", ex_args, name="executor") as ex:
         port = free_port()
         sc_args = ["--executor", ex.address, "--metrics-port", str(port), "--max-num-seqs", "2048",
@@ -336,7 +339,8 @@ async def run_all(args: argparse.Namespace) -> None:
             import cProfile
 
             profiler = cProfile.Profile()
-        with service("executor_service", ["--simulated", "--num-gpu-blocks", "100000"], name="executor") as ex:
+        with service("executor_service", ["--simulated", "--num-gpu-blocks", "100000", *BIG_STEPS],
+                     name="executor") as ex:
             if profiler is not None:
                 profiler.enable()
             zero = await run_engine_mode(ex.address, sizes, args.steps, args.repeats)
@@ -346,7 +350,8 @@ async def run_all(args: argparse.Namespace) -> None:
         report("engine", zero, None, args.json_out)
         print(table(zero, None), flush=True)
         if args.sim_step_ms > 0:
-            ex_args = ["--simulated", "--num-gpu-blocks", "100000", "--sim-step-latency-ms", str(args.sim_step_ms)]
+            ex_args = ["--simulated", "--num-gpu-blocks", "100000", "--sim-step-latency-ms", str(args.sim_step_ms),
+                       *BIG_STEPS]
             with service("executor_service", ex_args, name="executor-sleep") as ex:
                 slow = await run_engine_mode(ex.address, sizes, args.sim_steps, args.repeats)
             report("engine", slow, args.sim_step_ms / 1e3, args.json_out)

@@ -60,7 +60,8 @@ def executors(count: int, step_ms: float, log_dir: Path) -> Iterator[list[tuple[
             address = f"127.0.0.{n}:{port}"
             procs.append(start("executor_service", [
                 "--listen", address, "--simulated", "--sim-step-latency-ms", str(step_ms),
-                "--num-gpu-blocks", "100000", "--num-cpu-blocks", "16"], log_dir / f"executor-{n}.log"))
+                "--num-gpu-blocks", "100000", "--num-cpu-blocks", "16", "--max-num-seqs", "100000",
+                "--max-num-batched-tokens", "1000000"], log_dir / f"executor-{n}.log"))
             wait_healthy(address, procs[-1])
         yield [(f"127.0.0.{n}:{port}", proc.pid) for n, proc in enumerate(procs, start=1)]
     finally:

@@ -65,7 +65,8 @@ def serving(args: argparse.Namespace) -> dict[str, object]:
     requests = prefix_repetition_requests(cfg)
     env = {"OMP_NUM_THREADS": str(args.threads)}
     model = args.model or str(ensure_random_model())
-    executor_args = ["--model", model, "--device", args.device, "--num-gpu-blocks", str(args.num_gpu_blocks)]
+    executor_args = ["--model", model, "--device", args.device, "--num-gpu-blocks", str(args.num_gpu_blocks),
+                     "--max-num-seqs", str(args.max_num_seqs)]
     record: dict[str, object] = {"part": "serving", "num_prompts": args.num_prompts, "prefix_len": args.prefix_len,
                                  "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes,
                                  "output_len": args.output_len, "machine": machine()}

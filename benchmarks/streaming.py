@@ -47,6 +47,9 @@ from protos.pagedserve.v1 import generation_pb2
 
 PROMPT_LEN = 16
 STREAMS_PER_CHANNEL = 128
+# The executor refuses steps beyond its per-step limits (Describe) and the scheduler caps its budgets to them:
+# the simulated executor here allows what the scheduler flags below ask for.
+BIG_STEPS = ["--max-num-seqs", "100000", "--max-num-batched-tokens", "1000000"]
 LAYOUTS = {
     "before": ["--api-server-count", "0", "--no-async-scheduling"],
     "after": ["--api-server-count", "1"],
@@ -131,7 +134,7 @@ async def window(address: str, metrics_port: int, core_pid: int, streams: int, s
 
 
 async def run_case(layout: str, streams: int, step_ms: float, seconds: float) -> dict[str, object]:
-    ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", str(step_ms)]
+    ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", str(step_ms), *BIG_STEPS]
     with service("executor_service", ex_args, name="executor") as ex:
         port = free_port()
         sc_args = ["--executor", ex.address, "--metrics-port", str(port), "--max-num-seqs", "4096",
@@ -152,7 +155,7 @@ async def run_case(layout: str, streams: int, step_ms: float, seconds: float) ->
 
 
 async def exact(streams: int, layout: str, max_tokens: int = 50) -> dict[str, object]:
-    ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", "5"]
+    ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", "5", *BIG_STEPS]
     log_dir = Path(os.environ.get("PAGEDSERVE_BENCH_LOGS", tempfile.mkdtemp(prefix="pagedserve-bench-")))
     with service("executor_service", ex_args, log_dir, name="executor") as ex:
         sc_args = ["--executor", ex.address, "--metrics-port", "-1", "--max-num-seqs", "4096",

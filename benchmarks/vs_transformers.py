@@ -129,6 +129,8 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
         ex_args += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.device == "cuda":
         ex_args += ["--dtype", "float32"]
+    # The executor's per-step limits (Describe) cap the scheduler's budgets: give it the same ones.
+    ex_args += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     ex_args += shlex.split(args.executor_args)
     if args.step_log is not None:
         args.step_log.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
+from executor_service.validator import StepLimits
 from protos.wire import server_credentials
 
 log = logging.getLogger("pagedserve.executor")
@@ -38,12 +39,13 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     stop = asyncio.Event()
     step_log = open(config.step_log, "a", buffering=1, encoding="utf-8") if config.step_log else None  # noqa: SIM115
+    limits = StepLimits(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
     server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file),
-                               stop, step_log)
+                               stop, step_log, limits)
     info = backend.info
-    log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d",
-             config.listen, port, info.model_id, info.device, info.dtype, info.num_device_blocks,
-             info.num_swap_blocks)
+    log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d; per step at "
+             "most %d tokens, %d requests", config.listen, port, info.model_id, info.device, info.dtype,
+             info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)

@@ -46,7 +46,12 @@ class ExecutorConfig:
         "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
         " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
         " 0: off)"))
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = field(default=2048, metadata=flag(
+        "most tokens one step may schedule: advertised in Describe, a larger step is refused and the scheduler "
+        "caps its own --max-num-batched-tokens to it; CUDA: the size of the forward pass that profiles memory"))
+    max_num_seqs: int = field(default=256, metadata=flag(
+        "most requests one step may schedule: advertised in Describe, a larger step is refused and the scheduler "
+        "caps its own --max-num-seqs to it; CUDA: the rows the profiling pass samples"))
     max_model_len: int | None = None
     seed: int = 0
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(

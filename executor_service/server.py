@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
 from executor_service.state import RequestState, RequestTable
-from executor_service.validator import MAX_NUM_STEPS, RequestRefused, StepRefused, StepValidator, check_span
+from executor_service.validator import RequestRefused, StepLimits, StepRefused, StepValidator, check_span
 from protos.contract import BlockMap
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import EXECUTOR_LINK_OPTIONS, add_port
@@ -28,14 +28,15 @@ HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, backend: Backend, stopping: asyncio.Event | None = None,
-                 step_log: TextIO | None = None) -> None:
+                 step_log: TextIO | None = None, limits: StepLimits | None = None) -> None:
         self.backend = backend
         self.stopping = stopping or asyncio.Event()
         self.step_log = step_log
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
-        self.validator = StepValidator(self.table)
+        self.limits = limits or StepLimits()
+        self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
         self._owner: str | None = None  # the peer whose Execute stream is open
@@ -43,7 +44,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
-        info = self.backend.info
+        info, limits = self.backend.info, self.limits
         return executor_pb2.DescribeResponse(
             model_id=info.model_id, vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
             max_model_len=info.max_model_len, block_size=info.block_size,
@@ -52,8 +53,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             executor_version=EXECUTOR_VERSION, bos_token_id=info.bos_token_id or 0,
             add_bos_token=info.add_bos_token, chat_template=info.chat_template,
             capabilities=executor_pb2.Capabilities(
-                swap=True, copy=True, chunked_prefill=True, max_num_steps=MAX_NUM_STEPS,
-                max_logprobs=info.max_logprobs, seeded_sampling=True))
+                swap=True, copy=True, chunked_prefill=True, max_num_steps=limits.max_num_steps,
+                max_logprobs=info.max_logprobs, seeded_sampling=True,
+                max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
+                max_num_lookahead_slots=limits.max_num_lookahead_slots))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -216,12 +219,12 @@ def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[Sampl
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,
                 secret: str | None = None, stopping: asyncio.Event | None = None,
-                step_log: TextIO | None = None) -> tuple[grpc.aio.Server, int]:
+                step_log: TextIO | None = None, limits: StepLimits | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the Executor API. Once `stopping` is set, an open Execute stream ends UNAVAILABLE at its next
-    step instead of serving on through the shutdown's grace period."""
+    step instead of serving on through the shutdown's grace period. `limits`: what one step may carry."""
     interceptors = [SecretInterceptor(secret)] if secret else []
     server = grpc.aio.server(options=EXECUTOR_LINK_OPTIONS, interceptors=interceptors)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping, step_log), server)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping, step_log, limits), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name, health.SERVICE_NAME,

@@ -7,14 +7,17 @@ span of positions, shared with the torch backend's guard on its own input.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from executor_service.state import AdmittedRequest, RequestState, RequestTable, StepPlan, sampling_config
-from protos.contract import split_columns
-from protos.pagedserve.v1 import executor_pb2
+from protos.contract import SAMPLING, SamplingParam, SamplingTable, split_columns
+from protos.pagedserve.v1 import common_pb2, executor_pb2
 
 MAX_NUM_STEPS = 64
+MAX_NUM_LOOKAHEAD_SLOTS = 64
 
 
 class StepRefused(Exception):
@@ -33,6 +36,54 @@ class RunningColumns:
     new_block_ids: list[int]
     num_tokens: int
     resumed: bool
+
+
+@dataclass(slots=True, frozen=True)
+class StepLimits:
+    """What one step may carry; Describe.capabilities advertises each, and a step beyond one is refused whole
+    before anything in it is looked at (a step of thousands of requests must not run out of device memory)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_num_lookahead_slots: int = MAX_NUM_LOOKAHEAD_SLOTS
+    max_num_steps: int = MAX_NUM_STEPS
+
+
+def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
+    """The step's sizes against the per-step limits: StepRefused naming the first one it exceeds."""
+    if step.num_steps > limits.max_num_steps:
+        raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {limits.max_num_steps} "
+                          "(Describe.capabilities)")
+    if step.num_lookahead_slots > limits.max_num_lookahead_slots:
+        raise StepRefused(f"num_lookahead_slots {step.num_lookahead_slots} exceeds max_num_lookahead_slots "
+                          f"{limits.max_num_lookahead_slots} (Describe.capabilities)")
+    seqs = len(step.new_requests) + len(step.running.request_ids)
+    if seqs > limits.max_num_seqs:
+        raise StepRefused(f"the step schedules {seqs} requests, more than max_num_seqs {limits.max_num_seqs} "
+                          "(Describe.capabilities)")
+    tokens = sum(n.num_scheduled_tokens for n in step.new_requests) + sum(step.running.num_scheduled_tokens)
+    if tokens > limits.max_num_batched_tokens:
+        raise StepRefused(f"the step schedules {tokens} tokens, more than max_num_batched_tokens "
+                          f"{limits.max_num_batched_tokens} (Describe.capabilities)")
+
+
+SAMPLING_NAMES = tuple(f.name for f in fields(SamplingTable))
+
+
+def check_sampling(p: common_pb2.SamplingParams, max_logprobs: int) -> None:
+    """Every sampling value against its range in the contract's SAMPLING table (the scheduler's validation reads
+    the same table); a float must also be finite, and logprobs at most the executor's max_logprobs."""
+    by_name = p.DESCRIPTOR.fields_by_name
+    for name in SAMPLING_NAMES:
+        field = by_name.get(name)
+        if field is None or (field.has_presence and not p.HasField(name)):
+            continue
+        value = getattr(p, name)
+        param: SamplingParam[Any] = getattr(SAMPLING, name)
+        high = max_logprobs if name == "logprobs" else None
+        finite = not isinstance(value, float) or math.isfinite(value)
+        if not (finite and param.allows(value) and (high is None or value <= high)):
+            raise RequestRefused(f"sampling.{name}: must be {param.describe(high)}, got {value}")
 
 
 def check_span(start: int, num_tokens: int, num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -81,14 +132,15 @@ class _Ownership:
 
 
 class StepValidator:
-    def __init__(self, table: RequestTable) -> None:
+    def __init__(self, table: RequestTable, limits: StepLimits | None = None, max_logprobs: int = 20) -> None:
         self.table = table
+        self.limits = limits or StepLimits()
+        self.max_logprobs = max_logprobs
 
     def check(self, step: executor_pb2.StepRequest) -> tuple[StepPlan, list[RunningColumns]]:
-        """The plan of a step (StepRefused if it is malformed) and its running requests, in step order."""
-        if step.num_steps > MAX_NUM_STEPS:
-            raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {MAX_NUM_STEPS} "
-                              "(Describe.capabilities)")
+        """The plan of a step (StepRefused if it is malformed or too large) and its running requests, in step
+        order."""
+        check_step_size(step, self.limits)
         running = running_columns(step.running)
         ids = [n.request_id for n in step.new_requests] + [r.request_id for r in running]
         if len(set(ids)) != len(ids):
@@ -129,8 +181,15 @@ class StepValidator:
         old = self.table.states.get(new.request_id)
         if old is not None:  # sent again as new: its old state goes first
             ownership.free(new.request_id, old.block_table or ())
-        if new.num_computed_tokens + new.num_scheduled_tokens > len(new.token_ids):
+        num_sent = len(new.token_ids)
+        if new.num_computed_tokens + new.num_scheduled_tokens > num_sent:
             raise RequestRefused("num_computed_tokens + num_scheduled_tokens exceeds the tokens sent")
+        if new.num_prompt_tokens > num_sent:
+            raise RequestRefused(f"num_prompt_tokens {new.num_prompt_tokens} exceeds the {num_sent} tokens sent")
+        max_len = self.table.max_model_len
+        if max_len and num_sent > max_len:
+            raise RequestRefused(f"{num_sent} tokens sent, beyond max_model_len {max_len}")
+        check_sampling(new.sampling, self.max_logprobs)
         vocab = self.table.vocab_size
         bad = next((t for t in new.token_ids if t >= vocab), None) if vocab else None
         if bad is not None:

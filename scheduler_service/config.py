@@ -46,6 +46,16 @@ class SchedulerServiceConfig(CoreConfig):
     http_listen: str | None = field(default=None, metadata=flag(
         "HOST:PORT for the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
         "/health); off by default"))
+    http_header_timeout: float = field(default=10.0, metadata=flag(
+        "seconds an HTTP request's line and headers may take from their first byte; then its connection is closed"))
+    http_body_timeout: float = field(default=60.0, metadata=flag(
+        "seconds an HTTP request's body may take after its headers; then 408 and its connection is closed"))
+    http_timeout_keep_alive: float = field(default=5.0, metadata=flag(
+        "seconds an HTTP connection may wait for its next request, or its first, before it is closed (vLLM's "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE)"))
+    http_max_connections: int = field(default=4096, metadata=flag(
+        "most open HTTP connections per api server, at most half its open-file limit: past it the one waiting "
+        "longest for a request is closed, or, when all are serving requests, the new one gets 503"))
     executor: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"], metadata=flag(
         "executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to (repeatable; the pool "
         "follows DNS at run time)"))
@@ -136,4 +146,7 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
             raise SystemExit(f"--executor: {e}") from None
     if config.executor_resolve_interval <= 0:
         raise SystemExit("--executor-resolve-interval must be > 0")
+    for name in ("http_header_timeout", "http_body_timeout", "http_timeout_keep_alive", "http_max_connections"):
+        if getattr(config, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     return config

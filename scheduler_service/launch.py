@@ -16,7 +16,7 @@ from scheduler_service.engine.core_process import (
     stop_on_signals,
 )
 from scheduler_service.frontend.api_server import drain, follow_readiness, open_api_server
-from scheduler_service.process import configure_logging, freeze_startup_objects
+from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -53,4 +53,6 @@ async def run_single_process(config: SchedulerServiceConfig) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     configure_logging()
-    return uvloop.run(main(parse_config(argv)))
+    config = parse_config(argv)
+    raise_open_file_limit()
+    return uvloop.run(main(config))

@@ -4,10 +4,14 @@ refusals and errors either side raises, and the count of refused calls."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import os
+import re
+import socket
+import stat
 import tempfile
 import time
 import uuid
@@ -110,8 +114,72 @@ def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:
 
 
 def ipc_address(name: str) -> str:
-    """A fresh ipc:// endpoint in the temp directory (Unix socket paths are short: keep it so)."""
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'pagedserve-{name}-{uuid.uuid4().hex[:12]}')}"
+    """A fresh ipc:// endpoint in the temp directory, pagedserve-NAME-PID-RANDOM: the pid lets a later start tell
+    a file left by a killed process from a live one (Unix socket paths are short: keep it so)."""
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'pagedserve-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}')}"
+
+
+def remove_ipc_file(address: str) -> None:
+    """Remove the socket file of an ipc:// endpoint this process bound (ZeroMQ leaves it behind on close)."""
+    if address.startswith("ipc://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address.removeprefix("ipc://"))
+
+
+IPC_FILE = re.compile(r"^pagedserve-[a-z]+-(?:(?P<pid>\d+)-[0-9a-f]{8}|[0-9a-f]{12})$")  # new names, older ones
+OLD_IPC_FILE_MIN_AGE_S = 60.0  # a file named without its pid is taken for stale only when older than this
+
+
+def clear_stale_ipc_files(directory: str | None = None) -> list[str]:
+    """Remove the ipc socket files that pagedserve processes killed before they could clean up left in the temp
+    directory: only sockets named as ipc_address names them, owned by this user, whose process is gone (its pid
+    is not alive; a name without a pid: older than a minute) and on which nobody listens. The paths removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        match = IPC_FILE.match(name)
+        path = os.path.join(directory, name)
+        if match is None or not _stale_socket(path, match.group("pid")):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _stale_socket(path: str, pid: str | None) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if pid is not None and _alive(int(pid)):
+        return False
+    if pid is None and time.time() - st.st_mtime < OLD_IPC_FILE_MIN_AGE_S:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:  # a pid of another pid namespace
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True  # nobody listens
+        except OSError:
+            return False
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 encoder = msgspec.msgpack.Encoder()

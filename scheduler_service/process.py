@@ -1,9 +1,14 @@
-"""What every process of the scheduler service sets up the same way: its log format and its garbage collector."""
+"""What every process of the scheduler service sets up the same way: its log format, its garbage collector and
+its open-file limit."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import resource
+
+log = logging.getLogger("pagedserve.scheduler")
+UNLIMITED_TARGET = 1 << 20  # the soft limit sought when the hard one is unlimited
 
 
 def configure_logging(tag: str = "") -> None:
@@ -16,3 +21,23 @@ def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)
+
+
+def open_file_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (the common soft 1,024 is a few hundred
+    idle connections) and log it; its children inherit it. Where the hard limit is no higher, keep it and log."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            log.warning("open-file limit stays at %d: raising it to %d failed (%s)", soft, target, e)
+            return
+        log.info("open-file limit raised from %d to %d (the hard limit)", soft, target)
+        return
+    log.info("open-file limit is %d (the hard limit)", soft)

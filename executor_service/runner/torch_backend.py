@@ -261,7 +261,8 @@ def count_swap_blocks(config: ExecutorConfig, shape: CacheShape) -> int:
 
 def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
                         device: torch.device) -> int:
-    """Peak memory of a max_num_batched_tokens forward + sampling decides what is left for KV blocks."""
+    """Peak memory of a max_num_batched_tokens forward + sampling max_num_seqs rows decides what is left for KV
+    blocks."""
     if not 0.0 < config.gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
     num_tokens = max(1, config.max_num_batched_tokens)
@@ -269,7 +270,7 @@ def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler
     torch.cuda.reset_peak_memory_stats(device)
     scratch = KVCache(shape, num_device_blocks=math.ceil(num_tokens / shape.block_size), num_swap_blocks=0,
                       device=device)
-    run_profile_pass(model, sampler, scratch, num_tokens, device)
+    run_profile_pass(model, sampler, scratch, num_tokens, device, max(1, config.max_num_seqs))
     torch.cuda.synchronize(device)
     scratch_bytes = scratch.num_device_blocks * shape.bytes_per_block
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
@@ -290,7 +291,7 @@ def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler
 
 
 def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, num_tokens: int,
-                     device: torch.device) -> None:
+                     device: torch.device, sample_rows: int = PROFILE_SAMPLE_ROWS) -> None:
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata(
         slot_mapping=positions.clone(),
@@ -298,7 +299,7 @@ def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, 
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
     )
-    rows = min(num_tokens, PROFILE_SAMPLE_ROWS)
+    rows = min(num_tokens, sample_rows)  # a step samples at most --max-num-seqs rows
     output_rows = torch.arange(num_tokens - rows, num_tokens, device=device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     with torch.inference_mode():

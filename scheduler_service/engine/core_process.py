@@ -18,7 +18,7 @@ from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.engine.metrics import EngineMetrics, MetricsServer
 from scheduler_service.engine.pool import ExecutorPool, PoolConfig
-from scheduler_service.messages import ipc_address
+from scheduler_service.messages import clear_stale_ipc_files, ipc_address
 from scheduler_service.process import freeze_startup_objects
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -85,37 +85,48 @@ async def start_metrics(config: SchedulerServiceConfig, pool: ExecutorPool) -> M
 
 
 async def run_engine_core(config: SchedulerServiceConfig) -> int:
-    """The engine core process: the executor pool, the api servers' socket, and the api server processes."""
+    """The engine core process: the executor pool, the api servers' socket, and the api server processes. Its
+    socket file is removed on every way out but SIGKILL; the next start removes those of killed processes."""
+    stale = clear_stale_ipc_files()
+    if stale:
+        log.info("removed %d stale ipc socket files of exited pagedserve processes", len(stale))
     pool = make_pool(config)
     core = EngineCore(pool, ipc_address("core"))
     core.bind()
+    try:
+        await serve_engine_core(config, pool, core)
+    finally:
+        core.close()
+    return 0
+
+
+async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, core: EngineCore) -> None:
     core.start()
     listen = resolve_listen(config.listen)
     if config.http_listen:
         config.http_listen = resolve_listen(config.http_listen)
     servers = ApiServers(config, core.address, listen, core.drop_frontend)
     servers.start()
-    pool.on_ready_change = lambda ready: core.broadcast_status()
-    stop = stop_on_signals(pool)
-    log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
-             config.api_server_count, listen, ", ".join(config.executor))
-    started = await start_until_stopped(pool, stop)
     metrics_server: MetricsServer | None = None
-    if started:
-        core.broadcast_status()
-        if pool.metrics is not None:
-            core.counters()  # its series on the registry from the start
-        metrics_server = await start_metrics(config, pool)
-        freeze_startup_objects()
-        log.info("engine core ready; api servers on %s", listen)
-        await stop.wait()
-        log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
-        await servers.drain(config.shutdown_timeout + 5.0)
-    servers.kill()
-    aborted = pool.abort_all("server shut down")
-    log.info("api servers stopped; aborted %d requests left in the core", aborted)
-    await pool.stop()
-    core.close()
-    if metrics_server is not None:
-        await metrics_server.close()
-    return 0
+    try:
+        pool.on_ready_change = lambda ready: core.broadcast_status()
+        stop = stop_on_signals(pool)
+        log.info("engine core (pid %d) started %d api servers on %s; waiting for executor %s", os.getpid(),
+                 config.api_server_count, listen, ", ".join(config.executor))
+        if await start_until_stopped(pool, stop):
+            core.broadcast_status()
+            if pool.metrics is not None:
+                core.counters()  # its series on the registry from the start
+            metrics_server = await start_metrics(config, pool)
+            freeze_startup_objects()
+            log.info("engine core ready; api servers on %s", listen)
+            await stop.wait()
+            log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+            await servers.drain(config.shutdown_timeout + 5.0)
+    finally:
+        servers.kill()
+        aborted = pool.abort_all("server shut down")
+        log.info("api servers stopped; aborted %d requests left in the core", aborted)
+        await pool.stop()
+        if metrics_server is not None:
+            await metrics_server.close()

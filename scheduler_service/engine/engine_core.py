@@ -27,6 +27,7 @@ from scheduler_service.messages import (
     ToFrontend,
     delta_to_wire,
     encoder,
+    remove_ipc_file,
     request_from,
     settled_by_frontend,
     to_core_decoder,
@@ -103,10 +104,12 @@ class EngineCore:
         self._intake = asyncio.create_task(self._read(), name="core-intake")
 
     def close(self) -> None:
+        """Close the socket and remove its file (ZeroMQ leaves an ipc:// socket file behind)."""
         if self._intake is not None:
             self._intake.cancel()
         self._sock.close(linger=0)
         self._ctx.term()
+        remove_ipc_file(self.address)
 
     # ---- front-ends in ---------------------------------------------------------------------
 

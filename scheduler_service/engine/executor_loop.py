@@ -8,7 +8,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -41,6 +41,19 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
     return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
                        num_swap_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
                        eos_token_ids=tuple(describe.eos_token_ids))
+
+
+def step_budgets(config: CoreConfig, describe: executor_pb2.DescribeResponse) -> CoreConfig:
+    """The scheduler's per-step budgets for this executor: its own flags, capped by the limits the executor
+    advertises in Describe (0: not advertised), so that no step it sends is refused for its size."""
+    caps = describe.capabilities
+    budgets = {name: min(getattr(config, name), cap) for name, cap in (
+        ("max_num_batched_tokens", caps.max_num_batched_tokens), ("max_num_seqs", caps.max_num_seqs),
+        ("num_lookahead_slots", caps.max_num_lookahead_slots)) if cap and getattr(config, name) > cap}
+    for name, value in budgets.items():
+        log.warning("--%s %d is more than the executor allows per step; using %d", name.replace("_", "-"),
+                    getattr(config, name), value)
+    return replace(config, **budgets) if budgets else config
 
 
 class ExecutorLoop:
@@ -93,6 +106,12 @@ class ExecutorLoop:
     def idle(self) -> bool:
         return self.scheduler is None or not self.scheduler.has_unfinished()
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Most running requests: --max-num-seqs, capped by what the executor allows per step."""
+        config = self.scheduler.config if self.scheduler is not None else self.core_config
+        return config.max_num_seqs
+
     async def _connect(self) -> None:
         describe = await self._describe_admitted()
         self.describe = describe
@@ -101,9 +120,11 @@ class ExecutorLoop:
             log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
                       "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
         limits = executor_limits(describe)
+        config = step_budgets(self.core_config, describe)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.core_config, limits)
+            self.scheduler = Scheduler(config, limits)
         else:
+            self.scheduler.config = config
             self.scheduler.set_executor_limits(limits)
         if self.metrics is None:
             self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)

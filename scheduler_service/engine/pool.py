@@ -293,10 +293,9 @@ class ExecutorPool:
         loops = self.serving()
         if len(loops) < 2:
             return
-        max_seqs = self.core_config.max_num_seqs
         for dst in loops:
             running, waiting, _ = dst.load()
-            room = max_seqs - running - waiting
+            room = dst.max_num_seqs - running - waiting
             if waiting or room <= 0:
                 continue
             src = max(loops, key=lambda e: e.load()[1])

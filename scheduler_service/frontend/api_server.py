@@ -23,7 +23,7 @@ from scheduler_service.frontend.auth import load_api_keys
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.generation import EngineHandle, ServingLimits
 from scheduler_service.frontend.grpc_server import PublicServer, serve, set_health
-from scheduler_service.process import configure_logging, freeze_startup_objects
+from scheduler_service.process import configure_logging, freeze_startup_objects, open_file_limit, raise_open_file_limit
 
 if TYPE_CHECKING:
     from scheduler_service.frontend.openai.app import HttpServer
@@ -58,11 +58,21 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
     if not config.http_listen:
         return None
     from scheduler_service.frontend.openai.app import OpenAIApi, serve_http
+    from scheduler_service.frontend.openai.connections import HttpLimits, connection_cap
 
     api = OpenAIApi(public.generation, config.served_model_name,
                     load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
-    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port)
-    log.info("OpenAI-compatible HTTP API on %s (port %d)", config.http_listen, http.port)
+    limits = HttpLimits(config.http_header_timeout, config.http_body_timeout, config.http_timeout_keep_alive,
+                        config.http_max_connections)
+    files = open_file_limit()
+    cap = connection_cap(config.http_max_connections, files)
+    if cap < config.http_max_connections:
+        log.warning("--http-max-connections %d lowered to %d: half this process's open-file limit %d, so that "
+                    "the HTTP port cannot take the descriptors gRPC needs", config.http_max_connections, cap, files)
+    http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port, limits, cap)
+    log.info("OpenAI-compatible HTTP API on %s (port %d): at most %d connections, headers within %gs, bodies "
+             "within %gs, idle connections closed after %gs", config.http_listen, http.port, cap,
+             limits.header_timeout, limits.body_timeout, limits.keep_alive_timeout)
     return http
 
 
@@ -111,6 +121,7 @@ def run_api_server(config: SchedulerServiceConfig, index: int, identity: bytes, 
                    listen: str) -> None:
     """Entry point of an api server process (started by the engine core with multiprocessing spawn)."""
     configure_logging(f"[api-server {index}]")
+    raise_open_file_limit()  # inherited from the engine core already: this logs it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
     uvloop.run(serve_engine_core(config, index, identity, core_address, listen))

@@ -181,8 +181,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise RuntimeError("no executor described yet")
         prompt_bytes = max_prompt_bytes(d.max_model_len, self.tokenizer().max_token_bytes,
                                         self.serving.max_request_bytes)
-        return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=self.max_logprobs,
-                      max_prompt_bytes=prompt_bytes)
+        cap = d.capabilities.max_logprobs  # the executor refuses more (0: not advertised)
+        max_logprobs = min(self.max_logprobs, cap) if cap else self.max_logprobs
+        return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=max_logprobs,
+                             max_prompt_bytes=prompt_bytes)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:

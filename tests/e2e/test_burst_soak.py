@@ -41,7 +41,8 @@ async def burst(stack: Stack, n: int, max_tokens: int = 16) -> collections.Count
 
 @pytest.mark.slow
 def test_a_burst_of_2000_calls_is_served_in_full(tmp_path: Path) -> None:
-    with running_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "5"], ["--max-num-seqs", "1024"]) as stack:
+    with running_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "5", "--max-num-seqs", "1024"],
+                       ["--max-num-seqs", "1024"]) as stack:
         codes = asyncio.run(burst(stack, BURST))
         assert codes == {"OK": BURST}
 

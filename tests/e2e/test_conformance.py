@@ -498,3 +498,82 @@ async def test_min_tokens_masks_eos_and_stop_tokens_counted_from_the_prompt(sess
         while len(multi.outputs) < min_tokens + 4:
             await session.run([(multi, 1)], num_steps=k)
         assert multi.outputs == m.outputs[:len(multi.outputs)], "multi-step passes must count outputs too"
+
+
+# ---- what an executor must refuse: sizes beyond its advertised limits, values outside the contract ------
+
+
+def advertised(session: Session, name: str) -> int:
+    limit: int = getattr(session.describe.capabilities, name)
+    if not limit:
+        pytest.skip(f"executor does not advertise {name}")
+    return limit
+
+
+async def assert_refused_whole_and_usable(session: Session, result: executor_pb2.StepResult, says: str) -> None:
+    assert says in result.error and not sampled_tokens(result) and not result.errors, result
+    after = session.seq("after", 6, seed=30)  # the stream stays usable, and nothing of the step was kept
+    await session.generate(after, 2)
+    assert len(after.outputs) == 2
+
+
+async def test_describe_advertises_per_step_limits(session: Session) -> None:
+    caps = session.describe.capabilities
+    for name in ("max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots"):
+        assert advertised(session, name) >= 1, name
+    assert caps.max_num_seqs <= caps.max_num_batched_tokens or caps.max_num_batched_tokens == 0
+
+
+async def test_a_step_with_more_requests_than_max_num_seqs_is_refused_whole(session: Session) -> None:
+    limit = advertised(session, "max_num_seqs")
+    prompt = session.prompt(1, seed=31)
+    flood = [executor_pb2.NewRequest(request_id=f"r{i}", token_ids=prompt, num_prompt_tokens=1,
+                                     num_scheduled_tokens=1, block_ids=[0], sampling=SAMPLING)
+             for i in range(limit + 1)]
+    result = await session.step(new_requests=flood)
+    await assert_refused_whole_and_usable(session, result, "max_num_seqs")
+
+
+async def test_a_step_with_more_tokens_than_max_num_batched_tokens_is_refused_whole(session: Session) -> None:
+    limit = advertised(session, "max_num_batched_tokens")
+    d = session.describe
+    length = min(d.max_model_len - 1, d.num_device_blocks * d.block_size)
+    blocks = list(range(session.blocks_for(length)))
+    flood = [executor_pb2.NewRequest(request_id=f"r{i}", token_ids=session.prompt(length, seed=32),
+                                     num_prompt_tokens=length, num_scheduled_tokens=length, block_ids=blocks,
+                                     sampling=SAMPLING)
+             for i in range(limit // length + 1)]
+    result = await session.step(new_requests=flood)
+    await assert_refused_whole_and_usable(session, result, "max_num_batched_tokens")
+
+
+async def test_more_lookahead_slots_than_advertised_is_refused_whole(session: Session) -> None:
+    limit = advertised(session, "max_num_lookahead_slots")
+    a = session.seq("a", 6, seed=33)
+    await session.generate(a, 1)
+    result = await session.step(running_requests=[Running("a", [], 1)], num_lookahead_slots=max(limit + 1, 2**32 - 1))
+    assert "max_num_lookahead_slots" in result.error and not sampled_tokens(result)
+    await session.decode([a], 1)  # a is untouched
+    assert len(a.outputs) == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", float("nan")), ("top_p", -1.0), ("logprobs", 2**31), ("n", 2**31), ("top_k", -7),
+    ("repetition_penalty", float("inf")),
+])
+async def test_a_sampling_value_outside_the_contract_is_refused_alone(session: Session, field: str,
+                                                                      value: float) -> None:
+    bad = session.seq("bad", 6, seed=34)
+    work = session.work(bad, 6)
+    assert isinstance(work, executor_pb2.NewRequest)
+    setattr(work.sampling, field, value)
+    good = session.seq("good", 6, seed=34)
+    result = await session.step(new_requests=[work, session.work(good, 6)])
+    assert refused(result, "bad") and not result.error, result
+    assert sampled_tokens(result).get("good"), "the other request of the step runs"
+
+
+async def test_num_prompt_tokens_past_the_tokens_sent_is_refused(session: Session) -> None:
+    lying = executor_pb2.NewRequest(request_id="lying", token_ids=session.prompt(5, seed=35), num_prompt_tokens=6,
+                                    num_scheduled_tokens=5, block_ids=session.take(1), sampling=SAMPLING)
+    assert refused(await session.step(new_requests=[lying]), "lying")

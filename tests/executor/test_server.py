@@ -11,6 +11,7 @@ from executor_service.backend import BackendLost, BatchItem, SampleOutput, Sampl
 from executor_service.config import ExecutorConfig
 from executor_service.server import ExecutorServicer, serve
 from executor_service.simulated import SimulatedBackend
+from executor_service.validator import StepLimits
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
 
@@ -240,3 +241,31 @@ def test_the_simulated_executor_masks_eos_and_stop_tokens_below_min_tokens() -> 
     natural = [free.sample(item(4, k)).token_id for k in range(4)]
     stopped = [free.sample(item(4, k, min_tokens=2, stop_token_ids=tuple(natural))).token_id for k in range(4)]
     assert not set(stopped[:2]) & set(natural) and stopped[2:] == natural[2:]
+
+
+async def test_describe_advertises_the_per_step_limits_and_a_larger_step_is_refused_whole() -> None:
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    s = ExecutorServicer(SimulatedBackend(config), limits=StepLimits(max_num_batched_tokens=2048, max_num_seqs=256))
+    caps = (await s.Describe(executor_pb2.DescribeRequest(), None)).capabilities
+    assert (caps.max_num_batched_tokens, caps.max_num_seqs, caps.max_num_lookahead_slots, caps.max_num_steps,
+            caps.max_logprobs) == (2048, 256, 64, 64, 20)
+    first = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0, 15])]))
+    assert not first.error
+    flood = executor_pb2.StepRequest(step_id=2, new_requests=[new(f"r{i}", [1 + i % 14]) for i in range(5000)])
+    refused = await s.run_step(flood)
+    assert refused.error == ("the step schedules 5000 requests, more than max_num_seqs 256 "
+                             "(Describe.capabilities)")
+    assert not refused.sampled.request_ids and set(s.table.states) == {"a"}
+    running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+    ok = await s.run_step(executor_pb2.StepRequest(step_id=3, running=running))
+    assert not ok.error and list(ok.sampled.request_ids) == ["a"]
+
+
+async def test_a_bad_sampling_value_fails_only_its_request() -> None:
+    s = servicer()
+    nan = new("nan", [1])
+    nan.sampling.temperature = float("nan")
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0]), nan]))
+    assert not result.error and list(result.sampled.request_ids) == ["a"]
+    assert [(e.request_id, e.message) for e in result.errors] == [
+        ("nan", "sampling.temperature: must be >= 0, got nan")]

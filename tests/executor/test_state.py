@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from executor_service.state import RequestTable, StepPlan
-from executor_service.validator import StepRefused, StepValidator
-from protos.pagedserve.v1 import executor_pb2
+from executor_service.validator import StepLimits, StepRefused, StepValidator
+from protos.pagedserve.v1 import common_pb2, executor_pb2
 
 
 def new(rid: str, blocks: list[int], n: int = 8) -> executor_pb2.NewRequest:
@@ -154,3 +154,77 @@ def test_vocabulary_and_max_model_len_are_checked_per_request() -> None:
     validator = StepValidator(t)
     assert "beyond max_model_len 8" in validator.check(running("a", [2], 1, resumed=False))[0].refused["a"]
     assert "at least 1" in validator.check(running("a", [], 0, resumed=False))[0].refused["a"]
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("temperature", float("nan"), "sampling.temperature: must be >= 0, got nan"),
+    ("temperature", float("inf"), "sampling.temperature: must be >= 0, got inf"),
+    ("top_p", -1.0, "sampling.top_p: must be in (0, 1], got -1.0"),
+    ("top_k", -2, "sampling.top_k: must be -1 (off), 0 (off) or positive, got -2"),
+    ("min_p", 2.0, "sampling.min_p: must be in [0, 1], got 2.0"),
+    ("presence_penalty", float("nan"), "sampling.presence_penalty: must be in [-2, 2], got nan"),
+    ("repetition_penalty", 0.0, "sampling.repetition_penalty: must be in (0, 2], got 0.0"),
+    ("logprobs", 2**31, "sampling.logprobs: must be in [0, 20], got 2147483648"),
+    ("n", 2**31, "sampling.n: must be in [1, 16], got 2147483648"),
+    ("max_tokens", 0, "sampling.max_tokens: must be >= 1, got 0"),
+])
+def test_every_sampling_value_is_checked_against_the_contracts_range(field: str, value: float, says: str) -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4)
+    bad = new("bad", [0, 1])
+    setattr(bad.sampling, field, value)
+    plan = apply(t, executor_pb2.StepRequest(new_requests=[bad, new("good", [2, 3])]))
+    assert plan.refused == {"bad": says}
+    assert set(t.states) == {"good"} and 0 not in t.device_owner
+
+
+def test_sampling_values_at_their_bounds_are_accepted() -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4)
+    edge = new("edge", [0, 1])
+    edge.sampling.MergeFrom(common_pb2.SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
+        repetition_penalty=2.0, logprobs=20, n=16, max_tokens=1, seed=2**64 - 1, priority=-(2**31)))
+    assert admit(t, edge) == ""
+
+
+def test_num_prompt_tokens_past_the_tokens_sent_is_refused() -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4)
+    lying = executor_pb2.NewRequest(request_id="x", token_ids=[5] * 4, num_prompt_tokens=5, num_scheduled_tokens=4,
+                                    block_ids=[0])
+    assert admit(t, lying) == "num_prompt_tokens 5 exceeds the 4 tokens sent"
+    assert not t.states
+
+
+def test_more_tokens_sent_than_max_model_len_is_refused() -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4, max_model_len=8)
+    long = executor_pb2.NewRequest(request_id="x", token_ids=[5] * 9, num_prompt_tokens=9, num_scheduled_tokens=4,
+                                   block_ids=[0])
+    assert admit(t, long) == "9 tokens sent, beyond max_model_len 8"
+
+
+def test_a_step_beyond_the_per_step_limits_is_refused_whole_before_anything_changes() -> None:
+    t = table_with_two()
+    before = snapshot(t)
+    validator = StepValidator(t)  # the defaults: 2048 tokens, 256 requests, 64 lookahead slots
+    flood = [new(f"r{i}", [i % 8], n=4) for i in range(5000)]  # 5,000 requests, 20,000 tokens
+    with pytest.raises(StepRefused, match="the step schedules 5000 requests, more than max_num_seqs 256"):
+        validator.check(executor_pb2.StepRequest(new_requests=flood))
+    big = [new(f"r{i}", [], n=1024) for i in range(3)]  # 3,072 tokens in 3 requests
+    with pytest.raises(StepRefused, match="the step schedules 3072 tokens, more than max_num_batched_tokens 2048"):
+        validator.check(executor_pb2.StepRequest(new_requests=big))
+    decodes = executor_pb2.RunningRequests(request_ids=["a", "b"], num_scheduled_tokens=[2**32 - 1, 2**32 - 1],
+                                           num_new_blocks=[0, 0])
+    with pytest.raises(StepRefused, match="more than max_num_batched_tokens 2048"):
+        validator.check(executor_pb2.StepRequest(running=decodes))
+    with pytest.raises(StepRefused, match="num_lookahead_slots 4294967295 exceeds max_num_lookahead_slots 64"):
+        validator.check(executor_pb2.StepRequest(num_lookahead_slots=2**32 - 1))
+    assert snapshot(t) == before
+
+
+def test_a_step_at_the_per_step_limits_is_accepted() -> None:
+    t = RequestTable(num_device_blocks=8, num_swap_blocks=4, block_size=4)
+    validator = StepValidator(t, StepLimits(max_num_batched_tokens=12, max_num_seqs=3, max_num_lookahead_slots=2))
+    plan, _ = validator.check(executor_pb2.StepRequest(new_requests=[new(x, [i], n=4) for i, x in enumerate("abc")],
+                                                       num_lookahead_slots=2))
+    assert not plan.refused and len(plan.admitted) == 3
+    with pytest.raises(StepRefused, match="more than max_num_seqs 3"):
+        validator.check(executor_pb2.StepRequest(new_requests=[new(x, [i], n=1) for i, x in enumerate("abcd")]))

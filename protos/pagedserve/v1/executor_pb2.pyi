@@ -12,20 +12,26 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEEDED_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     swap: bool
     copy: bool
     chunked_prefill: bool
     max_num_steps: int
     max_logprobs: int
     seeded_sampling: bool
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ...) -> None: ...
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_num_lookahead_slots: int
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template")

@@ -16,6 +16,7 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,15 @@ from tokenizers import Tokenizer
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.frontend.generation import GenerationServicer, RequestError
 from scheduler_service.frontend.openai.chat import ChatTemplate
-from scheduler_service.frontend.openai.errors import ApiError, from_status
-from scheduler_service.frontend.openai.protocol import ApiRequest, parse_chat, parse_completion
+from scheduler_service.frontend.openai.connections import ConnectionGuard, GuardedSite, HttpLimits
+from scheduler_service.frontend.openai.errors import ApiError, bad_param, from_status
+from scheduler_service.frontend.openai.protocol import (
+    ApiRequest,
+    check_body,
+    parse_chat,
+    parse_completion,
+    text_bytes,
+)
 from scheduler_service.frontend.openai.responses import (
     Choice,
     LogprobFormatter,
@@ -37,6 +45,7 @@ from scheduler_service.frontend.openai.responses import (
     finish_reason,
     stop_reason,
 )
+from scheduler_service.frontend.tokenizer import INLINE_ENCODE_CHARS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = ("/health", "/ping")
@@ -71,9 +80,13 @@ class OpenAIApi:
         self._chat_template: ChatTemplate | None = None
         self._chat_key: tuple[str, str] | None = None
         self.created = int(time.time())
+        self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth, self._json_only], client_max_size=64 * 2**20)
+    def app(self, guard: ConnectionGuard | None = None) -> web.Application:
+        """The application; with a guard, its middlewares time the body and track each connection's requests."""
+        middlewares = [guard.track, self._errors, self._auth, self._json_only, guard.body_deadline] \
+            if guard is not None else [self._errors, self._auth, self._json_only]
+        app = web.Application(middlewares=middlewares, client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
         app.router.add_get("/v1/models", self.models)
@@ -90,6 +103,9 @@ class OpenAIApi:
         except RequestError as e:
             error = from_status(e.code, e.message)
             return web.json_response(error.body(), status=error.status)
+        except web.HTTPRequestEntityTooLarge:
+            error = ApiError(413, f"the request body is larger than {request.client_max_size} bytes")
+            return web.json_response(error.body(), status=413)
         except web.HTTPException as e:
             error = ApiError(e.status, e.reason)
             return web.json_response(error.body(), status=e.status)
@@ -112,7 +128,9 @@ class OpenAIApi:
         return await handler(request)
 
     def _valid(self, key: str) -> bool:
-        return any(hmac.compare_digest(key.encode(), k) for k in self._keys)
+        # a header's non-UTF-8 bytes arrive as surrogate escapes: compared as the bytes they were
+        presented = key.encode("utf-8", "surrogateescape")
+        return any(hmac.compare_digest(presented, k) for k in self._keys)
 
     def model_name(self) -> str | None:
         describe = self.generation.engine.describe
@@ -142,7 +160,7 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         api, messages, kwargs = parse_chat(await read_json(request))
         self._check_model(api.model)
-        api.prompts = [self._chat_prompt(api, messages, kwargs)]
+        api.prompts = [await self._chat_prompt(api, messages, kwargs)]
         return await self._serve(request, api, CHAT)
 
     def _check_model(self, model: str | None) -> None:
@@ -151,16 +169,40 @@ class OpenAIApi:
         if model is not None and model != self.model_name():
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def _chat_prompt(self, api: ApiRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
-        """The rendered conversation as token ids (the template writes any BOS itself, as in transformers)."""
+    async def _chat_prompt(self, api: ApiRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any]
+                           ) -> list[int]:
+        """The rendered conversation as token ids (the template writes any BOS itself, as in transformers).
+
+        As for a completion's prompt, the size is bounded before any work (the messages' text cannot hold more
+        than max_model_len tokens of the longest token), and a large conversation is rendered and tokenized on a
+        worker thread, so that it never stalls the other streams of this api server."""
+        limit = self.generation.request_limits().max_prompt_bytes
+        size = text_bytes(messages) + text_bytes(kwargs)
+        if size > limit:
+            describe = self.generation.engine.describe
+            max_model_len = describe.max_model_len if describe is not None else 0
+            raise bad_param("messages", f"{size} bytes of text is more than max_model_len {max_model_len} tokens "
+                            f"can hold (at most {limit} bytes)")
         template = self._template()
-        text = template.render(messages, kwargs)
         describe = self.generation.engine.describe
-        bos = template.special_tokens.get("bos_token")
-        if describe is not None and describe.add_bos_token and bos and text.startswith(bos):
-            text = text[len(bos):]
-        ids = self.generation.tokenizer().encode(text)
-        room = (describe.max_model_len if describe is not None else 0) - len(ids)
+        strip_bos = template.special_tokens.get("bos_token") if describe is not None and describe.add_bos_token \
+            else None
+        tokenizer = self.generation.tokenizer()
+
+        def render() -> list[int]:
+            text = template.render(messages, kwargs)
+            if strip_bos and text.startswith(strip_bos):
+                text = text[len(strip_bos):]
+            return tokenizer.encode(text)
+
+        if size <= INLINE_ENCODE_CHARS:
+            ids = render()
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._render_pool, render)
+        max_model_len = describe.max_model_len if describe is not None else 0
+        if len(ids) >= max_model_len:
+            raise bad_param("messages", f"the conversation is {len(ids)} tokens; max_model_len is {max_model_len}")
+        room = max_model_len - len(ids)
         if not api.max_tokens_given and room > 0:
             api.sampling.max_tokens = room
         return ids
@@ -354,9 +396,13 @@ def presented_key(request: web.Request) -> str:
 
 async def read_json(request: web.Request) -> Any:
     try:
-        return await request.json(loads=json.loads)
+        body = await request.json(loads=json.loads)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    check_body(body)
+    return body
 
 
 def read_json_file(path: Path) -> dict[str, Any]:
@@ -376,17 +422,23 @@ class HttpServer:
         await self.runner.cleanup()
 
 
-async def serve_http(api: OpenAIApi, listen: str, tls_cert: str | None = None,
-                     tls_key: str | None = None, reuse_port: bool = False) -> HttpServer:
-    """Start the HTTP API on HOST:PORT (port 0 picks a free one); HTTPS when a certificate is given."""
+async def serve_http(api: OpenAIApi, listen: str, tls_cert: str | None = None, tls_key: str | None = None,
+                     reuse_port: bool = False, limits: HttpLimits | None = None,
+                     max_connections: int | None = None) -> HttpServer:
+    """Start the HTTP API on HOST:PORT (port 0 picks a free one); HTTPS when a certificate is given. Its connections
+    are guarded (connections.py): header and body timeouts, the keep-alive timeout, at most max_connections
+    (default: limits.max_connections)."""
+    limits = limits or HttpLimits()
     host, _, port = listen.rpartition(":")
     context = None
     if tls_cert and tls_key:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(tls_cert, tls_key)
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    guard = ConnectionGuard(limits, max_connections or limits.max_connections)
+    runner = web.AppRunner(api.app(guard), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=limits.keep_alive_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), ssl_context=context,
-                       reuse_port=reuse_port or None)
+    site = GuardedSite(runner, guard, host.strip("[]") or "0.0.0.0", int(port), ssl_context=context,
+                       reuse_port=reuse_port)
     await site.start()
     return HttpServer(runner, runner.addresses[0][1])

@@ -41,7 +41,12 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     def render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        """The conversation as text; any failure of the template on these inputs is the request's (400)."""
+        variables = {**kwargs, **self.special_tokens, "messages": messages}  # the server's own win
         try:
-            return self._template.render(messages=messages, **self.special_tokens, **kwargs)
+            return self._template.render(variables)
         except TemplateError as e:
             raise bad_param("messages", f"the chat template refused the messages: {e}") from None
+        except Exception as e:  # a template over unexpected input: TypeError, KeyError, RecursionError, ...
+            raise bad_param("messages", f"the chat template failed on these messages: {type(e).__name__}: {e}"
+                            ) from None

@@ -24,6 +24,10 @@ DEFAULT_ONLY: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }
 INT64 = 2**63
+MAX_BODY_DEPTH = 64  # JSON nesting a request body may have (OpenAI's bodies need about 5)
+SCALARS = {int, float, bool, type(None)}
+# Variables the server passes to the chat template itself: chat_template_kwargs may not replace them.
+TEMPLATE_OWN_ARGS = ("messages", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now")
 
 
 @dataclass(slots=True)
@@ -69,6 +73,10 @@ def parse_chat(body: Any) -> tuple[ApiRequest, list[dict[str, Any]], dict[str, A
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_param("chat_template_kwargs", "must be an object")
+    taken = [name for name in TEMPLATE_OWN_ARGS if name in kwargs]
+    if taken:
+        raise bad_param("chat_template_kwargs", f"may not set {', '.join(taken)}: the server passes the template "
+                        f"its own ({', '.join(TEMPLATE_OWN_ARGS)})")
     kwargs = {**kwargs, "add_generation_prompt": bool(body.get("add_generation_prompt", True))}
     return request, messages, kwargs
 
@@ -77,6 +85,56 @@ def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def check_body(body: Any) -> None:
+    """What JSON parses but nothing downstream takes, refused naming the top-level field: a string that is not
+    valid Unicode (a lone UTF-16 surrogate such as \\ud800, which JSON escapes allow and no tokenizer or encoder
+    accepts), and nesting deeper than MAX_BODY_DEPTH levels. One pass over the body, without recursion."""
+    if not isinstance(body, dict):
+        return
+    for key, value in body.items():
+        param = key if _valid_text(key) else None
+        stack: list[tuple[Any, int]] = [(key, 0), (value, 1)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, str):
+                if not _valid_text(item):
+                    raise ApiError(400, f"{param or 'a field name'}: a string holds a lone UTF-16 surrogate "
+                                   "(such as \\ud800): not valid Unicode", param)
+            elif isinstance(item, dict | list):
+                if depth >= MAX_BODY_DEPTH:
+                    raise ApiError(400, f"{param or 'a field name'}: nested deeper than {MAX_BODY_DEPTH} levels",
+                                   param)
+                children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+                if set(map(type, children)) <= SCALARS:  # token ids: one pass in C, nothing to look into
+                    continue
+                stack.extend((child, depth + 1) for child in children if type(child) not in SCALARS)
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string value in a JSON value (keys aside): what a template can put in the prompt."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiRequest:
