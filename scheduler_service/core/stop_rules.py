@@ -104,8 +104,10 @@ class MaxTokens(LengthRule):
         return num_prompt + sampling.max_tokens
 
 
-STOP_RULES: tuple[StopRule, ...] = (MaxModelLen(), Eos(), StopTokens(), MaxTokens())
-"""The stop rules, in the order the per-request check asks them (the first that fires gives the reason)."""
+STOP_RULES: tuple[StopRule, ...] = (Eos(), StopTokens(), MaxModelLen(), MaxTokens())
+"""The stop rules, in the order the per-request check asks them (the first that fires gives the reason):
+vLLM's order, min_tokens (the `gated` rules held back), EOS, stop tokens, then length, so an EOS or stop
+token sampled as the last allowed token (max_tokens or max_model_len) finishes as `stop`, not `length`."""
 
 
 Entry = tuple[int, tuple[int, ...] | None, Fires | None, FinishReason]

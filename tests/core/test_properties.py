@@ -133,11 +133,12 @@ def expected_output(req: Request, max_model_len: int) -> tuple[list[int], Finish
     while True:
         t = token_at(req.request_id, n + len(out), EOS, 23)
         out.append(t)
-        if n + len(out) >= max_model_len:
-            return out, FinishReason.LENGTH
-        if len(out) < options.min_tokens:
-            continue
-        if (not options.ignore_eos and t in (EOS, EOS2)) or t in options.stop_token_ids:
+        held = len(out) < options.min_tokens  # vLLM's order: min_tokens, EOS, stop tokens, then length
+        if not held and ((not options.ignore_eos and t in (EOS, EOS2)) or t in options.stop_token_ids):
             return out, FinishReason.STOPPED
+        if n + len(out) >= max_model_len:  # not held by min_tokens: the model holds no more
+            return out, FinishReason.LENGTH
+        if held:
+            continue
         if len(out) >= options.max_tokens:
             return out, FinishReason.LENGTH
