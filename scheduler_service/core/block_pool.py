@@ -3,6 +3,13 @@
 A device block is free when no request holds it. Allocation takes free blocks holding nothing worth
 keeping first (a plain FIFO), then freed cached blocks in the order they were freed (an LRU queue), so
 the least recently used cached block goes last and its key is evicted only then.
+
+A block computed twice (two requests with the same prefix admitted before either registered it) is
+registered twice: the key names one block, the primary, and the other held copies are its duplicates.
+When the primary is freed while a duplicate is held, the key moves to the duplicate and the freed copy
+holds nothing worth keeping; a copy registered while the primary sits free takes the key over likewise.
+So a key stays findable as long as any block with its contents is held, and a free cached block never
+has a duplicate.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ class DevicePool:
         self._refs = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
+        self._duplicates: dict[BlockKey, list[int]] = {}  # held copies of a primary's contents, by key
         self._empty: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()
 
@@ -56,7 +64,7 @@ class DevicePool:
         for i in ids:
             refs[i] = 1
             key = keys[i]
-            if key is not None:
+            if key is not None:  # a free cached block is a primary without duplicates
                 keys[i] = None
                 if self._cached.get(key) == i:
                     del self._cached[key]
@@ -76,16 +84,44 @@ class DevicePool:
         for i in reversed(ids):
             refs[i] -= 1
             if refs[i] == 0:
-                if keys[i] is None:
+                key = keys[i]
+                if key is None:
+                    empty.append(i)
+                elif self._duplicates and key in self._duplicates:
+                    self._drop_copy(i, key)
                     empty.append(i)
                 else:
                     lru[i] = None
 
+    def _drop_copy(self, block_id: int, key: BlockKey) -> None:
+        """block_id, one of several held blocks with these contents, is freed: the key stays with a held one."""
+        copies = self._duplicates[key]
+        if self._cached[key] == block_id:
+            self._cached[key] = copies.pop()
+        else:
+            copies.remove(block_id)
+        if not copies:
+            del self._duplicates[key]
+        self._keys[block_id] = None
+
     def cache(self, block_id: int, key: BlockKey) -> None:
-        """Record that block_id holds the KV of the full block key (the first block to do so keeps it)."""
-        if key not in self._cached:
+        """Record that block_id, held, holds the KV of the full block key. If another block holds it already,
+        block_id is registered as its duplicate (or takes the key over from a free one), so the key outlives
+        the first copy while this one is held."""
+        keys = self._keys
+        if keys[block_id] is not None:
+            return
+        primary = self._cached.get(key)
+        keys[block_id] = key
+        if primary is None:
             self._cached[key] = block_id
-            self._keys[block_id] = key
+        elif self._refs[primary] == 0:  # free and cached: the held copy takes the key, the free one is empty
+            self._cached[key] = block_id
+            keys[primary] = None
+            del self._lru[primary]
+            self._empty.append(primary)
+        else:
+            self._duplicates.setdefault(key, []).append(block_id)
 
     def lookup(self, key: BlockKey) -> int | None:
         return self._cached.get(key)

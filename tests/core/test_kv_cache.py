@@ -251,3 +251,52 @@ def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
     run.finish_all()
     assert run.tokens["a"] == run.expect(a) and run.tokens["c"] == run.expect(c)
     assert run.s.kv.device.num_used == 0 and run.s.requests == {}
+
+
+def test_a_block_computed_twice_keeps_its_key_while_the_second_copy_is_held() -> None:
+    """Two requests with the same prompt admitted in one step both compute its blocks (#27). When the first
+    copy is freed and then evicted, the key stays registered while the identical second copy is held: a third
+    request with that prompt still takes 16 tokens from the cache (from the second copy)."""
+    run = Run()
+    a, b = req("a", PROMPT, max_tokens=2), req("b", PROMPT, max_tokens=40)
+    run.add(a, b)
+    run.step()
+    assert run.s.stats().prefix_cache_hits == 0  # both computed the prompt
+    run.step()
+    assert "a" not in run.s.requests and "b" in run.s.requests
+    free = run.s.kv.device.num_free
+    filler = req("filler", [300 + i for i in range((free - 1) * BS)], max_tokens=1)
+    run.add(filler)
+    run.step()  # the filler takes every free block but one: a's copies are gone
+    assert "filler" not in run.s.requests and "b" in run.s.requests
+    b_table = list(run.s.kv.block_table("b"))
+    c = req("c", PROMPT)
+    run.add(c)
+    run.step()
+    assert run.new[0].num_computed_tokens == 16
+    assert run.s.kv.block_table("c")[:4] == b_table[:4]
+    run.finish_all()
+    assert run.tokens["c"] == run.expect(c) and run.tokens["b"] == run.expect(b)
+
+
+def test_the_pool_re_points_a_key_to_a_held_duplicate() -> None:
+    """DevicePool alone: a key registered by two blocks is found while either is held; freeing the one the key
+    names re-points it to the held duplicate (the freed block holds nothing worth keeping, so allocating it
+    evicts nothing); a copy computed while the first copy sits free takes the key over."""
+    pool = KVCacheManager(4, 0, BS).device
+    key = (b"parent", (1, 2, 3, 4))
+    first, second = pool.allocate(2) or []
+    pool.cache(first, key)
+    pool.cache(second, key)
+    assert pool.lookup(key) == first
+    pool.release([first])
+    assert pool.lookup(key) == second and pool.num_cached == 1
+    rest = pool.allocate(3)  # every free block, first included
+    assert rest is not None and first in rest and pool.lookup(key) == second
+    pool.release([second])
+    assert pool.lookup(key) == second  # free and cached
+    pool.cache(rest[0], key)  # a held block computes the same contents: it takes the key over
+    assert pool.lookup(key) == rest[0]
+    assert pool.allocate(1) == [second] and pool.lookup(key) == rest[0]
+    pool.release(rest)
+    assert pool.lookup(key) == rest[0] and pool.num_cached == 1
