@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
@@ -107,6 +109,9 @@ def test_a_stop_token_at_the_last_allowed_position_finishes_stop_not_length(path
     """vLLM's order (#27): min_tokens, then EOS, then stop tokens, then length. A request that samples EOS or
     one of its stop tokens as its last allowed token (max_tokens reached, or max_model_len) stops with
     `stop`; the same request sampling any other token there ends with `length`."""
+    def choose(last: int, rid: str, pos: int) -> int:
+        return last if pos == 7 else 50
+
     for token, reason in ((EOS if stop == "eos" else 9, FinishReason.STOPPED), (50, FinishReason.LENGTH)):
         s = make_scheduler(max_model_len=8 if limit == "max_model_len" else 4096)
         s.add_request(make_request("a", 5, max_tokens=3 if limit == "max_tokens" else 100,
@@ -115,7 +120,7 @@ def test_a_stop_token_at_the_last_allowed_position_finishes_stop_not_length(path
         last = None
         while s.has_unfinished():
             out = s.schedule()
-            result = run_step(out, lambda rid, pos: token if pos == 7 else 50)
+            result = run_step(out, functools.partial(choose, token))
             if path == "per-request":
                 result.logprobs = {w.request.request_id: [] for w in out.scheduled}
             for d in s.update(out, result):
