@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import BlockMap
-from scheduler_service.core.block_hash import BlockKey, extend_keys, prefix_keys
+from scheduler_service.core.block_hash import BlockKey, extend_keys, prefix_keys, request_root
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
@@ -99,12 +99,13 @@ class KVCacheManager:
             blocks.append(block)
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids sit in cached full blocks (0 with caching off)."""
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading tokens of the request's prompt sit in cached full blocks of its cache scope (0 with
+        caching off); it need not be queued here."""
         if not self.enable_caching:
             return 0
         found = 0
-        for key in prefix_keys(token_ids, self.block_size):
+        for key in prefix_keys(request.prompt_token_ids, self.block_size, request_root(request)):
             if self.device.lookup(key) is None:
                 break
             found += self.block_size

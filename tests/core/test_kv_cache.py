@@ -3,6 +3,14 @@ with cached blocks, n > 1 prompt sharing with copy-on-write."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from scheduler_service.core import block_hash
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import NewRequestData, SchedulerOutput
@@ -227,16 +235,16 @@ def test_reset_executor_forgets_every_cached_block() -> None:
 
 def test_cached_prefix_tokens_answers_from_the_cache_for_placement() -> None:
     run = Run()
-    assert run.s.cached_prefix_tokens(PROMPT) == 0
+    assert run.s.cached_prefix_tokens(req("q", PROMPT)) == 0
     run.add(req("a", PROMPT, max_tokens=2))
     run.finish_all()
-    assert run.s.cached_prefix_tokens(PROMPT) == 16
-    assert run.s.cached_prefix_tokens(PROMPT[:9]) == 8
-    assert run.s.cached_prefix_tokens([99, *PROMPT[1:]]) == 0
+    assert run.s.cached_prefix_tokens(req("q", PROMPT)) == 16
+    assert run.s.cached_prefix_tokens(req("q", PROMPT[:9])) == 8
+    assert run.s.cached_prefix_tokens(req("q", [99, *PROMPT[1:]])) == 0
     off = Run(enable_prefix_caching=False)
     off.add(req("a", PROMPT, max_tokens=2))
     off.finish_all()
-    assert off.s.cached_prefix_tokens(PROMPT) == 0
+    assert off.s.cached_prefix_tokens(req("q", PROMPT)) == 0
 
 
 def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
@@ -300,3 +308,69 @@ def test_the_pool_re_points_a_key_to_a_held_duplicate() -> None:
     assert pool.allocate(1) == [second] and pool.lookup(key) == rest[0]
     pool.release(rest)
     assert pool.lookup(key) == rest[0] and pool.num_cached == 1
+
+
+def scoped(rid: str, prompt: list[int], tenant: str = "", salt: str | None = None) -> Request:
+    r = req(rid, prompt, max_tokens=2)
+    r.tenant, r.cache_salt = tenant, salt
+    return r
+
+
+def test_the_cache_scope_separates_tenants_and_salts() -> None:
+    """A prompt cached under one scope (tenant, cache_salt) is found only by requests of that scope (#27):
+    another tenant, another salt, a salt where there was none, none where there was one all miss; the same
+    tenant and salt hit."""
+    run = Run(64)
+    run.add(scoped("a", PROMPT, tenant="t1"), scoped("s", PROMPT, salt="x"), scoped("plain", PROMPT))
+    run.finish_all()
+    assert run.s.stats().prefix_cache_hits == 0  # three scopes: three copies computed
+    expected = {("t1", None): 16, ("t2", None): 0, ("t1", "x"): 0, ("", "x"): 16, ("", "y"): 0, ("", None): 16,
+                ("", ""): 0, ("x", None): 0}
+    for (tenant, salt), hit in expected.items():
+        probe = scoped("probe", PROMPT, tenant, salt)
+        assert run.s.cached_prefix_tokens(probe) == hit, (tenant, salt)
+        before = run.s.stats().prefix_cache_hits
+        run.add(probe)
+        run.finish_all()
+        assert run.s.stats().prefix_cache_hits - before == hit, (tenant, salt)
+        assert run.tokens["probe"] == run.expect(probe)
+
+
+def test_block_keys_start_from_a_random_root_per_process() -> None:
+    """The chain's root is a digest over 32 random bytes drawn per process (#27): two processes give the same
+    tokens different keys, and neither is the unkeyed SHA-256 chain anyone could compute."""
+    code = ("from scheduler_service.core.block_hash import prefix_keys, digest\n"
+            "print(digest(prefix_keys(list(range(32)), 16)[1]).hex())")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)}
+    seen.add(block_hash.digest(block_hash.prefix_keys(list(range(32)), 16)[1]).hex())
+    assert len(seen) == 3
+    public = hashlib.sha256(b"").digest()
+    for block in (range(16), range(16, 32)):
+        public = hashlib.sha256(public + struct.pack("<16q", *block)).digest()
+    assert public.hex() not in seen
+
+
+def test_a_look_up_compares_the_tokens_not_only_the_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even if every digest collided, a block is found only by its own tokens: the cache's key is the parent's
+    digest and the block's token ids, compared whole."""
+
+    class Constant:
+        def __init__(self, data: bytes = b"") -> None:
+            pass
+
+        def digest(self) -> bytes:
+            return b"\x00" * 32
+
+    monkeypatch.setattr(block_hash, "sha256", Constant)
+    run = Run(64)
+    a = req("a", PROMPT, max_tokens=2)
+    run.add(a)
+    run.finish_all()
+    other = [*PROMPT[:4], *(t + 100 for t in PROMPT[4:8]), *PROMPT[8:]]  # its second block differs
+    b = req("b", other, max_tokens=2)
+    run.add(b)
+    run.step()
+    assert run.new[0].num_computed_tokens == 4  # block 0 only: block 1's tokens differ, and the walk stops there
+    run.finish_all()
+    assert run.tokens["b"] == run.expect(b)
