@@ -15,6 +15,12 @@
 2. Memory (the pure core, exact): one n = 8 request with a --parallel-prompt-len token prompt and
    --parallel-output-len output tokens vs 8 independent requests with the same prompt sent together;
    the peak number of device blocks each holds, block size 16.
+3. Block keys (the pure core, in process; --core-repeats runs, medians): the serving part's requests
+   through the scheduler core alone, answered by a fake executor that is not timed -- the time of all its
+   schedule() + update() calls (admission look-ups, registering the prompts' blocks, freeing) per request
+   -- and the time to compute the block keys of every prompt (block_hash.prefix_keys), per key; CPU time
+   of the benchmark's thread (time.thread_time), so that other work on the machine weighs less. This is
+   where the block hash costs: the decode steps of benchmarks/scheduler.py hash nothing.
 Prints one JSON line per part.
 """
 
@@ -23,7 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
+import time
 import urllib.request
 from typing import Any
 
@@ -34,6 +42,7 @@ from client.bench.stats import median
 from client.lib import PagedServeClient
 from client.local import free_port, parse_metrics, service
 from executor_service.default_model.model import ensure_random_model
+from scheduler_service.core import block_hash
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import Request, SamplingOptions
@@ -123,6 +132,45 @@ def parallel(args: argparse.Namespace) -> dict[str, object]:
             "ratio": round(shared / independent, 3)}
 
 
+def core_keys(args: argparse.Namespace) -> dict[str, object]:
+    cfg = PrefixRepetitionConfig(num_prompts=args.num_prompts, prefix_len=args.prefix_len,
+                                 suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
+                                 output_len=args.output_len, vocab_size=args.vocab_size, seed=args.seed)
+    prompts = [list(r.prompt_token_ids or ()) for r in prefix_repetition_requests(cfg)]
+    limits = ExecutorLimits(BLOCK_SIZE, num_device_blocks=args.num_gpu_blocks, num_swap_blocks=0,
+                            max_model_len=args.prefix_len + args.suffix_len + args.output_len + 16)
+    options = SamplingOptions(max_tokens=args.output_len, ignore_eos=True)
+    perf = time.thread_time_ns  # CPU time of this thread: the other developers' load on the cores stays out
+    core_ns, key_ns, steps, hits = [], [], 0, 0
+    for _ in range(args.core_repeats):
+        s = Scheduler(CoreConfig(max_num_seqs=args.max_num_seqs), limits)
+        for i, prompt in enumerate(prompts):
+            s.add_request(Request(f"r{i}", list(prompt), options, 0.0))
+        spent, steps = 0, 0
+        while s.has_unfinished():
+            t0 = perf()
+            out = s.schedule()
+            t1 = perf()
+            result = fake_execute(out)
+            t2 = perf()
+            s.update(out, result)
+            spent += perf() - t2 + t1 - t0
+            steps += 1
+        core_ns.append(spent)
+        hits = s.stats().prefix_cache_hits
+        t0 = perf()
+        for prompt in prompts:
+            block_hash.full_blocks(prompt, BLOCK_SIZE)
+        key_ns.append(perf() - t0)
+    num_keys = sum(len(p) // BLOCK_SIZE for p in prompts)
+    return {"part": "block_keys", "num_prompts": args.num_prompts, "prompt_len": args.prefix_len + args.suffix_len,
+            "output_len": args.output_len, "steps": steps, "prefix_cache_hits": hits, "repeats": args.core_repeats,
+            "core_us_per_request": round(statistics.median(core_ns) / 1e3 / len(prompts), 1),
+            "core_ms_total": round(statistics.median(core_ns) / 1e6, 2),
+            "key_us_per_block": round(statistics.median(key_ns) / 1e3 / num_keys, 3),
+            "keys_us_per_prompt": round(statistics.median(key_ns) / 1e3 / len(prompts), 1), "machine": machine()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=128)
@@ -140,10 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--parallel-prompt-len", type=int, default=1000)
     p.add_argument("--parallel-output-len", type=int, default=32)
-    p.add_argument("--skip-serving", action="store_true", help="only the exact n = 8 memory part")
+    p.add_argument("--core-repeats", type=int, default=5, help="runs of the block-key part (medians)")
+    p.add_argument("--skip-serving", action="store_true", help="only the in-process parts (n = 8 memory, block keys)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     emit(parallel(args), args.json_out)
+    emit(core_keys(args), args.json_out)
     if not args.skip_serving:
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         emit(serving(args), args.json_out)

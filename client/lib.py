@@ -15,7 +15,7 @@ SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 def build_request(prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                  request_id: str = "", output_len_hint: int | None = None,
+                  request_id: str = "", output_len_hint: int | None = None, cache_salt: str | None = None,
                   **sampling: Any) -> generation_pb2.GenerateRequest:
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
@@ -25,6 +25,8 @@ def build_request(prompt: str | None = None, prompt_token_ids: list[int] | None 
                                          prompt_token_ids=prompt_token_ids or [], sampling=params)
     if output_len_hint is not None:
         req.output_len_hint = output_len_hint
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
     return req
 
 

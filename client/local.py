@@ -83,6 +83,32 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
     return proc.returncode
 
 
+def status_bytes(pid: int, key: str = "VmRSS") -> int:
+    """A size from /proc/PID/status (VmRSS, RssAnon, ...), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/{pid}/status")
+
+
+def child_pids(pid: int) -> dict[int, str]:
+    """The processes whose parent is pid, with what they are: "api server" (a multiprocessing spawn child),
+    "resource tracker" (multiprocessing's), or "child"."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        found[int(entry.name)] = ("resource tracker" if b"resource_tracker" in cmdline
+                                  else "api server" if b"spawn_main" in cmdline else "child")
+    return dict(sorted(found.items()))
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus samples summed over labels other than finished_reason/mode/code, keyed by name{value}.
     Counters keep their exposed `_total` name."""

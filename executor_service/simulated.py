@@ -18,7 +18,6 @@ class SimulatedBackend:
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
-        self._id_keys: dict[str, int] = {}
         self.info = BackendInfo(
             model_id="simulated", vocab_size=config.sim_vocab_size, eos_token_ids=(config.sim_eos_token_id,),
             max_model_len=config.max_model_len or config.sim_max_model_len, block_size=config.block_size,
@@ -39,14 +38,11 @@ class SimulatedBackend:
         return self.config.sim_step_latency_ms / 1e3 + num_tokens * self.config.sim_token_latency_us / 1e6
 
     def _key(self, item: BatchItem) -> int:
+        """The seed, else a key from the request id, worked out at each sample: nothing is kept per request (a
+        dict of them grew by ~150 bytes a request until it held a million)."""
         if item.sampling.seed is not None:
             return item.sampling.seed
-        key = self._id_keys.get(item.request_id)
-        if key is None:
-            if len(self._id_keys) > 1_000_000:
-                self._id_keys.clear()
-            key = self._id_keys[item.request_id] = zlib.crc32(item.request_id.encode()) | (1 << 40)
-        return key
+        return zlib.crc32(item.request_id.encode()) | (1 << 40)
 
     def token_at(self, item: BatchItem, position: int) -> int:
         """The token at `position`; below min_tokens never EOS or a stop token (the next printable one instead)."""

@@ -91,6 +91,9 @@ class SchedulerServiceConfig(CoreConfig):
     tls_ca: str | None = field(default=None, metadata=flag("PEM CA that signed the executor's certificate (mTLS)"))
     api_key: list[str] = field(default_factory=list, metadata=flag("accepted API key (repeatable)"))
     api_key_file: str | None = field(default=None, metadata=flag("file of accepted API keys, one per line"))
+    enable_cross_tenant_prefix_caching: bool = field(default=False, metadata=flag(
+        "with API keys, let every key's requests share one prefix cache (off: each key's requests hit only "
+        "blocks its own requests computed, so no tenant can time another's prompts)"))
     api_server_count: int | None = field(default=None, metadata=flag(
         "front-end processes serving the public port (SO_REUSEPORT) around one engine core process (default: "
         "cores / 4, 1 to 8); 0 runs everything in one process (the layout before the split)"))

@@ -52,6 +52,8 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     output_len_hint: int | None = None
     stop_strings: bool = False  # the front-end settles a LENGTH finish (ExecutorLoop.add)
     share_prompt_with: str | None = None  # the first sibling of an n > 1 request
+    cache_salt: str | None = None  # vLLM's per-request prefix-cache salt
+    tenant: str = ""  # the api server's keyed digest of the caller's API key (never the key), or ""
 
 
 class Ended(msgspec.Struct, array_like=True, gc=False):
@@ -98,12 +100,14 @@ class ToFrontend(msgspec.Struct, array_like=True, gc=False):
 
 def request_from(msg: NewRequest) -> Request:
     return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                   output_len_hint=msg.output_len_hint, share_prompt_with=msg.share_prompt_with)
+                   output_len_hint=msg.output_len_hint, share_prompt_with=msg.share_prompt_with,
+                   cache_salt=msg.cache_salt, tenant=msg.tenant)
 
 
 def new_request(request: Request, stop_strings: bool = False) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
-                      request.output_len_hint, stop_strings, request.share_prompt_with)
+                      request.output_len_hint, stop_strings, request.share_prompt_with, request.cache_salt,
+                      request.tenant)
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:

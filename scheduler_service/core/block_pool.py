@@ -7,6 +7,13 @@ the least recently used cached block goes last and its key is evicted only then.
 Each block also carries the prefix id of what it holds (see block_hash): a fresh number when the block is
 registered under a key no other block holds, the holder's number when another block holds that key
 already, NO_ID while unidentified. Reallocating a block resets it, and retires the number for good.
+
+A block computed twice (two requests with the same prefix admitted before either registered it) is
+registered twice: the key names one block, the primary, and the other held copies are its duplicates,
+with the same prefix id. When the primary is freed while a duplicate is held, the key moves to the
+duplicate and the freed copy holds nothing worth keeping; a copy registered while the primary sits free
+takes the key over likewise. So a key (and the blocks after it) stays findable as long as any block with
+its contents is held, and a free cached block never has a duplicate.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ class DevicePool:
         self._cached: dict[BlockKey, int] = {}
         self._ids = [NO_ID] * num_blocks
         self._next_id = ROOT + 1
+        self._duplicates: dict[BlockKey, list[int]] = {}  # held copies of a primary's contents, by key
         self._empty: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()
 
@@ -63,7 +71,7 @@ class DevicePool:
             refs[i] = 1
             prefix_ids[i] = NO_ID
             key = keys[i]
-            if key is not None:
+            if key is not None:  # a free cached block is a primary without duplicates
                 keys[i] = None
                 if self._cached.get(key) == i:
                     del self._cached[key]
@@ -83,24 +91,48 @@ class DevicePool:
         for i in reversed(ids):
             refs[i] -= 1
             if refs[i] == 0:
-                if keys[i] is None:
+                key = keys[i]
+                if key is None:
+                    empty.append(i)
+                elif self._duplicates and key in self._duplicates:
+                    self._drop_copy(i, key)
                     empty.append(i)
                 else:
                     lru[i] = None
 
+    def _drop_copy(self, block_id: int, key: BlockKey) -> None:
+        """block_id, one of several held blocks with these contents, is freed: the key stays with a held one."""
+        copies = self._duplicates[key]
+        if self._cached[key] == block_id:
+            self._cached[key] = copies.pop()
+        else:
+            copies.remove(block_id)
+        if not copies:
+            del self._duplicates[key]
+        self._keys[block_id] = None
+
     def cache(self, block_id: int, key: BlockKey) -> None:
-        """Record that block_id holds the KV of the full block key (the first block to do so keeps it,
-        and a later one takes its prefix id). A block already identified is left as it is."""
+        """Record that block_id, held, holds the KV of the full block key. The first block to do so gets a fresh
+        prefix id; a later one takes that id and is registered as its duplicate (or takes the key over from a
+        free primary), so the key outlives the first copy while this one is held. A block already identified is
+        left as it is."""
         if self._ids[block_id] != NO_ID:
             return
-        holder = self._cached.get(key)
-        if holder is not None:
-            self._ids[block_id] = self._ids[holder]
-            return
-        self._cached[key] = block_id
+        primary = self._cached.get(key)
         self._keys[block_id] = key
-        self._ids[block_id] = self._next_id
-        self._next_id += 1
+        if primary is None:
+            self._cached[key] = block_id
+            self._ids[block_id] = self._next_id
+            self._next_id += 1
+            return
+        self._ids[block_id] = self._ids[primary]
+        if self._refs[primary] == 0:  # free and cached: the held copy takes the key, the free one is empty
+            self._cached[key] = block_id
+            self._keys[primary] = None
+            del self._lru[primary]
+            self._empty.append(primary)
+        else:
+            self._duplicates.setdefault(key, []).append(block_id)
 
     def lookup(self, key: BlockKey) -> int | None:
         """The block cached under exactly this key (equal parent id and equal tokens), or None."""

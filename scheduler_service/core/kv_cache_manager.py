@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import BlockMap
-from scheduler_service.core.block_hash import NO_ID, ROOT, extend_blocks, full_blocks
+from scheduler_service.core.block_hash import NO_ID, Parent, extend_blocks, full_blocks, request_root
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
@@ -92,14 +92,15 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         tokens = extend_blocks(self._blocks.setdefault(request.request_id, []), request, max_blocks,
                                self.block_size)
-        blocks = self._find(tokens[:max_blocks])
+        blocks = self._find(tokens[:max_blocks], request_root(request))
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def _find(self, tokens: list[tuple[int, ...]]) -> list[int]:
-        """The cached blocks holding these full blocks' tokens after the same prefix, from the first on."""
+    def _find(self, tokens: list[tuple[int, ...]], root: Parent) -> list[int]:
+        """The cached blocks holding these full blocks' tokens after the same prefix (of the scope whose root
+        is given), from the first on."""
         blocks: list[int] = []
         lookup, prefix_id = self.device.lookup, self.device.prefix_id
-        parent = ROOT
+        parent: Parent = root
         for block_tokens in tokens:
             block = lookup((parent, block_tokens))
             if block is None:
@@ -108,11 +109,13 @@ class KVCacheManager:
             parent = prefix_id(block)
         return blocks
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids sit in cached full blocks (0 with caching off)."""
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading tokens of the request's prompt sit in cached full blocks of its cache scope (0 with
+        caching off); it need not be queued here."""
         if not self.enable_caching:
             return 0
-        return len(self._find(full_blocks(token_ids, self.block_size))) * self.block_size
+        return len(self._find(full_blocks(request.prompt_token_ids, self.block_size), request_root(request))) \
+            * self.block_size
 
     def fork_blocks(self, request: Request, source_id: str) -> PrefixHit | None:
         """Share a running sibling's prompt blocks (same prompt, already computed): every full block
@@ -215,7 +218,7 @@ class KVCacheManager:
         tokens = extend_blocks(self._blocks.setdefault(rid, []), request, full, self.block_size)
         device = self.device
         for i in range(done, full):
-            parent = device.prefix_id(table[i - 1]) if i else ROOT
+            parent = device.prefix_id(table[i - 1]) if i else request_root(request)
             if parent == NO_ID:  # cannot happen: blocks are registered in order, each after its parent
                 full = i
                 break

@@ -38,7 +38,10 @@ class Request:
     shares the sibling's computed prompt blocks instead of computing them again. num_cached_tokens:
     prompt tokens it found computed at its first admission (-1 before it). The computed count is kept
     as the number of known tokens not yet computed, so a decode that computes one token and samples the
-    next changes nothing but the output list. slot: its row in the scheduler's RunningSet while RUNNING."""
+    next changes nothing but the output list. slot: its row in the scheduler's RunningSet while RUNNING.
+    tenant and cache_salt are its prefix-cache scope (block_hash): the api server's keyed digest of the
+    caller's API key ("" when none, or when the cache is shared across tenants) and vLLM's per-request salt;
+    only requests of the same scope share cached blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -55,6 +58,8 @@ class Request:
     first_scheduled_time: float | None = None
     share_prompt_with: str | None = None
     slot: int = -1
+    cache_salt: str | None = None
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         self.num_uncomputed_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -186,9 +186,10 @@ class Scheduler:
     def waiting_ids(self) -> list[str]:
         return [rid for rid, r in self.requests.items() if r.status is RequestStatus.WAITING]
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of a prompt this executor's KV cache already holds (placement hint)."""
-        return self.kv.cached_prefix_tokens(token_ids)
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading tokens of a request's prompt this executor's KV cache already holds for its cache
+        scope (placement hint)."""
+        return self.kv.cached_prefix_tokens(request)
 
     def set_executor_limits(self, limits: ExecutorLimits) -> None:
         """Resize to a (re)connected executor's pools; only with no request holding blocks."""

@@ -52,6 +52,7 @@ class ApiServers:
         self.stopping = False
         self._ctx = multiprocessing.get_context("spawn")
         self._restarts: set[asyncio.Task[None]] = set()
+        self._tenant_secret = os.urandom(32)  # keys the API keys' prefix-cache tenants alike in every api server
 
     def start(self) -> None:
         for index in range(self.config.api_server_count or 0):
@@ -60,7 +61,8 @@ class ApiServers:
     def _spawn(self, index: int, generation: int, quick_deaths: int) -> ApiServerProcess:
         identity = api_server_identity(index, generation)
         process = self._ctx.Process(target=run_api_server, name=f"pagedserve-api-{index}", daemon=True,
-                                    args=(self.config, index, identity, self.core_address, self.listen))
+                                    args=(self.config, index, identity, self.core_address, self.listen,
+                                          self._tenant_secret))
         process.start()
         server = ApiServerProcess(index, generation, process, time.monotonic(), quick_deaths)
         asyncio.get_running_loop().add_reader(server.process.sentinel, self._ended, server)

@@ -37,7 +37,9 @@ log = logging.getLogger("pagedserve.core")
 
 
 class RequestSink:
-    """Stands in for one request's queue in the ExecutorLoop: its deltas go to its api server's link."""
+    """Stands in for one request's queue in the ExecutorLoop: its deltas go to its api server's link. It and the
+    request's RequestStream refer to each other (the stream's queue is the sink) until the link releases it,
+    which every way a request ends does: then refcounting frees both at once, not a rare full collection."""
 
     __slots__ = ("link", "stream")
 
@@ -57,7 +59,7 @@ class FrontendLink:
 
     def __init__(self, identity: bytes, core: EngineCore) -> None:
         self.identity = identity
-        self.request_ids: set[str] = set()
+        self.sinks: dict[str, RequestSink] = {}  # its requests the core has not finished with
         self.deltas: list[Delta] = []
         self.refused: list[Refused] = []
         self._core = core
@@ -65,10 +67,18 @@ class FrontendLink:
     def put(self, delta: RequestDelta, unavailable: bool, unsettled: bool = False) -> None:
         """unsettled: a final delta whose finish the front-end still settles (its Ended comes later)."""
         if delta.finish_reason is not None and not unsettled:
-            self.request_ids.discard(delta.request_id)
+            self.release(delta.request_id)
         self.deltas.append(delta_to_wire(delta, unavailable))
         if len(self.deltas) == 1:
             self._core.mark_dirty(self)
+
+    def release(self, request_id: str) -> bool:
+        """The core is done with this request: unlink its sink from its stream; False if it was not here."""
+        sink = self.sinks.pop(request_id, None)
+        if sink is None:
+            return False
+        sink.stream = None
+        return True
 
 
 class CoreCounters:
@@ -129,8 +139,7 @@ class EngineCore:
         if msg.refused:
             self.counters().refusals.merge(msg.refused)
         for ended in msg.ended:
-            if ended.request_id in link.request_ids:
-                link.request_ids.discard(ended.request_id)
+            if link.release(ended.request_id):
                 self._end(ended.request_id, ended.reason)
         for new in msg.new:
             self._add(link, new)
@@ -154,7 +163,7 @@ class EngineCore:
         except RuntimeError as e:
             self._refuse(link, new.request_id, Refusal.NOT_READY, str(e))
             return
-        link.request_ids.add(new.request_id)
+        link.sinks[new.request_id] = sink
 
     def _refuse(self, link: FrontendLink, request_id: str, why: Refusal, message: str) -> None:
         link.refused.append(Refused(request_id, why, message))
@@ -203,6 +212,8 @@ class EngineCore:
         link = self.links.pop(identity, None)
         if link is None:
             return 0
-        for request_id in list(link.request_ids):
+        request_ids = list(link.sinks)
+        for request_id in request_ids:
+            link.release(request_id)
             self.pool.abort(request_id)
-        return len(link.request_ids)
+        return len(request_ids)

@@ -218,8 +218,8 @@ class ExecutorLoop:
         d = self.describe
         return d is not None and request.num_prompt_tokens + request.sampling.max_tokens <= d.max_model_len
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        return self.scheduler.cached_prefix_tokens(token_ids) if self.scheduler is not None else 0
+    def cached_prefix_tokens(self, request: Request) -> int:
+        return self.scheduler.cached_prefix_tokens(request) if self.scheduler is not None else 0
 
     def abort(self, request_id: str) -> None:
         self.finish(request_id, FinishReason.ABORTED)

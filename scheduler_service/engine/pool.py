@@ -250,7 +250,7 @@ class ExecutorPool:
         loads = [load_score(running, waiting) for running, waiting, _ in stats]
         lo, hi = min(loads), max(loads)
         if not (hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo):
-            cached = [e.cached_prefix_tokens(request.prompt_token_ids) for e in candidates]
+            cached = [e.cached_prefix_tokens(request) for e in candidates]
             best = max(range(len(candidates)), key=lambda i: (cached[i], -loads[i]))
             if cached[best] > 0 and cached[best] >= CACHE_THRESHOLD * request.num_prompt_tokens:
                 return candidates[best]

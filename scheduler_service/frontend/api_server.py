@@ -77,12 +77,14 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
 
 
 async def open_api_server(config: SchedulerServiceConfig, engine: EngineHandle, listen: str, *,
-                          reuse_port: bool = False) -> ApiServer:
-    """The gRPC port and the HTTP API, NOT_SERVING until follow_readiness sees the engine ready."""
+                          reuse_port: bool = False, tenant_secret: bytes | None = None) -> ApiServer:
+    """The gRPC port and the HTTP API, NOT_SERVING until follow_readiness sees the engine ready. tenant_secret
+    keys the API keys' prefix-cache tenants (the same in every api server of the service; random if None)."""
     public = await serve(engine, listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_credentials(config),
                          api_keys=load_api_keys(config.api_key, config.api_key_file),
-                         serving=serving_limits(config), reuse_port=reuse_port)
+                         serving=serving_limits(config), reuse_port=reuse_port, tenant_secret=tenant_secret,
+                         share_prefix_cache=config.enable_cross_tenant_prefix_caching)
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     http = await start_http(config, public, reuse_port)
     return ApiServer(public, http, set())
@@ -118,20 +120,21 @@ async def drain(config: SchedulerServiceConfig, api: ApiServer, engine: EngineHa
 
 
 def run_api_server(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-                   listen: str) -> None:
-    """Entry point of an api server process (started by the engine core with multiprocessing spawn)."""
+                   listen: str, tenant_secret: bytes | None = None) -> None:
+    """Entry point of an api server process (started by the engine core with multiprocessing spawn, which hands
+    it the service's tenant_secret through its pipe, not its command line or environment)."""
     configure_logging(f"[api-server {index}]")
     raise_open_file_limit()  # inherited from the engine core already: this logs it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
-    uvloop.run(serve_engine_core(config, index, identity, core_address, listen))
+    uvloop.run(serve_engine_core(config, index, identity, core_address, listen, tenant_secret))
 
 
 async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-                            listen: str) -> None:
+                            listen: str, tenant_secret: bytes | None = None) -> None:
     core = CoreClient(core_address, identity, config.max_stream_buffer)
     await core.start()
-    api = await open_api_server(config, core, listen, reuse_port=True)
+    api = await open_api_server(config, core, listen, reuse_port=True, tenant_secret=tenant_secret)
     api.public.generation.server_index = index
     api.public.generation.refusals.listener = core.count_refusal
     await follow_readiness(api, core)

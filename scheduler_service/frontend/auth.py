@@ -1,8 +1,10 @@
-"""API keys on the public port, checked by a server interceptor."""
+"""API keys on the public port, checked by a server interceptor; the tenant a key stands for in the prefix cache."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,8 @@ def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[str]:
     return found
 
 
-def _presented_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
+def presented_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
+    """The API key a gRPC call presents (authorization: Bearer KEY, or x-api-key), or ""."""
     for name, value in metadata or ():
         if name not in ("authorization", "x-api-key") or isinstance(value, bytes):
             continue
@@ -44,7 +47,22 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith(OPEN_METHOD_PREFIXES) or self._valid(_presented_key(details.invocation_metadata)):
+        if details.method.startswith(OPEN_METHOD_PREFIXES) or self._valid(presented_key(details.invocation_metadata)):
             return await continuation(details)
         handler = await continuation(details)
         return None if handler is None else unauthenticated(handler, REFUSAL)
+
+
+class TenantScope:
+    """Who a caller is to the prefix cache: HMAC-SHA256 of its API key under a secret the api servers of one
+    service share (the engine core draws it at start and hands it to each), as 32 hex digits. The key itself
+    never leaves the api server, and its digest is useless outside this service's lifetime. Requests of
+    different tenants never share cached blocks (scheduler_service/core/block_hash.py)."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else os.urandom(32)
+
+    def of(self, key: str) -> str:
+        if not key:
+            return ""
+        return hmac.new(self._secret, key.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]

@@ -20,6 +20,7 @@ from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, gener
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.frontend.auth import TenantScope, presented_key
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.frontend.validation import (
@@ -152,6 +153,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.serving = serving or ServingLimits()
         self.shutting_down = False
         self.server_index: int | None = None
+        # with API keys, each key's requests have a prefix cache of their own (None: one cache for all callers)
+        self.tenants: TenantScope | None = None
         self.open_calls = 0
         self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
                                        (engine.describe.model_id if engine.describe else ""))
@@ -186,19 +189,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=max_logprobs,
                              max_prompt_bytes=prompt_bytes)
 
+    def tenant_of(self, key: str) -> str:
+        """The prefix-cache tenant of a caller presenting this API key ("" when the cache is shared)."""
+        return self.tenants.of(key) if self.tenants is not None else ""
+
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if self.server_index is not None:
             await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
+        tenant = self.tenant_of(presented_key(context.invocation_metadata())) if self.tenants is not None else ""
         try:
-            async for response in self.generate(request):
+            async for response in self.generate(request, tenant):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message)
 
-    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest
+    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest, tenant: str = ""
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure."""
+        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure. tenant:
+        the caller's prefix-cache scope (tenant_of its API key)."""
         if isinstance(request, MalformedRequest):
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
         if self.open_calls >= self.serving.max_open_calls:
@@ -206,18 +215,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               f"too many open calls ({self.serving.max_open_calls}); retry later")
         self.open_calls += 1
         try:
-            async for response in self._generate(request):
+            async for response in self._generate(request, tenant):
                 yield response
         finally:
             self.open_calls -= 1
 
-    async def _generate(self, request: generation_pb2.GenerateRequest
+    async def _generate(self, request: generation_pb2.GenerateRequest, tenant: str
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_shutting_down()
         await self._wait_for_executor()
         self._refuse_if_shutting_down()
         try:
-            rid, prompt_ids, requests = await self._build(request)
+            rid, prompt_ids, requests = await self._build(request, tenant)
         except InvalidArgument as e:
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
@@ -260,7 +269,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               f"no executor connected within --executor-wait-timeout {timeout}s; retry later"
                               ) from None
 
-    async def _build(self, request: generation_pb2.GenerateRequest) -> tuple[str, list[int], list[Request]]:
+    async def _build(self, request: generation_pb2.GenerateRequest, tenant: str = ""
+                     ) -> tuple[str, list[int], list[Request]]:
         limits = self.request_limits()
         validate_prompt(request, limits)
         if request.prompt_token_ids:
@@ -271,13 +281,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         n = request.sampling.n if request.sampling.HasField("n") else 1
         rid = request.request_id or uuid.uuid4().hex
         hint = request.output_len_hint if request.HasField("output_len_hint") else None
+        salt = request.cache_salt if request.HasField("cache_salt") else None
         now = time.monotonic()
         requests: list[Request] = []
         for i in range(n):
             sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
             sub_id = rid if n == 1 else f"{rid}#{i}"
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
-                                    share_prompt_with=requests[0].request_id if requests else None))
+                                    share_prompt_with=requests[0].request_id if requests else None,
+                                    cache_salt=salt, tenant=tenant))
         return rid, prompt_ids, requests
 
     async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],

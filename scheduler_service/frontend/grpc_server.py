@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.pagedserve.v1 import generation_pb2
 from protos.wire import add_port, public_server_options
-from scheduler_service.frontend.auth import ApiKeyInterceptor
+from scheduler_service.frontend.auth import ApiKeyInterceptor, TenantScope
 from scheduler_service.frontend.generation import EngineHandle, GenerationServicer, ServingLimits
 from scheduler_service.frontend.validation import parse_generate_request
 
@@ -38,13 +38,18 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
 
 async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
                 credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
-                serving: ServingLimits | None = None, reuse_port: bool = False) -> PublicServer:
-    """The public port; with reuse_port several processes listen on it and the kernel spreads connections."""
+                serving: ServingLimits | None = None, reuse_port: bool = False, tenant_secret: bytes | None = None,
+                share_prefix_cache: bool = False) -> PublicServer:
+    """The public port; with reuse_port several processes listen on it and the kernel spreads connections. With
+    api_keys each key is a tenant of the prefix cache of its own (tenant_secret keys their digests; the api
+    servers of one service share it), unless share_prefix_cache."""
     serving = serving or ServingLimits()
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
     options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
+    if api_keys and not share_prefix_cache:
+        generation.tenants = TenantScope(tenant_secret)
     add_generation_servicer(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

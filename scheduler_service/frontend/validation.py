@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 1024
 
 
 class InvalidArgument(ValueError):
@@ -55,6 +56,9 @@ def validate_prompt(req: generation_pb2.GenerateRequest, limits: RequestLimits) 
     _check(not (has_text and has_ids), "prompt",
            "give exactly one of prompt or prompt_token_ids (both were set)")
     _check(len(req.request_id) <= MAX_REQUEST_ID_LEN, "request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
+    if req.HasField("cache_salt"):
+        _check(0 < len(req.cache_salt) <= MAX_CACHE_SALT_LEN, "cache_salt",
+               f"must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters when set")
     if has_text:
         size = len(req.prompt.encode())
         _check(size <= limits.max_prompt_bytes, "prompt",

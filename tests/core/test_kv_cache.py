@@ -3,6 +3,7 @@ with cached blocks, n > 1 prompt sharing with copy-on-write."""
 
 from __future__ import annotations
 
+from scheduler_service.core import block_hash
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
 from scheduler_service.core.outputs import NewRequestData, SchedulerOutput
@@ -121,9 +122,9 @@ def test_two_different_blocks_whose_keys_hash_alike_do_not_share_kv() -> None:
     run = Run()
     run.add(req("a", [*first, 5, 6, 7, 8, 9]))
     run.finish_all()
-    assert run.s.cached_prefix_tokens([*first, 5, 6, 7, 8, 9]) == 8
+    assert run.s.cached_prefix_tokens(req("q", [*first, 5, 6, 7, 8, 9])) == 8
     b = req("b", [*other, 5, 6, 7, 8, 9])
-    assert run.s.cached_prefix_tokens(b.prompt_token_ids) == 0
+    assert run.s.cached_prefix_tokens(b) == 0
     hits = run.s.stats().prefix_cache_hits
     run.add(b)
     run.step()
@@ -295,16 +296,16 @@ def test_reset_executor_forgets_every_cached_block() -> None:
 
 def test_cached_prefix_tokens_answers_from_the_cache_for_placement() -> None:
     run = Run()
-    assert run.s.cached_prefix_tokens(PROMPT) == 0
+    assert run.s.cached_prefix_tokens(req("q", PROMPT)) == 0
     run.add(req("a", PROMPT, max_tokens=2))
     run.finish_all()
-    assert run.s.cached_prefix_tokens(PROMPT) == 16
-    assert run.s.cached_prefix_tokens(PROMPT[:9]) == 8
-    assert run.s.cached_prefix_tokens([99, *PROMPT[1:]]) == 0
+    assert run.s.cached_prefix_tokens(req("q", PROMPT)) == 16
+    assert run.s.cached_prefix_tokens(req("q", PROMPT[:9])) == 8
+    assert run.s.cached_prefix_tokens(req("q", [99, *PROMPT[1:]])) == 0
     off = Run(enable_prefix_caching=False)
     off.add(req("a", PROMPT, max_tokens=2))
     off.finish_all()
-    assert off.s.cached_prefix_tokens(PROMPT) == 0
+    assert off.s.cached_prefix_tokens(req("q", PROMPT)) == 0
 
 
 def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
@@ -319,3 +320,78 @@ def test_releasing_a_held_sibling_or_its_source_to_another_executor() -> None:
     run.finish_all()
     assert run.tokens["a"] == run.expect(a) and run.tokens["c"] == run.expect(c)
     assert run.s.kv.device.num_used == 0 and run.s.requests == {}
+
+
+def test_a_block_computed_twice_keeps_its_key_while_the_second_copy_is_held() -> None:
+    """Two requests with the same prompt admitted in one step both compute its blocks (#27). When the first
+    copy is freed and then evicted, the key stays registered while the identical second copy is held: a third
+    request with that prompt still takes 16 tokens from the cache (from the second copy)."""
+    run = Run()
+    a, b = req("a", PROMPT, max_tokens=2), req("b", PROMPT, max_tokens=40)
+    run.add(a, b)
+    run.step()
+    assert run.s.stats().prefix_cache_hits == 0  # both computed the prompt
+    run.step()
+    assert "a" not in run.s.requests and "b" in run.s.requests
+    free = run.s.kv.device.num_free
+    filler = req("filler", [300 + i for i in range((free - 1) * BS)], max_tokens=1)
+    run.add(filler)
+    run.step()  # the filler takes every free block but one: a's copies are gone
+    assert "filler" not in run.s.requests and "b" in run.s.requests
+    b_table = list(run.s.kv.block_table("b"))
+    c = req("c", PROMPT)
+    run.add(c)
+    run.step()
+    assert run.new[0].num_computed_tokens == 16
+    assert run.s.kv.block_table("c")[:4] == b_table[:4]
+    run.finish_all()
+    assert run.tokens["c"] == run.expect(c) and run.tokens["b"] == run.expect(b)
+
+
+def test_the_pool_re_points_a_key_to_a_held_duplicate() -> None:
+    """DevicePool alone: a key registered by two blocks is found while either is held; freeing the one the key
+    names re-points it to the held duplicate (the freed block holds nothing worth keeping, so allocating it
+    evicts nothing); a copy computed while the first copy sits free takes the key over."""
+    pool = KVCacheManager(4, 0, BS).device
+    key = (block_hash.ROOT, (1, 2, 3, 4))
+    first, second = pool.allocate(2) or []
+    pool.cache(first, key)
+    pool.cache(second, key)
+    assert pool.lookup(key) == first
+    pool.release([first])
+    assert pool.lookup(key) == second and pool.num_cached == 1
+    rest = pool.allocate(3)  # every free block, first included
+    assert rest is not None and first in rest and pool.lookup(key) == second
+    pool.release([second])
+    assert pool.lookup(key) == second  # free and cached
+    pool.cache(rest[0], key)  # a held block computes the same contents: it takes the key over
+    assert pool.lookup(key) == rest[0]
+    assert pool.allocate(1) == [second] and pool.lookup(key) == rest[0]
+    pool.release(rest)
+    assert pool.lookup(key) == rest[0] and pool.num_cached == 1
+
+
+def scoped(rid: str, prompt: list[int], tenant: str = "", salt: str | None = None) -> Request:
+    r = req(rid, prompt, max_tokens=2)
+    r.tenant, r.cache_salt = tenant, salt
+    return r
+
+
+def test_the_cache_scope_separates_tenants_and_salts() -> None:
+    """A prompt cached under one scope (tenant, cache_salt) is found only by requests of that scope (#27):
+    another tenant, another salt, a salt where there was none, none where there was one all miss; the same
+    tenant and salt hit."""
+    run = Run(64)
+    run.add(scoped("a", PROMPT, tenant="t1"), scoped("s", PROMPT, salt="x"), scoped("plain", PROMPT))
+    run.finish_all()
+    assert run.s.stats().prefix_cache_hits == 0  # three scopes: three copies computed
+    expected = {("t1", None): 16, ("t2", None): 0, ("t1", "x"): 0, ("", "x"): 16, ("", "y"): 0, ("", None): 16,
+                ("", ""): 0, ("x", None): 0}
+    for (tenant, salt), hit in expected.items():
+        probe = scoped("probe", PROMPT, tenant, salt)
+        assert run.s.cached_prefix_tokens(probe) == hit, (tenant, salt)
+        before = run.s.stats().prefix_cache_hits
+        run.add(probe)
+        run.finish_all()
+        assert run.s.stats().prefix_cache_hits - before == hit, (tenant, salt)
+        assert run.tokens["probe"] == run.expect(probe)

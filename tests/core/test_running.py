@@ -181,7 +181,8 @@ def test_a_prompt_whose_last_token_is_computed_as_a_plain_decode_registers_its_l
     run.step()
     plain = run.step().plain
     assert plain is not None and plain.ids == ["a"]
-    assert run.s.cached_prefix_tokens([*prompt, 1, 2, 3, 4]) == 8
+    probe = Request("probe", [*prompt, 1, 2, 3, 4], SamplingOptions(), 0.0)
+    assert run.s.cached_prefix_tokens(probe) == 8
     run.add("b", 3)  # a plain decode's first token through the columns keeps its row right
     finish(run)
     assert run.tokens["a"] == expected("a", 8, 10)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
@@ -113,6 +115,47 @@ def test_max_model_len_stops() -> None:
             n += len(d.new_token_ids)
             last = d.finish_reason
     assert n == 3 and last is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("path", ["columns", "per-request"])
+@pytest.mark.parametrize("limit", ["max_tokens", "max_model_len"])
+@pytest.mark.parametrize("stop", ["eos", "stop_token"])
+def test_a_stop_token_at_the_last_allowed_position_finishes_stop_not_length(path: str, limit: str, stop: str) -> None:
+    """vLLM's order (#27): min_tokens, then EOS, then stop tokens, then length. A request that samples EOS or
+    one of its stop tokens as its last allowed token (max_tokens reached, or max_model_len) stops with
+    `stop`; the same request sampling any other token there ends with `length`."""
+    def choose(last: int, rid: str, pos: int) -> int:
+        return last if pos == 7 else 50
+
+    for token, reason in ((EOS if stop == "eos" else 9, FinishReason.STOPPED), (50, FinishReason.LENGTH)):
+        s = make_scheduler(max_model_len=8 if limit == "max_model_len" else 4096)
+        s.add_request(make_request("a", 5, max_tokens=3 if limit == "max_tokens" else 100,
+                                   stop_token_ids=(9,) if stop == "stop_token" else ()))
+        tokens: list[int] = []
+        last = None
+        while s.has_unfinished():
+            out = s.schedule()
+            result = run_step(out, functools.partial(choose, token))
+            if path == "per-request":
+                result.logprobs = {w.request.request_id: [] for w in out.scheduled}
+            for d in s.update(out, result):
+                tokens += d.new_token_ids
+                last = d.finish_reason
+        assert (tokens, last) == ([50, 50, token], reason)
+
+
+def test_min_tokens_holds_a_stop_token_but_not_max_model_len() -> None:
+    """min_tokens holds EOS back, never the model's length: a request whose min_tokens reach past
+    max_model_len ends there with `length`, even on an EOS."""
+    s = make_scheduler(max_model_len=8)
+    s.add_request(make_request("a", 5, max_tokens=10, min_tokens=6))
+    tokens: list[int] = []
+    while s.has_unfinished():
+        out = s.schedule()
+        for d in s.update(out, run_step(out, lambda rid, pos: EOS)):
+            tokens += d.new_token_ids
+            last = d.finish_reason
+    assert (tokens, last) == ([EOS] * 3, FinishReason.LENGTH)
 
 
 def test_budgets_respected() -> None:

@@ -70,7 +70,7 @@ async def test_new_requests_spread_by_load() -> None:
 async def test_cache_affinity_wins_while_balanced_and_load_wins_when_not() -> None:
     pool = pool_of(2)
     first, second = engines(pool)
-    second.cached_prefix_tokens = lambda token_ids: len(token_ids)  # type: ignore[method-assign]
+    second.cached_prefix_tokens = lambda request: request.num_prompt_tokens  # type: ignore[method-assign]
     for i in range(9):
         pool.add(request(f"r{i}"), queue())
     # All go to the executor caching the prefix until the load gap (4 per waiting request) passes 32.
@@ -82,7 +82,7 @@ async def test_cache_affinity_wins_while_balanced_and_load_wins_when_not() -> No
 async def test_a_small_cached_fraction_does_not_attract() -> None:
     pool = pool_of(2)
     first, second = engines(pool)
-    second.cached_prefix_tokens = lambda token_ids: 1  # type: ignore[method-assign]
+    second.cached_prefix_tokens = lambda request: 1  # type: ignore[method-assign]
     for i in range(10):
         pool.add(request(f"r{i}", prompt_len=100), queue())
     assert first.load()[1] == 5 and second.load()[1] == 5

@@ -269,3 +269,29 @@ async def test_a_bad_sampling_value_fails_only_its_request() -> None:
     assert not result.error and list(result.sampled.request_ids) == ["a"]
     assert [(e.request_id, e.message) for e in result.errors] == [
         ("nan", "sampling.temperature: must be >= 0, got nan")]
+
+
+def test_the_simulated_backend_keeps_nothing_per_request() -> None:
+    """The simulated executor's tokens depend on (seed or request id, position) only, and it keeps nothing per
+    request id once sampled (#27: it kept every unseeded request's key, ~150 bytes a request, the executor's
+    growth in benchmarks/memory_soak.py)."""
+    import tracemalloc
+    import uuid
+
+    from protos.contract import SamplingConfig
+
+    backend = SimulatedBackend(ExecutorConfig(simulated=True))
+    first = BatchItem("r-first", [5, 6, 7], 3, 0, 3, [0], True, SamplingConfig())
+    token = backend.sample(first).token_id
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for _ in range(5000):
+            backend.sample(BatchItem(uuid.uuid4().hex, [5, 6, 7], 3, 0, 3, [0], True, SamplingConfig()))
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    kept = sum(s.size_diff for s in after.compare_to(before, "filename")
+               if s.traceback[0].filename.endswith("simulated.py"))
+    assert kept < 5000 * 8, f"{kept} bytes kept for 5,000 sampled requests"
+    assert backend.sample(first).token_id == token

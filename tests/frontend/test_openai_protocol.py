@@ -134,3 +134,21 @@ def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_defa
     assert caught.value.param == name
     parse_chat({"messages": messages, "skip_special_tokens": True, "echo": False, "bad_words": [],
                 "truncate_prompt_tokens": None})
+
+
+def test_cache_salt_is_read_from_both_bodies_and_must_be_a_non_empty_string() -> None:
+    """vLLM's cache_salt (#27): a non-empty string on completions and chat, carried into the GenerateRequest."""
+    from scheduler_service.frontend.openai.app import generate_request
+
+    api = parse_completion({"prompt": "hi", "cache_salt": "s1"})
+    assert api.cache_salt == "s1" and generate_request("r", "hi", api).cache_salt == "s1"
+    chat, _, _ = parse_chat({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "s2"})
+    assert chat.cache_salt == "s2" and generate_request("r", [1], chat).cache_salt == "s2"
+    plain = parse_completion({"prompt": "hi"})
+    assert plain.cache_salt is None and not generate_request("r", "hi", plain).HasField("cache_salt")
+    for bad in ("", 5, ["s"]):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"prompt": "hi", "cache_salt": bad})
+        assert err.value.status == 400 and err.value.param == "cache_salt"
+        with pytest.raises(ApiError):
+            parse_chat({"messages": [{"role": "user", "content": "hi"}], "cache_salt": bad})

@@ -118,3 +118,30 @@ def test_invalid_utf8_names_its_field() -> None:
         assert str(parsed.error) == f"{field}: not valid UTF-8"
     garbage = parse_generate_request(b"\x12\xff\xff\xff")
     assert isinstance(garbage, MalformedRequest) and garbage.error.field == "request"
+
+
+def test_a_cache_salt_must_be_non_empty_and_bounded() -> None:
+    """GenerateRequest.cache_salt (#27): unset or 1 to MAX_CACHE_SALT_LEN characters."""
+    from scheduler_service.frontend.validation import MAX_CACHE_SALT_LEN
+
+    for salt in ("x", "s" * MAX_CACHE_SALT_LEN):
+        validate_prompt(generation_pb2.GenerateRequest(prompt_token_ids=[5], cache_salt=salt), LIMITS)
+    for salt in ("", "s" * (MAX_CACHE_SALT_LEN + 1)):
+        with pytest.raises(InvalidArgument) as err:
+            validate_prompt(generation_pb2.GenerateRequest(prompt_token_ids=[5], cache_salt=salt), LIMITS)
+        assert err.value.field == "cache_salt"
+
+
+def test_a_tenant_is_a_keyed_digest_of_the_api_key_never_the_key() -> None:
+    """TenantScope (#27): the same key under the same secret is the same tenant (every api server of a service
+    shares the secret); other keys, or the same key under another service's secret, are other tenants; no key,
+    no tenant; the key does not appear in what the engine core is sent."""
+    from scheduler_service.frontend.auth import TenantScope
+
+    secret = b"s" * 32
+    one, again, other = TenantScope(secret), TenantScope(secret), TenantScope(b"t" * 32)
+    alpha = one.of("alpha-key")
+    assert alpha == again.of("alpha-key") and len(alpha) == 32
+    assert alpha != one.of("beta-key") and alpha != other.of("alpha-key")
+    assert "alpha" not in alpha and one.of("") == ""
+    assert TenantScope().of("alpha-key") != TenantScope().of("alpha-key")  # a random secret per service

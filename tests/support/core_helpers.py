@@ -119,6 +119,11 @@ def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before
     assert bm.device.num_free + len(held) == bm.device.num_blocks
     assert bm.device.free_blocks() == {b for b in range(bm.device.num_blocks) if refs[b] == 0}
     assert all(bm.device._keys[b] == k for k, b in bm.device._cached.items())
+    for k, copies in bm.device._duplicates.items():  # held copies of a held primary, each keyed
+        assert copies and refs[bm.device._cached[k]] > 0, "a duplicate of a free or missing primary"
+        assert all(refs[b] > 0 and bm.device._keys[b] == k and b != bm.device._cached[k] for b in copies)
+    keyed = [b for b, k in enumerate(bm.device._keys) if k is not None]
+    assert len(keyed) == len(bm.device._cached) + sum(map(len, bm.device._duplicates.values())), "a stray key"
     cpu_held = Counter(b for ids in bm._cpu_tables.values() for b in ids)
     assert all(c == 1 for c in cpu_held.values()), "a swap block is held twice"
     assert bm.cpu.num_free + sum(cpu_held.values()) == bm.cpu.num_blocks

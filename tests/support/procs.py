@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.lib import PagedServeClient
-from client.local import ROOT, free_port, parse_metrics, start, stop, wait_healthy, wait_until
+from client.local import ROOT, child_pids, free_port, parse_metrics, start, status_bytes, stop, wait_healthy, wait_until
 
 __all__ = [
     "ROOT",
     "Stack",
+    "child_pids",
     "free_port",
     "generate_all",
     "parse_metrics",
@@ -27,6 +28,7 @@ __all__ = [
     "run",
     "running_stack",
     "start",
+    "status_bytes",
     "stop",
     "thread_count",
     "wait_healthy",
@@ -65,10 +67,7 @@ def thread_count(proc: subprocess.Popen[bytes]) -> int:
 
 
 def rss_bytes(proc: subprocess.Popen[bytes]) -> int:
-    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    return status_bytes(proc.pid, "VmRSS")
 
 
 @contextmanager

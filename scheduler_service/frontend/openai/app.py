@@ -241,7 +241,8 @@ class OpenAIApi:
         call_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         requests = [generate_request(f"{call_id}-{i}", prompt, api) for i, prompt in enumerate(api.prompts)]
         n = api.sampling.n if api.sampling.HasField("n") else 1
-        responses = merged([self.generation.generate(r) for r in requests])
+        tenant = self.generation.tenant_of(presented_key(request))
+        responses = merged([self.generation.generate(r, tenant) for r in requests])
         async with contextlib.aclosing(responses):  # type: ignore[type-var]
             first = await anext(responses, None)
             formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
@@ -340,6 +341,8 @@ class Stream:
 def generate_request(request_id: str, prompt: str | list[int], api: ApiRequest) -> generation_pb2.GenerateRequest:
     request = generation_pb2.GenerateRequest(request_id=request_id)
     request.sampling.CopyFrom(api.sampling)
+    if api.cache_salt is not None:
+        request.cache_salt = api.cache_salt
     if isinstance(prompt, str):
         request.prompt = prompt
     else:

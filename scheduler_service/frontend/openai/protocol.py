@@ -41,6 +41,7 @@ class ApiRequest:
     logprobs: int | None = None
     prompts: list[Prompt] = field(default_factory=list)
     max_tokens_given: bool = False
+    cache_salt: str | None = None
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -172,6 +173,11 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     sampling.include_stop_str_in_output = read_bool(body, "include_stop_str_in_output")
     sampling.stop.extend(read_stop(body.get("stop")))
     sampling.stop_token_ids.extend(read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise bad_param("cache_salt", "must be a non-empty string if provided")
+        request.cache_salt = salt
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
