@@ -24,16 +24,22 @@ transformers' one-sequence decode does. Where neither can be used, every layer k
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 from torch.nn.functional import linear
 
 from executor_service.model import cpu_ops
+from executor_service.startup import CACHE_VERSION, cpu_identity
+
+if TYPE_CHECKING:
+    from executor_service.model.parallel import Linear
 
 MIN_ROWS = 2
 BITWISE_ROWS = 16
@@ -43,6 +49,7 @@ CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
 SKINNY_CALIBRATION_ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
 SKINNY_MARGIN = 1.05
+PACK_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,8 @@ class Packing:
 
     gemm: Gemm | None
     skinny_rows: int
+    cached: bool = False
+    """Whether the choice came from the start-up cache (not measured at this start)."""
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -86,6 +95,37 @@ def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
             raise RuntimeError(f"packed weights must be float32, got {weight.dtype}")
         return PackedWeight(gemm, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
     return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight))
+
+
+def pack_all(linears: list[Linear], gemm: Gemm) -> None:
+    """Pack these linears' weights for `gemm`, spread over PACK_THREADS threads (the reorders are independent and
+    release the GIL; each is one pass over its weight)."""
+    threads = min(PACK_THREADS, os.cpu_count() or 1, len(linears))
+    if threads <= 1:
+        for module in linears:
+            module.pack_weight(gemm)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pack") as pool:
+        list(pool.map(lambda m: m.pack_weight(gemm), linears))
+
+
+def packing_key(shapes: list[tuple[int, int]], skinny_shapes: list[tuple[int, int]], count: int, requested: str,
+                skinny_rows: int) -> dict[str, Any]:
+    """Everything choose_gemm and choose_skinny_rows depend on: the CPU, torch (and its oneDNN and MKL), the
+    kernels' sources, the thread count, the requested settings and the model's linear shapes."""
+    return {
+        "version": CACHE_VERSION,
+        "cpu": cpu_identity(),
+        "torch": torch.__version__,
+        "onednn": str(torch.backends.mkldnn.is_available()),
+        "kernels": cpu_ops.sources_digest(),
+        "threads": torch.get_num_threads(),
+        "requested": requested,
+        "skinny_rows": skinny_rows,
+        "shapes": [list(s) for s in shapes],
+        "skinny_shapes": [list(s) for s in skinny_shapes],
+        "linears": count,
+    }
 
 
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
