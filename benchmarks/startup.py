@@ -127,12 +127,20 @@ async def first_token(address: str, deadline: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def one_start(model_dir: Path, cache_dir: Path, log_dir: Path, extra: list[str]) -> tuple[float, str, str]:
+def one_start(model_dir: Path, cache_dir: Path, log_dir: Path, extra: list[str],
+              tree: str | None = None) -> tuple[float, str, str]:
     ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     os.environ["PAGEDSERVE_CACHE_DIR"] = str(cache_dir)  # the executor's start-up cache: cache_dir/startup
+    saved = os.environ.get("PYTHONPATH")
+    if tree:  # the executor of another checkout (an A/B against the code before a change)
+        os.environ["PYTHONPATH"] = tree
     executor = start("executor_service", ["--listen", ex_addr, "--model", str(model_dir), *extra],
                      log_dir / "executor.log")
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
     scheduler = start("scheduler_service", ["--listen", sc_addr, "--executor", ex_addr], log_dir / "scheduler.log")
     try:
         asyncio.run(first_token(sc_addr, time.monotonic() + 300))
@@ -153,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "pagedserve-startup-bench"))
     parser.add_argument("--runs", type=int, default=1, help="cold + warm pairs per dtype")
     parser.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
+    parser.add_argument("--baseline-tree", default="", help="also start the executor of this checkout (its "
+                        "PYTHONPATH), each start right after this tree's, for an A/B within one run")
     args = parser.parse_args(argv)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -163,19 +173,22 @@ def main(argv: list[str] | None = None) -> None:
         read_s, size = disk_read_seconds(files)
         print(f"\n{dtype}: {len(files)} shards, {size / 1e9:.2f} GB; disk read {read_s:.2f} s "
               f"({size / read_s / 1e9:.2f} GB/s) = the floor")
-        results: dict[str, list[float]] = {"cold": [], "warm": []}
+        results: dict[str, list[float]] = {}
+        trees = {"": None, " (baseline)": args.baseline_tree} if args.baseline_tree else {"": None}
         for _ in range(args.runs):
-            cache_dir = root / f"startup-cache-{dtype}"
-            shutil.rmtree(cache_dir, ignore_errors=True)
-            for kind in ("cold", "warm"):
-                if kind == "cold":
-                    evict(files)
-                log_dir = root / f"logs-{dtype}-{kind}"
-                log_dir.mkdir(exist_ok=True)
-                seconds, phases, waits = one_start(model_dir, cache_dir, log_dir, args.executor_args.split())
-                results[kind].append(seconds)
-                print(f"  {kind}: first token {seconds:.2f} s ({seconds / read_s:.1f}x the floor)\n"
-                      f"      executor: {phases}\n      scheduler: {waits}")
+            for label, tree in trees.items():
+                cache_dir = root / f"startup-cache-{dtype}"
+                shutil.rmtree(cache_dir, ignore_errors=True)
+                for kind in ("cold", "warm"):
+                    if kind == "cold":
+                        evict(files)
+                    log_dir = root / f"logs-{dtype}-{kind}{label.strip(' ()')}"
+                    log_dir.mkdir(exist_ok=True)
+                    seconds, phases, waits = one_start(model_dir, cache_dir, log_dir, args.executor_args.split(),
+                                                       tree)
+                    results.setdefault(kind + label, []).append(seconds)
+                    print(f"  {kind}{label}: first token {seconds:.2f} s ({seconds / read_s:.1f}x the floor)\n"
+                          f"      executor: {phases}\n      scheduler: {waits}", flush=True)
         summary = {k: round(min(v), 2) for k, v in results.items()}
         print(f"  best: {json.dumps(summary)}; floor {read_s:.2f} s")
     sys.stdout.flush()

@@ -147,10 +147,10 @@ class ExecutorLoop:
                     log.info("executor %s loading, %.1f s (not answering Describe yet: %s); waiting, with a "
                              "warning after %.0f s", self.connection.address, waited, e.code().name,
                              self.load_warn_s)
-                elif waited >= self.load_warn_s and late % 10 == 0:
-                    log.warning("executor %s not answering Describe for %.0f s (%s: %s); retrying with backoff",
-                                self.connection.address, waited, e.code().name, e.details())
-                if waited >= self.load_warn_s:
+                elif waited >= self.load_warn_s:
+                    if late % 10 == 0:
+                        log.warning("executor %s not answering Describe for %.0f s (%s: %s); retrying with "
+                                    "backoff", self.connection.address, waited, e.code().name, e.details())
                     late += 1
                 attempts += 1
                 await asyncio.sleep(self._patience(delay))
