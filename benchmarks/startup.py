@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from client.lib import PagedServeClient
-from client.local import free_port, start, stop
+from client.local import ROOT, free_port, start, stop
 from executor_service.default_model.model import (
     ModelSpec,
     build_config,
@@ -131,16 +132,13 @@ def one_start(model_dir: Path, cache_dir: Path, log_dir: Path, extra: list[str],
               tree: str | None = None) -> tuple[float, str, str]:
     ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    os.environ["PAGEDSERVE_CACHE_DIR"] = str(cache_dir)  # the executor's start-up cache: cache_dir/startup
-    saved = os.environ.get("PYTHONPATH")
-    if tree:  # the executor of another checkout (an A/B against the code before a change)
-        os.environ["PYTHONPATH"] = tree
-    executor = start("executor_service", ["--listen", ex_addr, "--model", str(model_dir), *extra],
-                     log_dir / "executor.log")
-    if saved is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = saved
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PAGEDSERVE_CACHE_DIR=str(cache_dir))  # start-up cache under it
+    if tree:  # the executor of another checkout (an A/B against the code before a change), run from its root
+        env["PYTHONPATH"] = tree
+    log = open(log_dir / "executor.log", "wb")  # noqa: SIM115 - closed with the process
+    executor = subprocess.Popen([sys.executable, "-m", "executor_service", "--listen", ex_addr, "--model",
+                                 str(model_dir), *extra], cwd=tree or ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     scheduler = start("scheduler_service", ["--listen", sc_addr, "--executor", ex_addr], log_dir / "scheduler.log")
     try:
         asyncio.run(first_token(sc_addr, time.monotonic() + 300))

@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
             if gemm not in (*GEMMS, None):
                 stored = gemm = None
         if stored is None:
-            gemm = choose_gemm(shapes, requested)
+            own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
+            gemm = choose_gemm(shapes, requested, own)
         if gemm is None:
             if cache is not None and measures and stored is None:
                 cache.put("packing", key, {"gemm": None, "skinny_rows": 0})

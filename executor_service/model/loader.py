@@ -24,7 +24,7 @@ from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
 from executor_service.model.llama import LlamaForCausalLM, ModelOps
-from executor_service.model.parallel import SINGLE, ParallelContext, ShardLayout
+from executor_service.model.parallel import SINGLE, Linear, ParallelContext, ShardLayout
 from executor_service.startup import Phases
 
 WEIGHTS_FILE = "model.safetensors"
@@ -40,6 +40,7 @@ SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+ALIAS_ALIGNMENT = 64
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -104,11 +105,14 @@ def files_from_index(index: Path) -> list[Path]:
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its parameter: straight out of the file's memory map (one copy, in the
-    parameter's dtype) where the file's layout allows, through safetensors' reader otherwise (and for slices
-    under tensor parallelism)."""
+    """Fill every parameter from the checkpoint: on the CPU a whole tensor already in the parameter's dtype becomes
+    the parameter itself, a view of the file's private memory map (no copy; pages come from the page cache as they
+    are touched, shared with other processes that map the file); others are copied straight out of the map (one
+    copy, converted to the parameter's dtype on the way: the fused qkv/gate_up parts, other dtypes, CUDA), through
+    safetensors' reader where the map cannot serve (slices under tensor parallelism, an odd file)."""
     params = dict(model.named_parameters())
     slices = shard_slices(model)
+    linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[tuple[str, int | None]] = set()
     for path in files:
         try:
@@ -118,8 +122,12 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     target = map_name(name, params, model.config, model.layout)
                     if target is not None:
                         view = mapped.tensor(name) if mapped is not None and target.split is None else None
-                        tensor = view if view is not None else read_tensor(reader, name, target)
-                        copy_weight(params[target.param], target, slices, tensor, name)
+                        param = params[target.param]
+                        if view is not None and can_alias(param, target, view, target.param in linear_weights):
+                            param.data = view  # no copy: the parameter is the file's pages
+                        else:
+                            tensor = view if view is not None else read_tensor(reader, name, target)
+                            copy_weight(param, target, slices, tensor, name)
                         loaded.add((target.param, target.shard))
             del mapped
         except ModelLoadError:
@@ -178,6 +186,14 @@ class MappedSafetensors:
             warnings.simplefilter("ignore")  # the buffer is writable (copy-on-write); torch warns on some versions
             flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=end - begin, offset=begin)
         return flat.view(dtype).view(shape)
+
+
+def can_alias(param: torch.nn.Parameter, target: Target, view: Tensor, linear: bool) -> bool:
+    """Whether the parameter can be the file's mapped tensor itself: a whole CPU tensor of the parameter's dtype
+    and shape, and, for a linear layer's weight, 64-byte aligned as the kernels' loads like best."""
+    return (param.device.type == "cpu" and target.shard is None and not target.padded
+            and view.dtype == param.dtype and tuple(view.shape) == tuple(param.shape)
+            and (not linear or view.data_ptr() % ALIAS_ALIGNMENT == 0))
 
 
 def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,

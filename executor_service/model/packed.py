@@ -49,6 +49,7 @@ CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
 SKINNY_CALIBRATION_ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
 SKINNY_MARGIN = 1.05
+SKINNY_CALIBRATION_BYTES = 256 << 20
 PACK_THREADS = 4
 
 
@@ -140,10 +141,11 @@ def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight |
     return torch.ops.pagedserve_model.linear(x, packed.panels, weight, bias)
 
 
-def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm | None:
+def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto",
+                weights: dict[tuple[int, int], Tensor] | None = None) -> Gemm | None:
     """The packed GEMM to use for linears of these (in, out) shapes: `requested` if it is one (and can run here),
     else the faster of the two on these shapes at CALIBRATION_ROWS rows (MKL unless oneDNN is clearly faster);
-    None if neither can run."""
+    None if neither can run. `weights` (one per shape, the model's own) spares making random ones."""
     if requested != "auto":
         forced = next((g for g in GEMMS if g == requested), None)
         if forced is None:
@@ -152,17 +154,19 @@ def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm 
     usable = [g for g in GEMMS if available(g)]
     if len(usable) < 2:
         return usable[0] if usable else None
-    seconds = {g: gemm_seconds(g, shapes) for g in usable}
+    seconds = {g: gemm_seconds(g, shapes, weights=weights) for g in usable}
     return "onednn" if seconds["onednn"] * ONEDNN_MARGIN < seconds["mkl"] else "mkl"
 
 
-def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3) -> float:
+def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3,
+                 weights: dict[tuple[int, int], Tensor] | None = None) -> float:
     """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm`."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen) for i, o in shapes]
-    packs = [pack(w, gemm) for w in weights]
+    given = weights or {}
+    tensors = [given[(i, o)] if (i, o) in given else torch.randn(o, i, generator=gen) for i, o in shapes]
+    packs = [pack(w, gemm) for w in tensors]
     inputs = [torch.randn(m, i, generator=gen) for m in CALIBRATION_ROWS for i, _ in shapes]
-    operands = list(zip(inputs, weights * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
+    operands = list(zip(inputs, tensors * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
 
     def one_pass() -> None:
         for x, w, p in operands:
@@ -182,6 +186,7 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         return 0
     if requested >= 0:
         return requested
+    weights, packs = calibration_subset(weights, packs)
     gemm_packs = [replace(p, skinny_rows=0) for p in packs]
     rows = 0
     for m in SKINNY_CALIBRATION_ROWS:
@@ -189,6 +194,18 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         if skinny * SKINNY_MARGIN < gemm:
             rows = m
     return rows
+
+
+def calibration_subset(weights: list[Tensor], packs: list[PackedWeight]
+                       ) -> tuple[list[Tensor], list[PackedWeight]]:
+    """The first weights (in the model's order: whole layers, the LM head last) up to SKINNY_CALIBRATION_BYTES:
+    enough to outgrow the CPU's caches, as a decode step's pass over all of them does, at a fraction of the time
+    of timing all of a large model's weights 48 times. Models smaller than that are timed whole."""
+    count, total = 0, 0
+    while count < len(weights) and (count == 0 or total < SKINNY_CALIBRATION_BYTES):
+        total += weights[count].numel() * weights[count].element_size()
+        count += 1
+    return weights[:count], packs[:count]
 
 
 def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:

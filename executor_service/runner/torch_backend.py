@@ -99,12 +99,13 @@ class TorchBackend:
         if config.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
         phases = Phases()
+        phases.seconds["interpreter+imports"] = phases.total_s()  # from the process's start to here
         device = resolve_device(config.device)
         model_dir = Path(config.model) if config.model else ensure_default_model()
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
-        with phases.phase("import"):
+        with phases.phase("kernels"):  # load (a build only where none is cached: the Docker image prebuilds them)
             ops = model_ops(device, dtype)
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
         if config.cpu_weight_prepack:

@@ -161,6 +161,6 @@ def test_the_start_reports_its_phases(tmp_path: Path) -> None:
     model = make_model(tmp_path / "m", hidden_size=64, num_layers=1, vocab_size=512)
     b = backend(model, tmp_path / "cache")
     names = [name for name, _ in b.info.startup_phases]
-    assert names[:2] == ["import", "allocate"]
+    assert names[:3] == ["interpreter+imports", "kernels", "allocate"]
     assert {"read", "pack", "kv", "tokenizer", "warm-up"} <= set(names)
     assert all(seconds >= 0 for _, seconds in b.info.startup_phases)
