@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -188,24 +189,41 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         return requested
     weights, packs = calibration_subset(weights, packs)
     gemm_packs = [replace(p, skinny_rows=0) for p in packs]
-    rows = 0
-    for m in SKINNY_CALIBRATION_ROWS:
+    for m in sorted(SKINNY_CALIBRATION_ROWS, reverse=True):  # the most rows that win: from the top, stop at one
         skinny, gemm = (pass_seconds(weights, gemm_packs, m, skinny) for skinny in (True, False))
         if skinny * SKINNY_MARGIN < gemm:
-            rows = m
-    return rows
+            return m
+    return 0
 
 
 def calibration_subset(weights: list[Tensor], packs: list[PackedWeight]
                        ) -> tuple[list[Tensor], list[PackedWeight]]:
-    """The first weights (in the model's order: whole layers, the LM head last) up to SKINNY_CALIBRATION_BYTES:
-    enough to outgrow the CPU's caches, as a decode step's pass over all of them does, at a fraction of the time
-    of timing all of a large model's weights 48 times. Models smaller than that are timed whole."""
-    count, total = 0, 0
-    while count < len(weights) and (count == 0 or total < SKINNY_CALIBRATION_BYTES):
+    """The first weights (in the model's order: whole layers, the LM head last) up to calibration_bytes(): enough
+    to outgrow the CPU's caches, as a decode step's pass over all of them does, at a fraction of the time of
+    timing all of a large model's weights. Models smaller than that are timed whole."""
+    count, total, limit = 0, 0, calibration_bytes()
+    while count < len(weights) and (count == 0 or total < limit):
         total += weights[count].numel() * weights[count].element_size()
         count += 1
     return weights[:count], packs[:count]
+
+
+def calibration_bytes() -> int:
+    """SKINNY_CALIBRATION_BYTES, or twice the largest CPU cache where that is larger (Linux's sysfs)."""
+    return max(SKINNY_CALIBRATION_BYTES, 2 * largest_cache_bytes())
+
+
+@functools.cache
+def largest_cache_bytes() -> int:
+    sizes = [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip() if path.is_file() else ""
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes)
 
 
 def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:

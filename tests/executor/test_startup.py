@@ -164,3 +164,26 @@ def test_the_start_reports_its_phases(tmp_path: Path) -> None:
     assert names[:3] == ["interpreter+imports", "kernels", "allocate"]
     assert {"read", "pack", "kv", "tokenizer", "warm-up"} <= set(names)
     assert all(seconds >= 0 for _, seconds in b.info.startup_phases)
+
+
+def test_skinny_rows_are_the_most_that_win_tried_from_the_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[int] = []
+
+    def seconds(weights: list[torch.Tensor], packs: list[packed.PackedWeight], rows: int, skinny: bool) -> float:
+        if skinny:
+            tried.append(rows)
+        return (0.5 if rows in (4, 16) else 2.0) if skinny else 1.0
+
+    monkeypatch.setattr(packed, "pass_seconds", seconds)
+    monkeypatch.setattr(packed, "skinny_available", lambda: True)
+    weight = torch.zeros(8, 16)
+    assert packed.choose_skinny_rows([weight], [packed.PackedWeight("mkl", weight)]) == 16
+    assert tried == [64, 48, 32, 24, 16]
+
+
+def test_the_skinny_calibration_times_the_first_weights_past_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed, "calibration_bytes", lambda: 1000)
+    weights = [torch.zeros(100) for _ in range(6)]  # 400 bytes each
+    packs = [packed.PackedWeight("mkl", w) for w in weights]
+    chosen, chosen_packs = packed.calibration_subset(weights, packs)
+    assert len(chosen) == 3 and chosen_packs == packs[:3]
