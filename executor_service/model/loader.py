@@ -7,6 +7,7 @@ the row-parallel ones, and its vocabulary rows of the embedding and LM head (pad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -41,6 +42,7 @@ FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weig
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 ALIAS_ALIGNMENT = 64
+MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -163,6 +165,7 @@ class MappedSafetensors:
             if not isinstance(header, dict):
                 return None
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        populate(buffer)
         return cls(buffer, header, 8 + length)
 
     def tensor(self, name: str) -> Tensor | None:
@@ -186,6 +189,17 @@ class MappedSafetensors:
             warnings.simplefilter("ignore")  # the buffer is writable (copy-on-write); torch warns on some versions
             flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=end - begin, offset=begin)
         return flat.view(dtype).view(shape)
+
+
+def populate(buffer: mmap.mmap) -> None:
+    """Map the whole file in one call (Linux 5.14+ MADV_POPULATE_READ: read faults only, so the private map's pages
+    stay the page cache's, shared, not copied): a cold file is read sequentially at the disk's speed, a warm one
+    costs no page fault per 4 KiB on the copies. Elsewhere the kernel is only told the map will be needed."""
+    try:
+        buffer.madvise(MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            buffer.madvise(mmap.MADV_WILLNEED)
 
 
 def can_alias(param: torch.nn.Parameter, target: Target, view: Tensor, linear: bool) -> bool:
