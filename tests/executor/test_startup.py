@@ -82,9 +82,9 @@ def test_phases_time_each_phase_and_the_process_start_is_in_the_past() -> None:
     with phases.phase("pack"):
         pass
     assert list(phases.seconds) == ["read", "pack"]
-    assert "read 0.00 s" in phases.summary()
+    assert phases.summary().startswith("read ") and ", pack " in phases.summary()
     assert 0 < phases.total_s() < 3600
-    assert process_start_time() <= phases.started + 1e-3
+    assert abs(process_start_time() - phases.started) < 0.5  # /proc's clock ticks, computed twice
 
 
 def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
@@ -142,7 +142,8 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
     backend(model, tmp_path / "cache")
     assert calls == ["gemm", "gemm"]
     rewritten = json.loads(path.read_text())
-    assert rewritten["key"]["cpu"] == cpu_identity() and rewritten["value"] == stored
+    assert rewritten["key"]["cpu"] == cpu_identity()  # the value is measured again: noise may change it
+    assert MeasureCache(tmp_path / "cache").get("packing", rewritten["key"]) == rewritten["value"]
     assert first.info.startup_phases
 
 
