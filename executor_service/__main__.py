@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from dataclasses import replace
 
 import uvloop
 
@@ -15,6 +17,7 @@ from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.server import serve
+from executor_service.startup import process_start_time
 from executor_service.validator import StepLimits
 from protos.wire import server_credentials
 
@@ -32,6 +35,8 @@ def build_backend(config: ExecutorConfig) -> Backend:
 async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
     """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism."""
     backend = backend or build_backend(config)
+    started = process_start_time()
+    info = backend.info = replace(backend.info, startup_seconds=round(max(0.0, time.time() - started), 3))
     credentials = None
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
@@ -42,7 +47,8 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
     limits = StepLimits(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
     server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file),
                                stop, step_log, limits)
-    info = backend.info
+    phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in info.startup_phases) or "none"
+    log.info("startup phases: %s; ready %.2f s after the process started", phases, info.startup_seconds)
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d; per step at "
              "most %d tokens, %d requests", config.listen, port, info.model_id, info.device, info.dtype,
              info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)

@@ -65,6 +65,10 @@ class BackendInfo:
     bos_token_id: int | None = None
     add_bos_token: bool = False
     chat_template: str = ""
+    startup_seconds: float = 0.0
+    """From the process's start to ready (set when it starts serving)."""
+    startup_phases: tuple[tuple[str, float], ...] = ()
+    """Seconds of each start-up phase, in order."""
 
 
 class Backend(Protocol):

@@ -46,6 +46,10 @@ class ExecutorConfig:
         "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
         " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
         " 0: off)"))
+    startup_cache_dir: str | None = field(default=None, metadata=flag(
+        "directory of start-up measurements reused by the next start on this machine (the packed GEMM's choice and"
+        " the skinny kernel's rows, keyed by the CPU, the builds and the model's shapes; a stale or foreign entry is"
+        " measured again); default $PAGEDSERVE_CACHE_DIR/startup or ~/.cache/pagedserve/startup, '' turns it off"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag(
         "most tokens one step may schedule: advertised in Describe, a larger step is refused and the scheduler "
         "caps its own --max-num-batched-tokens to it; CUDA: the size of the forward pass that profiles memory"))

@@ -6,6 +6,7 @@ where it cannot be built, the model keeps its torch path."""
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 import torch
@@ -17,6 +18,15 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp",
            CSRC / "rms_norm_cpu.cpp", CSRC / "silu_mul_cpu.cpp"]
 CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A digest of the extension's sources and flags: what a measurement of its kernels depends on."""
+    digest = hashlib.sha256(repr(CFLAGS).encode())
+    for path in SOURCES:
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

@@ -7,8 +7,14 @@ the row-parallel ones, and its vocabulary rows of the embedding and LM head (pad
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import mmap
+import os
 import re
+import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,8 @@ from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
 from executor_service.model.llama import LlamaForCausalLM, ModelOps
-from executor_service.model.parallel import SINGLE, ParallelContext, ShardLayout
+from executor_service.model.parallel import SINGLE, Linear, ParallelContext, ShardLayout
+from executor_service.startup import Phases
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +40,10 @@ FUSED = {
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+ALIAS_ALIGNMENT = 64
+MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,15 +65,21 @@ class Target:
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
-               ops: ModelOps, parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
-    """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter."""
+               ops: ModelOps, parallel: ParallelContext = SINGLE, phases: Phases | None = None) -> LlamaForCausalLM:
+    """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter; `phases` gets
+    the seconds of "read" (copying the weights out of the files into the parameters; "read+convert" where the
+    checkpoint's dtype differs, converted on the way in the same pass)."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
     cfg = ModelConfig.from_dir(directory)
     files = find_weight_files(directory)
-    model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype, parallel=parallel)
-    load_weights(model, files)
+    phases = phases or Phases()
+    with phases.phase("allocate"):
+        model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype, parallel=parallel)
+    converts = DTYPE_NAMES.get(cfg.dtype, dtype) != dtype
+    with phases.phase(f"read+convert {cfg.dtype}->{str(dtype).removeprefix('torch.')}" if converts else "read"):
+        load_weights(model, files)
     return model.eval()
 
 
@@ -90,22 +107,107 @@ def files_from_index(index: Path) -> list[Path]:
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Fill every parameter from the checkpoint: on the CPU a whole tensor already in the parameter's dtype becomes
+    the parameter itself, a view of the file's private memory map (no copy; pages come from the page cache as they
+    are touched, shared with other processes that map the file); others are copied straight out of the map (one
+    copy, converted to the parameter's dtype on the way: the fused qkv/gate_up parts, other dtypes, CUDA), through
+    safetensors' reader where the map cannot serve (slices under tensor parallelism, an odd file)."""
     params = dict(model.named_parameters())
     slices = shard_slices(model)
+    linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[tuple[str, int | None]] = set()
     for path in files:
         try:
+            mapped = MappedSafetensors.open(path) if model.layout.world_size == 1 else None
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118
                     target = map_name(name, params, model.config, model.layout)
                     if target is not None:
-                        copy_weight(params[target.param], target, slices, read_tensor(reader, name, target), name)
+                        view = mapped.tensor(name) if mapped is not None and target.split is None else None
+                        param = params[target.param]
+                        if view is not None and can_alias(param, target, view, target.param in linear_weights):
+                            param.data = view  # no copy: the parameter is the file's pages
+                        else:
+                            tensor = view if view is not None else read_tensor(reader, name, target)
+                            copy_weight(param, target, slices, tensor, name)
                         loaded.add((target.param, target.shard))
+            del mapped
         except ModelLoadError:
             raise
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
             raise ModelLoadError(f"{path}: cannot read weights: {exc}") from exc
     check_complete(params, loaded, files[0].parent)
+
+
+class MappedSafetensors:
+    """A safetensors file mapped into memory (private, copy-on-write: read lazily from the page cache, never
+    written back), whose tensors are zero-copy views of the map. tensor() is None where a tensor's offset does
+    not suit a view of its dtype (the caller reads it through safetensors then)."""
+
+    def __init__(self, buffer: mmap.mmap, header: dict[str, Any], data_start: int) -> None:
+        self.buffer = buffer
+        self.header = header
+        self.data_start = data_start
+
+    @classmethod
+    def open(cls, path: Path) -> MappedSafetensors | None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                return None
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                return None
+            try:
+                header = json.loads(f.read(length))
+            except ValueError:
+                return None
+            if not isinstance(header, dict):
+                return None
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        populate(buffer)
+        return cls(buffer, header, 8 + length)
+
+    def tensor(self, name: str) -> Tensor | None:
+        entry = self.header.get(name)
+        if not isinstance(entry, dict):
+            return None
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype", ""))
+        if dtype is None:
+            return None
+        try:
+            begin, end = (self.data_start + int(x) for x in entry["data_offsets"])
+            shape = [int(d) for d in entry["shape"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin % itemsize or end > len(self.buffer) or end - begin != math.prod(shape) * itemsize:
+            return None
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the buffer is writable (copy-on-write); torch warns on some versions
+            flat = torch.frombuffer(self.buffer, dtype=torch.uint8, count=end - begin, offset=begin)
+        return flat.view(dtype).view(shape)
+
+
+def populate(buffer: mmap.mmap) -> None:
+    """Map the whole file in one call (Linux 5.14+ MADV_POPULATE_READ: read faults only, so the private map's pages
+    stay the page cache's, shared, not copied): a cold file is read sequentially at the disk's speed, a warm one
+    costs no page fault per 4 KiB on the copies. Elsewhere the kernel is only told the map will be needed."""
+    try:
+        buffer.madvise(MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            buffer.madvise(mmap.MADV_WILLNEED)
+
+
+def can_alias(param: torch.nn.Parameter, target: Target, view: Tensor, linear: bool) -> bool:
+    """Whether the parameter can be the file's mapped tensor itself: a whole CPU tensor of the parameter's dtype
+    and shape, and, for a linear layer's weight, 64-byte aligned as the kernels' loads like best."""
+    return (param.device.type == "cpu" and target.shard is None and not target.padded
+            and view.dtype == param.dtype and tuple(view.shape) == tuple(param.shape)
+            and (not linear or view.data_ptr() % ALIAS_ALIGNMENT == 0))
 
 
 def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,

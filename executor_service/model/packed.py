@@ -24,16 +24,23 @@ transformers' one-sequence decode does. Where neither can be used, every layer k
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 from torch.nn.functional import linear
 
 from executor_service.model import cpu_ops
+from executor_service.startup import CACHE_VERSION, cpu_identity
+
+if TYPE_CHECKING:
+    from executor_service.model.parallel import Linear
 
 MIN_ROWS = 2
 BITWISE_ROWS = 16
@@ -43,6 +50,8 @@ CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
 SKINNY_CALIBRATION_ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
 SKINNY_MARGIN = 1.05
+SKINNY_CALIBRATION_BYTES = 256 << 20
+PACK_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,8 @@ class Packing:
 
     gemm: Gemm | None
     skinny_rows: int
+    cached: bool = False
+    """Whether the choice came from the start-up cache (not measured at this start)."""
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -88,6 +99,37 @@ def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
     return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight))
 
 
+def pack_all(linears: list[Linear], gemm: Gemm) -> None:
+    """Pack these linears' weights for `gemm`, spread over PACK_THREADS threads (the reorders are independent and
+    release the GIL; each is one pass over its weight)."""
+    threads = min(PACK_THREADS, os.cpu_count() or 1, len(linears))
+    if threads <= 1:
+        for module in linears:
+            module.pack_weight(gemm)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pack") as pool:
+        list(pool.map(lambda m: m.pack_weight(gemm), linears))
+
+
+def packing_key(shapes: list[tuple[int, int]], skinny_shapes: list[tuple[int, int]], count: int, requested: str,
+                skinny_rows: int) -> dict[str, Any]:
+    """Everything choose_gemm and choose_skinny_rows depend on: the CPU, torch (and its oneDNN and MKL), the
+    kernels' sources, the thread count, the requested settings and the model's linear shapes."""
+    return {
+        "version": CACHE_VERSION,
+        "cpu": cpu_identity(),
+        "torch": torch.__version__,
+        "onednn": str(torch.backends.mkldnn.is_available()),
+        "kernels": cpu_ops.sources_digest(),
+        "threads": torch.get_num_threads(),
+        "requested": requested,
+        "skinny_rows": skinny_rows,
+        "shapes": [list(s) for s in shapes],
+        "skinny_shapes": [list(s) for s in skinny_shapes],
+        "linears": count,
+    }
+
+
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
     """F.linear(x, weight, bias); over `packed` (pack(weight)) when x is a matrix of at least MIN_ROWS rows, with the
     skinny kernel up to packed.skinny_rows rows."""
@@ -100,10 +142,11 @@ def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight |
     return torch.ops.pagedserve_model.linear(x, packed.panels, weight, bias)
 
 
-def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm | None:
+def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto",
+                weights: dict[tuple[int, int], Tensor] | None = None) -> Gemm | None:
     """The packed GEMM to use for linears of these (in, out) shapes: `requested` if it is one (and can run here),
     else the faster of the two on these shapes at CALIBRATION_ROWS rows (MKL unless oneDNN is clearly faster);
-    None if neither can run."""
+    None if neither can run. `weights` (one per shape, the model's own) spares making random ones."""
     if requested != "auto":
         forced = next((g for g in GEMMS if g == requested), None)
         if forced is None:
@@ -112,17 +155,19 @@ def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto") -> Gemm 
     usable = [g for g in GEMMS if available(g)]
     if len(usable) < 2:
         return usable[0] if usable else None
-    seconds = {g: gemm_seconds(g, shapes) for g in usable}
+    seconds = {g: gemm_seconds(g, shapes, weights=weights) for g in usable}
     return "onednn" if seconds["onednn"] * ONEDNN_MARGIN < seconds["mkl"] else "mkl"
 
 
-def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3) -> float:
+def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3,
+                 weights: dict[tuple[int, int], Tensor] | None = None) -> float:
     """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm`."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen) for i, o in shapes]
-    packs = [pack(w, gemm) for w in weights]
+    given = weights or {}
+    tensors = [given[(i, o)] if (i, o) in given else torch.randn(o, i, generator=gen) for i, o in shapes]
+    packs = [pack(w, gemm) for w in tensors]
     inputs = [torch.randn(m, i, generator=gen) for m in CALIBRATION_ROWS for i, _ in shapes]
-    operands = list(zip(inputs, weights * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
+    operands = list(zip(inputs, tensors * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
 
     def one_pass() -> None:
         for x, w, p in operands:
@@ -142,13 +187,43 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         return 0
     if requested >= 0:
         return requested
+    weights, packs = calibration_subset(weights, packs)
     gemm_packs = [replace(p, skinny_rows=0) for p in packs]
-    rows = 0
-    for m in SKINNY_CALIBRATION_ROWS:
+    for m in sorted(SKINNY_CALIBRATION_ROWS, reverse=True):  # the most rows that win: from the top, stop at one
         skinny, gemm = (pass_seconds(weights, gemm_packs, m, skinny) for skinny in (True, False))
         if skinny * SKINNY_MARGIN < gemm:
-            rows = m
-    return rows
+            return m
+    return 0
+
+
+def calibration_subset(weights: list[Tensor], packs: list[PackedWeight]
+                       ) -> tuple[list[Tensor], list[PackedWeight]]:
+    """The first weights (in the model's order: whole layers, the LM head last) up to calibration_bytes(): enough
+    to outgrow the CPU's caches, as a decode step's pass over all of them does, at a fraction of the time of
+    timing all of a large model's weights. Models smaller than that are timed whole."""
+    count, total, limit = 0, 0, calibration_bytes()
+    while count < len(weights) and (count == 0 or total < limit):
+        total += weights[count].numel() * weights[count].element_size()
+        count += 1
+    return weights[:count], packs[:count]
+
+
+def calibration_bytes() -> int:
+    """SKINNY_CALIBRATION_BYTES, or twice the largest CPU cache where that is larger (Linux's sysfs)."""
+    return max(SKINNY_CALIBRATION_BYTES, 2 * largest_cache_bytes())
+
+
+@functools.cache
+def largest_cache_bytes() -> int:
+    sizes = [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip() if path.is_file() else ""
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes)
 
 
 def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:

@@ -7,6 +7,8 @@ CUDA, swaps run on a side stream ordered against the compute stream with wait_st
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from torch import Tensor
 from protos.contract import BlockMap
 
 GIB = 1 << 30
+LAZY_MIN_BYTES = 1 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +40,18 @@ class CacheShape:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
+def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A zero CPU tensor whose pages the OS supplies (zeroed) on first touch: an anonymous private map, so a
+    cache of gigabytes costs nothing at start-up and only the blocks in use take memory. Small ones (under
+    LAZY_MIN_BYTES) are plain torch.zeros."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(dims) * itemsize
+    if nbytes < LAZY_MIN_BYTES:
+        return torch.zeros(dims, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(dims)  # the tensor holds the map
+
+
 class KVCache:
     def __init__(self, shape: CacheShape, *, num_device_blocks: int, num_swap_blocks: int,
                  device: torch.device) -> None:
@@ -49,8 +64,10 @@ class KVCache:
         self.num_device_blocks = num_device_blocks
         self.num_swap_blocks = num_swap_blocks
         self.is_cuda = device.type == "cuda"
-        self.device_kv = torch.zeros(shape.dims(num_device_blocks), dtype=shape.dtype, device=device)
-        self.swap_kv = torch.zeros(shape.dims(num_swap_blocks), dtype=shape.dtype, pin_memory=self.is_cuda)
+        self.device_kv = (lazy_zeros(shape.dims(num_device_blocks), shape.dtype) if device.type == "cpu"
+                          else torch.zeros(shape.dims(num_device_blocks), dtype=shape.dtype, device=device))
+        self.swap_kv = (torch.zeros(shape.dims(num_swap_blocks), dtype=shape.dtype, pin_memory=True) if self.is_cuda
+                        else lazy_zeros(shape.dims(num_swap_blocks), shape.dtype))
         self.layers = [(self.device_kv[i, 0], self.device_kv[i, 1]) for i in range(shape.num_layers)]
         self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
 

@@ -8,7 +8,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -40,11 +40,13 @@ from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.sampler import Sampler, SampleRequest
+from executor_service.startup import MeasureCache, Phases, default_cache_dir
 from executor_service.validator import RequestRefused, check_span
 from protos.contract import BlockMap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROFILE_SAMPLE_ROWS = 256
+WARM_UP_ROWS = 2
 INLINE_STEP_S = 0.02
 """A decode step expected to take less than this runs on the event loop's thread: the hop to the forward thread
 and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it)."""
@@ -96,37 +98,58 @@ class TorchBackend:
         Under tensor parallelism every rank calls this together and holds its shard of both."""
         if config.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
+        phases = Phases()
+        phases.seconds["interpreter+imports"] = phases.total_s()  # from the process's start to here
         device = resolve_device(config.device)
         model_dir = Path(config.model) if config.model else ensure_default_model()
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=model_ops(device, dtype),
-                           parallel=parallel)
+        with phases.phase("kernels"):  # load (a build only where none is cached: the Docker image prebuilds them)
+            ops = model_ops(device, dtype)
+        model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
         if config.cpu_weight_prepack:
-            packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows)
-            log.info("linear weights packed for %s; skinny kernel up to %d rows", packing.gemm or "nothing (F.linear)",
-                     packing.skinny_rows)
+            with phases.phase("pack"):
+                packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config))
+            log.info("linear weights packed for %s; skinny kernel up to %d rows%s",
+                     packing.gemm or "nothing (F.linear)", packing.skinny_rows,
+                     " (as the start-up cache measured)" if packing.cached else "")
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
-        num_device_blocks = parallel.min_int(count_device_blocks(config, model, sampler, shape, device), device)
-        num_swap_blocks = count_swap_blocks(config, shape)
-        kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
-                           device=device)
-        info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
-                          num_swap_blocks)
+        with phases.phase("kv"):
+            num_device_blocks = parallel.min_int(count_device_blocks(config, model, sampler, shape, device), device)
+            num_swap_blocks = count_swap_blocks(config, shape)
+            kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
+                               device=device)
+        with phases.phase("tokenizer"):
+            info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
+                              num_swap_blocks)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
-            graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
-                                  -(-max_model_len // config.block_size), device)
+            with phases.phase("cuda graphs"):
+                graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
+                                      -(-max_model_len // config.block_size), device)
         compiled = None
         if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
-        return cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
-                   compiled=compiled)
+        backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
+                      compiled=compiled)
+        with phases.phase("warm-up"):
+            backend.warm_up()
+        backend.info = replace(info, startup_phases=tuple(phases.seconds.items()))
+        return backend
+
+    def warm_up(self) -> None:
+        """One greedy decode step of WARM_UP_ROWS one-token sequences in block 0 (written over by the first
+        request that uses it), so that the kernels' first-call costs (oneDNN's JIT, first page faults of the
+        weights and the activations) are not the first request's; the sampler's generator is not drawn from."""
+        greedy = SamplingConfig(temperature=0.0)
+        items = [BatchItem(f"warm-up-{i}", [0], 1, 0, 1, [0], True, greedy) for i in range(WARM_UP_ROWS)]
+        self.execute(items)
+        self._last_decode = DecodeTime()
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
@@ -196,6 +219,14 @@ class TorchBackend:
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+
+
+def startup_cache(config: ExecutorConfig) -> MeasureCache:
+    """Where start-up measurements are kept: --startup-cache-dir ("" turns the cache off; default
+    $PAGEDSERVE_CACHE_DIR/startup or ~/.cache/pagedserve/startup)."""
+    if config.startup_cache_dir == "":
+        return MeasureCache(None)
+    return MeasureCache(Path(config.startup_cache_dir) if config.startup_cache_dir else default_cache_dir())
 
 
 def inference_mode() -> AbstractContextManager[object]:

@@ -42,6 +42,9 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
                        num_swap_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
                        eos_token_ids=tuple(describe.eos_token_ids))
 
+EXECUTOR_LOAD_WARN_S = 120.0
+"""An executor that has not answered Describe for this long is warned about (before: it is loading, quietly)."""
+
 
 def step_budgets(config: CoreConfig, describe: executor_pb2.DescribeResponse) -> CoreConfig:
     """The scheduler's per-step budgets for this executor: its own flags, capped by the limits the executor
@@ -68,6 +71,7 @@ class ExecutorLoop:
         self.label = executor_address
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
         self.executor_wait_timeout = executor_wait_timeout
+        self.load_warn_s = EXECUTOR_LOAD_WARN_S
         self._lost_since: float | None = None  # when the executor was lost; None while steps succeed
         self._losses = 0  # losses in a row without a successful step: sets the reconnect back-off
         self.max_queue_len = max_queue_len
@@ -130,21 +134,28 @@ class ExecutorLoop:
             self.metrics = EngineMetrics(self.metrics_model_name or describe.model_id)
         self.series = self.metrics.executor_series(self.label)
         self.series.device_blocks.set(describe.num_device_blocks)
+        self.series.startup.set(describe.startup_seconds)
         self.metrics.set_capacity(self.label, describe.num_device_blocks, describe.num_swap_blocks)
         self.ready.set()
         if self.on_ready_change is not None:
             self.on_ready_change(True)
-        log.info("executor %s: model=%s blocks=%d swap_blocks=%d block_size=%d max_model_len=%d",
+        started = f" started in {describe.startup_seconds:.1f} s" if describe.startup_seconds else ""
+        log.info("executor %s: model=%s blocks=%d swap_blocks=%d block_size=%d max_model_len=%d%s",
                  self.connection.address, describe.model_id, describe.num_device_blocks,
-                 describe.num_swap_blocks, describe.block_size, describe.max_model_len)
+                 describe.num_swap_blocks, describe.block_size, describe.max_model_len, started)
 
     async def _describe_admitted(self) -> executor_pb2.DescribeResponse:
-        """Describe the executor, retrying with backoff until it answers and the pool accepts it."""
-        delay, attempts = 0.05, 0
+        """Describe the executor, retrying with backoff until it answers and the pool accepts it. An executor
+        that does not answer yet is most likely loading its model: one INFO line says so, and warnings (one
+        every 10 attempts) start only once it has not answered for load_warn_s."""
+        delay, attempts, late, since = 0.05, 0, 0, time.monotonic()
         while True:
             self._fail_if_lost_too_long()
             try:
                 describe = await self.connection.describe(timeout=self._patience(5.0))
+                if attempts:
+                    log.info("executor %s answered after %.1f s of loading", self.connection.address,
+                             time.monotonic() - since)
                 refusal = self.admit(describe) if self.admit is not None else ""
                 if not refusal:
                     return describe
@@ -152,9 +163,16 @@ class ExecutorLoop:
                 await asyncio.sleep(self._patience(30.0))
                 continue
             except grpc.aio.AioRpcError as e:
-                if attempts % 10 == 0:
-                    log.warning("executor %s not answering Describe (%s: %s); retrying with backoff",
-                                self.connection.address, e.code().name, e.details())
+                waited = time.monotonic() - since
+                if attempts == 0:
+                    log.info("executor %s loading, %.1f s (not answering Describe yet: %s); waiting, with a "
+                             "warning after %.0f s", self.connection.address, waited, e.code().name,
+                             self.load_warn_s)
+                elif waited >= self.load_warn_s:
+                    if late % 10 == 0:
+                        log.warning("executor %s not answering Describe for %.0f s (%s: %s); retrying with "
+                                    "backoff", self.connection.address, waited, e.code().name, e.details())
+                    late += 1
                 attempts += 1
                 await asyncio.sleep(self._patience(delay))
                 delay = min(delay * 2, 2.0)

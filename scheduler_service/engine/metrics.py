@@ -79,6 +79,7 @@ class ExecutorSeries:
     device_blocks: Gauge
     serving: Gauge
     executor_busy: Counter
+    startup: Gauge
 
 
 class EngineMetrics:
@@ -142,6 +143,8 @@ class EngineMetrics:
                              registry=r),
             "executor_busy": Counter("pagedserve:executor_busy_seconds", "Time the executor reports spending in "
                                      "its steps (its busy fraction is the rate of this)", EXECUTOR, registry=r),
+            "startup": Gauge("pagedserve:executor_startup_seconds", "Seconds from the executor process's start to "
+                             "ready, as its Describe reports (0: not reported)", EXECUTOR, registry=r),
         }
         self._stats: dict[str, SchedulerStats] = {}
         self._series: dict[str, ExecutorSeries] = {}

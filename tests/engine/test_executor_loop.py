@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,3 +181,47 @@ async def test_every_kind_of_stream_failure_is_a_lost_executor(executor: str) ->
     finally:
         await holder.close()
         await intruder.close()
+
+
+async def test_a_loading_executor_is_waited_for_with_one_info_line_and_no_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The executor's port answers nothing for longer than one Describe's 5 s deadline (a model loading), then
+    the executor comes up: one INFO line says it is loading, none is a warning, and its start-up time becomes
+    pagedserve:executor_startup_seconds."""
+    address = f"127.0.0.1:{free_port()}"
+    engine = ExecutorLoop(CoreConfig(), address, max_queue_len=100)
+    proc = None
+    with caplog.at_level(logging.INFO, "pagedserve.engine"):
+        starting = asyncio.create_task(engine.start())
+        try:
+            await asyncio.sleep(6.0)
+            proc = start("executor_service", ["--simulated", "--listen", address], tmp_path / "executor.log")
+            await asyncio.wait_for(starting, 60)
+            assert engine.metrics is not None
+            startup = engine.metrics.registry.get_sample_value(
+                "pagedserve:executor_startup_seconds", {"model_name": engine.metrics.model_name, "executor": address})
+        finally:
+            await engine.stop()
+            if proc is not None:
+                stop(proc)
+    records = [r for r in caplog.records if r.name == "pagedserve.engine"]
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    loading = [r.getMessage() for r in records if "loading" in r.getMessage()]
+    assert len(loading) == 2 and "loading, " in loading[0] and "answered after" in loading[1], loading
+    assert engine.describe is not None and engine.describe.startup_seconds > 0
+    assert startup == engine.describe.startup_seconds
+
+
+async def test_an_executor_silent_past_the_load_timeout_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    engine = ExecutorLoop(CoreConfig(), f"127.0.0.1:{free_port()}", max_queue_len=100)
+    engine.load_warn_s = 0.0
+    describe = engine.connection.describe
+    engine.connection.describe = lambda timeout=5.0: describe(timeout=0.2)  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, "pagedserve.engine"):
+        starting = asyncio.create_task(engine.start())
+        await asyncio.sleep(1.5)
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await engine.stop()
+    assert any("not answering Describe for" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)

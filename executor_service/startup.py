@@ -1,0 +1,133 @@
+"""Start-up bookkeeping (#33): the phases of an executor's start with their timings, the seconds from the
+process's start to ready, and the on-disk cache of what start-up measured (the packed GEMM's choice and the
+skinny kernel's rows), keyed by everything the measurement depends on, so a restart on the same machine skips it.
+
+A cache entry is trusted only when its whole key matches this start's: the CPU (model name and ISA flags), torch's
+and oneDNN's versions, the kernels' build, the thread count, the requested settings and the model's linear shapes.
+An entry that does not match (another machine's, an older build's) or does not parse is ignored, measured again
+and overwritten: it is never trusted."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pagedserve.executor")
+CACHE_VERSION = 1
+CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
+
+
+def process_start_time() -> float:
+    """The wall-clock time (time.time()) this process started: from /proc on Linux, else this module's import."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+@dataclass
+class Phases:
+    """Named phases of the start with their seconds, in order; total_s() is the time since the process started."""
+
+    started: float = field(default_factory=process_start_time)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def total_s(self) -> float:
+        return max(0.0, time.time() - self.started)
+
+    def summary(self) -> str:
+        parts = [f"{name} {s:.2f} s" for name, s in self.seconds.items()]
+        return ", ".join(parts) if parts else "none"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root) if root else Path.home() / ".cache" / "pagedserve"
+    return base / "startup"
+
+
+def cpu_identity() -> dict[str, str]:
+    """What the CPU is, as start-up measurements depend on it: model name and ISA flags (Linux's /proc/cpuinfo)."""
+    info = {"model name": "", "flags": ""}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in info and not info[key]:
+                info[key] = " ".join(sorted(value.split())) if key == "flags" else value.strip()
+            if all(info.values()):
+                break
+    import platform
+    info["machine"] = platform.machine()
+    return info
+
+
+class MeasureCache:
+    """JSON entries under `directory`, one file per kind of measurement, each with the key it was measured under."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+
+    def path(self, kind: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"{kind}.json"
+
+    def get(self, kind: str, key: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored value for exactly this key; None (and a log line saying why) where there is none to trust."""
+        path = self.path(kind)
+        if path is None or not path.is_file():
+            return None
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            stored, value, digest = entry["key"], entry["value"], entry["digest"]
+        except (OSError, ValueError, KeyError, TypeError):
+            log.info("start-up cache %s unreadable; measuring again", path)
+            return None
+        if digest != fingerprint(stored, value) or not isinstance(value, dict):
+            log.info("start-up cache %s corrupt; measuring again", path)
+            return None
+        if stored != key:
+            changed = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
+            log.info("start-up cache %s is stale or foreign (%s differ); measuring again", path, ", ".join(changed))
+            return None
+        return value
+
+    def put(self, kind: str, key: dict[str, Any], value: dict[str, Any]) -> None:
+        path = self.path(kind)
+        if path is None:
+            return
+        data = json.dumps({"key": key, "value": value, "digest": fingerprint(key, value)}, sort_keys=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{kind}-", dir=path.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only home: start-up still works, it just measures every time
+            log.info("start-up cache %s not written: %s", path, exc)
+
+
+def fingerprint(key: Any, value: Any) -> str:
+    return hashlib.sha256(json.dumps([key, value], sort_keys=True).encode()).hexdigest()

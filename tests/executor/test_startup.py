@@ -1,0 +1,190 @@
+"""Executor start-up (#33): weights read from a memory map equal safetensors' reading, the KV cache is allocated
+lazily and reads as zeros, the start-up cache is reused only under a matching key (a stale, foreign or corrupt
+entry is measured again and rewritten), and the start's phases are timed."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from benchmarks.forward_steps import step_items
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.model import packed
+from executor_service.model.loader import MappedSafetensors
+from executor_service.model.parallel import Linear
+from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
+from executor_service.runner.torch_backend import TorchBackend
+from executor_service.startup import MeasureCache, Phases, cpu_identity, fingerprint, process_start_time
+
+
+def test_mapped_tensors_equal_safetensors_reading(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, generator=gen).to(torch.bfloat16),
+               "c": torch.randn(4, 4, generator=gen).to(torch.float16), "empty": torch.zeros(0, 3)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    mapped = MappedSafetensors.open(path)
+    assert mapped is not None
+    with safe_open(str(path), framework="pt") as reader:
+        for name in tensors:
+            view = mapped.tensor(name)
+            assert view is not None and view.dtype == tensors[name].dtype
+            assert torch.equal(view, reader.get_tensor(name))
+    assert mapped.tensor("missing") is None
+
+
+def test_a_file_that_is_not_safetensors_is_left_to_safetensors(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\xff" * 8 + b"{}")
+    assert MappedSafetensors.open(path) is None
+
+
+def test_a_bfloat16_checkpoint_loads_as_float32_equal_to_its_values(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=1, vocab_size=512)
+    path = model / "model.safetensors"
+    with safe_open(str(path), framework="pt") as reader:
+        reference = {name: reader.get_tensor(name).to(torch.bfloat16) for name in reader.keys()}  # noqa: SIM118
+    save_file(reference, str(path))
+    config = json.loads((model / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (model / "config.json").write_text(json.dumps(config))
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
+                                                 swap_space=0.01, startup_cache_dir=""))
+    params = dict(backend.model.named_parameters())
+    assert params["model.embed_tokens.weight"].dtype == torch.float32
+    assert torch.equal(params["model.embed_tokens.weight"], reference["model.embed_tokens.weight"].float())
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv[:64], reference["model.layers.0.self_attn.q_proj.weight"].float())
+    names = [name for name, _ in backend.info.startup_phases]
+    assert "read+convert bfloat16->float32" in names
+
+
+def test_lazy_zeros_are_zeros_and_writable() -> None:
+    big = lazy_zeros((4, LAZY_MIN_BYTES // 4), torch.float32)
+    small = lazy_zeros((3, 5), torch.bfloat16)
+    for t in (big, small):
+        assert t.is_contiguous() and not t.any()
+        t[1, 2] = 7
+        assert float(t.sum()) == 7
+
+
+def test_phases_time_each_phase_and_the_process_start_is_in_the_past() -> None:
+    phases = Phases()
+    with phases.phase("read"):
+        pass
+    with phases.phase("pack"):
+        pass
+    assert list(phases.seconds) == ["read", "pack"]
+    assert phases.summary().startswith("read ") and ", pack " in phases.summary()
+    assert 0 < phases.total_s() < 3600
+    assert abs(process_start_time() - phases.started) < 0.5  # /proc's clock ticks, computed twice
+
+
+def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    cache = MeasureCache(tmp_path / "c")
+    key = {"cpu": {"flags": "avx2"}, "shapes": [[64, 192]]}
+    assert cache.get("packing", key) is None
+    cache.put("packing", key, {"gemm": "mkl", "skinny_rows": 8})
+    assert cache.get("packing", key) == {"gemm": "mkl", "skinny_rows": 8}
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):
+        assert cache.get("packing", {**key, "cpu": {"flags": "avx512f"}}) is None
+    assert "stale or foreign (cpu differ)" in caplog.text
+    path = tmp_path / "c" / "packing.json"
+    entry = json.loads(path.read_text())
+    entry["value"]["skinny_rows"] = 64  # edited by hand: the digest no longer matches
+    path.write_text(json.dumps(entry))
+    assert cache.get("packing", key) is None
+    path.write_text("{not json")
+    assert cache.get("packing", key) is None
+    assert MeasureCache(None).get("packing", key) is None
+
+
+def backend(model: Path, cache_dir: Path) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
+                                              swap_space=0.01, startup_cache_dir=str(cache_dir)))
+
+
+def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_measured_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=1, vocab_size=512)
+    calls: list[str] = []
+    choose_gemm = packed.choose_gemm
+
+    def counted(*args: object, **kwargs: object) -> packed.Gemm | None:
+        calls.append("gemm")
+        return choose_gemm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("executor_service.model.llama.choose_gemm", counted)
+    first = backend(model, tmp_path / "cache")
+    path = tmp_path / "cache" / "packing.json"
+    assert calls == ["gemm"] and path.is_file()
+    stored = json.loads(path.read_text())["value"]
+    second = backend(model, tmp_path / "cache")
+    assert calls == ["gemm"]  # not measured again
+    linear = second.model.get_submodule("model.layers.0.mlp.gate_up_proj")
+    assert isinstance(linear, Linear)
+    assert linear.packed is not None and linear.packed.gemm == stored["gemm"]
+    assert linear.packed.skinny_rows == stored["skinny_rows"]
+    # Another machine's (or an older build's) entry: measured again, and the entry rewritten for this one.
+    entry = json.loads(path.read_text())
+    entry["key"]["cpu"] = {"model name": "another CPU", "flags": "sse2", "machine": "x86_64"}
+    entry["value"] = {"gemm": "onednn" if stored["gemm"] == "mkl" else "mkl", "skinny_rows": 64}
+    entry["digest"] = fingerprint(entry["key"], entry["value"])
+    path.write_text(json.dumps(entry))
+    backend(model, tmp_path / "cache")
+    assert calls == ["gemm", "gemm"]
+    rewritten = json.loads(path.read_text())
+    assert rewritten["key"]["cpu"] == cpu_identity()  # the value is measured again: noise may change it
+    assert MeasureCache(tmp_path / "cache").get("packing", rewritten["key"]) == rewritten["value"]
+    assert first.info.startup_phases
+
+
+def test_logits_are_the_same_with_the_choice_from_the_cache(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
+    measured = backend(model, tmp_path / "cache")
+    cached = backend(model, tmp_path / "cache")
+    for kind, n, length in (("prefill", 3, 9), ("decode", 4, 12), ("decode", 1, 5)):
+        items = step_items(kind, n, length, 512, 2)
+        logits = [b.run_batch(b.prepare(items)) for b in (measured, cached)]
+        assert logits[0] is not None and logits[1] is not None
+        assert torch.equal(logits[0], logits[1])
+
+
+def test_the_start_reports_its_phases(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=1, vocab_size=512)
+    b = backend(model, tmp_path / "cache")
+    names = [name for name, _ in b.info.startup_phases]
+    assert names[:3] == ["interpreter+imports", "kernels", "allocate"]
+    assert {"read", "pack", "kv", "tokenizer", "warm-up"} <= set(names)
+    assert all(seconds >= 0 for _, seconds in b.info.startup_phases)
+
+
+def test_skinny_rows_are_the_most_that_win_tried_from_the_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[int] = []
+
+    def seconds(weights: list[torch.Tensor], packs: list[packed.PackedWeight], rows: int, skinny: bool) -> float:
+        if skinny:
+            tried.append(rows)
+        return (0.5 if rows in (4, 16) else 2.0) if skinny else 1.0
+
+    monkeypatch.setattr(packed, "pass_seconds", seconds)
+    monkeypatch.setattr(packed, "skinny_available", lambda: True)
+    weight = torch.zeros(8, 16)
+    assert packed.choose_skinny_rows([weight], [packed.PackedWeight("mkl", weight)]) == 16
+    assert tried == [64, 48, 32, 24, 16]
+
+
+def test_the_skinny_calibration_times_the_first_weights_past_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed, "calibration_bytes", lambda: 1000)
+    weights = [torch.zeros(100) for _ in range(6)]  # 400 bytes each
+    packs = [packed.PackedWeight("mkl", w) for w in weights]
+    chosen, chosen_packs = packed.calibration_subset(weights, packs)
+    assert len(chosen) == 3 and chosen_packs == packs[:3]
