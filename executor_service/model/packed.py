@@ -26,11 +26,11 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -38,9 +38,6 @@ from torch.nn.functional import linear
 
 from executor_service.model import cpu_ops
 from executor_service.startup import CACHE_VERSION, cpu_identity
-
-if TYPE_CHECKING:
-    from executor_service.model.parallel import Linear
 
 MIN_ROWS = 2
 BITWISE_ROWS = 16
@@ -99,7 +96,13 @@ def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
     return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight))
 
 
-def pack_all(linears: list[Linear], gemm: Gemm) -> None:
+class Packable(Protocol):
+    """What pack_all needs of a linear layer (model/parallel.py's Linear)."""
+
+    def pack_weight(self, gemm: Gemm) -> None: ...
+
+
+def pack_all(linears: Sequence[Packable], gemm: Gemm) -> None:
     """Pack these linears' weights for `gemm`, spread over PACK_THREADS threads (the reorders are independent and
     release the GIL; each is one pass over its weight)."""
     threads = min(PACK_THREADS, os.cpu_count() or 1, len(linears))
