@@ -386,6 +386,20 @@ async def test_an_oversized_body_is_413_invalid_request_error(chat_stack: HttpSt
     assert answer["error"]["message"] == f"the request body is larger than {64 << 20} bytes"
 
 
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"Content-Type": "application/json; charset=bogus"}, 415),
+    ({"Content-Type": "application/json; charset=latin-1"}, 415),
+], ids=["unknown-charset", "other-charset"])
+async def test_a_body_that_cannot_be_read_as_utf8_json_is_4xx(chat_stack: HttpStack, session: aiohttp.ClientSession,
+                                                               headers: dict[str, str], status: int) -> None:
+    """JSON is UTF-8: another declared charset is a 415 (an unknown one was a 500, latin-1 garbled the prompt)."""
+    async with session.post(chat_stack.url + "/v1/completions", data=b'{"prompt": "hi", "max_tokens": 2}',
+                            headers=headers) as r:
+        answer = await r.json(content_type=None)
+    assert r.status == status, answer
+    assert answer["error"]["type"] == "invalid_request_error", answer
+
+
 async def test_a_non_ascii_authorization_header_is_401(chat_stack: HttpStack) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", chat_stack.http_port)
     try:

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from tokenizers import Tokenizer
 
 from protos.pagedserve.v1 import generation_pb2
@@ -398,8 +400,17 @@ def presented_key(request: web.Request) -> str:
 
 
 async def read_json(request: web.Request) -> Any:
+    """The body as JSON, which is UTF-8 (RFC 8259): another declared charset is a 415, a body that cannot be read
+    (a corrupt Content-Encoding, a connection lost mid-body) a 400, never a 500."""
+    charset = (request.charset or "utf-8").lower()
+    if charset not in ("utf-8", "utf8"):
+        raise ApiError(415, f"Unsupported Media Type: JSON bodies are UTF-8, not charset={charset!r}")
     try:
-        body = await request.json(loads=json.loads)
+        data = await request.read()
+    except (RequestPayloadError, HttpProcessingError) as e:
+        raise ApiError(400, f"the request body could not be read: {e}") from None
+    try:
+        body = json.loads(data.decode("utf-8"))
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     except ValueError as e:

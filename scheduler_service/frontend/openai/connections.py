@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from ssl import SSLContext
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from scheduler_service.frontend.openai.errors import ApiError
 
@@ -212,6 +213,8 @@ class ConnectionGuard:
                 self.count("body")
                 raise ApiError(408, f"the request body did not arrive within --http-body-timeout "
                                f"{self.limits.body_timeout:g}s") from None
+            except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a corrupt Content-Encoding
+                raise ApiError(400, f"the request body could not be read: {e}") from None
         return await handler(request)
 
 
