@@ -115,7 +115,7 @@ async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, 
                  config.api_server_count, listen, ", ".join(config.executor))
         if await start_until_stopped(pool, stop):
             core.broadcast_status()
-            if pool.metrics is not None:
+            if config.metrics_port is not None and pool.metrics is not None:
                 core.counters()  # its series on the registry from the start
             metrics_server = await start_metrics(config, pool)
             freeze_startup_objects()
