@@ -15,15 +15,23 @@ caller's API key (never the key; "" when the cache is shared across tenants) and
 per-request salt, so requests of different scopes never share a block and one tenant cannot learn from
 its time to first token whether another sent a prefix. With exact keys there is no hash to predict or
 aim at (the class of vLLM's CVE-2025-25183): a wrong hit would need equal tokens after an equal prefix.
+
+A block's tokens enter its key as bytes (each id as 8 bytes), not as a tuple of ints: Python hashes an int to
+its value and a tuple by a fixed function of its items' hashes, so token ids chosen to collide would pile keys
+into one chain of the cache's dict and make every lookup a linear scan (hash flooding). Bytes are hashed with
+SipHash under the process's random key (PYTHONHASHSEED unset, the default), which a client cannot predict.
 """
 
 from __future__ import annotations
+
+from array import array
 
 from scheduler_service.core.request import Request
 
 Scope = tuple[str, str | None]
 Parent = int | Scope
-BlockKey = tuple[Parent, tuple[int, ...]]
+BlockTokens = bytes  # a full block's token ids, packed by pack_tokens
+BlockKey = tuple[Parent, BlockTokens]
 
 ROOT = 0  # the parent id of a request's first block; the pool numbers cached blocks from 1
 NO_ID = -1  # a block whose contents the pool has not identified (not registered, or reused since)
@@ -36,24 +44,29 @@ def request_root(request: Request) -> Parent:
     return (request.tenant, request.cache_salt)
 
 
-def token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
+def pack_tokens(token_ids: list[int]) -> BlockTokens:
+    """A block's token ids as a dict key whose hash is keyed by the process (see the module's note)."""
+    return array("Q", token_ids).tobytes()
+
+
+def token_range(request: Request, start: int, end: int) -> BlockTokens:
     prompt, output = request.prompt_token_ids, request.output_token_ids
     p = len(prompt)
     if end <= p:
-        return tuple(prompt[start:end])
+        return pack_tokens(prompt[start:end])
     if start >= p:
-        return tuple(output[start - p:end - p])
-    return tuple(prompt[start:]) + tuple(output[:end - p])
+        return pack_tokens(output[start - p:end - p])
+    return pack_tokens(prompt[start:] + output[:end - p])
 
 
-def full_blocks(token_ids: list[int], block_size: int) -> list[tuple[int, ...]]:
+def full_blocks(token_ids: list[int], block_size: int) -> list[BlockTokens]:
     """The token ids of every full block of a token list."""
-    return [tuple(token_ids[start:start + block_size])
+    return [pack_tokens(token_ids[start:start + block_size])
             for start in range(0, len(token_ids) - block_size + 1, block_size)]
 
 
-def extend_blocks(blocks: list[tuple[int, ...]], request: Request, num_blocks: int,
-                  block_size: int) -> list[tuple[int, ...]]:
+def extend_blocks(blocks: list[BlockTokens], request: Request, num_blocks: int,
+                  block_size: int) -> list[BlockTokens]:
     """blocks (the token ids of the request's first full blocks) extended in place to num_blocks."""
     for i in range(len(blocks), num_blocks):
         blocks.append(token_range(request, i * block_size, (i + 1) * block_size))

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import BlockMap
-from scheduler_service.core.block_hash import NO_ID, Parent, extend_blocks, full_blocks, request_root
+from scheduler_service.core.block_hash import NO_ID, BlockTokens, Parent, extend_blocks, full_blocks, request_root
 from scheduler_service.core.block_pool import DevicePool, SwapPool
 from scheduler_service.core.request import Request
 
@@ -54,7 +54,7 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
         self._cpu_tables: dict[str, list[int]] = {}
-        self._blocks: dict[str, list[tuple[int, ...]]] = {}  # the token ids of a request's full blocks
+        self._blocks: dict[str, list[BlockTokens]] = {}  # the token ids of a request's full blocks
         self._num_cached: dict[str, int] = {}
         self._copies: BlockMap = []
 
@@ -95,7 +95,7 @@ class KVCacheManager:
         blocks = self._find(tokens[:max_blocks], request_root(request))
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def _find(self, tokens: list[tuple[int, ...]], root: Parent) -> list[int]:
+    def _find(self, tokens: list[BlockTokens], root: Parent) -> list[int]:
         """The cached blocks holding these full blocks' tokens after the same prefix (of the scope whose root
         is given), from the first on."""
         blocks: list[int] = []

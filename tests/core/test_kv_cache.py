@@ -3,6 +3,10 @@ with cached blocks, n > 1 prompt sharing with copy-on-write."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from scheduler_service.core import block_hash
 from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode
 from scheduler_service.core.kv_cache_manager import AllocStatus, KVCacheManager, PrefixHit
@@ -132,6 +136,19 @@ def test_two_different_blocks_whose_keys_hash_alike_do_not_share_kv() -> None:
     assert run.s.stats().prefix_cache_hits == hits  # no cached token counted
     run.finish_all()
     assert run.tokens["b"] == run.expect(b)
+
+
+def test_block_keys_hash_under_the_processs_secret_so_chosen_tokens_cannot_flood_the_cache() -> None:
+    """Token ids that collide as a tuple (the cache's keys before) hash apart as packed keys, and the same block
+    hashes differently in another process: a client cannot aim many blocks at one chain of the cache's dict."""
+    first, other = [1, 2, 3, 4], [COLLIDING, 2, 3, 4]
+    assert hash(tuple(first)) == hash(tuple(other))
+    assert hash(block_hash.pack_tokens(first)) != hash(block_hash.pack_tokens(other))
+    probe = "from scheduler_service.core.block_hash import pack_tokens; print(hash(pack_tokens([1, 2, 3, 4])))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    hashes = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             env=env).stdout for _ in range(3)}
+    assert len(hashes) == 3
 
 
 def test_a_collision_in_the_prefix_does_not_share_the_blocks_after_it() -> None:
@@ -353,7 +370,7 @@ def test_the_pool_re_points_a_key_to_a_held_duplicate() -> None:
     names re-points it to the held duplicate (the freed block holds nothing worth keeping, so allocating it
     evicts nothing); a copy computed while the first copy sits free takes the key over."""
     pool = KVCacheManager(4, 0, BS).device
-    key = (block_hash.ROOT, (1, 2, 3, 4))
+    key = (block_hash.ROOT, block_hash.pack_tokens([1, 2, 3, 4]))
     first, second = pool.allocate(2) or []
     pool.cache(first, key)
     pool.cache(second, key)

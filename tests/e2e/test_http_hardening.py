@@ -386,6 +386,50 @@ async def test_an_oversized_body_is_413_invalid_request_error(chat_stack: HttpSt
     assert answer["error"]["message"] == f"the request body is larger than {64 << 20} bytes"
 
 
+async def raw_exchange(port: int, head: bytes, body: bytes, wait: float) -> bytes:
+    """Send a request's head and (part of) a body on a raw connection; what the server answers within `wait`."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body)
+        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
+        length = re.search(rb"Content-Length: (\d+)", answer_head, re.IGNORECASE)
+        assert length is not None, answer_head
+        return answer_head + await asyncio.wait_for(reader.readexactly(int(length.group(1))), wait)
+    finally:
+        writer.close()
+
+
+async def test_a_declared_length_past_the_limit_is_413_before_the_body(chat_stack: HttpStack) -> None:
+    """Content-Length over the limit is refused from the headers: not after the body timeout (60 s here), and
+    without reading 64 MiB first."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {1 << 30}\r\n\r\n").encode()
+    answer = await raw_exchange(chat_stack.http_port, head, b'{"prompt": "', wait=10)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_corrupt_gzip_body_is_400(chat_stack: HttpStack, session: aiohttp.ClientSession) -> None:
+    async with session.post(chat_stack.url + "/v1/completions", data=b"\x1f\x8b\x08\x00not gzip at all",
+                            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+        answer = await r.json(content_type=None)
+    assert r.status == 400, answer
+    assert answer["error"]["message"].startswith("the request body could not be read"), answer
+
+
+async def test_connections_dropped_mid_body_leave_no_error_in_the_log(chat_stack: HttpStack) -> None:
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+    for _ in range(20):
+        _, writer = await asyncio.open_connection("127.0.0.1", chat_stack.http_port)
+        writer.write(head + b'{"prompt": "abc')
+        await writer.drain()
+        writer.transport.abort()
+    status, _ = await completion(chat_stack, prompt="still serving")  # after the drops: they were handled
+    assert status == 200
+    assert " ERROR " not in chat_stack.log() and "Traceback" not in chat_stack.log()
+
+
 @pytest.mark.parametrize(("headers", "status"), [
     ({"Content-Type": "application/json; charset=bogus"}, 415),
     ({"Content-Type": "application/json; charset=latin-1"}, 415),

@@ -7,6 +7,8 @@ asyncio protocol in front of aiohttp's RequestHandler) that ConnectionGuard watc
 
 - from the first byte of a request until its headers are in: at most --http-header-timeout, then it is closed;
 - from its headers until its body is in: at most --http-body-timeout, then 408 and closed (body_deadline);
+  a declared Content-Length over the body limit is a 413 from the headers alone, and a body that cannot be read
+  (corrupt Content-Encoding, the client gone mid-body) is a 400 that ends the connection without an error logged;
 - between requests (and before the first): aiohttp's own keep-alive timeout, --http-timeout-keep-alive;
 - at most --http-max-connections open (and at most half the process's open-file limit, so the HTTP port can
   never starve gRPC): past it, the connection that has waited longest for a request (an idle keep-alive or a slow
@@ -16,6 +18,8 @@ asyncio protocol in front of aiohttp's RequestHandler) that ConnectionGuard watc
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -132,6 +136,16 @@ class Connection(asyncio.Protocol):
             self.close()
 
 
+class BodyUnread(enum.Enum):
+    """Why a request's body was not read whole; the connection is not kept alive after its answer."""
+
+    TOO_LARGE = enum.auto()  # its Content-Length is over the limit
+    BROKEN = enum.auto()  # it could not be read (corrupt encoding, connection lost)
+
+
+BODY_UNREAD = web.RequestKey("body_unread", BodyUnread)
+
+
 class ConnectionGuard:
     """The connections of one HTTP port: the cap, the header timer, the body deadline (as middlewares), and one
     log line every REPORT_INTERVAL_S at most about what it closed."""
@@ -192,13 +206,17 @@ class ConnectionGuard:
         conn.request_started()
         try:
             response = await handler(request)
+            unread = request.get(BODY_UNREAD, False)
             if not response.prepared:  # written here, so that it is whole before the connection counts as idle
-                if response.status == 408:
+                if unread or response.status == 408:
                     response.force_close()
-                await response.prepare(request)
-                await response.write_eof()
+                with contextlib.suppress(ConnectionError):  # the client left: nothing to answer, nothing to log
+                    await response.prepare(request)
+                    await response.write_eof()
             if response.status == 408:  # the rest of the body is not worth reading
                 conn.finish()
+            elif unread is BodyUnread.BROKEN:  # aiohttp would read it again after the answer, and log the error
+                request.content.feed_eof()
             return response
         finally:
             conn.request_ended()
@@ -206,15 +224,23 @@ class ConnectionGuard:
     @web.middleware
     async def body_deadline(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Read the whole body within --http-body-timeout of the headers (handlers then read it from memory)."""
-        if request.body_exists:
-            try:
-                await asyncio.wait_for(request.read(), self.limits.body_timeout)
-            except TimeoutError:
-                self.count("body")
-                raise ApiError(408, f"the request body did not arrive within --http-body-timeout "
-                               f"{self.limits.body_timeout:g}s") from None
-            except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a corrupt Content-Encoding
-                raise ApiError(400, f"the request body could not be read: {e}") from None
+        if not request.body_exists:
+            return await handler(request)
+        if request.content_length is not None and request.content_length > request.client_max_size:
+            request[BODY_UNREAD] = BodyUnread.TOO_LARGE  # refused from its headers; aiohttp drains what was sent
+            raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes")
+        try:
+            await asyncio.wait_for(request.read(), self.limits.body_timeout)
+        except TimeoutError:
+            self.count("body")
+            raise ApiError(408, f"the request body did not arrive within --http-body-timeout "
+                           f"{self.limits.body_timeout:g}s") from None
+        except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a corrupt Content-Encoding
+            request[BODY_UNREAD] = BodyUnread.BROKEN
+            raise ApiError(400, f"the request body could not be read: {e}") from None
+        except ConnectionError:  # the client closed mid-body: the answer goes nowhere
+            request[BODY_UNREAD] = BodyUnread.BROKEN
+            raise ApiError(400, "the connection closed before the request body arrived") from None
         return await handler(request)
 
 
