@@ -386,6 +386,14 @@ async def test_an_oversized_body_is_413_invalid_request_error(chat_stack: HttpSt
     assert answer["error"]["message"] == f"the request body is larger than {64 << 20} bytes"
 
 
+async def test_huge_chat_template_kwargs_are_refused_naming_them(chat_stack: HttpStack,
+                                                                 session: aiohttp.ClientSession) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                       "chat_template_kwargs": {"notes": "a" * (40 << 20)}}).encode()
+    status, answer = await post_raw(session, chat_stack.url + "/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", answer
+
+
 async def raw_exchange(port: int, head: bytes, body: bytes, wait: float) -> bytes:
     """Send a request's head and (part of) a body on a raw connection; what the server answers within `wait`."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

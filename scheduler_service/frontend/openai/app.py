@@ -179,11 +179,13 @@ class OpenAIApi:
         than max_model_len tokens of the longest token), and a large conversation is rendered and tokenized on a
         worker thread, so that it never stalls the other streams of this api server."""
         limit = self.generation.request_limits().max_prompt_bytes
-        size = text_bytes(messages) + text_bytes(kwargs)
+        message_bytes, kwargs_bytes = text_bytes(messages), text_bytes(kwargs)
+        size = message_bytes + kwargs_bytes
         if size > limit:
             describe = self.generation.engine.describe
             max_model_len = describe.max_model_len if describe is not None else 0
-            raise bad_param("messages", f"{size} bytes of text is more than max_model_len {max_model_len} tokens "
+            param = "chat_template_kwargs" if kwargs_bytes > message_bytes else "messages"
+            raise bad_param(param, f"{size} bytes of text is more than max_model_len {max_model_len} tokens "
                             f"can hold (at most {limit} bytes)")
         template = self._template()
         describe = self.generation.engine.describe
