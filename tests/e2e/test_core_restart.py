@@ -5,66 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from client.lib import PagedServeClient
-from protos.pagedserve.v1 import generation_pb2
-from tests.support.procs import prompts, wait_until
+from tests.support.procs import wait_until
+from tests.support.streams import EXECUTOR, MAX_TOKENS, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
-
-LENGTH = generation_pb2.FINISH_REASON_LENGTH
-EXECUTOR = ["--simulated", "--sim-step-latency-ms", "20"]
-MAX_TOKENS = 48
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One Generate call: greedy or seeded, n sequences, a shared system prefix (prefix caching)."""
-
-    request_id: str
-    prompt: list[int]
-    seed: int | None
-    n: int
-
-
-def specs(count: int) -> list[Spec]:
-    prefix = list(range(100, 132))  # two blocks every prompt shares
-    return [Spec(f"s{i}", prefix + p, None if i % 3 == 0 else 1000 + i, 2 if i % 4 == 1 else 1)
-            for i, p in enumerate(prompts(count))]
-
-
-Outcome = dict[tuple[str, int], tuple[list[int], int, int, int]]  # (id, index) -> tokens, reason, usage
-
-
-async def run_all(address: str, calls: list[Spec], on_token: Callable[[int], None] = lambda n: None,
-                  max_tokens: int = MAX_TOKENS) -> Outcome:
-    out: Outcome = {}
-
-    async def one(client: PagedServeClient, spec: Spec) -> None:
-        temperature = 0.0 if spec.seed is None else 1.0
-        async for r in client.generate(prompt_token_ids=spec.prompt, request_id=spec.request_id, seed=spec.seed,
-                                       max_tokens=max_tokens, temperature=temperature, ignore_eos=True, n=spec.n,
-                                       timeout=120):
-            ids, reason, prompt_tokens, completion = out.get((spec.request_id, r.index), ([], 0, 0, 0))
-            ids = ids + list(r.token_ids)
-            if r.finish_reason:
-                reason, prompt_tokens, completion = r.finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
-            out[(spec.request_id, r.index)] = (ids, reason, prompt_tokens, completion)
-            on_token(len(r.token_ids))
-
-    async with PagedServeClient(address) as client:
-        await asyncio.gather(*(one(client, s) for s in calls))
-    return out
-
-
-def check_complete(outcome: Outcome, calls: list[Spec], max_tokens: int = MAX_TOKENS) -> None:
-    for spec in calls:
-        for index in range(spec.n):
-            ids, reason, prompt_tokens, completion = outcome[(spec.request_id, index)]
-            assert (len(ids), reason, prompt_tokens, completion) == (max_tokens, LENGTH, len(spec.prompt),
-                                                                     max_tokens), spec
 
 
 async def test_core_sigkill_mid_stream_resumes_every_stream_identically(tmp_path: Path) -> None:
