@@ -15,7 +15,11 @@ from tests.support.tiers import running_tiers
 async def test_core_sigkill_mid_stream_resumes_every_stream_identically(tmp_path: Path) -> None:
     calls = specs(24)
     total = sum(s.n for s in calls) * MAX_TOKENS
-    with running_tiers(tmp_path, EXECUTOR, frontend_args=["--engine-core-timeout", "3"]) as tiers:
+    secret = tmp_path / "link.secret"
+    secret.write_text("a shared secret\n")
+    link = ["--engine-core-secret-file", str(secret)]  # CURVE on the link, through the restart too
+    with running_tiers(tmp_path, EXECUTOR, core_args=link, frontend_args=["--engine-core-timeout", "3", *link]
+                       ) as tiers:
         reference = await run_all(tiers.public, calls)
         check_complete(reference, calls)
         tiers.wait_idle()
