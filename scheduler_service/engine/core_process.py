@@ -132,7 +132,9 @@ async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, 
             log.info("engine core ready; %s", f"api servers on {listen}" if config.api_server_count
                      else f"front-ends connect to {core.address}")
             await stop.wait()
-            log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+            handed = core.hand_back(servers.names())
+            log.info("SIGTERM: handed %d requests back to front-ends of their own (they resume them on the "
+                     "restarted core); api servers drain for up to %.1fs", handed, config.shutdown_timeout)
             await servers.drain(config.shutdown_timeout + 5.0)
     finally:
         servers.kill()

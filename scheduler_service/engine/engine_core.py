@@ -115,6 +115,7 @@ class EngineCore:
         self._dirty: list[FrontendLink] = []
         self._counters: CoreCounters | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.closing = False  # handing its front-ends back: it takes no new session
 
     def bind(self) -> None:
         """Bind the address; a tcp:// port 0 becomes the port bound (self.address is what front-ends dial)."""
@@ -142,7 +143,7 @@ class EngineCore:
             key, payload = await self._sock.recv_multipart()
             msg = to_core_decoder.decode(payload)
             link = self.links.get(key)
-            if link is None and not msg.hello:  # a session this core never met (it restarted) or dropped
+            if link is None and (not msg.hello or self.closing):  # a session it never met (it restarted) or dropped
                 status = self.status()
                 status.unknown = True
                 self._sock.send_multipart([key, encoder.encode(ToFrontend(status=status))])
@@ -234,6 +235,8 @@ class EngineCore:
         self._dirty.append(link)
 
     def _flush(self) -> None:
+        if self._sock.closed:
+            return
         dirty, self._dirty = self._dirty, []
         for link in dirty:
             if link.deltas or link.refused:
@@ -266,6 +269,18 @@ class EngineCore:
         connection with it)."""
         self.counters().restarts.inc()
         return sum(self.drop_link(link.identity) for link in list(self.links.values()) if link.name == name)
+
+    def hand_back(self, keep: set[bytes]) -> int:
+        """Shutting down (SIGTERM): tell every front-end session but those of `keep` (its own api servers, which
+        drain) that it does not know them any more, so each re-submits its requests to the restarted core (or
+        holds them until it is back), and free those requests here; no new session is taken. How many."""
+        self.closing = True
+        status = Status(False, unknown=True)
+        handed = 0
+        for link in [link for link in self.links.values() if link.name not in keep]:
+            self._send(link, ToFrontend(status=status))
+            handed += self.drop_link(link.identity)
+        return handed
 
     def drop_link(self, identity: bytes) -> int:
         """Forget one front-end session and abort its requests (freeing their blocks); how many there were."""

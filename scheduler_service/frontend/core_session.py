@@ -20,6 +20,7 @@ from scheduler_service.link_auth import secure_client
 from scheduler_service.messages import ToCore, ToFrontend, encoder, to_frontend_decoder
 
 log = logging.getLogger("pagedserve.frontend")
+RECONNECT_PAUSE_S = 0.05  # between sessions: a core that is shutting down answers each at once
 LOST_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
@@ -84,6 +85,7 @@ class CoreSession:
             reason = await self._follow()
             self._close_socket()
             self._on_lost(reason)
+            await asyncio.sleep(RECONNECT_PAUSE_S)
             self.number += 1
             self._sock = self._open()
             await self._connect()

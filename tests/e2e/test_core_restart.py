@@ -7,12 +7,15 @@ import asyncio
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.support.procs import wait_until
 from tests.support.streams import EXECUTOR, MAX_TOKENS, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
 
-async def test_core_sigkill_mid_stream_resumes_every_stream_identically(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+async def test_core_restart_mid_stream_resumes_every_stream_identically(tmp_path: Path, sig: int) -> None:
     calls = specs(24)
     total = sum(s.n for s in calls) * MAX_TOKENS
     secret = tmp_path / "link.secret"
@@ -33,7 +36,7 @@ async def test_core_sigkill_mid_stream_resumes_every_stream_identically(tmp_path
 
         disturbed = asyncio.create_task(run_all(tiers.public, calls, count))
         await asyncio.wait_for(quarter.wait(), 60)
-        tiers.kill_core(signal.SIGKILL)
+        tiers.kill_core(sig)
         assert seen[0] < total // 2, "the kill came while most tokens were still to come"
         tiers.start_core()
         outcome = await asyncio.wait_for(disturbed, 120)

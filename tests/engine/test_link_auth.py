@@ -4,6 +4,7 @@ or none does not; an address other hosts can reach needs a secret."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 import zmq
@@ -49,7 +50,7 @@ def test_an_address_other_hosts_reach_needs_a_secret() -> None:
     assert is_local("ipc:///tmp/x") and is_local("tcp://127.0.0.1:5") and is_local("tcp://[::1]:5")
     assert not is_local("tcp://0.0.0.0:5") and not is_local("tcp://core.internal:5")
     check_address("tcp://0.0.0.0:5", "secret", "--engine-core-listen")
-    with pytest.raises(SystemExit, match="--engine-core-listen: tcp://0.0.0.0:5 is reachable"):
+    with pytest.raises(SystemExit, match=re.escape("--engine-core-listen: tcp://0.0.0.0:5 is reachable")):
         check_address("tcp://0.0.0.0:5", None, "--engine-core-listen")
     with pytest.raises(SystemExit, match="neither"):
         check_address("http://x:5", None, "--engine-core")
