@@ -102,6 +102,20 @@ class SchedulerServiceConfig(CoreConfig):
     steps_in_flight: int = field(default=2, metadata=flag(
         "with --async-scheduling: steps written to the executor before the oldest one's result is read (2: one "
         "running, one queued)"))
+    engine_core_listen: str | None = field(default=None, metadata=flag(
+        "engine core: tcp://HOST:PORT or ipc://PATH on which front-ends (its own api servers and any started with "
+        "`python -m scheduler_service.frontend`) connect (default: a fresh ipc:// path for its own api servers)"))
+    engine_core: str | None = field(default=None, metadata=flag(
+        "front-end (`python -m scheduler_service.frontend`): the engine core's tcp://HOST:PORT or ipc://PATH"))
+    engine_core_secret_file: str | None = field(default=None, metadata=flag(
+        "file holding the shared secret of the engine-core link (CURVE encryption and authentication); needed "
+        "for an address other hosts can reach"))
+    engine_core_timeout: float = field(default=5.0, metadata=flag(
+        "seconds of silence after which a front-end counts its engine core lost (and re-submits its requests) and "
+        "the core drops a front-end (aborting its requests); each side sends a heartbeat every quarter of it"))
+    engine_core_wait_timeout: float = field(default=60.0, metadata=flag(
+        "seconds a front-end keeps the open requests of a lost engine core waiting for it to come back before "
+        "they end with UNAVAILABLE"))
     max_stream_buffer: int = field(default=1024, metadata=flag(
         "responses one stream may have waiting for a slow client before it is aborted"))
 
@@ -147,6 +161,9 @@ def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
             parse_target(text)
         except ValueError as e:
             raise SystemExit(f"--executor: {e}") from None
+    for name in ("engine_core_timeout", "engine_core_wait_timeout"):
+        if getattr(config, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if config.executor_resolve_interval <= 0:
         raise SystemExit("--executor-resolve-interval must be > 0")
     for name in ("http_header_timeout", "http_body_timeout", "http_timeout_keep_alive", "http_max_connections"):

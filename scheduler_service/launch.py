@@ -1,5 +1,6 @@
 """python -m scheduler_service: the engine core with --api-server-count api server processes, or with
---api-server-count 0 the single-process layout (the api server's lifecycle over the in-process executor pool)."""
+--api-server-count 0 the single-process layout (the api server's lifecycle over the in-process executor pool);
+with --engine-core-listen and --api-server-count 0, the engine core alone (its front-ends run on their own)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ log = logging.getLogger("pagedserve.scheduler")
 
 
 async def main(config: SchedulerServiceConfig) -> int:
-    if config.api_server_count == 0:
+    if config.api_server_count == 0 and not config.engine_core_listen:
         await run_single_process(config)
         return 0
     return await run_engine_core(config)

@@ -54,6 +54,8 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     share_prompt_with: str | None = None  # the first sibling of an n > 1 request
     cache_salt: str | None = None  # vLLM's per-request prefix-cache salt
     tenant: str = ""  # the api server's keyed digest of the caller's API key (never the key), or ""
+    output_token_ids: list[int] = []  # a resumed request: the tokens its client has already had (#28)
+    resume: bool = False  # a continuation: it supersedes a request of the same id and tenant still in the core
 
 
 class Ended(msgspec.Struct, array_like=True, gc=False):
@@ -70,6 +72,8 @@ class ToCore(msgspec.Struct, array_like=True, gc=False):
     hello: bool = False
     overflows: int = 0  # streams this api server aborted for --max-stream-buffer since its last message
     refused: dict[str, int] = {}  # calls it refused since its last message, by gRPC status code name
+    frontend: bytes = b""  # with hello: the front-end's name; the core drops its earlier sessions' links (#28)
+    sent_at: float = 0.0  # the front-end's time.monotonic() at sending: arrival times are moved into the core's clock
 
 
 class Delta(msgspec.Struct, array_like=True, gc=False):
@@ -90,6 +94,7 @@ class Refused(msgspec.Struct, array_like=True, gc=False):
 class Status(msgspec.Struct, array_like=True, gc=False):
     ready: bool
     describe: bytes = b""
+    unknown: bool = False  # the sender said no hello on this socket (the core restarted or dropped it): say hello
 
 
 class ToFrontend(msgspec.Struct, array_like=True, gc=False):
@@ -98,16 +103,17 @@ class ToFrontend(msgspec.Struct, array_like=True, gc=False):
     status: Status | None = None
 
 
-def request_from(msg: NewRequest) -> Request:
-    return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                   output_len_hint=msg.output_len_hint, share_prompt_with=msg.share_prompt_with,
-                   cache_salt=msg.cache_salt, tenant=msg.tenant)
+def request_from(msg: NewRequest, clock_offset: float = 0.0) -> Request:
+    """clock_offset: the core's monotonic clock minus the sender's, so arrival times compare across hosts."""
+    return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time + clock_offset,
+                   output_len_hint=msg.output_len_hint, output_token_ids=list(msg.output_token_ids),
+                   share_prompt_with=msg.share_prompt_with, cache_salt=msg.cache_salt, tenant=msg.tenant)
 
 
-def new_request(request: Request, stop_strings: bool = False) -> NewRequest:
+def new_request(request: Request, stop_strings: bool = False, resume: bool = False) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
                       request.output_len_hint, stop_strings, request.share_prompt_with, request.cache_salt,
-                      request.tenant)
+                      request.tenant, list(request.output_token_ids), resume or bool(request.output_token_ids))
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:

@@ -54,6 +54,10 @@ class ApiServers:
         self._restarts: set[asyncio.Task[None]] = set()
         self._tenant_secret = os.urandom(32)  # keys the API keys' prefix-cache tenants alike in every api server
 
+    def names(self) -> set[bytes]:
+        """The engine-core link names of the api servers it runs now."""
+        return {server.identity for server in self.servers}
+
     def start(self) -> None:
         for index in range(self.config.api_server_count or 0):
             self.servers.append(self._spawn(index, 0, 0))

@@ -18,6 +18,7 @@ from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.engine.metrics import EngineMetrics, MetricsServer
 from scheduler_service.engine.pool import ExecutorPool, PoolConfig
+from scheduler_service.link_auth import check_address
 from scheduler_service.messages import clear_stale_ipc_files, ipc_address
 from scheduler_service.process import freeze_startup_objects
 
@@ -91,8 +92,17 @@ async def run_engine_core(config: SchedulerServiceConfig) -> int:
     if stale:
         log.info("removed %d stale ipc socket files of exited pagedserve processes", len(stale))
     pool = make_pool(config)
-    core = EngineCore(pool, ipc_address("core"))
-    core.bind()
+    secret = read_secret(config.engine_core_secret_file)
+    if config.engine_core_listen:
+        check_address(config.engine_core_listen, secret, "--engine-core-listen")
+    core = EngineCore(pool, config.engine_core_listen or ipc_address("core"), secret, config.engine_core_timeout)
+    try:
+        core.bind()
+    except Exception as e:
+        core.close()
+        raise SystemExit(f"--engine-core-listen {config.engine_core_listen}: {e}") from None
+    log.info("engine core (pid %d) listening for front-ends on %s%s", os.getpid(), core.address,
+             " (CURVE)" if secret else "")
     try:
         await serve_engine_core(config, pool, core)
     finally:
@@ -119,9 +129,12 @@ async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, 
                 core.counters()  # its series on the registry from the start
             metrics_server = await start_metrics(config, pool)
             freeze_startup_objects()
-            log.info("engine core ready; api servers on %s", listen)
+            log.info("engine core ready; %s", f"api servers on {listen}" if config.api_server_count
+                     else f"front-ends connect to {core.address}")
             await stop.wait()
-            log.info("SIGTERM: api servers drain for up to %.1fs", config.shutdown_timeout)
+            handed = core.hand_back(servers.names())
+            log.info("SIGTERM: handed %d requests back to front-ends of their own (they resume them on the "
+                     "restarted core); api servers drain for up to %.1fs", handed, config.shutdown_timeout)
             await servers.drain(config.shutdown_timeout + 5.0)
     finally:
         servers.kill()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -15,6 +16,7 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason
 from scheduler_service.engine.executor_loop import RequestStream
 from scheduler_service.engine.pool import ExecutorPool
+from scheduler_service.link_auth import secure_server
 from scheduler_service.messages import (
     Delta,
     NewRequest,
@@ -57,8 +59,10 @@ class FrontendLink:
     """One api server process as the core sees it: the deltas of its requests in this step, sent to it
     as one message once the step's routing is done."""
 
-    def __init__(self, identity: bytes, core: EngineCore) -> None:
+    def __init__(self, identity: bytes, core: EngineCore, name: bytes = b"") -> None:
         self.identity = identity
+        self.name = name or identity  # the front-end's name: the same across its sessions (reconnections)
+        self.last_heard = time.monotonic()
         self.sinks: dict[str, RequestSink] = {}  # its requests the core has not finished with
         self.deltas: list[Delta] = []
         self.refused: list[Refused] = []
@@ -95,28 +99,39 @@ class CoreCounters:
 
 
 class EngineCore:
-    def __init__(self, pool: ExecutorPool, address: str) -> None:
+    """timeout: seconds a front-end may stay silent (it sends a heartbeat every timeout / 4) before the core
+    drops it and aborts its requests; the core's own status goes to every front-end as often."""
+
+    def __init__(self, pool: ExecutorPool, address: str, secret: str | None = None, timeout: float = 5.0) -> None:
         self.pool = pool
         self.address = address
+        self.timeout = timeout
         self.links: dict[bytes, FrontendLink] = {}
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
             self._sock.setsockopt(opt, 0)
+        self._auth = secure_server(self._ctx, self._sock, secret)
         self._dirty: list[FrontendLink] = []
         self._counters: CoreCounters | None = None
-        self._intake: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.closing = False  # handing its front-ends back: it takes no new session
 
     def bind(self) -> None:
+        """Bind the address; a tcp:// port 0 becomes the port bound (self.address is what front-ends dial)."""
         self._sock.bind(self.address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def start(self) -> None:
-        self._intake = asyncio.create_task(self._read(), name="core-intake")
+        self._tasks = [asyncio.create_task(self._read(), name="core-intake"),
+                       asyncio.create_task(self._beat(), name="core-heartbeat")]
 
     def close(self) -> None:
         """Close the socket and remove its file (ZeroMQ leaves an ipc:// socket file behind)."""
-        if self._intake is not None:
-            self._intake.cancel()
+        for task in self._tasks:
+            task.cancel()
+        if self._auth is not None:
+            self._auth.stop()
         self._sock.close(linger=0)
         self._ctx.term()
         remove_ipc_file(self.address)
@@ -126,14 +141,42 @@ class EngineCore:
     async def _read(self) -> None:
         while True:
             key, payload = await self._sock.recv_multipart()
+            msg = to_core_decoder.decode(payload)
             link = self.links.get(key)
+            if link is None and (not msg.hello or self.closing):  # a session it never met (it restarted) or dropped
+                status = self.status()
+                status.unknown = True
+                self._sock.send_multipart([key, encoder.encode(ToFrontend(status=status))])
+                continue
             if link is None:
-                link = self.links[key] = FrontendLink(key, self)
-            self._take(link, to_core_decoder.decode(payload))
+                link = self._open(key, msg.frontend)
+            link.last_heard = time.monotonic()
+            self._take(link, msg)
+
+    def _open(self, identity: bytes, name: bytes) -> FrontendLink:
+        """A front-end's new session: its earlier sessions' requests are aborted (it re-submits them here)."""
+        for old in [link for link in self.links.values() if name and link.name == name]:
+            self.drop_link(old.identity)
+        link = self.links[identity] = FrontendLink(identity, self, name)
+        return link
+
+    async def _beat(self) -> None:
+        """Every timeout / 4: status to every front-end (its heartbeat); drop those silent past the timeout."""
+        while True:
+            await asyncio.sleep(self.timeout / 4)
+            deadline = time.monotonic() - self.timeout
+            for link in [link for link in self.links.values() if link.last_heard < deadline]:
+                aborted = self.drop_link(link.identity)
+                log.warning("front-end %s silent for %.1fs: dropped, aborted its %d requests",
+                            link.identity.decode(errors="replace"), self.timeout, aborted)
+            beat = encoder.encode(ToFrontend(status=Status(self.pool.ready.is_set())))  # no describe: small
+            for link in self.links.values():
+                self._sock.send_multipart([link.identity, beat])
 
     def _take(self, link: FrontendLink, msg: ToCore) -> None:
         if msg.hello:
             self._send(link, ToFrontend(status=self.status()))
+        offset = time.monotonic() - msg.sent_at if msg.sent_at else 0.0
         if msg.overflows:
             self.counters().overflows.inc(msg.overflows)
         if msg.refused:
@@ -142,7 +185,7 @@ class EngineCore:
             if link.release(ended.request_id):
                 self._end(ended.request_id, ended.reason)
         for new in msg.new:
-            self._add(link, new)
+            self._add(link, new, offset)
 
     def _end(self, request_id: str, reason: FinishReason) -> None:
         if reason is FinishReason.ABORTED:
@@ -150,10 +193,13 @@ class EngineCore:
         else:
             self.pool.finish(request_id, reason)
 
-    def _add(self, link: FrontendLink, new: NewRequest) -> None:
+    def _add(self, link: FrontendLink, new: NewRequest, clock_offset: float = 0.0) -> None:
+        if new.resume:
+            self._supersede(new)
         sink = RequestSink(link)
         try:
-            sink.stream = self.pool.add(request_from(new), sink, new.stop_strings)  # type: ignore[arg-type]
+            sink.stream = self.pool.add(request_from(new, clock_offset), sink,  # type: ignore[arg-type]
+                                        new.stop_strings)
         except QueueFull as e:
             self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
             return
@@ -164,6 +210,16 @@ class EngineCore:
             self._refuse(link, new.request_id, Refusal.NOT_READY, str(e))
             return
         link.sinks[new.request_id] = sink
+
+    def _supersede(self, new: NewRequest) -> None:
+        """A continuation replaces the same request of the same tenant still held for another session (a client
+        resuming on another front-end before this core noticed the first one gone)."""
+        for link in self.links.values():
+            sink = link.sinks.get(new.request_id)
+            if sink is not None and sink.stream is not None and sink.stream.request.tenant == new.tenant:
+                link.release(new.request_id)
+                self.pool.abort(new.request_id)
+                return
 
     def _refuse(self, link: FrontendLink, request_id: str, why: Refusal, message: str) -> None:
         link.refused.append(Refused(request_id, why, message))
@@ -179,6 +235,8 @@ class EngineCore:
         self._dirty.append(link)
 
     def _flush(self) -> None:
+        if self._sock.closed:
+            return
         dirty, self._dirty = self._dirty, []
         for link in dirty:
             if link.deltas or link.refused:
@@ -206,12 +264,31 @@ class EngineCore:
         self._counters = CoreCounters(self.pool.metrics.registry, self.pool.metrics.model_name)
         return self._counters
 
-    def drop_frontend(self, identity: bytes) -> int:
-        """A front-end process died: abort its requests (their clients lost the connection with it)."""
+    def drop_frontend(self, name: bytes) -> int:
+        """A front-end process died: abort its requests, in every session of it (its clients lost the
+        connection with it)."""
         self.counters().restarts.inc()
+        return sum(self.drop_link(link.identity) for link in list(self.links.values()) if link.name == name)
+
+    def hand_back(self, keep: set[bytes]) -> int:
+        """Shutting down (SIGTERM): tell every front-end session but those of `keep` (its own api servers, which
+        drain) that it does not know them any more, so each re-submits its requests to the restarted core (or
+        holds them until it is back), and free those requests here; no new session is taken. How many."""
+        self.closing = True
+        status = Status(False, unknown=True)
+        handed = 0
+        for link in [link for link in self.links.values() if link.name not in keep]:
+            self._send(link, ToFrontend(status=status))
+            handed += self.drop_link(link.identity)
+        return handed
+
+    def drop_link(self, identity: bytes) -> int:
+        """Forget one front-end session and abort its requests (freeing their blocks); how many there were."""
         link = self.links.pop(identity, None)
         if link is None:
             return 0
+        if link in self._dirty:
+            self._dirty.remove(link)
         request_ids = list(link.sinks)
         for request_id in request_ids:
             link.release(request_id)

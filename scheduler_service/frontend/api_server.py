@@ -17,10 +17,10 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2
 
-from protos.wire import server_credentials
+from protos.wire import read_secret, server_credentials
 from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.frontend.auth import load_api_keys
-from scheduler_service.frontend.core_client import CoreClient
+from scheduler_service.frontend.core_client import CoreClient, ResumeLimits
 from scheduler_service.frontend.generation import EngineHandle, ServingLimits
 from scheduler_service.frontend.grpc_server import PublicServer, serve, set_health
 from scheduler_service.process import configure_logging, freeze_startup_objects, open_file_limit, raise_open_file_limit
@@ -130,9 +130,15 @@ def run_api_server(config: SchedulerServiceConfig, index: int, identity: bytes, 
     uvloop.run(serve_engine_core(config, index, identity, core_address, listen, tenant_secret))
 
 
+def core_client(config: SchedulerServiceConfig, identity: bytes, core_address: str) -> CoreClient:
+    limits = ResumeLimits(read_secret(config.engine_core_secret_file), config.engine_core_timeout,
+                          config.engine_core_wait_timeout)
+    return CoreClient(core_address, identity, config.max_stream_buffer, limits)
+
+
 async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
                             listen: str, tenant_secret: bytes | None = None) -> None:
-    core = CoreClient(core_address, identity, config.max_stream_buffer)
+    core = core_client(config, identity, core_address)
     await core.start()
     api = await open_api_server(config, core, listen, reuse_port=True, tenant_secret=tenant_secret)
     api.public.generation.server_index = index

@@ -1,22 +1,25 @@
 """The engine core as a front-end process sees it: ExecutorLoop's add/abort/finish/describe/ready surface over
-one ZeroMQ socket, with one batched message per event-loop turn toward the core."""
+one ZeroMQ socket, with one batched message per event-loop turn toward the core. It keeps what each open request
+needs to resume it (its NewRequest and the tokens delivered), and when the core is lost (its connection drops, it
+stays silent past the timeout, or it says it does not know this session) opens a new session at the same address
+and re-submits every open request there as a continuation once the core is ready (docs/architecture.md, #28)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import zmq
-import zmq.asyncio
+from msgspec.structs import replace
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.frontend.core_session import CoreSession
 from scheduler_service.frontend.generation import RequestError
 from scheduler_service.messages import (
     Delta,
@@ -27,10 +30,8 @@ from scheduler_service.messages import (
     Status,
     ToCore,
     ToFrontend,
-    encoder,
     new_request,
     settled_by_frontend,
-    to_frontend_decoder,
 )
 
 log = logging.getLogger("pagedserve.frontend")
@@ -41,58 +42,68 @@ REFUSAL_CODES = {Refusal.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 @dataclass(slots=True)
 class RemoteStream:
-    """An api server's record of one sequence it added (what ExecutorLoop.add's RequestStream is in-process)."""
+    """An api server's record of one sequence it added (what ExecutorLoop.add's RequestStream is in-process),
+    with what re-submits it to a core: its NewRequest, the tokens delivered, and the session it was sent in."""
 
     queue: asyncio.Queue[Any]
     executor_unavailable: bool = False
     stop_strings: bool = False  # a LENGTH finish waits for finish() to settle it (ExecutorLoop.add)
+    new: NewRequest | None = None
+    delivered: list[int] = field(default_factory=list)
+    session: int = 0
+
+
+@dataclass(slots=True)
+class ResumeLimits:
+    """secret: --engine-core-secret-file's; timeout: a core silent this long is lost; wait_timeout: how long
+    open requests wait for a lost core to come back before they end with UNAVAILABLE."""
+
+    secret: str | None = None
+    timeout: float = 5.0
+    wait_timeout: float = 60.0
 
 
 class CoreClient:
-    def __init__(self, address: str, identity: bytes, max_buffered: int) -> None:
+    def __init__(self, address: str, identity: bytes, max_buffered: int, limits: ResumeLimits | None = None
+                 ) -> None:
         self.address = address
         self.metrics_model_name: str | None = None
         self.identity = identity
         self.max_buffered = max_buffered
+        self.limits = limits or ResumeLimits()
         self.describe: executor_pb2.DescribeResponse | None = None
         self.ready = asyncio.Event()
         self.streams: dict[str, RemoteStream] = {}
         self._unsettled: set[str] = set()  # LENGTH finishes the core counts once finish() settles them
         self.on_ready_change: Callable[[bool], object] | None = None
         self.num_overflowed = 0
+        self.num_resumed = 0  # requests re-submitted to a core after one was lost
+        self.lost_since: float | None = None  # when the core was lost, until a session joins one again
+        self._joined = False
         self._unreported_overflows = 0
         self._unreported_refusals: dict[str, int] = {}
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, identity)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._session = CoreSession(address, identity, self._receive, self._lost, self.limits.secret,
+                                    self.limits.timeout)
         self._new: list[NewRequest] = []
         self._ended: list[Ended] = []
         self._flush_pending = False
-        self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._sock.connect(self.address)
-        await self._sock.send(encoder.encode(ToCore(hello=True)))
-        self._reader = asyncio.create_task(self._read(), name="core-reader")
+        await self._session.start()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        self._sock.close(linger=0)
-        self._ctx.term()
+        await self._session.close()
 
     # ---- toward the core -------------------------------------------------------------------
 
     def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> RemoteStream:
         if request.request_id in self.streams:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
-        stream = self.streams[request.request_id] = RemoteStream(queue, stop_strings=stop_strings)
-        self._new.append(new_request(request, stop_strings))
+        new = new_request(request, stop_strings)
+        stream = self.streams[request.request_id] = RemoteStream(queue, stop_strings=stop_strings, new=new,
+                                                                 delivered=list(request.output_token_ids),
+                                                                 session=self._session.number)
+        self._new.append(new)
         self._schedule_flush()
         return stream
 
@@ -135,31 +146,74 @@ class CoreClient:
         msg = ToCore(self._new, self._ended, overflows=self._unreported_overflows,
                      refused=self._unreported_refusals)
         self._new, self._ended, self._unreported_overflows, self._unreported_refusals = [], [], 0, {}
-        self._sock.send(encoder.encode(msg))
+        self._session.send(msg)
+
+    # ---- losing a core and resuming on it ------------------------------------------------------
+
+    def _lost(self, reason: str) -> None:
+        """The session ended: nothing pending goes to the old core; calls wait (not ready) until a new session
+        joins a ready core, which gets every open request again."""
+        if self.lost_since is None:
+            self.lost_since = time.monotonic()
+            log.warning("engine core %s lost (%s): %d open requests wait to resume", self.address, reason,
+                        len(self.streams))
+        self._joined = False
+        self._new, self._ended = [], []
+        self._unsettled.clear()
+        self._set_ready(False)
+        if time.monotonic() - self.lost_since > self.limits.wait_timeout:
+            self._fail_open(f"engine core {self.address} lost ({reason}) and not back within "
+                            f"--engine-core-wait-timeout {self.limits.wait_timeout:g}s")
+
+    def _fail_open(self, message: str) -> None:
+        for rid, stream in list(self.streams.items()):
+            del self.streams[rid]
+            stream.queue.put_nowait(RequestError(grpc.StatusCode.UNAVAILABLE, message))
+
+    def _join(self) -> None:
+        """This session's core is ready: re-submit every open request that an earlier session sent, as a
+        continuation (its prompt, the tokens delivered, its arrival time and seed)."""
+        self._joined = True
+        number = self._session.number
+        resumed = [s for s in self.streams.values() if s.session != number]
+        for stream in resumed:
+            stream.session = number
+            if stream.new is not None:
+                self._new.append(replace(stream.new, output_token_ids=list(stream.delivered), resume=True))
+        if self.lost_since is not None:
+            log.info("engine core %s back after %.2fs: resumed %d requests", self.address,
+                     time.monotonic() - self.lost_since, len(resumed))
+        self.lost_since = None
+        self.num_resumed += len(resumed)
+        if resumed:
+            self._schedule_flush()
 
     # ---- from the core ---------------------------------------------------------------------
 
-    async def _read(self) -> None:
-        while True:
-            msg = to_frontend_decoder.decode(await self._sock.recv())
-            if msg.status is not None:
-                self._set_status(msg.status)
-            if msg.refused:
-                self._refuse(msg.refused)
-            if msg.deltas:
-                self._deliver(msg)
+    def _receive(self, msg: ToFrontend) -> None:
+        if msg.status is not None:
+            self._set_status(msg.status)
+        if msg.refused:
+            self._refuse(msg.refused)
+        if msg.deltas:
+            self._deliver(msg)
 
     def _set_status(self, status: Status) -> None:
         if status.describe:
             self.describe = executor_pb2.DescribeResponse.FromString(status.describe)
-        if status.ready == self.ready.is_set():
+        if status.ready and not self._joined:
+            self._join()
+        self._set_ready(status.ready)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready == self.ready.is_set():
             return
-        if status.ready:
+        if ready:
             self.ready.set()
         else:
             self.ready.clear()
         if self.on_ready_change is not None:
-            self.on_ready_change(status.ready)
+            self.on_ready_change(ready)
 
     def _refuse(self, refused: list[Refused]) -> None:
         for r in refused:
@@ -182,6 +236,8 @@ class CoreClient:
             elif queue.qsize() >= self.max_buffered:
                 self._overflow(d.request_id, queue)
                 continue
+            else:
+                stream.delivered += d.token_ids
             queue.put_nowait(as_delta(d))
 
     def _overflow(self, request_id: str, queue: asyncio.Queue[Any]) -> None:

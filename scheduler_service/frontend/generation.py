@@ -21,6 +21,7 @@ from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.auth import TenantScope, presented_key
+from scheduler_service.frontend.resume import ResumePoint, resume_point, resumed_requests
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
 from scheduler_service.frontend.validation import (
@@ -226,9 +227,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await self._wait_for_executor()
         self._refuse_if_shutting_down()
         try:
-            rid, prompt_ids, requests = await self._build(request, tenant)
+            rid, prompt_ids, by_index, point = await self._build(request, tenant)
         except InvalidArgument as e:
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        requests = list(by_index.values())
         queue: asyncio.Queue[RequestDelta | RequestError] = asyncio.Queue()
         streams: dict[str, StreamHandle] = {}
         stop_strings = any(request.sampling.stop)  # as StopMatcher.active
@@ -242,7 +244,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise self.refuse(code, str(e)) from None
         answered: set[str] = set()
         try:
-            async for response in self._stream(request, rid, prompt_ids, streams, queue, answered):
+            seqs = self._sequences(request, prompt_ids, by_index, point)
+            async for response in self._stream(rid, prompt_ids, streams, seqs, queue, answered):
                 yield response
         finally:
             for req in requests:
@@ -270,7 +273,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               ) from None
 
     async def _build(self, request: generation_pb2.GenerateRequest, tenant: str = ""
-                     ) -> tuple[str, list[int], list[Request]]:
+                     ) -> tuple[str, list[int], dict[int, Request], ResumePoint | None]:
+        """The call's id, prompt, requests by sequence index (those a resume point leaves to run), the point."""
         limits = self.request_limits()
         validate_prompt(request, limits)
         if request.prompt_token_ids:
@@ -279,6 +283,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_ids = await encode_off_loop(self.tokenizer(), request.prompt, self._encode_pool)
         sampling = sampling_options(request, limits, len(prompt_ids))
         n = request.sampling.n if request.sampling.HasField("n") else 1
+        point = resume_point(request, n, sampling.max_tokens, limits)
         rid = request.request_id or uuid.uuid4().hex
         hint = request.output_len_hint if request.HasField("output_len_hint") else None
         salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -290,11 +295,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
                                     share_prompt_with=requests[0].request_id if requests else None,
                                     cache_salt=salt, tenant=tenant))
-        return rid, prompt_ids, requests
+        return rid, prompt_ids, resumed_requests(requests, point), point
 
-    async def _stream(self, request: generation_pb2.GenerateRequest, rid: str, prompt_ids: list[int],
-                      streams: dict[str, StreamHandle], queue: asyncio.Queue[RequestDelta | RequestError],
-                      answered: set[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def _sequences(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int],
+                   by_index: dict[int, Request], point: ResumePoint | None) -> dict[str, SequenceOutput]:
+        """Each sequence's output state; a resumed one's replays the tokens its client has (their text went out)."""
         tok = self.tokenizer()
         p = request.sampling
         stops = list(p.stop)
@@ -302,9 +307,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         describe = self.engine.describe
         eos = frozenset(describe.eos_token_ids if describe is not None and not p.ignore_eos else ())
         stop_ids = frozenset(p.stop_token_ids)
-        seqs = {sub_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops, include), p.min_tokens, eos,
-                                       stop_ids, include)
-                for i, sub_id in enumerate(streams)}
+        seqs = {req.request_id: SequenceOutput(i, tok.stream(prompt_ids), StopMatcher(stops, include), p.min_tokens,
+                                               eos, stop_ids, include)
+                for i, req in by_index.items()}
+        for i, req in by_index.items():
+            if point is not None and point.tokens.get(i) and seqs[req.request_id].read(point.tokens[i])[1] is not None:
+                raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"resume: sequence {i} already ended at a stop string")
+        return seqs
+
+    async def _stream(self, rid: str, prompt_ids: list[int], streams: dict[str, StreamHandle],
+                      seqs: dict[str, SequenceOutput], queue: asyncio.Queue[RequestDelta | RequestError],
+                      answered: set[str]) -> AsyncIterator[generation_pb2.GenerateResponse]:
         remaining = len(seqs)
         while remaining:
             for delta in coalesce(self._checked([await queue.get(), *drain(queue)])):

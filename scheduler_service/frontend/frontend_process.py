@@ -1,0 +1,59 @@
+"""A front-end as a tier of its own: `python -m scheduler_service.frontend --engine-core ADDR --listen HOST:PORT`.
+The same api server as the engine core's children (gRPC and OpenAI HTTP over one GenerationServicer), on any
+host, connected to an engine core by address; it outlives the core (its requests resume when the core is back)
+and drains on SIGTERM. Several on one host share the public ports (SO_REUSEPORT)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import uuid
+
+import uvloop
+
+from protos.wire import read_secret
+from scheduler_service.config import SchedulerServiceConfig, parse_config
+from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
+from scheduler_service.link_auth import check_address
+from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
+
+log = logging.getLogger("pagedserve.frontend")
+
+
+def frontend_name() -> bytes:
+    """This front-end's name toward cores: unique per process, readable in their logs."""
+    return f"fe-{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode()
+
+
+async def serve_frontend(config: SchedulerServiceConfig, engine_core: str) -> None:
+    core = core_client(config, frontend_name(), engine_core)
+    await core.start()
+    api = await open_api_server(config, core, config.listen, reuse_port=True)
+    api.public.generation.refusals.listener = core.count_refusal
+    await follow_readiness(api, core)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    freeze_startup_objects()
+    log.info("front-end (pid %d) serving %s%s over engine core %s", os.getpid(), config.listen,
+             f" and HTTP {config.http_listen}" if config.http_listen else "", config.engine_core)
+    await stop.wait()
+    log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
+    await drain(config, api, core)
+    with contextlib.suppress(Exception):
+        await core.close()
+
+
+def run(argv: list[str] | None = None) -> int:
+    configure_logging()
+    config = parse_config(argv)
+    if not config.engine_core:
+        raise SystemExit("--engine-core is required: the engine core's tcp://HOST:PORT or ipc://PATH")
+    check_address(config.engine_core, read_secret(config.engine_core_secret_file), "--engine-core")
+    raise_open_file_limit()
+    uvloop.run(serve_frontend(config, config.engine_core))
+    return 0

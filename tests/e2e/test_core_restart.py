@@ -1,0 +1,64 @@
+"""Engine core restarts under streaming load, with front-ends on their own (#28): a SIGKILLed core's open requests
+resume on the restarted core as continuations, and every stream ends with the tokens of an undisturbed run."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import wait_until
+from tests.support.streams import EXECUTOR, MAX_TOKENS, check_complete, run_all, specs
+from tests.support.tiers import running_tiers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+async def test_core_restart_mid_stream_resumes_every_stream_identically(tmp_path: Path, sig: int) -> None:
+    calls = specs(24)
+    total = sum(s.n for s in calls) * MAX_TOKENS
+    secret = tmp_path / "link.secret"
+    secret.write_text("a shared secret\n")
+    link = ["--engine-core-secret-file", str(secret)]  # CURVE on the link, through the restart too
+    with running_tiers(tmp_path, EXECUTOR, core_args=link, frontend_args=["--engine-core-timeout", "3", *link]
+                       ) as tiers:
+        reference = await run_all(tiers.public, calls)
+        check_complete(reference, calls)
+        tiers.wait_idle()
+        seen = [0]
+        quarter = asyncio.Event()
+
+        def count(n: int) -> None:
+            seen[0] += n
+            if seen[0] >= total // 4:
+                quarter.set()
+
+        disturbed = asyncio.create_task(run_all(tiers.public, calls, count))
+        await asyncio.wait_for(quarter.wait(), 60)
+        tiers.kill_core(sig)
+        assert seen[0] < total // 2, "the kill came while most tokens were still to come"
+        tiers.start_core()
+        outcome = await asyncio.wait_for(disturbed, 120)
+        check_complete(outcome, calls)
+        assert outcome == reference, "every stream: the tokens of the undisturbed run, none twice, none missing"
+        tiers.wait_idle()
+        assert "resumed" in (tmp_path / "frontend-2.log").read_text()
+
+
+async def test_a_frontend_that_goes_silent_is_dropped_and_its_requests_freed(tmp_path: Path) -> None:
+    calls = specs(6)
+    with running_tiers(tmp_path, EXECUTOR, core_args=["--engine-core-timeout", "2"]) as tiers:
+        frontend = tiers.frontends[0]
+        streams = asyncio.create_task(run_all(tiers.public, calls, max_tokens=200))
+        await asyncio.to_thread(wait_until, lambda: tiers.metrics().get("vllm:num_requests_running", 0) > 0, 30.0,
+                                "requests running")
+        frontend.send_signal(signal.SIGSTOP)  # alive but silent: only the heartbeat deadline can tell
+        try:
+            await asyncio.to_thread(tiers.wait_idle, 30.0)
+            assert "silent for" in (tmp_path / "core-1.log").read_text()
+        finally:
+            frontend.send_signal(signal.SIGCONT)
+        outcome = await asyncio.wait_for(streams, 120)  # it comes back, is told it is unknown, and resumes
+        check_complete(outcome, calls, 200)
+        assert outcome == await run_all(tiers.public, calls, max_tokens=200)
