@@ -11,19 +11,9 @@ from torch import Tensor, nn
 from torch.nn.functional import rms_norm, silu
 
 from executor_service.attention import PagedAttentionFn, WriteKVFn
+from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig, RopeScaling
-from executor_service.model.packed import (
-    GEMMS,
-    Gemm,
-    Packing,
-    can_pack,
-    can_skinny,
-    choose_gemm,
-    choose_skinny_rows,
-    pack_all,
-    packing_key,
-    skinny_available,
-)
+from executor_service.model.packed import Packing, can_pack
 from executor_service.model.parallel import (
     SINGLE,
     Linear,
@@ -228,43 +218,27 @@ class LlamaForCausalLM(nn.Module):
             residual = None if residual is None else residual.index_select(0, output_rows)
         return self.model.norm.add_forward(x, residual)[0]
 
-    def pack_weights(self, requested: str = "auto", skinny_rows: int = -1,
-                     cache: MeasureCache | None = None) -> Packing:
+    def pack_weights(self, requested: str = "auto", skinny_rows: int = -1, cache: MeasureCache | None = None,
+                     measure_later: bool = False) -> Packing:
         """Pack every linear weight once for the CPU's GEMM (float32 CPU weights only; others are left as they are):
         `requested` ("mkl", "onednn"), or with "auto" the faster of the two on this model's shapes; and let batches
         of up to `skinny_rows` rows (-1: as many as beat the GEMM, measured here) take the skinny kernel. What is
         measured is kept in `cache` under a key of everything it depends on (packing_key), and taken from it on
-        the next start where that key matches."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
+        the next start where that key matches; with `measure_later` a start with nothing cached packs by a rule
+        (model/calibration.py) and leaves the measurement to calibrate_packing()."""
+        linears = self.packable_linears()
         if not linears:
             return Packing(None, 0)
-        shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
-        skinny_shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears if can_skinny(m.weight)})
-        measures = requested == "auto" or skinny_rows == -1
-        key = packing_key(shapes, skinny_shapes, len(linears), requested, skinny_rows) if measures else {}
-        stored = cache.get("packing", key) if cache is not None and measures else None
-        if stored is not None:
-            gemm: Gemm | None = stored.get("gemm")
-            if gemm not in (*GEMMS, None):
-                stored = gemm = None
-        if stored is None:
-            own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
-            gemm = choose_gemm(shapes, requested, own)
-        if gemm is None:
-            if cache is not None and measures and stored is None:
-                cache.put("packing", key, {"gemm": None, "skinny_rows": 0})
-            return Packing(None, 0, stored is not None)
-        pack_all(linears, gemm)
-        skinny = [(m, m.packed) for m in linears if m.packed is not None and can_skinny(m.weight)]
-        if stored is not None and skinny_available():
-            rows = int(stored.get("skinny_rows", 0)) if skinny_rows == -1 else skinny_rows
-        else:
-            rows = choose_skinny_rows([m.weight.detach() for m, _ in skinny], [p for _, p in skinny], skinny_rows)
-        for module, packed in skinny:
-            module.allow_skinny(packed, rows)
-        if cache is not None and measures and stored is None:
-            cache.put("packing", key, {"gemm": gemm, "skinny_rows": rows})
-        return Packing(gemm, rows, stored is not None)
+        return choose_packing(linears, requested, skinny_rows, cache, measure_later)
+
+    def calibrate_packing(self, requested: str = "auto", skinny_rows: int = -1,
+                          cache: MeasureCache | None = None) -> Packing:
+        """Measure the packing choice now, swap it in (while forward passes may run) and keep it in `cache`."""
+        linears = self.packable_linears()
+        return calibrate(linears, requested, skinny_rows, cache) if linears else Packing(None, 0)
+
+    def packable_linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""

@@ -66,6 +66,8 @@ class Packing:
     skinny_rows: int
     cached: bool = False
     """Whether the choice came from the start-up cache (not measured at this start)."""
+    provisional: bool = False
+    """Whether the choice is model/calibration.py's rule, to be measured after the start."""
 
 
 def can_pack(weight: Tensor) -> bool:

@@ -36,6 +36,8 @@ from executor_service.model import (
     load_model,
 )
 from executor_service.model.files import read_tokenizer_files
+from executor_service.model.packed import Packing
+from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
@@ -91,6 +93,8 @@ class TorchBackend:
         self.compiled = compiled
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
+        self.calibration: Future[Packing] = finished(Packing(None, 0))
+        """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
 
     @classmethod
     def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
@@ -108,12 +112,13 @@ class TorchBackend:
         with phases.phase("kernels"):  # load (a build only where none is cached: the Docker image prebuilds them)
             ops = model_ops(device, dtype)
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
+        packing = Packing(None, 0)
         if config.cpu_weight_prepack:
             with phases.phase("pack"):
-                packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config))
+                packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+                                             measure_later=parallel.world_size == 1)
             log.info("linear weights packed for %s; skinny kernel up to %d rows%s",
-                     packing.gemm or "nothing (F.linear)", packing.skinny_rows,
-                     " (as the start-up cache measured)" if packing.cached else "")
+                     packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
@@ -140,6 +145,9 @@ class TorchBackend:
         with phases.phase("warm-up"):
             backend.warm_up()
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()))
+        if packing.provisional:
+            backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
+                                                    startup_cache(config))
         return backend
 
     def warm_up(self) -> None:
@@ -232,6 +240,12 @@ def startup_cache(config: ExecutorConfig) -> MeasureCache:
 def inference_mode() -> AbstractContextManager[object]:
     """torch.inference_mode(), or nothing where it is on already."""
     return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+def packing_origin(packing: Packing) -> str:
+    if packing.cached:
+        return " (as the start-up cache measured)"
+    return " (provisional: measuring in the background after ready)" if packing.provisional else ""
 
 
 def done_future() -> Future[list[SampleOutput | None]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 from benchmarks.forward_steps import step_items
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
-from executor_service.model import packed
+from executor_service.model import calibration, packed
 from executor_service.model.loader import MappedSafetensors
 from executor_service.model.parallel import Linear
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
@@ -122,9 +123,10 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
         calls.append("gemm")
         return choose_gemm(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("executor_service.model.llama.choose_gemm", counted)
+    monkeypatch.setattr("executor_service.model.calibration.choose_gemm", counted)
     first = backend(model, tmp_path / "cache")
     path = tmp_path / "cache" / "packing.json"
+    first.calibration.result(timeout=120)  # a cold start measures after ready, in the background
     assert calls == ["gemm"] and path.is_file()
     stored = json.loads(path.read_text())["value"]
     second = backend(model, tmp_path / "cache")
@@ -139,7 +141,7 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
     entry["value"] = {"gemm": "onednn" if stored["gemm"] == "mkl" else "mkl", "skinny_rows": 64}
     entry["digest"] = fingerprint(entry["key"], entry["value"])
     path.write_text(json.dumps(entry))
-    backend(model, tmp_path / "cache")
+    backend(model, tmp_path / "cache").calibration.result(timeout=120)
     assert calls == ["gemm", "gemm"]
     rewritten = json.loads(path.read_text())
     assert rewritten["key"]["cpu"] == cpu_identity()  # the value is measured again: noise may change it
@@ -150,6 +152,7 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
 def test_logits_are_the_same_with_the_choice_from_the_cache(tmp_path: Path) -> None:
     model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
     measured = backend(model, tmp_path / "cache")
+    measured.calibration.result(timeout=120)
     cached = backend(model, tmp_path / "cache")
     for kind, n, length in (("prefill", 3, 9), ("decode", 4, 12), ("decode", 1, 5)):
         items = step_items(kind, n, length, 512, 2)
@@ -188,3 +191,31 @@ def test_the_skinny_calibration_times_the_first_weights_past_the_caches(monkeypa
     packs = [packed.PackedWeight("mkl", w) for w in weights]
     chosen, chosen_packs = packed.calibration_subset(weights, packs)
     assert len(chosen) == 3 and chosen_packs == packs[:3]
+
+
+def test_a_cold_start_packs_by_the_rule_serves_and_swaps_in_what_it_measures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
+    rule = "mkl" if calibration.rule_gemm() == "onednn" else "onednn"
+    monkeypatch.setattr("executor_service.model.calibration.rule_gemm", lambda: rule)  # so the swap is visible
+    measured_gemm = packed.choose_gemm
+    release = threading.Event()
+
+    def held(*args: object, **kwargs: object) -> packed.Gemm | None:
+        assert release.wait(timeout=120)  # the measurement waits until the provisional packing has served
+        return measured_gemm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("executor_service.model.calibration.choose_gemm", held)
+    cold = backend(model, tmp_path / "cache")
+    linear = cold.model.get_submodule("model.layers.0.mlp.gate_up_proj")
+    assert isinstance(linear, Linear) and linear.packed is not None and linear.packed.gemm == rule
+    items = step_items("decode", 4, 12, 512, 2)
+    before = cold.run_batch(cold.prepare(items))
+    assert not cold.calibration.done() and not (tmp_path / "cache" / "packing.json").exists()
+    release.set()
+    chosen = cold.calibration.result(timeout=120)
+    assert linear.packed is not None and linear.packed.gemm == chosen.gemm
+    assert json.loads((tmp_path / "cache" / "packing.json").read_text())["value"]["gemm"] == chosen.gemm
+    after = cold.run_batch(cold.prepare(items))
+    assert before is not None and after is not None
+    torch.testing.assert_close(before, after, rtol=1e-4, atol=1e-4)

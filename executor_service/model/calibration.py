@@ -1,0 +1,155 @@
+"""How a model's linears are packed (#33): the start-up cache's choice, else measured (model/packed.py's choose_gemm
+and choose_skinny_rows), either at once or, to keep the measurement off a cold start's critical path, after a
+provisional choice made by a rule from the CPU and the weights' size.
+
+The provisional rule: oneDNN where the CPU is not Intel's and has AVX-512 (MKL runs its AVX2 code there), MKL
+otherwise; the skinny kernel up to PROVISIONAL_SKINNY_ROWS rows where the weights outgrow the CPU's caches (a decode
+step then streams them from memory, where the kernel wins: 24 - 48 rows measured on the benchmark models), off where
+they stay in cache. calibrate() then measures in the background and swaps its choice in, layer by layer: a swap is
+one attribute assignment, so a forward pass running meanwhile uses the old or the new pack of each linear, and both
+compute F.linear up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from executor_service.model.packed import (
+    GEMMS,
+    Gemm,
+    Packing,
+    available,
+    calibration_bytes,
+    can_skinny,
+    choose_gemm,
+    choose_skinny_rows,
+    pack_all,
+    packing_key,
+    skinny_available,
+)
+from executor_service.model.parallel import Linear
+from executor_service.startup import MeasureCache
+
+PROVISIONAL_SKINNY_ROWS = 32
+
+
+def packing_key_of(linears: Sequence[Linear], requested: str, skinny_rows: int) -> dict[str, Any] | None:
+    """The cache key of these linears' choice; None where nothing is measured (both settings forced)."""
+    if requested != "auto" and skinny_rows != -1:
+        return None
+    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
+    skinny_shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears if can_skinny(m.weight)})
+    return packing_key(shapes, skinny_shapes, len(linears), requested, skinny_rows)
+
+
+def stored_choice(cache: MeasureCache | None, key: dict[str, Any] | None, skinny_rows: int) -> Packing | None:
+    """The cache's choice for this key, None where there is none to trust."""
+    stored = cache.get("packing", key) if cache is not None and key is not None else None
+    if stored is None or stored.get("gemm") not in (*GEMMS, None):
+        return None
+    gemm: Gemm | None = stored.get("gemm")
+    rows = int(stored.get("skinny_rows", 0)) if skinny_rows == -1 else skinny_rows
+    return Packing(gemm, rows if gemm is not None and skinny_available() else 0, cached=True)
+
+
+def provisional_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) -> Packing:
+    """The rule's choice (no timing): see the module's docstring."""
+    gemm = choose_gemm([], requested) if requested != "auto" else rule_gemm()
+    if gemm is None or not skinny_available():
+        return Packing(gemm, 0, provisional=True)
+    if skinny_rows >= 0:
+        return Packing(gemm, skinny_rows, provisional=True)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears if can_skinny(m.weight))
+    rows = PROVISIONAL_SKINNY_ROWS if weight_bytes > calibration_bytes() else 0
+    return Packing(gemm, rows, provisional=True)
+
+
+def rule_gemm() -> Gemm | None:
+    usable = [g for g in GEMMS if available(g)]
+    if len(usable) < 2:
+        return usable[0] if usable else None
+    return "onednn" if cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flag_set() else "mkl"
+
+
+def apply_choice(linears: Sequence[Linear], packing: Packing) -> None:
+    """Pack every linear for packing.gemm (where it is not packed for it already) and set its skinny rows."""
+    if packing.gemm is None:
+        for module in linears:
+            module.packed = None
+        return
+    pack_all([m for m in linears if m.packed is None or m.packed.gemm != packing.gemm], packing.gemm)
+    for module in linears:
+        if module.packed is not None and can_skinny(module.weight):
+            module.allow_skinny(module.packed, packing.skinny_rows)
+
+
+def measure_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) -> Packing:
+    """Measure the GEMM on the linears' own weights, pack them for it (apply_choice), then measure the skinny
+    kernel's rows against those packs and let the linears use it."""
+    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
+    own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
+    gemm = choose_gemm(shapes, requested, own)
+    current = next((m.packed.skinny_rows for m in linears if m.packed is not None and m.packed.gemm == gemm), 0)
+    apply_choice(linears, Packing(gemm, current))
+    if gemm is None:
+        return Packing(None, 0)
+    skinny = [m for m in linears if m.packed is not None and can_skinny(m.weight)]
+    rows = choose_skinny_rows([m.weight.detach() for m in skinny], [m.packed for m in skinny if m.packed], skinny_rows)
+    apply_choice(linears, Packing(gemm, rows))
+    return Packing(gemm, rows)
+
+
+def calibrate(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None) -> Packing:
+    """measure_choice, kept in the cache for the next start."""
+    packing = measure_choice(linears, requested, skinny_rows)
+    key = packing_key_of(linears, requested, skinny_rows)
+    if cache is not None and key is not None:
+        cache.put("packing", key, {"gemm": packing.gemm, "skinny_rows": packing.skinny_rows})
+    return packing
+
+
+def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
+                   measure_later: bool) -> Packing:
+    """Pack the linears: as the cache says, else (measure_later) by the rule, to be calibrated later, else as
+    measured now (and cached)."""
+    key = packing_key_of(linears, requested, skinny_rows)
+    choice = stored_choice(cache, key, skinny_rows)
+    if choice is None and key is None:
+        choice = Packing(choose_gemm([], requested), skinny_rows if skinny_available() else 0)
+    if choice is None and measure_later:
+        choice = provisional_choice(linears, requested, skinny_rows)
+    if choice is None:
+        return calibrate(linears, requested, skinny_rows, cache)
+    apply_choice(linears, choice)
+    return choice
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    return cpuinfo_field("vendor_id")
+
+
+@functools.cache
+def cpu_flag_set() -> frozenset[str]:
+    return frozenset(cpuinfo_field("flags").split())
+
+
+def cpuinfo_field(name: str) -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    return ""
+
+
+def lower_thread_priority() -> None:
+    """Give this thread (and the threads it starts) the lowest CPU priority, where the OS lets it (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
