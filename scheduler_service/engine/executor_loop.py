@@ -21,7 +21,6 @@ from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorL
 from scheduler_service.engine.grammar import GrammarCompiler, RequestGrammar, step_bitmasks
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
 from scheduler_service.messages import QueueFull, settled_by_frontend
-from scheduler_service.structured import InvalidConstraint
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -94,6 +93,7 @@ class ExecutorLoop:
         self.grammar_compiler = GrammarCompiler()
         self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
         self._compiling: set[asyncio.Task[None]] = set()
+        self._to_compile: list[RequestStream] = []
         self._unrouted = StepDeltas()
         self.on_ready_change: Callable[[bool], object] | None = None
         # The pool's check of a described executor: "" to accept, else why it is refused.
@@ -221,31 +221,37 @@ class ExecutorLoop:
         return self.streams.pop(request_id, None)
 
     def _compile_then_add(self, stream: RequestStream) -> None:
-        """A constrained request joins the scheduler once its grammar is compiled (off the event loop)."""
-        task = asyncio.get_running_loop().create_task(self._add_compiled(stream), name="grammar-compile")
+        """A constrained request joins the scheduler once its grammar is compiled (off the event loop). The
+        requests added in one turn of the event loop compile together and join together, so the sequences of an
+        n > 1 request arrive in the scheduler as one group, as unconstrained ones do."""
+        self._to_compile.append(stream)
+        if len(self._to_compile) == 1:
+            asyncio.get_running_loop().call_soon(self._compile_batch)
+
+    def _compile_batch(self) -> None:
+        batch, self._to_compile = self._to_compile, []
+        task = asyncio.get_running_loop().create_task(self._add_compiled(batch), name="grammar-compile")
         self._compiling.add(task)
         task.add_done_callback(self._compiling.discard)
 
-    async def _add_compiled(self, stream: RequestStream) -> None:
-        request = stream.request
-        rid, constraint = request.request_id, request.sampling.constraint
-        error = ""
+    async def _add_compiled(self, batch: list[RequestStream]) -> None:
+        results: list[RequestGrammar | str]
         if self.core_config.num_scheduler_steps > 1:
-            error = "structured outputs need --num-scheduler-steps 1 (a token mask holds for one token)"
-        elif constraint is None or self.describe is None:
-            error = "no executor described"
+            results = ["structured outputs need --num-scheduler-steps 1 (a mask holds for one token)"] * len(batch)
+        elif self.describe is None:
+            results = ["no executor described"] * len(batch)
         else:
-            try:
-                stream.grammar = await self.grammar_compiler.matcher(self.describe, constraint)
-            except InvalidConstraint as e:
-                error = f"structured_outputs: {e}"
-        if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
-            return
-        if error or stream.grammar is None:
-            self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
-            return
-        self._sched().add_request(request)
-        self._constrained[rid] = stream.grammar
+            constraints = [s.request.sampling.constraint for s in batch]
+            results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None])
+        for stream, result in zip(batch, results, strict=True):
+            rid = stream.request.request_id
+            if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
+                continue
+            if isinstance(result, str):
+                self._route([RequestDelta(rid, [], FinishReason.ERROR, result)])
+                continue
+            stream.grammar = self._constrained[rid] = result
+            self._sched().add_request(stream.request)
         self.became_idle.clear()
         self._wake.set()
 

@@ -82,10 +82,21 @@ class GrammarCompiler:
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
 
-    async def matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> RequestGrammar:
-        """A fresh matcher of the constraint; InvalidConstraint if it does not compile."""
+    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
+                       ) -> list[RequestGrammar | str]:
+        """A fresh matcher of each constraint, or why it does not compile."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._new_matcher, describe, constraint)
+        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints)
+
+    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
+                      ) -> list[RequestGrammar | str]:
+        out: list[RequestGrammar | str] = []
+        for constraint in constraints:
+            try:
+                out.append(self._new_matcher(describe, constraint))
+            except InvalidConstraint as e:
+                out.append(f"structured_outputs: {e}")
+        return out
 
     def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> RequestGrammar:
         import xgrammar
