@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from protos.contract import BlockMap, SamplingConfig
 
 __all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig",
@@ -29,7 +31,7 @@ class BatchItem:
     already in the KV cache; this pass computes positions [start, start + num_tokens),
     whose input tokens are token_ids[start:start + num_tokens]. The KV slot of position p
     is block_table[p // block_size] * block_size + p % block_size. When sample is True
-    (start + num_tokens == len(token_ids)) the backend samples the token that follows.
+    (start + num_tokens == len(token_ids)) the backend samples the token that follows, among those token_mask allows.
     """
 
     request_id: str
@@ -40,6 +42,9 @@ class BatchItem:
     block_table: list[int]
     sample: bool
     sampling: SamplingConfig
+    token_mask: np.ndarray | None = None
+    """Structured outputs: the tokens it may sample here (token_masks.py's row: bit t of the bytes, least
+    significant bit first, allows token t); None = any."""
 
 
 @dataclass(slots=True)

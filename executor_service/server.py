@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
 from executor_service.state import RequestState, RequestTable
+from executor_service.token_masks import step_masks
 from executor_service.validator import RequestRefused, StepLimits, StepRefused, StepValidator, check_span
 from protos.contract import BlockMap
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -57,7 +58,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 swap=True, copy=True, chunked_prefill=True, max_num_steps=limits.max_num_steps,
                 max_logprobs=info.max_logprobs, seeded_sampling=True,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                max_num_lookahead_slots=limits.max_num_lookahead_slots))
+                max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -108,6 +109,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for rid in step.finished_ids:
             self.table.drop(rid)
         try:
+            masks = step_masks(step, self.backend.info.vocab_size)
             plan, running = self.validator.check(step)
         except StepRefused as e:
             result.error = str(e)
@@ -122,6 +124,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             t_swap = time.perf_counter_ns()
             states = self.table.states
             items = [self.table.item(states[a.request_id], a.num_tokens) for a in plan.admitted]
+            if masks:
+                for item in items:
+                    item.token_mask = masks.get(item.request_id) if item.sample else None
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
         except BackendLost:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import zlib
 
+import numpy as np
+
 from executor_service.backend import BackendInfo, BatchItem, SampleOutput
 from executor_service.config import ExecutorConfig
 from executor_service.seeding import splitmix64
+from executor_service.token_masks import allowed_ids
 from protos.contract import BlockMap
 
 PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
@@ -70,8 +73,17 @@ class SimulatedBackend:
 
     def sample(self, item: BatchItem) -> SampleOutput:
         """The simulated model puts all probability on one token: with logprobs asked, that token has
-        logprob 0 and is the only alternative with a probability above zero."""
-        token = self.token_at(item, len(item.token_ids))
+        logprob 0 and is the only alternative with a probability above zero. Under a token mask its token is the
+        allowed one the position's hash picks (EOS only when the mask allows it)."""
+        position = len(item.token_ids)
+        token = self.token_at(item, position)
+        if item.token_mask is not None:
+            allowed = allowed_ids(item.token_mask, self.info.vocab_size)
+            masked = item.sampling.masked_ids(position - item.num_prompt_tokens, self.info.eos_token_ids)
+            kept = np.setdiff1d(allowed, masked) if masked else allowed
+            allowed = kept if len(kept) else allowed  # min_tokens gives way where the grammar allows nothing else
+            if token not in allowed:
+                token = int(allowed[splitmix64(self._key(item), position) % len(allowed)])
         if item.sampling.logprobs is None:
             return SampleOutput(token)
         return SampleOutput(token, 0.0, [(token, 0.0)] if item.sampling.logprobs > 0 else [])

@@ -53,7 +53,8 @@ def sampling_config(p: common_pb2.SamplingParams) -> SamplingConfig:
     given = {name: getattr(p, name) for name in OPTIONAL_SAMPLING_FIELDS if p.HasField(name)}
     return SamplingConfig(min_p=p.min_p, presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
-                          stop_token_ids=tuple(p.stop_token_ids), **given)
+                          stop_token_ids=tuple(p.stop_token_ids), logit_bias=tuple(sorted(p.logit_bias.items())),
+                          **given)
 
 
 class RequestTable:

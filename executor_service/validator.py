@@ -78,12 +78,13 @@ def check_sampling(p: common_pb2.SamplingParams, max_logprobs: int) -> None:
         field = by_name.get(name)
         if field is None or (field.has_presence and not p.HasField(name)):
             continue
-        value = getattr(p, name)
         param: SamplingParam[Any] = getattr(SAMPLING, name)
         high = max_logprobs if name == "logprobs" else None
-        finite = not isinstance(value, float) or math.isfinite(value)
-        if not (finite and param.allows(value) and (high is None or value <= high)):
-            raise RequestRefused(f"sampling.{name}: must be {param.describe(high)}, got {value}")
+        is_map = field.message_type is not None and field.message_type.GetOptions().map_entry
+        for value in getattr(p, name).values() if is_map else (getattr(p, name),):  # a map: each of its values
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if not (finite and param.allows(value) and (high is None or value <= high)):
+                raise RequestRefused(f"sampling.{name}: must be {param.describe(high)}, got {value}")
 
 
 def check_span(start: int, num_tokens: int, num_blocks: int, block_size: int, max_model_len: int) -> None:

@@ -65,6 +65,7 @@ class SamplingTable:
     n: SamplingParam[int] = SamplingParam(1, low=1, high=16)
     seed: SamplingParam[int | None] = SamplingParam(None)
     priority: SamplingParam[int] = SamplingParam(0)
+    logit_bias: SamplingParam[float] = SamplingParam(0.0, low=-100, high=100)  # each bias; ids < vocab_size
 
 
 SAMPLING = SamplingTable()
@@ -89,6 +90,7 @@ class SamplingConfig:
     logprobs: int | None = SAMPLING.logprobs.default
     min_tokens: int = SAMPLING.min_tokens.default
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits after the penalties
 
     def masked_ids(self, num_output: int, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The token ids a request may not sample after num_output tokens of its own: its stop tokens and the

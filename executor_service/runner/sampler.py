@@ -1,7 +1,9 @@
 """Batched sampling with vLLM's parameter semantics.
 
-Order per row: penalties (repetition over prompt + output, presence/frequency over output), the min_tokens mask
-(EOS and the request's stop_token_ids at -inf until min_tokens tokens are out, as vLLM's MinTokensLogitsProcessor),
+Order per row: penalties (repetition over prompt + output, presence/frequency over output), logit_bias, the
+structured-output token mask (forbidden tokens at -inf), the min_tokens mask (EOS and the request's stop_token_ids at
+-inf until min_tokens tokens are out, as vLLM's MinTokensLogitsProcessor; where it would leave a constrained row no
+token, the grammar wins),
 then greedy argmax when temperature < 1e-5, else temperature, top-k, top-p, min-p and an exponential-race
 draw (argmax of probs / Exp(1) noise, equivalent to sampling from probs). A seeded row's noise comes
 from a generator seeded with mix(seed, position of the sampled token), so its tokens do not depend on
@@ -14,7 +16,7 @@ temperature and filtering (vLLM's default `raw_logprobs`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ class SampleRequest:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     position: int
+    token_mask: np.ndarray | None = None  # structured outputs: executor_service/token_masks.py's row
 
 
 @dataclass(slots=True)
@@ -46,6 +49,12 @@ class RowSets:
     penalised: list[int]
     logprobs: list[int]
     masked: list[tuple[int, tuple[int, ...]]]  # (row, the ids it may not sample): below its min_tokens
+    biased: list[int] = field(default_factory=list)  # rows with a logit_bias
+    constrained: list[int] = field(default_factory=list)  # rows with a token mask
+
+    @property
+    def any(self) -> bool:
+        return bool(self.random or self.penalised or self.logprobs or self.masked or self.biased or self.constrained)
 
     @classmethod
     def of(cls, requests: Sequence[SampleRequest], eos_token_ids: Sequence[int] = ()) -> RowSets:
@@ -62,6 +71,10 @@ class RowSets:
                 ids = s.masked_ids(r.position - r.num_prompt_tokens, eos_token_ids)
                 if ids:
                     sets.masked.append((i, ids))
+            if s.logit_bias:
+                sets.biased.append(i)
+            if r.token_mask is not None:
+                sets.constrained.append(i)
         return sets
 
 
@@ -80,14 +93,18 @@ class Sampler:
         if not requests:
             return []
         rows = RowSets.of(requests, self.eos_token_ids)
-        if not (rows.random or rows.penalised or rows.logprobs or rows.masked):
+        if not rows.any:
             return [SampleOutput(token_id=t) for t in argmax_rows(logits.float()).tolist()]
         logits = logits.float()
         raw_logprobs = None
         if rows.logprobs:
             raw_logprobs = torch.log_softmax(logits.index_select(0, self.index(rows.logprobs)), dim=-1)
         logits = apply_penalties(logits, requests, rows.penalised)
-        logits = apply_min_tokens(logits, rows.masked)
+        logits = apply_logit_bias(logits, requests, rows.biased)
+        logits = apply_token_masks(logits, requests, rows.constrained)
+        unmasked, logits = logits, apply_min_tokens(logits, rows.masked)
+        if rows.constrained and rows.masked:
+            logits = keep_some_token(logits, unmasked, [row for row, _ in rows.masked])
         tokens = self.choose_tokens(logits, requests, rows.random)
         return build_outputs(tokens, raw_logprobs, requests, rows.logprobs)
 
@@ -170,6 +187,43 @@ def apply_min_tokens(logits: Tensor, masked: list[tuple[int, tuple[int, ...]]]) 
         return logits
     index = torch.tensor(pairs, dtype=torch.long, device=logits.device).t()
     return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_logit_bias(logits: Tensor, requests: Sequence[SampleRequest], rows: list[int]) -> Tensor:
+    """Each row's logit_bias added to its tokens' logits (ids outside the vocabulary ignored); logits is not
+    modified."""
+    vocab = logits.shape[1]
+    pairs = [(row, t, b) for row in rows for t, b in requests[row].sampling.logit_bias if 0 <= t < vocab]
+    if not pairs:
+        return logits
+    index = torch.tensor([(r, t) for r, t, _ in pairs], dtype=torch.long, device=logits.device).t()
+    bias = torch.tensor([b for _, _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
+
+
+def apply_token_masks(logits: Tensor, requests: Sequence[SampleRequest], rows: list[int]) -> Tensor:
+    """-inf at every token a row's token mask forbids; logits is not modified."""
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    masks = np.stack([requests[i].token_mask for i in rows])  # type: ignore[misc]
+    allowed = np.unpackbits(masks, axis=1, bitorder="little")[:, :vocab].astype(bool)
+    if allowed.shape[1] < vocab:
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    forbid = torch.from_numpy(~allowed).to(logits.device)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(forbid, float("-inf")))
+
+
+def keep_some_token(masked: Tensor, unmasked: Tensor, rows: list[int]) -> Tensor:
+    """Rows the min_tokens mask left with no finite logit take their logits from before it (a grammar that allows
+    only EOS ends the output even below min_tokens)."""
+    index = torch.tensor(rows, dtype=torch.long, device=masked.device)
+    empty = torch.isinf(masked.index_select(0, index)).all(dim=-1)
+    if not bool(empty.any()):
+        return masked
+    back = index[empty]
+    return masked.index_copy(0, back, unmasked.index_select(0, back))
 
 
 def token_stats(requests: Sequence[SampleRequest], vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -470,4 +470,4 @@ def build_mixed_batch(items: list[BatchItem], info: BackendInfo, device: torch.d
 
 
 def sample_request(item: BatchItem) -> SampleRequest:
-    return SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, len(item.token_ids))
+    return SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, len(item.token_ids), item.token_mask)

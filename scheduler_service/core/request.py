@@ -22,6 +22,26 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+class ConstraintKind(enum.IntEnum):
+    """What a structured-output constraint's spec is (common.proto's StructuredOutputs)."""
+
+    JSON_SCHEMA = 1
+    JSON_OBJECT = 2
+    REGEX = 3
+    CHOICE = 4
+    GRAMMAR = 5
+
+
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    """A request's structured-output constraint: its kind and spec (a JSON schema's text, a regex, an EBNF
+    grammar, the choices as a JSON list, "" for any JSON object). The engine keeps its grammar state; the core
+    only carries it."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingOptions(SamplingConfig):
     """A request's validated sampling parameters: the sampler's (SamplingConfig) and the scheduler's own;
@@ -30,6 +50,7 @@ class SamplingOptions(SamplingConfig):
     max_tokens: int = SAMPLING.max_tokens.default
     ignore_eos: bool = False
     priority: int = SAMPLING.priority.default
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -30,7 +30,7 @@ def sampling_proto(s: SamplingOptions) -> common_pb2.SamplingParams:
         max_tokens=s.max_tokens, min_tokens=s.min_tokens, temperature=s.temperature, top_p=s.top_p,
         top_k=s.top_k, min_p=s.min_p, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty, priority=s.priority)
+        repetition_penalty=s.repetition_penalty, priority=s.priority, logit_bias=dict(s.logit_bias))
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:
@@ -126,12 +126,16 @@ class ExecutorConnection:
         await self.send(out)
         return await self.receive(out)
 
-    async def send(self, out: SchedulerOutput) -> None:
-        """Write a step; with async scheduling the next one is written before this one's result is read."""
+    async def send(self, out: SchedulerOutput, masks: executor_pb2.TokenBitmasks | None = None) -> None:
+        """Write a step (with the token masks of its constrained requests); with async scheduling the next one is
+        written before this one's result is read."""
         try:
             if self._call is None:
                 self._call = self._stub.Execute(metadata=self._metadata)
-            await self._call.write(step_proto(out))
+            step = step_proto(out)
+            if masks is not None:
+                step.token_bitmasks.CopyFrom(masks)
+            await self._call.write(step)
         except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
             raise await self._stream_failed(e) from e
 

@@ -18,6 +18,7 @@ from scheduler_service.core.outputs import ExecutorResult, RequestDelta, Schedul
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
+from scheduler_service.engine.grammar import GrammarCompiler, RequestGrammar, step_bitmasks
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
 from scheduler_service.messages import QueueFull, settled_by_frontend
 
@@ -35,6 +36,7 @@ class RequestStream:
     # The front-end matches stop strings: a LENGTH finish may still be answered `stop` (the last allowed
     # token completed one), so it is counted when the front-end settles it with finish().
     stop_strings: bool = False
+    grammar: RequestGrammar | None = None  # structured outputs: the sequence's matcher (it moves with the stream)
 
 
 def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
@@ -88,6 +90,10 @@ class ExecutorLoop:
         self._task: asyncio.Task[None] | None = None
         self.steps_in_flight = steps_in_flight
         self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
+        self.grammar_compiler = GrammarCompiler()
+        self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
+        self._compiling: set[asyncio.Task[None]] = set()
+        self._to_compile: list[RequestStream] = []
         self._unrouted = StepDeltas()
         self.on_ready_change: Callable[[bool], object] | None = None
         # The pool's check of a described executor: "" to accept, else why it is refused.
@@ -189,9 +195,12 @@ class ExecutorLoop:
         sched = self._sched()
         if len(sched.waiting) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
-        sched.add_request(request)
         stream = RequestStream(request, queue, stop_strings=stop_strings)
         self.streams[request.request_id] = stream
+        if request.sampling.constraint is not None:
+            self._compile_then_add(stream)
+            return stream
+        sched.add_request(request)
         self.became_idle.clear()
         self._wake.set()
         return stream
@@ -200,6 +209,8 @@ class ExecutorLoop:
         """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""
         self._sched().add_request(stream.request, front)
         self.streams[stream.request.request_id] = stream
+        if stream.grammar is not None:
+            self._constrained[stream.request.request_id] = stream.grammar
         self.became_idle.clear()
         self._wake.set()
 
@@ -208,6 +219,41 @@ class ExecutorLoop:
         if self.scheduler is None or self.scheduler.release(request_id) is None:
             return None
         return self.streams.pop(request_id, None)
+
+    def _compile_then_add(self, stream: RequestStream) -> None:
+        """A constrained request joins the scheduler once its grammar is compiled (off the event loop). The
+        requests added in one turn of the event loop compile together and join together, so the sequences of an
+        n > 1 request arrive in the scheduler as one group, as unconstrained ones do."""
+        self._to_compile.append(stream)
+        if len(self._to_compile) == 1:
+            asyncio.get_running_loop().call_soon(self._compile_batch)
+
+    def _compile_batch(self) -> None:
+        batch, self._to_compile = self._to_compile, []
+        task = asyncio.get_running_loop().create_task(self._add_compiled(batch), name="grammar-compile")
+        self._compiling.add(task)
+        task.add_done_callback(self._compiling.discard)
+
+    async def _add_compiled(self, batch: list[RequestStream]) -> None:
+        results: list[RequestGrammar | str]
+        if self.core_config.num_scheduler_steps > 1:
+            results = ["structured outputs need --num-scheduler-steps 1 (a mask holds for one token)"] * len(batch)
+        elif self.describe is None:
+            results = ["no executor described"] * len(batch)
+        else:
+            constraints = [s.request.sampling.constraint for s in batch]
+            results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None])
+        for stream, result in zip(batch, results, strict=True):
+            rid = stream.request.request_id
+            if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
+                continue
+            if isinstance(result, str):
+                self._route([RequestDelta(rid, [], FinishReason.ERROR, result)])
+                continue
+            stream.grammar = self._constrained[rid] = result
+            self._sched().add_request(stream.request)
+        self.became_idle.clear()
+        self._wake.set()
 
     def release_waiting(self, limit: int | None = None, accept: Callable[[Request], bool] | None = None
                         ) -> list[RequestStream]:
@@ -290,13 +336,14 @@ class ExecutorLoop:
 
     async def _run(self) -> None:
         sched = self._sched()
-        step = self._step_async if self.core_config.async_scheduling else self._step
+        plain_step = self._step_async if self.core_config.async_scheduling else self._step
         while True:
             if not sched.has_unfinished() and not self._pending:
                 self.became_idle.set()
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue
+            step = self._step_serial if self._holds_constrained() else plain_step
             try:
                 await step(sched)
             except (asyncio.CancelledError, ExecutorLost):
@@ -347,6 +394,49 @@ class ExecutorLoop:
         else:
             await asyncio.sleep(0)
 
+    def _holds_constrained(self) -> bool:
+        """Whether a constrained request is among the scheduler's (those that ended are forgotten here)."""
+        constrained = self._constrained
+        if constrained:
+            for rid in [rid for rid in constrained if rid not in self.streams]:
+                del constrained[rid]
+        return bool(constrained)
+
+    async def _step_serial(self, sched: Scheduler) -> None:
+        """With a constrained request the steps run one at a time: its next mask needs its last token. Steps
+        still in flight from async scheduling are read first, one per call."""
+        if not self._pending:
+            await self._step(sched)
+            return
+        prev = self._pending[0]
+        try:
+            result = await self.connection.receive(prev)
+        except ExecutorLost as e:
+            await self._lose(str(e), prev)
+            return
+        self._executor_answered()
+        self._pending.popleft()
+        self._route_unrouted()
+        self._route(sched.update(prev, result))
+
+    async def _execute(self, out: SchedulerOutput) -> ExecutorResult:
+        masks = self._step_masks(out)
+        if masks is None:
+            return await self.connection.execute(out)
+        await self.connection.send(out, masks)
+        return await self.connection.receive(out)
+
+    def _step_masks(self, out: SchedulerOutput) -> executor_pb2.TokenBitmasks | None:
+        """The step's token masks (None without constrained requests); a request whose output its grammar
+        refused (an executor that ignored a mask) fails."""
+        if not self._constrained or self.describe is None:
+            return None
+        masks, refused = step_bitmasks(out, self._constrained, self.describe.vocab_size)
+        for rid, error in refused.items():
+            self._sched().finish(rid, FinishReason.ERROR, error)
+            self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
+        return masks
+
     def _route_unrouted(self) -> None:
         if self._unrouted:
             deltas, self._unrouted = self._unrouted, StepDeltas()
@@ -365,7 +455,7 @@ class ExecutorLoop:
         result = ExecutorResult()
         if out.needs_executor:
             try:
-                result = await self.connection.execute(out)
+                result = await self._execute(out)
             except ExecutorLost as e:
                 self._route(out.rejected)
                 await self._recover(str(e))

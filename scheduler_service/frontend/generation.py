@@ -21,6 +21,7 @@ from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.auth import TenantScope, presented_key
+from scheduler_service.frontend.constraints import FIELD, check_grammar, constraint_from
 from scheduler_service.frontend.resume import ResumePoint, resume_point, resumed_requests
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
@@ -282,6 +283,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             prompt_ids = await encode_off_loop(self.tokenizer(), request.prompt, self._encode_pool)
         sampling = sampling_options(request, limits, len(prompt_ids))
+        constraint = constraint_from(request.sampling)
+        if constraint is not None:
+            self._check_constrainable(request.sampling)
+            await check_grammar(constraint, self._encode_pool)
+            sampling = replace(sampling, constraint=constraint)
         n = request.sampling.n if request.sampling.HasField("n") else 1
         point = resume_point(request, n, sampling.max_tokens, limits)
         rid = request.request_id or uuid.uuid4().hex
@@ -296,6 +302,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                     share_prompt_with=requests[0].request_id if requests else None,
                                     cache_salt=salt, tenant=tenant))
         return rid, prompt_ids, resumed_requests(requests, point), point
+
+    def _check_constrainable(self, p: common_pb2.SamplingParams) -> None:
+        d = self.engine.describe
+        if d is None or not d.capabilities.token_bitmask:
+            raise InvalidArgument(FIELD, "the executor does not apply token masks (Describe.capabilities."
+                                         "token_bitmask), so this server cannot constrain outputs")
+        if p.ignore_eos:
+            raise InvalidArgument("sampling.ignore_eos", "cannot be set with structured_outputs (the grammar "
+                                                         "decides where the output ends)")
 
     def _sequences(self, request: generation_pb2.GenerateRequest, prompt_ids: list[int],
                    by_index: dict[int, Request], point: ResumePoint | None) -> dict[str, SequenceOutput]:

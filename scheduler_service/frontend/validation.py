@@ -18,6 +18,7 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 class InvalidArgument(ValueError):
@@ -118,11 +119,24 @@ def sampling_options(req: generation_pb2.GenerateRequest, limits: RequestLimits,
     for i, t in enumerate(p.stop_token_ids):
         _check(t < limits.vocab_size, f"sampling.stop_token_ids[{i}]",
                f"token id {t} outside the vocabulary [0, {limits.vocab_size})")
+    logit_bias = checked_logit_bias(p, limits)
     return SamplingOptions(
         max_tokens=max_tokens, min_tokens=p.min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=p.min_p, seed=_given(p, "seed"), stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=repetition, logprobs=logprobs, priority=p.priority)
+        repetition_penalty=repetition, logprobs=logprobs, priority=p.priority, logit_bias=logit_bias)
+
+
+def checked_logit_bias(p: common_pb2.SamplingParams, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: at most MAX_LOGIT_BIAS ids in the vocabulary, each bias finite in [-100, 100]."""
+    bias = p.logit_bias
+    _check(len(bias) <= MAX_LOGIT_BIAS, "sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} token ids")
+    for token_id, value in sorted(bias.items()):
+        field = f"sampling.logit_bias[{token_id}]"
+        _check(token_id < limits.vocab_size, field, f"token id outside the vocabulary [0, {limits.vocab_size})")
+        _check(math.isfinite(value) and SAMPLING.logit_bias.allows(value), field,
+               f"must be {SAMPLING.logit_bias.describe()}, got {value}")
+    return tuple(sorted(bias.items()))
 
 
 @dataclass(slots=True, frozen=True)

@@ -577,3 +577,94 @@ async def test_num_prompt_tokens_past_the_tokens_sent_is_refused(session: Sessio
     lying = executor_pb2.NewRequest(request_id="lying", token_ids=session.prompt(5, seed=35), num_prompt_tokens=6,
                                     num_scheduled_tokens=5, block_ids=session.take(1), sampling=SAMPLING)
     assert refused(await session.step(new_requests=[lying]), "lying")
+
+
+# ---- structured outputs: the token mask (#30) ----------------------------------------------------------------
+
+
+def bitmask(allowed: list[set[int]], vocab_size: int) -> tuple[int, bytes]:
+    """(words_per_row, bytes) of rows allowing exactly these token ids: bit t % 32 of little-endian word t // 32."""
+    words = -(-vocab_size // 32)
+    data = bytearray(4 * words * len(allowed))
+    for row, ids in enumerate(allowed):
+        for t in ids:
+            data[4 * words * row + t // 8] |= 1 << (t % 8)
+    return words, bytes(data)
+
+
+def masks(rows: dict[str, set[int]], vocab_size: int) -> executor_pb2.TokenBitmasks:
+    words, data = bitmask(list(rows.values()), vocab_size)
+    return executor_pb2.TokenBitmasks(request_ids=list(rows), words_per_row=words, bitmask=data)
+
+
+async def test_token_bitmask_restricts_each_named_request_to_its_allowed_tokens(session: Session) -> None:
+    """Describe says it applies masks; a masked request samples only a token its row allows (in prefill and decode
+    steps, greedy or random, whatever the logits prefer), an unmasked one in the same step is untouched."""
+    if not session.describe.capabilities.token_bitmask:
+        pytest.skip("executor does not advertise token_bitmask")
+    vocab = session.describe.vocab_size
+    free, ref = session.seq("free", 8, seed=40), session.seq("ref", 8, seed=41)
+    await session.generate(ref, 4)
+    hot = common_pb2.SamplingParams(temperature=1.0, seed=SEED, ignore_eos=True, max_tokens=4096)
+    greedy = session.seq("greedy", 8, seed=41)  # ref's prompt: unmasked it would sample ref's tokens
+    rand = Seq("rand", session.prompt(8, 42), 8, sampling=hot)
+    allowed = {greedy.rid: {vocab - 1, 5}, rand.rid: set(range(100, 140))}
+    finished = [session.finish(ref)]
+    await session.run([(free, 8), (greedy, 8), (rand, 8)], finished_ids=finished, token_bitmasks=masks(allowed, vocab))
+    for _ in range(4):
+        allowed[greedy.rid] = {ref.outputs[0] + 1 if ref.outputs[0] + 1 < vocab else 3}
+        await session.run([(free, 1), (greedy, 1), (rand, 1)], token_bitmasks=masks(allowed, vocab))
+    assert greedy.outputs[0] in {vocab - 1, 5} and set(greedy.outputs[1:]) <= allowed[greedy.rid]
+    assert set(rand.outputs) <= set(range(100, 140))
+    plain = session.seq("plain", 8, seed=40)
+    await session.generate(plain, 5)
+    assert plain.outputs == free.outputs, "a mask of other requests changed an unmasked one"
+
+
+@pytest.mark.parametrize("breakage", ["width", "bytes", "unknown id", "repeated id", "empty row", "multi-step"])
+async def test_malformed_token_bitmasks_refuse_the_step_whole(session: Session, breakage: str) -> None:
+    """The executor never trusts the masks: a wrong row width or byte count, an id the step does not schedule or
+    names twice, a row allowing nothing, masks with num_steps > 1: the step is refused before anything runs."""
+    if not session.describe.capabilities.token_bitmask:
+        pytest.skip("executor does not advertise token_bitmask")
+    vocab = session.describe.vocab_size
+    seq = session.seq("m", 6, seed=50)
+    good = masks({"m": {7}}, vocab)
+    bad = executor_pb2.TokenBitmasks()
+    bad.CopyFrom(good)
+    num_steps = 1
+    if breakage == "width":
+        bad.words_per_row += 1
+    elif breakage == "bytes":
+        bad.bitmask = good.bitmask[:-4]
+    elif breakage == "unknown id":
+        bad.request_ids[:] = ["other"]
+    elif breakage == "repeated id":
+        bad.request_ids[:], bad.bitmask = ["m", "m"], good.bitmask * 2
+    elif breakage == "empty row":
+        bad.bitmask = bytes(len(good.bitmask))
+    else:
+        num_steps = 2
+    work = session.work(seq, 6, num_steps - 1)
+    result = await session.step(new_requests=[work], num_steps=num_steps, token_bitmasks=bad)
+    await assert_refused_whole_and_usable(session, result, "token_bitmasks")
+
+
+async def test_logit_bias_shifts_the_greedy_choice(session: Session) -> None:
+    """logit_bias adds to a token's logit before sampling: +100 on a token makes a greedy request choose it (the
+    simulated executor has no logits and is exempt), and a bias out of [-100, 100] is refused naming the field."""
+    vocab = session.describe.vocab_size
+    biased = common_pb2.SamplingParams()
+    biased.CopyFrom(SAMPLING)
+    biased.logit_bias[vocab - 2] = -100.0
+    biased.logit_bias[vocab - 2] = 100.0
+    seq = Seq("bias", session.prompt(6, 60), 6, sampling=biased)
+    if session.describe.device != "simulated":
+        await session.generate(seq, 3)
+        assert seq.outputs == [vocab - 2] * 3
+    wrong = common_pb2.SamplingParams()
+    wrong.CopyFrom(SAMPLING)
+    wrong.logit_bias[5] = 101.0
+    bad = Seq("bad-bias", session.prompt(6, 61), 6, sampling=wrong)
+    result = await session.step(new_requests=[session.work(bad, 6)])
+    assert refused(result, "bad-bias") and any("sampling.logit_bias" in e.message for e in result.errors)

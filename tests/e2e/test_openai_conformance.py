@@ -253,7 +253,7 @@ async def test_an_empty_model_name_serves_the_default_model(client: Any) -> None
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "model_not_found", "model")
 
 
-async def test_response_format_text_is_accepted_and_the_rest_refused(client: Any) -> None:
+async def test_response_format_text_is_accepted_and_unknown_types_refused(client: Any) -> None:
     plain = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
                                                  extra_body={"min_tokens": 6})
     text = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
@@ -262,8 +262,8 @@ async def test_response_format_text_is_accepted_and_the_rest_refused(client: Any
     completion = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                                  extra_body={"response_format": {"type": "text"}})
     assert completion.choices[0].finish_reason == "length"
-    for kwargs, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                          ({"logit_bias": {"5": 10}}, "logit_bias"), ({"top_logprobs": 2}, "top_logprobs")):
+    for kwargs, param in (({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"logit_bias": {"5": 101}}, "logit_bias"), ({"top_logprobs": 2}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, **kwargs)
         assert caught.value.param == param and caught.value.body["code"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -35,7 +37,14 @@ def test_prompt_forms(prompt: object, expected: list[object]) -> None:
     ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"), ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"), ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"), ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "logit_bias": {"1": "2"}}, "logit_bias"), ({"prompt": "a", "suffix": "b"}, "suffix"),
+    ({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"prompt": "a", "structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+    ({"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
 ])
 def test_bad_bodies_name_the_parameter(body: dict[str, object], param: str) -> None:
@@ -81,13 +90,12 @@ def test_chat_template_renders_with_special_tokens_and_refuses_politely() -> Non
     ({"prompt": "a", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     ({"prompt": "a", "seed": 2**63}, "seed"),
     ({"prompt": "a", "seed": -(2**63) - 1}, "seed"),
-    ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "a", "response_format": "text"}, "response_format"),
     ({"prompt": "a", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 def test_vllm_request_rules(body: dict[str, object], param: str) -> None:
     """vLLM's (and OpenAI's) rules: stream_options only with stream true; a signed 64-bit seed; response_format
-    text only, until structured outputs."""
+    an object."""
     with pytest.raises(ApiError) as caught:
         parse_completion(body)
     assert caught.value.status == 400 and caught.value.param == param
@@ -124,8 +132,7 @@ def test_error_objects_have_openai_types_and_codes(error: ApiError, kind: str, c
 
 @pytest.mark.parametrize(("name", "value"), [
     ("skip_special_tokens", False), ("use_beam_search", True), ("continue_final_message", True), ("echo", True),
-    ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("guided_json", {}),
-    ("structured_outputs", {"regex": "a"}), ("prompt_logprobs", 0),
+    ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("prompt_logprobs", 0),
 ])
 def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_default(name: str, value: object) -> None:
     messages = [{"role": "user", "content": "hi"}]
@@ -134,6 +141,26 @@ def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_defa
     assert caught.value.param == name
     parse_chat({"messages": messages, "skip_special_tokens": True, "echo": False, "bad_words": [],
                 "truncate_prompt_tokens": None})
+
+
+def test_constraints_and_logit_bias_are_read_into_the_sampling_params() -> None:
+    """#30: response_format (json_object, json_schema), vLLM's structured_outputs and guided_*, logit_bias."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert json.loads(parse_completion({"prompt": "a", "response_format": fmt}).sampling.structured_outputs.json
+                      ) == schema
+    assert parse_completion({"prompt": "a", "response_format": {"type": "json_object"}}
+                            ).sampling.structured_outputs.json_object
+    so = parse_chat({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": ["x", "y"]}}
+                    )[0].sampling.structured_outputs
+    assert list(so.choice) == ["x", "y"]
+    assert parse_completion({"prompt": "a", "guided_regex": "[ab]+"}).sampling.structured_outputs.regex == "[ab]+"
+    assert parse_completion({"prompt": "a", "structured_outputs": {"json": schema}}
+                            ).sampling.structured_outputs.json == json.dumps(schema)
+    assert not parse_completion({"prompt": "a", "response_format": {"type": "text"}}).sampling.HasField(
+        "structured_outputs")
+    assert dict(parse_completion({"prompt": "a", "logit_bias": {"5": -3, "7": 100}}).sampling.logit_bias) == {
+        5: -3.0, 7: 100.0}
 
 
 def test_cache_salt_is_read_from_both_bodies_and_must_be_a_non_empty_string() -> None:

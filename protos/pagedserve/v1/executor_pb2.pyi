@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Capabilities(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     swap: bool
     copy: bool
     chunked_prefill: bool
@@ -31,7 +32,8 @@ class Capabilities(_message.Message):
     max_num_batched_tokens: int
     max_num_seqs: int
     max_num_lookahead_slots: int
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ...) -> None: ...
+    token_bitmask: bool
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases")
@@ -119,7 +121,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots", "token_bitmasks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class StepRequest(_message.Message):
     COPY_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningRequests
@@ -140,7 +143,18 @@ class StepRequest(_message.Message):
     copy: _containers.RepeatedCompositeFieldContainer[BlockMapping]
     num_steps: int
     num_lookahead_slots: int
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
+    token_bitmasks: TokenBitmasks
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., token_bitmasks: _Optional[_Union[TokenBitmasks, _Mapping]] = ...) -> None: ...
+
+class TokenBitmasks(_message.Message):
+    __slots__ = ("request_ids", "words_per_row", "bitmask")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORDS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    words_per_row: int
+    bitmask: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., words_per_row: _Optional[int] = ..., bitmask: _Optional[bytes] = ...) -> None: ...
 
 class SampledTokens(_message.Message):
     __slots__ = ("request_ids", "num_tokens", "token_ids")

@@ -20,7 +20,7 @@ ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable_error"}
 """OpenAI's error types: `invalid_request_error` for what the client got wrong (400, 401, 404, 415, ...),
 `server_error` for the rest, and these two where OpenAI's own names vary by cause."""
 ERROR_CODES = {429: "rate_limit_exceeded"}
-FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[\d+\])?: ")
+FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\.[a-z_]+)*(?:\[\d+\])?: ")
 PARAMS = {"prompt_token_ids": "prompt", "request_id": "user"}
 
 

@@ -13,16 +13,18 @@ Prompt = str | list[int]
 UINT32 = 2**32
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 UINT_PARAMS = ("min_tokens", "n")
-REFUSED_PARAMS = ("suffix", "logit_bias", "tools", "functions")
+REFUSED_PARAMS = ("tools", "functions")
 DEFAULT_ONLY: dict[str, Any] = {
     # vLLM's extensions this server does not implement: taken at their default (or null), refused otherwise rather
-    # than ignored, since each changes what comes back. The guided_* and structured_outputs ones wait for the
-    # structured-outputs issue, like response_format.
+    # than ignored, since each changes what comes back.
     "echo": False, "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
     "continue_final_message": False, "truncate_prompt_tokens": None, "prompt_logprobs": None,
-    "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None, "structured_outputs": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None,
 }
+# vLLM's structured_outputs keys -> StructuredOutputs fields; its older guided_* parameters say the same
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED_PARAMS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 INT64 = 2**63
 MAX_BODY_DEPTH = 64  # JSON nesting a request body may have (OpenAI's bodies need about 5)
 SCALARS = {int, float, bool, type(None)}
@@ -146,7 +148,9 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
         if body.get(name) is not None and body[name] != default:
             raise bad_param(name, f"{name} is not supported by this server"
                                   f"{'' if default is None else f' (only {json.dumps(default)})'}")
-    read_response_format(body.get("response_format"))
+    if body.get("suffix"):
+        raise bad_param("suffix", "suffix (fill-in-the-middle) is not supported: the model has no fill-in-the-middle "
+                                  "tokens")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_param("model", "must be a string")
@@ -173,6 +177,8 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     sampling.include_stop_str_in_output = read_bool(body, "include_stop_str_in_output")
     sampling.stop.extend(read_stop(body.get("stop")))
     sampling.stop_token_ids.extend(read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
+    read_constraint(body, sampling)
+    read_logit_bias(body.get("logit_bias"), sampling)
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt:
@@ -188,14 +194,89 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     return request
 
 
-def read_response_format(value: Any) -> None:
-    """{"type": "text"} is plain text, what the server writes anyway; other formats wait for structured outputs."""
+def read_constraint(body: dict[str, Any], sampling: common_pb2.SamplingParams) -> None:
+    """OpenAI's response_format (text, json_object, json_schema) or vLLM's structured_outputs (or its guided_*
+    parameters): at most one of them, into sampling.structured_outputs."""
+    fmt = read_response_format(body.get("response_format"))
+    given = {name: body[name] for name in ("structured_outputs", *GUIDED_PARAMS) if body.get(name) is not None}
+    if fmt is not None and given:
+        raise bad_param("response_format", f"give either response_format or {', '.join(given)}, not both")
+    if len(given) > 1:
+        raise bad_param(next(iter(given)), f"give one of {', '.join(given)}")
+    if fmt is not None:
+        sampling.structured_outputs.CopyFrom(fmt)
+    elif "structured_outputs" in given:
+        sampling.structured_outputs.CopyFrom(read_structured_outputs(given["structured_outputs"]))
+    elif given:
+        name, value = next(iter(given.items()))
+        sampling.structured_outputs.CopyFrom(structured_field(GUIDED_PARAMS[name], value, name))
+
+
+def read_response_format(value: Any) -> common_pb2.StructuredOutputs | None:
+    """{"type": "text"} is plain text (None); json_object and json_schema ({"json_schema": {"name": ..., "schema":
+    {...}, "strict": ...}}) constrain the output (always strictly: the output matches the schema)."""
     if value is None:
-        return
+        return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad_param("response_format", "must be an object with a string type")
-    if value["type"] != "text":
-        raise bad_param("response_format", f"type {value['type']!r} is not supported by this server; only 'text'")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise bad_param("response_format", f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+        raise bad_param("response_format", "json_schema must be an object whose schema is a JSON schema object")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_param("response_format", "json_schema.strict must be a boolean")
+    return common_pb2.StructuredOutputs(json=json.dumps(spec.get("schema", {})))
+
+
+def read_structured_outputs(value: Any) -> common_pb2.StructuredOutputs:
+    if not isinstance(value, dict):
+        raise bad_param("structured_outputs", "must be an object")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = [k for k in given if k not in STRUCTURED_KEYS]
+    if unknown:
+        raise bad_param("structured_outputs", f"unknown key {unknown[0]!r}; one of {', '.join(STRUCTURED_KEYS)}")
+    if len(given) != 1:
+        raise bad_param("structured_outputs", f"give exactly one of {', '.join(STRUCTURED_KEYS)}")
+    key, item = next(iter(given.items()))
+    return structured_field(key, item, "structured_outputs")
+
+
+def structured_field(key: str, value: Any, param: str) -> common_pb2.StructuredOutputs:
+    if key == "json":
+        if isinstance(value, dict | bool):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise bad_param(param, "json must be a JSON schema (an object, or its JSON text)")
+        return common_pb2.StructuredOutputs(json=value)
+    if key == "json_object":
+        return common_pb2.StructuredOutputs(json_object=value is True)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise bad_param(param, "choice must be a non-empty list of strings")
+        return common_pb2.StructuredOutputs(choice=value)
+    if not isinstance(value, str) or not value:
+        raise bad_param(param, f"{key} must be a non-empty string")
+    return common_pb2.StructuredOutputs(regex=value) if key == "regex" else common_pb2.StructuredOutputs(grammar=value)
+
+
+def read_logit_bias(value: Any, sampling: common_pb2.SamplingParams) -> None:
+    """OpenAI's logit_bias: {"token id": bias}; ids and ranges are checked by validation (naming the id)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_param("logit_bias", "must be an object mapping token ids to biases")
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < UINT32):
+            raise bad_param("logit_bias", f"key {key!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_param("logit_bias", f"the bias of token {key} must be a number, got {bias!r}")
+        sampling.logit_bias[int(key)] = float(bias)
 
 
 def read_bool(body: dict[str, Any], name: str) -> bool:

@@ -1,0 +1,58 @@
+"""StepRequest.token_bitmasks, checked and cut into rows: which tokens each constrained request may sample this step.
+
+The executor never trusts them: a malformed set (wrong row width or byte count, a repeated or unknown request id, a
+row that allows no token, masks with num_steps > 1, where they would hold for the first pass only) refuses the whole
+step before anything changes. A row is the request's bitmask as bytes, bit j of byte k (least significant first)
+standing for token 8 * k + j: the little-endian uint32 words of the contract read byte by byte.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from executor_service.validator import StepRefused
+from protos.pagedserve.v1 import executor_pb2
+
+TokenMasks = dict[str, np.ndarray]
+"""request id -> its row: uint8, 4 * words_per_row bytes."""
+
+
+def words_per_row(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
+    """The step's rows by request id ({} without masks); StepRefused if they break the contract."""
+    m = step.token_bitmasks
+    ids = list(m.request_ids)
+    if not ids:
+        return {}
+    words = words_per_row(vocab_size)
+    if m.words_per_row != words:
+        raise StepRefused(f"token_bitmasks.words_per_row is {m.words_per_row}; vocab_size {vocab_size} needs {words}")
+    if len(m.bitmask) != 4 * words * len(ids):
+        raise StepRefused(f"token_bitmasks.bitmask has {len(m.bitmask)} bytes; {len(ids)} rows of {words} words "
+                          f"need {4 * words * len(ids)}")
+    if len(set(ids)) != len(ids):
+        raise StepRefused("token_bitmasks.request_ids names a request more than once")
+    if max(1, step.num_steps) > 1:
+        raise StepRefused("token_bitmasks with num_steps > 1: a mask holds for one sampled token")
+    scheduled = {n.request_id for n in step.new_requests} | set(step.running.request_ids)
+    unknown = next((rid for rid in ids if rid not in scheduled), None)
+    if unknown is not None:
+        raise StepRefused(f"token_bitmasks names {unknown!r}, which this step does not schedule")
+    rows = np.frombuffer(m.bitmask, dtype=np.uint8).reshape(len(ids), 4 * words)
+    empty = np.flatnonzero(~unpack_rows(rows, vocab_size).any(axis=1))
+    if len(empty):
+        raise StepRefused(f"token_bitmasks: the row of {ids[int(empty[0])]!r} allows no token of the vocabulary")
+    return dict(zip(ids, rows, strict=True))
+
+
+def unpack_rows(rows: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[n, vocab_size] booleans: True where the token may be sampled."""
+    return np.unpackbits(rows, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+
+
+def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids one row allows, ascending."""
+    return np.flatnonzero(unpack_rows(row[None, :], vocab_size)[0])

@@ -1,0 +1,173 @@
+"""The engine core's side of structured outputs: constraints compiled for the executor's tokenizer (on a worker
+thread, cached by spec), one matcher per constrained sequence, and each step's allowed-token bitmasks.
+
+A matcher follows its request's output tokens (sync() feeds it the tokens it has not seen), so preemption, swap and
+an executor's loss need nothing: the output is kept, and so is the state. A step's mask is filled after schedule()
+from the state after every token so far, which is why an ExecutorLoop holding constrained requests runs its steps
+one at a time (the next mask needs the last token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.request import Constraint
+from scheduler_service.structured import InvalidConstraint, to_grammar
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from scheduler_service.core.outputs import SchedulerOutput
+
+COMPILED_CACHE_SIZE = 256
+
+
+class RequestGrammar:
+    """One sequence's matcher and how many of its output tokens it has consumed."""
+
+    __slots__ = ("consumed", "matcher")
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+
+    def sync(self, output: list[int]) -> str:
+        """Feed the output tokens the matcher has not seen; "" or why one was refused."""
+        while self.consumed < len(output):
+            token = output[self.consumed]
+            if not self.matcher.accept_token(token):
+                return f"the executor sampled token {token}, which the output's grammar forbids"
+            self.consumed += 1
+        return ""
+
+
+def tokenizer_vocab(describe: executor_pb2.DescribeResponse) -> tuple[list[str] | list[bytes], str]:
+    """Every token id's text as xgrammar reads it, and the vocabulary kind: byte-level BPE strings, SentencePiece
+    byte fallback, or raw bytes (no tokenizer: ids 0-255 are bytes). Special tokens are empty (never allowed)."""
+    size = describe.vocab_size
+    eos = set(describe.eos_token_ids)
+    if not describe.tokenizer_json:
+        return [b"" if i in eos or i >= 256 else bytes([i]) for i in range(size)], "RAW"
+    spec = json.loads(describe.tokenizer_json)
+    by_id = {i: t for t, i in spec["model"].get("vocab", {}).items()} if isinstance(
+        spec["model"].get("vocab"), dict) else {}
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    for t in spec.get("added_tokens", []):
+        by_id.setdefault(t["id"], t["content"])
+    vocab = ["" if i in special or i in eos else by_id.get(i, "") for i in range(size)]
+    return vocab, vocab_kind(spec)
+
+
+def vocab_kind(spec: dict[str, object]) -> str:
+    text = json.dumps(spec.get("decoder"))
+    if '"ByteLevel"' in text:
+        return "BYTE_LEVEL"
+    return "BYTE_FALLBACK" if '"ByteFallback"' in text else "RAW"
+
+
+class GrammarCompiler:
+    """Compiles constraints for one executor's tokenizer on its own thread; the compiled grammars are kept by
+    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
+        self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
+
+    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
+                       ) -> list[RequestGrammar | str]:
+        """A fresh matcher of each constraint, or why it does not compile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints)
+
+    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
+                      ) -> list[RequestGrammar | str]:
+        out: list[RequestGrammar | str] = []
+        for constraint in constraints:
+            try:
+                out.append(self._new_matcher(describe, constraint))
+            except InvalidConstraint as e:
+                out.append(f"structured_outputs: {e}")
+        return out
+
+    def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> RequestGrammar:
+        import xgrammar
+
+        compiled = self._compile(describe, constraint)
+        return RequestGrammar(xgrammar.GrammarMatcher(compiled))
+
+    def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler_for(describe)
+        found = self._compiled.get(constraint)
+        if found is not None:
+            self._compiled.move_to_end(constraint)
+            return found
+        try:
+            compiled = compiler.compile_grammar(to_grammar(constraint))
+        except RuntimeError as e:
+            raise InvalidConstraint(str(e)) from None
+        self._compiled[constraint] = compiled
+        if len(self._compiled) > COMPILED_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compiler_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
+        import xgrammar
+
+        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
+        if self._compiler is None or key != self._tokenizer_key:
+            vocab, kind = tokenizer_vocab(describe)
+            info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
+                                          stop_token_ids=list(describe.eos_token_ids))
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            self._tokenizer_key = key
+            self._compiled.clear()
+        return self._compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int
+                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str]]:
+    """The masks of the step's constrained requests that sample in it (their matchers synced to their output
+    first), and the requests whose output the grammar refused (id -> why): they get no mask and must be failed."""
+    import xgrammar
+
+    rows = []
+    for work in out.scheduled:
+        request = work.request
+        grammar = grammars.get(request.request_id)
+        if grammar is not None and request.num_computed_tokens + work.num_tokens >= request.num_tokens:
+            rows.append((request, grammar))
+    if not rows:
+        return None, {}
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
+    refused: dict[str, str] = {}
+    ids: list[str] = []
+    for request, grammar in rows:
+        error = grammar.sync(request.output_token_ids)
+        if error:
+            refused[request.request_id] = error
+            continue
+        grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
+        ids.append(request.request_id)
+    words = bitmask.shape[1]
+    data = bitmask[:len(ids)].contiguous().numpy().astype("<i4", copy=False).tobytes() if ids else b""
+    masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
+    return (masks if ids else None), refused
+
+
+def allowed_tokens(masks: executor_pb2.TokenBitmasks, row: int, vocab_size: int) -> np.ndarray:
+    """The token ids row `row` of masks allows (for tests and the simulated view)."""
+    start = 4 * masks.words_per_row * row
+    data = np.frombuffer(masks.bitmask[start:start + 4 * masks.words_per_row], dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(data, bitorder="little")[:vocab_size])

@@ -1,0 +1,205 @@
+"""Structured outputs (#30) through real processes: a torch executor on the default model with a small KV cache (so
+that a batch of constrained requests preempts by recompute) and a scheduler serving gRPC and HTTP, driven by the
+official `openai` client.
+
+Every output that finishes `stop` under a strict json_schema parses and validates against its schema with the
+`jsonschema` package (formats: ipv4 and uuid checked, date as an annotation, jsonschema's default), for 50 distinct
+schemas, with n = 1 and n = 2 and under preemption; regex and choice outputs match; a constraint that allows every
+text leaves greedy output unchanged; bad constraints and logit_bias values are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from client.lib import PagedServeClient
+from protos.pagedserve.v1 import common_pb2, generation_pb2
+from scheduler_service.structured import MAX_CONSTRAINT_BYTES
+from tests.support.procs import Stack, free_port, run, running_stack
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+MODEL = "default-model-v2"
+# 40 blocks of 16 tokens for up to 100 sequences of ~20 prompt + ~40 output tokens: recompute preemption
+EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "40", "--num-cpu-blocks", "0"]
+MAX_TOKENS = 160
+FORMATS = jsonschema.FormatChecker(formats=["ipv4", "uuid"])
+LEAVES: list[dict[str, Any]] = [
+    {"type": "integer", "minimum": 0, "maximum": 999},
+    {"type": "boolean"},
+    {"type": "string", "maxLength": 6},
+    {"type": "string", "enum": ["red", "green", "blue"]},
+    {"type": "string", "format": "ipv4"},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 3}]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3},
+    {"type": "string", "format": "uuid"},
+    {"type": "null"},
+    {"type": "string", "format": "date"},
+]
+
+
+def leaf(k: int) -> dict[str, Any]:
+    return json.loads(json.dumps(LEAVES[k % len(LEAVES)]))
+
+
+def obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def schema(i: int) -> dict[str, Any]:
+    """The i-th schema: 1-3 leaf properties, and by i a nested object, an array of objects, an anyOf of objects,
+    some properties optional."""
+    props = {f"p{i}_{j}": leaf(i + 3 * j) for j in range(1 + i % 3)}
+    if i % 3 == 0:
+        props["child"] = obj({"c": leaf(i + 1), "d": leaf(i + 2)}, ["c", "d"])
+    if i % 5 == 1:
+        props["rows"] = {"type": "array", "items": obj({"x": leaf(i)}, ["x"]), "minItems": 1, "maxItems": 2}
+    if i % 7 == 2:
+        props["either"] = {"anyOf": [obj({"a": leaf(i)}, ["a"]), obj({"b": leaf(i + 4)}, ["b"])]}
+    names = list(props)
+    return obj(props, names if i % 2 == 0 else names[:1])
+
+
+SCHEMAS = [schema(i) for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+    port = free_port()
+    with running_stack(tmp_path_factory.mktemp("structured"), EXECUTOR, ["--http-listen", f"127.0.0.1:{port}"]) as s:
+        yield s, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture
+async def client(stack: tuple[Stack, str]) -> AsyncIterator[Any]:
+    async with openai.AsyncOpenAI(base_url=stack[1], api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def response_format(s: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": s, "strict": True}}
+
+
+def check_json(text: str, s: dict[str, Any]) -> None:
+    jsonschema.validate(json.loads(text), s, format_checker=FORMATS)
+
+
+def test_the_schemas_are_distinct_and_cover_the_kinds() -> None:
+    texts = {json.dumps(s, sort_keys=True) for s in SCHEMAS}
+    assert len(texts) == 50
+    joined = "".join(texts)
+    for word in ('"anyOf"', '"enum"', '"format"', '"items"', '"required"', '"child"'):
+        assert word in joined
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_fifty_json_schemas_validate_also_with_n2_and_under_preemption(client: Any, stack: tuple[Stack, str],
+                                                                             n: int) -> None:
+    async def one(i: int, s: dict[str, Any]) -> list[Any]:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe item {i} as JSON."}], n=n, seed=i,
+            temperature=0.7 if n > 1 else 0, max_tokens=MAX_TOKENS, response_format=response_format(s))
+        return list(r.choices)
+
+    results = await asyncio.gather(*(one(i, s) for i, s in enumerate(SCHEMAS)))
+    for s, choices in zip(SCHEMAS, results, strict=True):
+        assert len(choices) == n
+        for choice in choices:
+            assert choice.finish_reason == "stop", (s, choice.message.content)
+            check_json(choice.message.content, s)
+    assert stack[0].metrics().get("vllm:num_preemptions_total", 0) > 0, "the small KV cache should have preempted"
+
+
+async def test_streamed_json_schema_chunks_join_into_a_valid_document(client: Any) -> None:
+    s = SCHEMAS[3]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please."}], max_tokens=MAX_TOKENS, temperature=0,
+        response_format=response_format(s), stream=True)
+    parts, reasons = [], []
+    async for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop"
+    check_json("".join(parts), s)
+
+
+async def test_json_object_regex_and_choice_outputs_match(client: Any) -> None:
+    obj_out = await client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=MAX_TOKENS,
+                                              temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    if obj_out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj_out.choices[0].text), dict)
+    pattern = r"[0-9]{3}-[0-9]{4}( ext [0-9]{1,3})?"
+    phones = await client.completions.create(model=MODEL, prompt="Phone:", max_tokens=30, temperature=1.0, n=4,
+                                             seed=5, extra_body={"structured_outputs": {"regex": pattern}})
+    for c in phones.choices:
+        assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c.text
+    choices = ["yes", "no", "maybe so"]
+    picked = await client.completions.create(model=MODEL, prompt="Well?", max_tokens=10, temperature=1.0, n=4, seed=6,
+                                             extra_body={"guided_choice": choices})
+    assert {c.text for c in picked.choices} <= set(choices)
+    grammar = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+    expr = await client.completions.create(model=MODEL, prompt="Sum:", max_tokens=40, temperature=0.8, seed=7,
+                                           extra_body={"structured_outputs": {"grammar": grammar}})
+    if expr.choices[0].finish_reason == "stop":
+        assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)", expr.choices[0].text)
+
+
+async def test_a_constraint_allowing_every_text_leaves_greedy_output_unchanged(client: Any) -> None:
+    prompts = ["Once upon a time", "The little dog", "User: What is the capital of France?\nAssistant:"]
+    for prompt in prompts:
+        free = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        held = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                               extra_body={"structured_outputs": {"regex": r"[\s\S]*"}})
+        assert held.choices[0].text == free.choices[0].text
+        assert held.choices[0].finish_reason == free.choices[0].finish_reason
+
+
+async def test_logit_bias_steers_greedy_output(client: Any, stack: tuple[Stack, str]) -> None:
+    async with PagedServeClient(stack[0].address) as c:
+        ids, _, _, _ = await run(c, prompt="Once upon a time", max_tokens=4, temperature=0.0)
+    banned = {str(ids[0]): -100}
+    first = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                            logit_bias=banned, logprobs=1)
+    assert first.choices[0].logprobs.tokens[0] != (await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0, logprobs=1)).choices[0].logprobs.tokens[0]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"response_format": response_format({"type": "strin"})}, "structured_outputs.json"),
+    ({"response_format": response_format({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})},
+     "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
+    ({"structured_outputs": {"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}}, f"at most {MAX_CONSTRAINT_BYTES} bytes"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias[5]"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),
+])
+async def test_bad_constraints_and_biases_are_refused_naming_the_field(client: Any, extra: dict[str, Any],
+                                                                       says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+    assert says in caught.value.body["message"] and caught.value.body["param"]
+
+
+async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(stack: tuple[Stack, str]) -> None:
+    async with PagedServeClient(stack[0].address) as c:
+        for so, says in ((common_pb2.StructuredOutputs(regex="a", grammar='root ::= "a"'), "exactly one"),
+                         (common_pb2.StructuredOutputs(json="{not json"), "not valid JSON"),
+                         (common_pb2.StructuredOutputs(grammar="root ::= ("), "structured_outputs.grammar")):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await run(c, prompt="x", max_tokens=4, structured_outputs=so)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in (caught.value.details() or "")
+        _, text, reason, _ = await run(c, prompt="x", max_tokens=8, temperature=0.0,
+                                       structured_outputs=common_pb2.StructuredOutputs(choice=["alpha", "beta"]))
+        assert text in ("alpha", "beta") and reason == generation_pb2.FINISH_REASON_STOP
