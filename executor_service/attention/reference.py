@@ -42,6 +42,15 @@ class Group:
     out_rows: Tensor | None  # the packed rows they go to
 
 
+@dataclass(slots=True, frozen=True)
+class Extras:
+    """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included)
+    and soft-capping of the scores (Gemma 2)."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+
 @dataclass(slots=True)
 class Plan:
     groups: list[Group]
@@ -101,31 +110,35 @@ def paged_attention(
     query_start_loc: Tensor,
     scale: float,
     scratch: Scratch | None = None,
+    extras: Extras | None = None,
 ) -> Tensor:
     """Causal attention of packed query tokens against each sequence's paged KV context.
 
     query [num_tokens, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim];
     block_tables [num_seqs, max_blocks]; seq_lens [num_seqs] (context including this step's tokens);
     query_start_loc [num_seqs + 1]. The q query tokens of a sequence occupy its last q positions.
-    With a scratch, the metadata tensors must not change in place between the calls of one step."""
+    With a scratch, the metadata tensors must not change in place between the calls of one step (and every call
+    with that scratch has the same window). `extras`: a sliding window, soft-capping of the scores."""
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return torch.empty_like(query)
-    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc)
+    window = None if extras is None else extras.window
+    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc, None, window)
     plan = build() if scratch is None else scratch.plan((block_tables, seq_lens, query_start_loc), build)
     if len(plan.groups) == 1 and plan.groups[0].query_rows is None:
-        return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch).to(query.dtype)
-    return run_plan(plan, query, k_cache, v_cache, scale, scratch, torch.empty_like(query))
+        return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch, extras).to(query.dtype)
+    return run_plan(plan, query, k_cache, v_cache, scale, scratch, torch.empty_like(query), extras)
 
 
 def run_plan(plan: Plan, query: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, scratch: Scratch | None,
-             out: Tensor) -> Tensor:
+             out: Tensor, extras: Extras | None = None) -> Tensor:
     """Attend every group of the plan into its rows of out (other rows untouched)."""
     for group in plan.groups:
         if group.query_rows is None:
-            out.copy_(_attend(query, k_cache, v_cache, group, scale, scratch))
+            out.copy_(_attend(query, k_cache, v_cache, group, scale, scratch, extras))
             continue
-        attended = _attend(query.index_select(0, group.query_rows), k_cache, v_cache, group, scale, scratch)
+        attended = _attend(query.index_select(0, group.query_rows), k_cache, v_cache, group, scale, scratch,
+                           extras)
         if group.real is not None:
             attended = attended.index_select(0, group.real)
         out.index_copy_(0, group.out_rows, attended.to(out.dtype))  # type: ignore[arg-type]  # set with query_rows
@@ -133,8 +146,9 @@ def run_plan(plan: Plan, query: Tensor, k_cache: Tensor, v_cache: Tensor, scale:
 
 
 def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-               query_start_loc: Tensor, seqs: list[int] | None = None) -> Plan:
-    """The groups of the named sequences (None: every sequence with query tokens)."""
+               query_start_loc: Tensor, seqs: list[int] | None = None, window: int | None = None) -> Plan:
+    """The groups of the named sequences (None: every sequence with query tokens); a query at position p sees
+    keys [p - window + 1, p] where `window` is set."""
     starts, lens = _host_metadata(query_start_loc, seq_lens)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
     order = sorted((s for s in (range(len(lens)) if seqs is None else seqs) if q_lens[s] > 0),
@@ -145,7 +159,7 @@ def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: T
     whole = len(chunks) == 1 and len(order) == len(lens) == query.shape[0]  # one decode group: keep packed order
     if whole:
         chunks = [list(range(len(lens)))]
-    groups = [_group(chunk, starts, q_lens, lens, block_tables, k_cache.shape[1], group_size, whole)
+    groups = [_group(chunk, starts, q_lens, lens, block_tables, k_cache.shape[1], group_size, whole, window)
               for chunk in chunks]
     return Plan(groups, query.shape[0])
 
@@ -180,7 +194,7 @@ def _cut(order: list[int], q_lens: list[int], lens: list[int], max_tokens: int) 
 
 
 def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[int], block_tables: Tensor,
-           block_size: int, group_size: int, whole: bool) -> Group:
+           block_size: int, group_size: int, whole: bool, window: int | None = None) -> Group:
     """Index tensors and mask of one group (built once per step on the host, then moved to the device)."""
     device = block_tables.device
     n, q_len, kv_len = len(chunk), max(q_lens[s] for s in chunk), max(lens[s] for s in chunk)
@@ -194,6 +208,8 @@ def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[in
     query_pos = seq_kv[:, None] - seq_q[:, None] + q_idx[None, :]  # [n, q_len]; padding rows past the end
     is_real = q_idx[None, :] < seq_q[:, None]
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_kv[:, None, None])
+    if window is not None:
+        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
     allowed[:, :, 0] |= ~is_real  # padding query rows see key 0 only, so they stay finite
     bias = None
     if not bool(allowed.all()):
@@ -217,7 +233,7 @@ def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale: float,
-            scratch: Scratch | None) -> Tensor:
+            scratch: Scratch | None, extras: Extras | None = None) -> Tensor:
     """query [n * q_len, heads, d] in padded order -> attended [n * q_len, heads, d] (float32)."""
     n, q_len, kv_len = group.num_seqs, group.q_len, group.kv_len
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -230,11 +246,23 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
         grouped = grouped.view(n, num_kv_heads, size, head_dim)
     else:
         grouped = grouped.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, size * q_len, head_dim)
-    attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.bias, scale=scale)
+    if extras is not None and extras.softcap is not None:
+        attended = _capped_attention(grouped, key, value, group.bias, scale, extras.softcap)
+    else:
+        attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.bias, scale=scale)
     if q_len == 1:
         return attended.reshape(n, num_heads, head_dim)
     attended = attended.view(n, num_kv_heads, size, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(n * q_len, num_heads, head_dim)
+
+
+def _capped_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float,
+                      softcap: float) -> Tensor:
+    """Attention whose scores are soft-capped before the mask (Gemma 2): cap * tanh(q.k * scale / cap)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if bias is not None:
+        scores = scores + bias
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
 def _gather(cache: Tensor, slots: Tensor, name: str, scratch: Scratch | None) -> Tensor:

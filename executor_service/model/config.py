@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from executor_service.model.families import FAMILIES, SILU_ONLY, Features
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -23,6 +26,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length, and beyond
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +53,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None
+    features: Features = field(default_factory=Features)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return self.features.layer_windows or (None,) * self.num_layers
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> ModelConfig:
@@ -65,17 +76,17 @@ class ModelConfig:
         hidden_size = require_int(raw, "hidden_size", source)
         num_heads = require_int(raw, "num_attention_heads", source)
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        check_activation(raw, source)
+        check_activation(raw, architecture, source)
         check_heads(num_heads, num_kv_heads, source)
         rope_theta, rope_scaling = read_rope(raw, source)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        llama_bias = architecture == "LlamaForCausalLM" and bool(raw.get("attention_bias", False))
+        num_layers = require_int(raw, "num_hidden_layers", source)
+        features = read_features(raw, architecture, num_layers, source)
         return cls(
             architecture=architecture,
             vocab_size=require_int(raw, "vocab_size", source),
             hidden_size=hidden_size,
             intermediate_size=require_int(raw, "intermediate_size", source),
-            num_layers=require_int(raw, "num_hidden_layers", source),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
@@ -84,13 +95,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or llama_bias,
-            o_proj_bias=llama_bias,
-            mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+            attention_bias=features.attention_bias,
+            o_proj_bias=features.o_proj_bias,
+            mlp_bias=features.mlp_bias,
             dtype=read_dtype(raw),
             eos_token_ids=read_token_ids(raw.get("eos_token_id")),
             bos_token_id=read_optional_int(raw.get("bos_token_id")),
-            sliding_window=read_sliding_window(raw, is_qwen2),
+            sliding_window=max((w for w in features.layer_windows if w is not None), default=None),
+            features=features,
         )
 
 
@@ -111,10 +123,17 @@ def require_int(raw: dict[str, Any], key: str, source: str) -> int:
     return value
 
 
-def check_activation(raw: dict[str, Any], source: str) -> None:
+def check_activation(raw: dict[str, Any], architecture: str, source: str) -> None:
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if architecture in SILU_ONLY and act != "silu":
         raise ModelLoadError(f"{source}: unsupported hidden_act {act!r}; only 'silu' is supported")
+
+
+def read_features(raw: dict[str, Any], architecture: str, num_layers: int, source: str) -> Features:
+    try:
+        return FAMILIES[architecture](raw, num_layers)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: cannot read the {architecture} settings: {exc!r}") from exc
 
 
 def check_heads(num_heads: int, num_kv_heads: int, source: str) -> None:
@@ -129,10 +148,13 @@ def read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | No
     params = raw.get("rope_parameters") or {}
     if params and not isinstance(params, dict):
         raise ModelLoadError(f"{source}: rope_parameters must be an object")
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' here
+        params = params["full_attention"]
     legacy = raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
     scaling = {**legacy, **params}
     rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+    rope_type = "longrope" if rope_type == "su" else rope_type
     if float(scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -141,9 +163,12 @@ def read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | No
         )
     if rope_type == "default":
         return theta, None
+    original = scaling.get("original_max_position_embeddings",
+                           raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192)))
+    if rope_type == "longrope":
+        return theta, read_longrope(raw, scaling, int(original), source)
     if "factor" not in scaling:
         raise ModelLoadError(f"{source}: rope_type {rope_type!r} needs a 'factor'")
-    original = scaling.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(scaling["factor"]),
@@ -151,6 +176,21 @@ def read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | No
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),
     )
+
+
+def read_longrope(raw: dict[str, Any], scaling: dict[str, Any], original: int, source: str) -> RopeScaling:
+    """Phi-3's LongRoPE (also spelled "su"): short factors up to the original length, long ones beyond; cos and sin
+    scaled by sqrt(1 + ln(factor) / ln(original)) unless the config names the attention factor."""
+    try:
+        short, long = tuple(map(float, scaling["short_factor"])), tuple(map(float, scaling["long_factor"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: longrope needs short_factor and long_factor lists: {exc!r}") from exc
+    factor = float(scaling.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original, short_factor=short,
+                       long_factor=long, attention_factor=float(attention))
 
 
 def read_dtype(raw: dict[str, Any]) -> str:
@@ -169,9 +209,3 @@ def read_token_ids(value: Any) -> tuple[int, ...]:
 def read_optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
-
-def read_sliding_window(raw: dict[str, Any], is_qwen2: bool) -> int | None:
-    if is_qwen2 and not raw.get("use_sliding_window", False):
-        return None
-    window = raw.get("sliding_window")
-    return int(window) if window else None

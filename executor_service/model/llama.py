@@ -1,18 +1,24 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat packed batch and a paged KV cache."""
+"""The decoder shared by every supported family (model/families.py: Llama, Mistral, Qwen2/3, OLMo 2, Phi-3, Gemma 2/3,
+Mixtral, Qwen2/3-MoE) over a flat packed batch and a paged KV cache: Llama's layer, with each family's pieces
+(q/k norms, post and sandwich norms, GeGLU, scaled embeddings, soft-capping, sliding windows, local RoPE bases,
+mixture-of-experts MLPs) switched on by its `Features`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import rms_norm, silu
+from torch.nn.functional import gelu, rms_norm, silu
 
 from executor_service.attention import PagedAttentionFn, WriteKVFn
+from executor_service.attention.reference import Extras, Scratch
+from executor_service.attention.reference import paged_attention as reference_attention
 from executor_service.model.calibration import calibrate, choose_packing
-from executor_service.model.config import ModelConfig, RopeScaling
+from executor_service.model.config import ModelConfig
+from executor_service.model.families import Activation, NormLayout, QKNorm
+from executor_service.model.moe import SparseMoE
 from executor_service.model.packed import Packing, can_pack
 from executor_service.model.parallel import (
     SINGLE,
@@ -23,6 +29,7 @@ from executor_service.model.parallel import (
     ShardLayout,
     VocabParallelEmbedding,
 )
+from executor_service.model.rope import RopeTables
 from executor_service.startup import MeasureCache
 
 KVCaches = Sequence[tuple[Tensor, Tensor]]
@@ -60,17 +67,25 @@ class ModelOps:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModelOps | None = None) -> None:
+    """Llama's RMSNorm; with `gemma` Gemma's, whose weight w stands for 1 + w, applied in float32."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModelOps | None = None,
+                 gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
-        self.fused_norm = ops.rms_norm if ops is not None else None
-        self.fused_add_norm = ops.add_rms_norm if ops is not None else None
+        self.gemma = gemma
+        self.fused_norm = ops.rms_norm if ops is not None and not gemma else None
+        self.fused_add_norm = ops.add_rms_norm if ops is not None and not gemma else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused_norm is not None and not torch.compiler.is_compiling():
             return self.fused_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
+        if self.gemma:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
         if input_dtype == torch.float32:  # one fused kernel, bit-identical to the steps below
             return rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
@@ -91,33 +106,63 @@ class Attention(nn.Module):
     """This rank's query heads and the KV heads they use: QKV column-parallel, o_proj row-parallel."""
 
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
-                 parallel: ParallelContext) -> None:
+                 parallel: ParallelContext, window: int | None = None, scratch: Scratch | None = None) -> None:
         super().__init__()
+        features = cfg.features
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = layout.num_heads * cfg.head_dim
         self.kv_size = layout.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = features.query_scale or cfg.head_dim**-0.5
         self.ops = ops
         qkv_out = self.q_size + 2 * self.kv_size
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
+        self.qk_norm = features.qk_norm
+        if features.qk_norm != QKNorm.NONE:
+            whole = features.qk_norm == QKNorm.WHOLE
+            norm_ops = ops if whole else None  # the fused kernel takes whole rows only
+            q_dim, k_dim = (self.q_size, self.kv_size) if whole else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype, norm_ops, features.gemma_norm)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype, norm_ops, features.gemma_norm)
+        self.extras = Extras(window, features.attn_softcap) if window or features.attn_softcap else None
+        self.scratch = scratch
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.norm_qk(self.qkv_proj(x))
         k_cache, v_cache = kv_cache
         if self.ops.rope_write_kv is not None:
             q = self.ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                        self.num_kv_heads)
         else:
             q = self.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
-        )
+        if self.extras is not None:  # the torch reference computes windows and soft-capping on every device
+            out = reference_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                      self.scale, self.scratch, self.extras)
+        else:
+            out = self.ops.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+            )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def norm_qk(self, qkv: Tensor) -> Tensor:
+        """qkv with its queries and keys RMS-normalised in place (per head or over all heads), where the family
+        does so."""
+        if self.qk_norm == QKNorm.NONE:
+            return qkv
+        n, q_size, kv_size = qkv.shape[0], self.q_size, self.kv_size
+        q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+        if self.qk_norm == QKNorm.PER_HEAD:
+            q_normed = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, q_size)
+            k_normed = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, kv_size)
+        else:
+            q_normed, k_normed = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        q.copy_(q_normed)
+        k.copy_(k_normed)
+        return qkv
 
     def rope_write_kv(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> Tensor:
@@ -137,38 +182,77 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's slice of the intermediate dimension: gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, inter: int, ops: ModelOps, dtype: torch.dtype,
                  parallel: ParallelContext) -> None:
         super().__init__()
-        inter = self.intermediate_size = layout.intermediate_size
+        self.intermediate_size = inter
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, parallel)
-        self.fused_silu_and_mul = ops.silu_and_mul
+        self.gelu = cfg.features.activation == Activation.GELU_TANH
+        self.fused_silu_and_mul = None if self.gelu else ops.silu_and_mul
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_silu_and_mul is not None and not torch.compiler.is_compiling():
             return self.down_proj(self.fused_silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.gelu:
+            return self.down_proj(gelu(gate, approximate="tanh").mul_(up))
         return self.down_proj(silu(gate).mul_(up))  # contiguous rows: the skinny kernel takes them
 
 
 class DecoderLayer(nn.Module):
+    """Norms where the family puts them (NormLayout): `input_layernorm` before attention and
+    `post_attention_layernorm` before the MLP (PRE); `post_attention_layernorm` and `post_feedforward_layernorm`
+    after each block (POST); both, with `pre_feedforward_layernorm` before the MLP (SANDWICH)."""
+
     def __init__(self, cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype,
-                 parallel: ParallelContext) -> None:
+                 parallel: ParallelContext, index: int, scratches: dict[int | None, Scratch]) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layout, ops, dtype, parallel)
-        self.mlp = MLP(cfg, layout, ops, dtype, parallel)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        features = cfg.features
+        window = cfg.layer_windows[index]
+        self.layout_kind = features.norm_layout
+        self.uses_local_rope = window is not None and features.local_rope_theta is not None
+        self.self_attn = Attention(cfg, layout, ops, dtype, parallel, window, scratches[window])
+        self.mlp = make_mlp(cfg, layout, ops, dtype, parallel, index)
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, features.gemma_norm)
+        if self.layout_kind != NormLayout.POST:
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if self.layout_kind == NormLayout.SANDWICH:
+            self.pre_feedforward_layernorm = norm()
+        if self.layout_kind != NormLayout.PRE:
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """This layer's output and the residual stream it is yet to be added to; `x` is the last layer's output
         (the embeddings, with no residual yet, for the first layer)."""
+        if self.layout_kind == NormLayout.PRE:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+            h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta),
+                                                                    residual)
+            return self.mlp(h), residual
+        if self.layout_kind == NormLayout.POST:
+            stream = x if residual is None else residual.add_(x)
+            stream = stream.add_(self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, meta)))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
         h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        attended = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta))
+        h, residual = self.pre_feedforward_layernorm.add_forward(attended, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+def make_mlp(cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.dtype, parallel: ParallelContext,
+             index: int) -> nn.Module:
+    """Layer `index`'s MLP: dense, or sparse (mixture of experts, with its shared expert where the family has one)."""
+    moe = cfg.features.moe
+    if moe is None or not moe.sparse_layers[index]:
+        return MLP(cfg, layout.intermediate_size, ops, dtype, parallel)
+    shared_inter = moe.shared_intermediate_size // layout.world_size
+    shared = MLP(cfg, shared_inter, ops, dtype, parallel) if shared_inter else None
+    return SparseMoE(cfg.hidden_size, moe, moe.intermediate_size // layout.world_size, shared, dtype, parallel)
 
 
 class LlamaModel(nn.Module):
@@ -176,15 +260,18 @@ class LlamaModel(nn.Module):
                  parallel: ParallelContext) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size, dtype, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ops, dtype, parallel) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        scratches: dict[int | None, Scratch] = {w: Scratch() for w in {None, *cfg.layer_windows}}  # a plan per window
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ops, dtype, parallel, i, scratches)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, cfg.features.gemma_norm)
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameters are created uninitialised on `device`; fill them with the loader.
 
     Parameter names follow Hugging Face's, except the fused `qkv_proj` (q, k, v stacked on the
-    output dimension) and `gate_up_proj` (gate, up). Under tensor parallelism (`parallel`) each
+    output dimension) and `gate_up_proj` (gate, up), and the experts of a sparse MLP stacked in
+    `mlp.experts.w13` and `mlp.experts.w2`. Under tensor parallelism (`parallel`) each
     parameter is this rank's shard, as `layout` describes."""
 
     inv_freq: Tensor
@@ -201,7 +288,12 @@ class LlamaForCausalLM(nn.Module):
         self.to_empty(device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", compute_inv_freq(cfg).to(device), persistent=False)
+        self.rope = RopeTables.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        local_theta = cfg.features.local_rope_theta
+        self.local_rope = None if local_theta is None else RopeTables.of(cfg.head_dim, local_theta, None, device)
+        self.register_buffer("inv_freq", self.rope.inv_freq, persistent=False)
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.features.embed_scale else None
+        self.final_softcap = cfg.features.final_softcap
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
                 output_rows: Tensor | None = None) -> Tensor:
@@ -209,10 +301,14 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV cache layers, got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else (cos, sin)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            layer_cos, layer_sin = local if layer.uses_local_rope else (cos, sin)
+            x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, meta)
         if output_rows is not None:
             x = x.index_select(0, output_rows)
             residual = None if residual is None else residual.index_select(0, output_rows)
@@ -241,13 +337,16 @@ class LlamaForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism)."""
-        return self.lm_head(hidden).float()
+        """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism),
+        soft-capped where the family does (Gemma 2)."""
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
     def rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin [num_tokens, 1, head_dim / 2] (the two halves of Hugging Face's tables are equal)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        """cos and sin [num_tokens, 1, head_dim / 2] of the global layers' RoPE."""
+        return self.rope.cos_sin(positions, dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -261,30 +360,3 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
     torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
     return out
-
-
-def compute_inv_freq(cfg: ModelConfig) -> Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        return scale_llama3(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
-
-
-def scale_llama3(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
-    factor = scaling.factor
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)

@@ -39,6 +39,10 @@ FUSED = {
 }
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+                "w2": ("w2", None), "down_proj": ("w2", None)}
+RENAMED = (("block_sparse_moe.", "mlp."),)  # Mixtral's sparse MLP is the layer's `mlp` here
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 ALIAS_ALIGNMENT = 64
@@ -58,10 +62,18 @@ class Split:
 
 @dataclass(slots=True, frozen=True)
 class Target:
+    """Where a checkpoint tensor goes: `param`, its `expert` row (stacked experts) and `shard` of the fused
+    output rows (q/k/v, gate/up)."""
+
     param: str
     shard: int | None
     split: Split | None = None
     padded: bool = False
+    expert: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int | None, int | None]:
+        return self.param, self.shard, self.expert
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
@@ -115,7 +127,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     slices = shard_slices(model)
     linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
-    loaded: set[tuple[str, int | None]] = set()
+    loaded: set[tuple[str, int | None, int | None]] = set()
     for path in files:
         try:
             mapped = MappedSafetensors.open(path) if model.layout.world_size == 1 else None
@@ -130,7 +142,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                         else:
                             tensor = view if view is not None else read_tensor(reader, name, target)
                             copy_weight(param, target, slices, tensor, name)
-                        loaded.add((target.param, target.shard))
+                        loaded.add(target.key)
             del mapped
         except ModelLoadError:
             raise
@@ -205,7 +217,7 @@ def populate(buffer: mmap.mmap) -> None:
 def can_alias(param: torch.nn.Parameter, target: Target, view: Tensor, linear: bool) -> bool:
     """Whether the parameter can be the file's mapped tensor itself: a whole CPU tensor of the parameter's dtype
     and shape, and, for a linear layer's weight, 64-byte aligned as the kernels' loads like best."""
-    return (param.device.type == "cpu" and target.shard is None and not target.padded
+    return (param.device.type == "cpu" and target.shard is None and target.expert is None and not target.padded
             and view.dtype == param.dtype and tuple(view.shape) == tuple(param.shape)
             and (not linear or view.data_ptr() % ALIAS_ALIGNMENT == 0))
 
@@ -214,6 +226,13 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
              layout: ShardLayout) -> Target | None:
     if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
         return None
+    for old, new in RENAMED:
+        name = name.replace(old, new)
+    expert = EXPERT_NAME.match(name)
+    if expert:
+        stacked, part = EXPERT_PARTS[expert.group(3)]
+        param = f"{expert.group(1)}.experts.{stacked}"
+        return Target(param, part, None, expert=int(expert.group(2))) if param in params else None
     split = checkpoint_split(name, cfg, layout)
     match = FUSED_NAME.match(name)
     if match:
@@ -267,17 +286,24 @@ def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     q = layout.num_heads * layout.head_dim
     kv = layout.num_kv_heads * layout.head_dim
     inter = layout.intermediate_size
-    return {
+    slices = {
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
         "gate_up_proj": [(0, inter), (inter, 2 * inter)],
     }
+    moe = model.config.features.moe
+    if moe is not None:
+        expert_inter = moe.intermediate_size // layout.world_size
+        slices["w13"] = [(0, expert_inter), (expert_inter, 2 * expert_inter)]
+    return slices
 
 
 def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, list[tuple[int, int]]],
                 tensor: Tensor, name: str) -> None:
     dest = param.data
+    if target.expert is not None:
+        dest = dest[target.expert]
     if target.shard is not None:
-        fused = target.param.rsplit(".", 2)[-2]
+        fused = target.param.rsplit(".", 1)[-1] if target.expert is not None else target.param.rsplit(".", 2)[-2]
         lo, hi = slices[fused][target.shard]
         dest = dest[lo:hi]
     if target.padded and dest.shape[0] > tensor.shape[0]:
@@ -290,15 +316,19 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
     dest.copy_(tensor)
 
 
-def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None]],
+def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None, int | None]],
                    directory: Path) -> None:
     missing: list[str] = []
-    for param in params:
+    for param, tensor in params.items():
         head, fused, kind = param.rsplit(".", 2) if param.count(".") >= 2 else ("", "", param)
-        if fused in SHARDS:
+        if kind in ("w13", "w2"):
+            rows: tuple[int | None, ...] = (0, 1) if kind == "w13" else (None,)
+            missing += [f"{head}.{fused}.{e}.{kind}[{row}]" for e in range(tensor.shape[0]) for row in rows
+                        if (param, row, e) not in loaded]
+        elif fused in SHARDS and (param, None, None) not in loaded:
             parts = enumerate(SHARDS[fused])
-            missing += [f"{head}.{part}.{kind}" for i, part in parts if (param, i) not in loaded]
-        elif (param, None) not in loaded:
+            missing += [f"{head}.{part}.{kind}" for i, part in parts if (param, i, None) not in loaded]
+        elif fused not in SHARDS and (param, None, None) not in loaded:
             missing.append(param)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

@@ -133,12 +133,13 @@ class TorchBackend:
                               num_swap_blocks)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
-        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1:
+        plain_attention = not model_cfg.features.attention_extras  # the reference's host-side plan is not graphable
+        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1 and plain_attention:
             with phases.phase("cuda graphs"):
                 graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
                                       -(-max_model_len // config.block_size), device)
         compiled = None
-        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1:
+        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1 and plain_attention:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
         backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
                       compiled=compiled)
@@ -376,8 +377,6 @@ def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, 
 
 def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)
     if requested is None:
         return limit
     if not 0 < requested <= limit:

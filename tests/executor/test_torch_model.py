@@ -260,11 +260,13 @@ def test_config_reads_both_spellings(tmp_path: Path) -> None:
     assert parsed.head_dim == 32
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path: Path) -> None:
+def test_mistral_sliding_window_no_longer_caps_max_model_len(tmp_path: Path) -> None:
+    """The attention masks keys outside the window (tests/executor/test_model_families.py proves the tokens)."""
     path = make_model(tmp_path / "m", arch="mistral", num_layers=1)
     config_path = path / "config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "sliding_window": 256}))
-    assert create(path).info.max_model_len == 256
+    assert create(path).info.max_model_len == 2048
+    assert ModelConfig.from_dir(path).layer_windows == (256,)
 
 
 def small_model(tmp_path: Path) -> Path:

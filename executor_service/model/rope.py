@@ -1,0 +1,68 @@
+"""Rotary position embedding tables: the inverse frequencies of each RoPE variant (default, linear, llama3,
+Phi-3's LongRoPE) and the cos/sin of a step's positions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from executor_service.model.config import RopeScaling
+
+
+@dataclass(slots=True, frozen=True)
+class RopeTables:
+    """The inverse frequencies of one RoPE variant; `long_inv_freq` (LongRoPE) takes over from position
+    `long_from` on, and cos and sin are multiplied by `attention_factor`."""
+
+    inv_freq: Tensor
+    long_inv_freq: Tensor | None = None
+    long_from: int = 0
+    attention_factor: float = 1.0
+
+    @classmethod
+    def of(cls, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> RopeTables:
+        base = default_inv_freq(head_dim, theta)
+        if scaling is None:
+            return cls(base.to(device))
+        if scaling.rope_type == "linear":
+            return cls((base / scaling.factor).to(device))
+        if scaling.rope_type == "llama3":
+            return cls(scale_llama3(base, scaling).to(device))
+        if scaling.rope_type == "longrope":
+            short = base / torch.tensor(scaling.short_factor, dtype=torch.float32)
+            long = base / torch.tensor(scaling.long_factor, dtype=torch.float32)
+            return cls(short.to(device), long.to(device), scaling.original_max_position_embeddings,
+                       scaling.attention_factor)
+        raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [num_tokens, 1, head_dim / 2] (the two halves of Hugging Face's tables are equal)."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            long = positions[:, None].float() * self.long_inv_freq[None, :]
+            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def default_inv_freq(dim: int, theta: float) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def scale_llama3(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    factor = scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
