@@ -91,9 +91,14 @@ class Stack:
 class Load:
     stamps: list[list[float]] = field(default_factory=list)  # per stream: when each response came
     failed: dict[str, int] = field(default_factory=lambda: {"grpc": 0, "http": 0})
+    restarts: list[tuple[float, str]] = field(default_factory=list)  # (when, kind), in order
     refused_http: int = 0  # 503 before a stream began (a draining or not-ready front-end): the client retries
     errors: list[str] = field(default_factory=list)
     done: dict[str, int] = field(default_factory=lambda: {"grpc": 0, "http": 0})
+
+
+    def last_restart(self) -> str:
+        return self.restarts[-1][1] if self.restarts else "no restart"
 
 
 async def grpc_stream(client: PagedServeClient, i: int, max_tokens: int, load: Load) -> None:
@@ -110,7 +115,7 @@ async def grpc_stream(client: PagedServeClient, i: int, max_tokens: int, load: L
         load.done["grpc"] += 1
     except Exception as e:
         load.failed["grpc"] += 1
-        load.errors.append(f"grpc: {e!r}"[:300])
+        load.errors.append(f"grpc after {load.last_restart()}: {e!r}"[:300])
 
 
 async def http_stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int, load: Load) -> None:
@@ -136,7 +141,7 @@ async def http_stream(session: aiohttp.ClientSession, url: str, i: int, max_toke
         load.done["http"] += 1
     except Exception as e:
         load.failed["http"] += 1
-        load.errors.append(f"http: {e!r}"[:200])
+        load.errors.append(f"http after {load.last_restart()}: {e!r}"[:200])
 
 
 def longest_gap(stamps: list[list[float]], at: float) -> float:
@@ -194,6 +199,7 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         moments: dict[str, float] = {}
         for kind in KINDS:
             moments[kind] = time.monotonic()
+            load.restarts.append((moments[kind], kind))
             await restart(stack, kind)
             await asyncio.sleep(args.settle)
         over.set()
