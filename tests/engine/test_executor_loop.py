@@ -248,7 +248,7 @@ async def test_a_request_ended_and_added_again_under_its_id_gets_no_token_of_the
             engine.abort("r")
             engine.add(Request("r", [65] * 6, sampling, 0.0, output_token_ids=list(delivered)), second)
 
-        def update(out, result):  # type: ignore[no-untyped-def]
+        def update(out, result):
             calls[0] += 1
             if calls[0] == 8:
                 asyncio.get_running_loop().call_soon(swap)
