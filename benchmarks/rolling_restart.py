@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import aiohttp
@@ -144,14 +145,12 @@ async def http_stream(session: aiohttp.ClientSession, url: str, i: int, max_toke
         load.errors.append(f"http after {load.last_restart()}: {e!r}"[:200])
 
 
-def longest_gap(stamps: list[list[float]], at: float) -> float:
-    """The longest time a stream waited across `at`: from its response before it to its next one."""
+def longest_gap(stamps: list[list[float]], start: float, end: float) -> float:
+    """The longest time a stream waited between two responses while a restart was under way (from its signal
+    to `end`: the replacement up, plus the settling time)."""
     gaps = [0.0]
     for s in stamps:
-        before = [t for t in s if t <= at]
-        after = [t for t in s if t > at]
-        if before and after:
-            gaps.append(after[0] - before[-1])
+        gaps.extend(b - a for a, b in pairwise(s) if b > start and a < end)
     return max(gaps)
 
 
@@ -196,12 +195,13 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         tasks = [asyncio.create_task(grpc_worker(i)) for i in range(args.streams)]
         tasks += [asyncio.create_task(http_worker(i)) for i in range(args.http_streams)]
         await asyncio.sleep(args.settle)
-        moments: dict[str, float] = {}
+        moments: dict[str, tuple[float, float]] = {}
         for kind in KINDS:
-            moments[kind] = time.monotonic()
-            load.restarts.append((moments[kind], kind))
+            began = time.monotonic()
+            load.restarts.append((began, kind))
             await restart(stack, kind)
             await asyncio.sleep(args.settle)
+            moments[kind] = (began, time.monotonic())
         over.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 600)
         await session.close()
@@ -209,7 +209,7 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         return {"open_streams": {"grpc": args.streams, "http": args.http_streams}, "completed": load.done,
                 "failed": load.failed, "http_refused_503_then_retried": load.refused_http,
                 "errors": sorted(set(load.errors))[:12],
-                "longest_gap_s": {k: round(longest_gap(load.stamps, t), 3) for k, t in moments.items()},
+                "longest_gap_s": {k: round(longest_gap(load.stamps, *w), 3) for k, w in moments.items()},
                 "tokens_resubmitted_by_frontends": stack.resubmitted_tokens()}
     finally:
         stack.stop_all()
