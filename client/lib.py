@@ -17,7 +17,8 @@ from protos.pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from protos.wire import channel_credentials, open_channel
 
 SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
-RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL})
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                       grpc.StatusCode.CANCELLED})  # CANCELLED: by a stopping server (the caller's own: CancelledError)
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
 
 

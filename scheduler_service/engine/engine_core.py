@@ -200,8 +200,9 @@ class EngineCore:
         try:
             sink.stream = self.pool.add(request_from(new, clock_offset), sink,  # type: ignore[arg-type]
                                         new.stop_strings)
-        except QueueFull as e:
-            self._refuse(link, new.request_id, Refusal.QUEUE_FULL, str(e))
+        except QueueFull as e:  # with no executor serving (one was just lost) it is not full: retry shortly
+            why = Refusal.QUEUE_FULL if self.pool.ready.is_set() else Refusal.NOT_READY
+            self._refuse(link, new.request_id, why, str(e))
             return
         except ValueError as e:
             self._refuse(link, new.request_id, Refusal.DUPLICATE_ID, str(e))

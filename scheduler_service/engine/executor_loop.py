@@ -297,6 +297,7 @@ class ExecutorLoop:
         """End a request for a reason found outside the core: a stop string, a cancelled call, shutdown.
         For a LENGTH finish the front-end settles, this counts it: `stop` if the front-end answered that
         (a stop string completed by the last allowed token), else `length`."""
+        self._route_unrouted()  # a read step's deltas reach this stream now, never a later request of the same id
         unsettled = self._unsettled.pop(request_id, None)
         if unsettled is not None:
             done, ended = unsettled

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.frontend")
 LIVENESS = "liveness"  # a liveness probe's health name: SERVING while the event loop answers
 PARENT_CHECK_S = 0.5
+CALLS_CLOSE_S = 10.0  # after the engine is idle: for open calls to write their last responses
 
 
 @dataclass(slots=True)
@@ -104,6 +105,14 @@ async def follow_readiness(api: ApiServer, engine: EngineHandle) -> None:
         await set_health(api.public.health, True)
 
 
+async def calls_closed(api: ApiServer, timeout: float) -> None:
+    """Wait (up to timeout) for every call to have written its last response: a stream the engine has finished
+    may still be sending to a slow client, and stopping the server would cancel it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while api.public.generation.open_calls and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+
+
 async def drain(config: SchedulerServiceConfig, api: ApiServer, engine: EngineHandle) -> None:
     """Refuse new calls (health NOT_SERVING), let open streams finish for up to --shutdown-timeout, abort the rest,
     close the ports."""
@@ -114,6 +123,7 @@ async def drain(config: SchedulerServiceConfig, api: ApiServer, engine: EngineHa
             await asyncio.wait_for(engine.wait_idle(), timeout=config.shutdown_timeout)
     aborted = engine.abort_all(f"server shut down after --shutdown-timeout {config.shutdown_timeout}s")
     log.info("drained; aborted %d unfinished requests", aborted)
+    await calls_closed(api, CALLS_CLOSE_S)
     await api.public.server.stop(grace=2.0)
     if api.http is not None:
         await api.http.stop()

@@ -181,8 +181,9 @@ class CoreClient:
             if stream.new is not None:
                 self._new.append(replace(stream.new, output_token_ids=list(stream.delivered), resume=True))
         if self.lost_since is not None:
-            log.info("engine core %s back after %.2fs: resumed %d requests", self.address,
-                     time.monotonic() - self.lost_since, len(resumed))
+            tokens = sum(len(s.delivered) + len(s.new.prompt_token_ids) for s in resumed if s.new is not None)
+            log.info("engine core %s back after %.2fs: resumed %d requests (%d tokens to recompute, before prefix "
+                     "cache hits)", self.address, time.monotonic() - self.lost_since, len(resumed), tokens)
         self.lost_since = None
         self.num_resumed += len(resumed)
         if resumed:

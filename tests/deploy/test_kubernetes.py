@@ -39,6 +39,7 @@ from tests.support.procs import ROOT, free_port, start, stop, wait_until
 K8S = ROOT / "deploy" / "kubernetes"
 BASE = [K8S / "config.yaml", K8S / "executor-service.yaml", K8S / "executor.yaml", K8S / "scheduler.yaml"]
 GPU = K8S / "gpu" / "executor.yaml"
+TIERS = [K8S / "tiers" / "engine-core.yaml", K8S / "tiers" / "frontend.yaml"]  # the three-tier layout (#28)
 VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
 # Flags whose manifest value deliberately differs from the command-line default (addresses, paths in the pod).
@@ -90,7 +91,7 @@ def port_of(address: str) -> int:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("path", [*BASE, GPU], ids=lambda p: str(p.relative_to(K8S)))
+@pytest.mark.parametrize("path", [*BASE, GPU, *TIERS], ids=lambda p: str(p.relative_to(K8S)))
 def test_manifests_validate_against_the_kubernetes_schemas(path: Path, version: str) -> None:
     for doc in documents(path):
         kubernetes_validate.validate(doc, version, strict=True)

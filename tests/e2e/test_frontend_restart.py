@@ -11,7 +11,8 @@ from pathlib import Path
 
 import aiohttp
 
-from client.local import stop, wait_healthy, wait_until
+from client.lib import PagedServeClient, ResumeState, build_request
+from client.local import free_port, stop, wait_healthy, wait_until
 from tests.support.streams import EXECUTOR, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
@@ -43,6 +44,29 @@ async def test_frontend_sigkill_mid_stream_client_library_resumes_identically(tm
         outcome = await asyncio.wait_for(disturbed, 120)
         check_complete(outcome, calls)
         assert outcome == reference, "tokens and text of the undisturbed run, none twice, none missing"
+        await asyncio.to_thread(tiers.wait_idle)
+
+
+async def test_a_call_resumed_on_another_frontend_supersedes_the_one_still_streaming(tmp_path: Path) -> None:
+    """The client's resume reaches the core before it noticed the first front-end gone: the continuation takes the
+    request over (same id) and yields exactly the tokens the first call had still to send."""
+    with running_tiers(tmp_path, EXECUTOR, core_args=CORE) as tiers:
+        other = f"127.0.0.1:{free_port()}"
+        await asyncio.to_thread(wait_healthy, other, tiers.start_frontend(other))
+        params = {"prompt_token_ids": [7, 8, 9], "max_tokens": 60, "ignore_eos": True, "temperature": 1.0}
+        for i in range(4):
+            request = build_request(request_id=f"r{i}", seed=i if i % 2 else None, **params)  # type: ignore[arg-type]
+            async with PagedServeClient(tiers.public) as a, PagedServeClient(other) as b:
+                state = ResumeState()
+                first = a._stub.Generate(request, timeout=60)
+                async for r in first:
+                    state.take(r)
+                    if len(state.tokens.get(0, [])) >= 5 + 9 * i:
+                        break
+                rest = [t async for r in b._stub.Generate(state.point(request), timeout=60) for t in r.token_ids]
+                first.cancel()
+                reference = [t async for r in b._stub.Generate(request, timeout=60) for t in r.token_ids]
+                assert state.tokens[0] + rest == reference, i
         await asyncio.to_thread(tiers.wait_idle)
 
 

@@ -225,3 +225,38 @@ async def test_an_executor_silent_past_the_load_timeout_is_warned_about(caplog: 
             await starting
         await engine.stop()
     assert any("not answering Describe for" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+async def test_a_request_ended_and_added_again_under_its_id_gets_no_token_of_the_old_one(executor: str) -> None:
+    """Async scheduling routes a step's deltas after sending the next step; a request aborted and re-added with
+    the same id in between (a resumed request superseding its lost copy, #28) must not receive the old one's."""
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        sampling = SamplingOptions(max_tokens=40, seed=5, ignore_eos=True)
+        reference: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("ref", [65] * 6, sampling, 0.0), reference)
+        expected, _ = await asyncio.wait_for(collect(reference), 30)
+        first: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        second: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        sched = engine._sched()
+        real_update, calls, delivered = sched.update, [0], []
+
+        def swap() -> None:  # runs at the loop's next await: the step's deltas are read, not yet routed
+            while not first.empty():
+                delivered.extend(first.get_nowait().new_token_ids)
+            engine.abort("r")
+            engine.add(Request("r", [65] * 6, sampling, 0.0, output_token_ids=list(delivered)), second)
+
+        def update(out, result):
+            calls[0] += 1
+            if calls[0] == 8:
+                asyncio.get_running_loop().call_soon(swap)
+            return real_update(out, result)
+
+        sched.update = update  # type: ignore[method-assign]
+        engine.add(Request("r", [65] * 6, sampling, 0.0), first)
+        rest, last = await asyncio.wait_for(collect(second), 30)
+        assert delivered and delivered + rest == expected and last.finish_reason is FinishReason.LENGTH
+    finally:
+        await engine.stop()

@@ -38,10 +38,11 @@ class Tiers:
                           self.log_dir / f"core-{self.starts}.log")
         return self.core
 
-    def start_frontend(self) -> subprocess.Popen[bytes]:
+    def start_frontend(self, public: str | None = None) -> subprocess.Popen[bytes]:
+        """A front-end on the shared public ports, or with `public`, on that gRPC address (and no HTTP)."""
         self.starts += 1
-        proc = start("scheduler_service.frontend", ["--engine-core", self.core_address, "--listen", self.public,
-                                                    "--http-listen", self.http, *self.frontend_args],
+        ports = ["--listen", public] if public else ["--listen", self.public, "--http-listen", self.http]
+        proc = start("scheduler_service.frontend", ["--engine-core", self.core_address, *ports, *self.frontend_args],
                      self.log_dir / f"frontend-{self.starts}.log")
         self.frontends.append(proc)
         return proc
