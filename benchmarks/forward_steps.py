@@ -9,7 +9,10 @@ each of N sequences at a context length). Each shape: the best of --repeats timi
 Beside each: model GFLOP/s (linears + LM head + attention over the step's contexts, benchmarks/roofline.py) as a
 % of the matmul peak measured first in the same process with the same clock, and for decode the bytes the step
 must move (weights once + K/V read and written) per second as a % of the measured streaming-read bandwidth.
-One thread (torch.set_num_threads(1)). --attention times several attention implementations side by side (one
+One thread (torch.set_num_threads(1)), unless --threads (#29): then each of THREAD_SHAPES is timed in wall-clock
+time at each thread count, the counts interleaved round by round, with the speedup over the first count and the
+serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), and the speedups that fraction
+predicts at 16 and 64 threads. --attention times several attention implementations side by side (one
 backend each, their timings interleaved round by round) and prints each one's speedup over the last named.
 """
 
@@ -33,6 +36,8 @@ from executor_service.runner.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
           ("decode", 16, 300), ("decode", 4, 400)]
+THREAD_SHAPES = [("decode", 5, 300), ("decode", 20, 300), ("decode", 64, 300), ("decode", 128, 300),
+                 ("prefill", 1, 512), ("prefill", 4, 512)]
 GREEDY = SamplingConfig(temperature=0.0)
 NUM_BLOCKS = 4096
 
@@ -82,6 +87,53 @@ def time_step(backends: dict[str, TorchBackend], kind: str, items: list[BatchIte
     return best
 
 
+def time_threads(backend: TorchBackend, kind: str, items: list[BatchItem], length: int, threads: list[int],
+                 repeats: int) -> dict[int, float]:
+    """Best wall-clock seconds of one execute at each thread count, the counts interleaved round by round."""
+    if kind == "decode":
+        backend.execute([BatchItem(i.request_id, i.token_ids, length, 0, length, i.block_table, False, GREEDY)
+                         for i in items])
+    best = dict.fromkeys(threads, float("inf"))
+    for round_ in range(repeats + 1):  # the first round warms up
+        for n in threads:
+            torch.set_num_threads(n)
+            start = time.perf_counter()
+            backend.execute(items)
+            if round_:
+                best[n] = min(best[n], time.perf_counter() - start)
+    return best
+
+
+def serial_fraction(threads: int, speedup: float) -> float:
+    """Amdahl's serial fraction s for `speedup` at `threads` threads: speedup = 1 / (s + (1 - s) / threads)."""
+    return max(0.0, min(1.0, (threads / speedup - 1) / (threads - 1)))
+
+
+def amdahl(fraction: float, threads: int) -> float:
+    return 1 / (fraction + (1 - fraction) / threads)
+
+
+def run_threads(model: Path, threads: list[int], repeats: int) -> list[dict[str, object]]:
+    shape = ModelShape.from_dir(model)
+    backend = make_backends(model, [""])["default"]
+    blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
+    rows: list[dict[str, object]] = []
+    for kind, n, length in THREAD_SHAPES:
+        items = step_items(kind, n, length, shape.vocab, blocks_each)
+        best = time_threads(backend, kind, items, length, threads, repeats)
+        row: dict[str, object] = {"step": f"{kind} {n} x {length}",
+                                  **{f"ms_{t}t": round(s * 1e3, 2) for t, s in best.items()}}
+        top = threads[-1]
+        if top > threads[0]:
+            speedup = best[threads[0]] / best[top]
+            fraction = serial_fraction(top // threads[0], speedup)
+            row |= {f"speedup_{top}t": round(speedup, 2), "serial_fraction": round(fraction, 3),
+                    "model_16t": round(amdahl(fraction, 16), 1), "model_64t": round(amdahl(fraction, 64), 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
@@ -90,9 +142,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated PAGEDSERVE_ATTENTION values to time side by side (e.g. cpu,reference); "
                    "empty: the executor's default")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--threads", default="", help="comma-separated thread counts (e.g. 1,2): time THREAD_SHAPES in "
+                   "wall-clock time at each, interleaved, and print the speedup and Amdahl's serial fraction")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
     model = ensure_model(args.model)
+    if args.threads:
+        print(json.dumps({"bench": "forward_steps_threads",
+                          "rows": run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats)}))
+        return
+    torch.set_num_threads(1)
     shape = ModelShape.from_dir(model)
     limits = measure_limits(shape, 1, "cpu", clock=time.thread_time)
     backends = make_backends(model, args.attention.split(","))

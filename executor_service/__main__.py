@@ -28,7 +28,10 @@ def build_backend(config: ExecutorConfig) -> Backend:
     if config.simulated:
         from executor_service.simulated import SimulatedBackend
         return SimulatedBackend(config)
+    from executor_service.placement import place
     from executor_service.runner.torch_backend import TorchBackend
+    if config.device != "cuda":
+        place(config.cpu_threads, config.cpu_cores)
     return TorchBackend.create(config)
 
 

@@ -46,6 +46,13 @@ class ExecutorConfig:
         "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
         " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
         " 0: off)"))
+    cpu_threads: int = field(default=0, metadata=flag(
+        "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
+        " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"
+        " cores between ranks instead"))
+    cpu_cores: str = field(default="", metadata=flag(
+        "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
+        " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))
     startup_cache_dir: str | None = field(default=None, metadata=flag(
         "directory of start-up measurements reused by the next start on this machine (the packed GEMM's choice and"
         " the skinny kernel's rows, keyed by the CPU, the builds and the model's shapes; a stale or foreign entry is"

@@ -1,7 +1,7 @@
 """Build and load the executor's C++ CPU extensions (torch.utils.cpp_extension, g++ and ninja).
 
-Each extension is compiled with -O3 -march=native, with the shared headers of executor_service/kernels/csrc/ on its
-include path, into PAGEDSERVE_KERNEL_DIR (default ~/.cache/pagedserve/kernels), in a directory keyed by its
+Each extension is compiled with -O3 -march=native -fopenmp, with the shared headers of executor_service/kernels/csrc/
+on its include path, into PAGEDSERVE_KERNEL_DIR (default ~/.cache/pagedserve/kernels), in a directory keyed by its
 sources and those headers, the flags, the torch and Python versions and the CPU's feature flags, so a build is
 reused only where it runs. Loading an extension registers its
 torch.ops; callers decide what to do when a build fails (every extension has a pure-torch fallback).
@@ -21,7 +21,11 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+"""-fopenmp defines _OPENMP, without which ATen's header compiles at::parallel_for as a serial loop (#29)."""
+LDFLAGS = ["-fopenmp"]
+"""Links libgomp.so.1: the soname of the libgomp torch's CPU wheel ships and has loaded before any extension, so the
+loader binds the extension to that same runtime (one OpenMP thread pool in the process, not two)."""
 SHARED_HEADERS = Path(__file__).resolve().parent / "csrc"
 
 
@@ -34,7 +38,7 @@ def build_key(sources: list[Path], cflags: list[str]) -> str:
     digest = hashlib.sha256()
     for source in [*sources, *sorted(SHARED_HEADERS.glob("*.h"))]:
         digest.update(source.read_bytes())
-    digest.update(" ".join([*cflags, torch.__version__, sys.version]).encode())
+    digest.update(" ".join([*cflags, *LDFLAGS, torch.__version__, sys.version]).encode())
     digest.update(cpu_flags().encode())
     return digest.hexdigest()[:16]
 
@@ -61,7 +65,7 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
+                       extra_ldflags=LDFLAGS, extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
                        is_python_module=False, verbose=False)
 
 

@@ -1,6 +1,7 @@
 // Paged attention for the CPU that reads K/V where they lie in the block-structured cache (no gather copies).
 //
-// One work item = one sequence: its query heads and query tokens are the rows of a tile; keys are visited front
+// One work item = rows of one sequence (all of them, or a few KV heads' when the step has few rows per thread:
+// split_work): its query heads and query tokens are the rows of a tile; keys are visited front
 // to back, 16 at a time, with an online softmax (float32 throughout), so each K/V row is read from memory once
 // per tile of query rows. Causal: the q query tokens of a sequence are its last q positions.
 // Two implementations of a tile: with AVX-512 (built with -march=native on a CPU that has it; head sizes that
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "parallel_probe.h"
 
 namespace {
 
@@ -394,6 +396,34 @@ int64_t row_tile([[maybe_unused]] bool portable, [[maybe_unused]] int64_t head_d
   return 16;
 }
 
+// Rows [row0, row1) of a sequence: one unit of parallel work.
+struct WorkItem {
+  int64_t seq, row0, row1;
+};
+
+// The sequences' rows cut into work items of at most `tile` rows, and small enough that there are about
+// kItemsPerThread items per thread where the rows allow (#29: a decode step of a few sequences still spreads over
+// every thread). Cuts fall on KV-head boundaries (rows = token * H + head, heads of a KV head adjacent), so no K/V
+// row is read by two items of the same query token; each row's result does not depend on how rows are grouped.
+constexpr int64_t kItemsPerThread = 4;
+
+std::vector<WorkItem> split_work(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t tile) {
+  const int64_t H = L.num_kv_heads * L.group;
+  int64_t total_rows = 0;
+  for (int64_t i = 0; i < count; ++i)
+    total_rows += (L.query_start_loc[seq_ids[i] + 1] - L.query_start_loc[seq_ids[i]]) * H;
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  const int64_t per_item = std::max<int64_t>(1, (total_rows + wanted - 1) / wanted);
+  const int64_t size = std::min(tile, std::max(L.group, per_item / L.group * L.group));
+  std::vector<WorkItem> items;
+  items.reserve(total_rows / size + count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t seq = seq_ids[i], rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * H;
+    for (int64_t row0 = 0; row0 < rows; row0 += size) items.push_back({seq, row0, std::min(rows, row0 + size)});
+  }
+  return items;
+}
+
 // out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
 // `seqs` (int32) names the sequences to compute; the rows of other sequences in out are left untouched.
 void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -423,16 +453,12 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
   const int64_t keys =
       check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
   L.stream_from_memory = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float)) > kStreamBytes;
-  const int64_t tile = row_tile(portable, head_dim);
-  at::parallel_for(0, seqs.size(0), 1, [&](int64_t begin, int64_t end) {
+  const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = seq_ids[item];
-      const int64_t rows = (L.query_start_loc[seq + 1] - L.query_start_loc[seq]) * num_heads;
-      for (int64_t row0 = 0; row0 < rows; row0 += tile)
-        attend(L, portable, seq, row0, std::min(rows, row0 + tile), acc.data(), max_score.data(), denom.data(),
-               scores.data());
-    }
+    for (int64_t i = begin; i < end; ++i)
+      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, acc.data(), max_score.data(), denom.data(),
+             scores.data());
   });
 }
 
@@ -496,6 +522,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention_portable(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
   m.def("has_avx512() -> bool", has_avx512);
+  m.def("threads_used(int items) -> int", pagedserve::threads_used);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

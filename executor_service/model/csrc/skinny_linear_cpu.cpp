@@ -21,6 +21,7 @@
 #include <optional>
 
 #include "cpu_simd.h"
+#include "parallel_probe.h"
 
 namespace {
 
@@ -133,6 +134,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
 TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("has_skinny() -> bool", has_skinny);
+  m.def("threads_used(int items) -> int", pagedserve::threads_used);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) { m.impl("skinny_linear", skinny_linear); }

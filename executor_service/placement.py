@@ -1,0 +1,64 @@
+"""Where the executor computes on the CPU (#29): the cores it is bound to (--cpu-cores, as vLLM's
+VLLM_CPU_OMP_THREADS_BIND) and the threads of its forward pass (--cpu-threads). torch's intra-op pool, the C++
+kernels' at::parallel_for, MKL and oneDNN all run on one OpenMP pool (torch's libgomp), so one thread count sizes
+them all; nothing else in the executor computes in parallel, so there is no second pool to oversubscribe the cores.
+
+Default: one thread per core this process may run on (its affinity mask, capped by a cgroup v2 CPU quota as
+`docker run --cpus` sets), so a container or `taskset` that gives the executor N cores gets N threads."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+log = logging.getLogger("pagedserve.executor")
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def parse_cores(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}; raises ValueError on anything else."""
+    cores: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, _, last = part.partition("-")
+        low, high = int(first), int(last or first)
+        if low < 0 or high < low:
+            raise ValueError(f"bad core range {part!r} in {text!r}")
+        cores.update(range(low, high + 1))
+    if not cores:
+        raise ValueError(f"no cores in {text!r}")
+    return cores
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask, capped by the cgroup's CPU quota (rounded up)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_quota()
+    return max(1, min(count, math.ceil(quota)) if quota is not None else count)
+
+
+def cgroup_quota() -> float | None:
+    """The cgroup v2 CPU limit in cores ('200000 100000' -> 2.0); None when unlimited or unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+    return None
+
+
+def place(cpu_threads: int, cpu_cores: str) -> int:
+    """Bind this process (and the threads it starts from now on) to `cpu_cores` if given, then size torch's pool to
+    `cpu_threads` (0: usable_cores()); returns the thread count. Call before the first forward pass."""
+    import torch
+
+    if cpu_threads < 0:
+        raise ValueError(f"--cpu-threads must be >= 0, got {cpu_threads}")
+    if cpu_cores:
+        cores = parse_cores(cpu_cores)
+        os.sched_setaffinity(0, cores)
+    threads = cpu_threads or usable_cores()
+    torch.set_num_threads(threads)
+    log.info("CPU placement: %d forward threads%s", threads, f" on cores {cpu_cores}" if cpu_cores else "")
+    return threads

@@ -1,0 +1,67 @@
+"""The C++ kernels run on every thread torch is given (#29): each extension's threads_used probe (an
+at::parallel_for compiled with the kernels' flags) must see 2 threads when torch has 2, from the main thread and
+from a thread of the executor's kind (the forward thread), and 1 when torch has 1. A build without OpenMP (ATen's
+serial fallback) answers 1 and fails this; so does a build linked to a second OpenMP runtime that ignores torch's
+thread count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service.attention import cpu as attention_cpu
+from executor_service.model import cpu_ops
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def probes() -> list[Callable[[int], int]]:
+    found: list[Callable[[int], int]] = []
+    if attention_cpu.load():
+        found.append(torch.ops.pagedserve_cpu.threads_used)
+    if cpu_ops.load():
+        found.append(torch.ops.pagedserve_model.threads_used)
+    if not found:
+        pytest.skip("the C++ kernels cannot be built here")
+    return found
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_every_extension_runs_its_parallel_loops_on_two_threads() -> None:
+    for probe in probes():
+        assert probe(64) == 2
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") as pool:
+            assert pool.submit(probe, 64).result() == 2
+        assert probe(1) == 1
+
+
+def test_one_torch_thread_means_one_kernel_thread() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for probe in probes():
+            assert probe(64) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_process_has_one_openmp_runtime() -> None:
+    probes()
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("no /proc here")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines()
+                if any(name in line for name in ("libgomp", "libiomp", "libomp"))}
+    assert len(runtimes) == 1, runtimes

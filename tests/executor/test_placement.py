@@ -1,0 +1,62 @@
+"""--cpu-threads and --cpu-cores (#29): core lists parse, the default thread count follows the affinity mask and a
+cgroup CPU quota, and place() binds the process and sizes torch's pool."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service import placement
+from executor_service.config import ExecutorConfig
+
+
+@pytest.fixture
+def restored() -> Iterator[None]:
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, cores)
+
+
+def test_core_lists_parse_and_bad_ones_are_refused() -> None:
+    assert placement.parse_cores("0-3,8") == {0, 1, 2, 3, 8}
+    assert placement.parse_cores(" 5 ") == {5}
+    for bad in ("", "3-1", "-1", "a", "1-b"):
+        with pytest.raises(ValueError):
+            placement.parse_cores(bad)
+
+
+def test_the_default_thread_count_is_capped_by_the_cgroup_quota(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(placement, "CGROUP_CPU_MAX", cpu_max)
+    mask = len(os.sched_getaffinity(0))
+    assert placement.usable_cores() == mask  # no file: the mask
+    cpu_max.write_text("max 100000\n")
+    assert placement.usable_cores() == mask
+    cpu_max.write_text("50000 100000\n")  # half a core: one thread
+    assert placement.usable_cores() == 1
+    cpu_max.write_text(f"{100000 * (mask + 4)} 100000\n")  # a quota above the mask: the mask
+    assert placement.usable_cores() == mask
+
+
+@pytest.mark.usefixtures("restored")
+def test_place_binds_the_process_and_sizes_torch_pool() -> None:
+    first = min(os.sched_getaffinity(0))
+    assert placement.place(0, str(first)) == 1
+    assert os.sched_getaffinity(0) == {first} and torch.get_num_threads() == 1
+    assert placement.place(3, "") == 3 and torch.get_num_threads() == 3
+    with pytest.raises(ValueError):
+        placement.place(-1, "")
+
+
+def test_the_flags_reach_the_config() -> None:
+    config = ExecutorConfig.from_args(["--cpu-threads", "4", "--cpu-cores", "0-3"])
+    assert config.cpu_threads == 4 and config.cpu_cores == "0-3"
+    assert ExecutorConfig.from_args([]).cpu_threads == 0
