@@ -42,15 +42,24 @@ def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
     if unknown is not None:
         raise StepRefused(f"token_bitmasks names {unknown!r}, which this step does not schedule")
     rows = np.frombuffer(m.bitmask, dtype=np.uint8).reshape(len(ids), 4 * words)
-    empty = np.flatnonzero(~unpack_rows(rows, vocab_size).any(axis=1))
+    empty = np.flatnonzero(~allows_some(rows, vocab_size))
     if len(empty):
         raise StepRefused(f"token_bitmasks: the row of {ids[int(empty[0])]!r} allows no token of the vocabulary")
     return dict(zip(ids, rows, strict=True))
 
 
+def allows_some(rows: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Per row: whether any token of the vocabulary is allowed (bits past vocab_size do not count)."""
+    full, rest = divmod(vocab_size, 8)
+    some: np.ndarray = np.asarray(rows[:, :full].any(axis=1))
+    if rest:
+        some |= (rows[:, full] & ((1 << rest) - 1)) != 0
+    return some
+
+
 def unpack_rows(rows: np.ndarray, vocab_size: int) -> np.ndarray:
     """[n, vocab_size] booleans: True where the token may be sampled."""
-    return np.unpackbits(rows, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+    return np.unpackbits(rows, axis=1, count=vocab_size, bitorder="little").view(bool)
 
 
 def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:

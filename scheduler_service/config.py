@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from client.flags import add_flags, config_from, flag
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
+from scheduler_service.frontend.openai.tools import ToolCallParser
 
 DNS_SCHEME = "dns:///"
 
@@ -94,6 +95,9 @@ class SchedulerServiceConfig(CoreConfig):
     enable_cross_tenant_prefix_caching: bool = field(default=False, metadata=flag(
         "with API keys, let every key's requests share one prefix cache (off: each key's requests hit only "
         "blocks its own requests computed, so no tenant can time another's prompts)"))
+    tool_call_parser: ToolCallParser = field(default=ToolCallParser.NONE, metadata=flag(
+        "how tool_choice auto reads tool calls from the model's text (hermes: <tool_call>{...}</tool_call>, "
+        "llama3_json: {\"name\": ..., \"parameters\": ...}); none refuses auto (required and named work always)"))
     api_server_count: int | None = field(default=None, metadata=flag(
         "front-end processes serving the public port (SO_REUSEPORT) around one engine core process (default: "
         "cores / 4, 1 to 8); 0 runs everything in one process (the layout before the split)"))

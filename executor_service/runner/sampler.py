@@ -202,17 +202,22 @@ def apply_logit_bias(logits: Tensor, requests: Sequence[SampleRequest], rows: li
 
 
 def apply_token_masks(logits: Tensor, requests: Sequence[SampleRequest], rows: list[int]) -> Tensor:
-    """-inf at every token a row's token mask forbids; logits is not modified."""
+    """-inf at every token a row's token mask forbids, in place (the logits are this step's own: their raw logprobs
+    were taken before). On the CPU through NumPy's view of the tensor: one pass over the row, no copy of it."""
     if not rows:
         return logits
     vocab = logits.shape[1]
     masks = np.stack([requests[i].token_mask for i in rows])  # type: ignore[misc]
-    allowed = np.unpackbits(masks, axis=1, bitorder="little")[:, :vocab].astype(bool)
-    if allowed.shape[1] < vocab:
-        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    allowed = np.unpackbits(masks, axis=1, count=vocab, bitorder="little").view(bool)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        view = logits.numpy()
+        for j, row in enumerate(rows):
+            np.copyto(view[row], -np.inf, where=~allowed[j])
+        return logits
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     forbid = torch.from_numpy(~allowed).to(logits.device)
-    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(forbid, float("-inf")))
+    logits[index] = logits.index_select(0, index).masked_fill(forbid, float("-inf"))
+    return logits
 
 
 def keep_some_token(masked: Tensor, unmasked: Tensor, rows: list[int]) -> Tensor:

@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -120,7 +120,10 @@ class GrammarCompiler:
         return compiled
 
     def _compiler_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
+        import torch
         import xgrammar
+
+        torch.set_num_threads(1)  # xgrammar brings torch into the engine core; no op of it may spin on other cores
 
         key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
         if self._compiler is None or key != self._tokenizer_key:
@@ -140,8 +143,6 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
                   ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str]]:
     """The masks of the step's constrained requests that sample in it (their matchers synced to their output
     first), and the requests whose output the grammar refused (id -> why): they get no mask and must be failed."""
-    import xgrammar
-
     rows = []
     for work in out.scheduled:
         request = work.request
@@ -150,7 +151,9 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
             rows.append((request, grammar))
     if not rows:
         return None, {}
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
+    words = -(-vocab_size // 32)
+    buffer = np.full((len(rows), words), -1, dtype=np.int32)
+    bitmask = torch_view(buffer)
     refused: dict[str, str] = {}
     ids: list[str] = []
     for request, grammar in rows:
@@ -160,10 +163,17 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
             continue
         grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
         ids.append(request.request_id)
-    words = bitmask.shape[1]
-    data = bitmask[:len(ids)].contiguous().numpy().astype("<i4", copy=False).tobytes() if ids else b""
+    data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
     masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
     return (masks if ids else None), refused
+
+
+def torch_view(array: np.ndarray) -> Any:
+    """The array as the torch tensor xgrammar fills, sharing its memory: no torch operation runs in the engine core
+    (its intra-op threads would spin on the cores the executor needs)."""
+    import torch
+
+    return torch.from_numpy(array)
 
 
 def allowed_tokens(masks: executor_pb2.TokenBitmasks, row: int, vocab_size: int) -> np.ndarray:

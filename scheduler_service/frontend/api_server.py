@@ -62,7 +62,7 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
     from scheduler_service.frontend.openai.connections import HttpLimits, connection_cap
 
     api = OpenAIApi(public.generation, config.served_model_name,
-                    load_api_keys(config.api_key, config.api_key_file), config.tokenizer)
+                    load_api_keys(config.api_key, config.api_key_file), config.tokenizer, config.tool_call_parser)
     limits = HttpLimits(config.http_header_timeout, config.http_body_timeout, config.http_timeout_keep_alive,
                         config.http_max_connections)
     files = open_file_limit()

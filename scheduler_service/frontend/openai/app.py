@@ -47,6 +47,14 @@ from scheduler_service.frontend.openai.responses import (
     finish_reason,
     stop_reason,
 )
+from scheduler_service.frontend.openai.tool_answers import ToolAnswers
+from scheduler_service.frontend.openai.tools import (
+    ToolCallParser,
+    ToolChoice,
+    ToolRequest,
+    tool_messages,
+    tools_system_prompt,
+)
 from scheduler_service.frontend.tokenizer import INLINE_ENCODE_CHARS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -74,8 +82,10 @@ CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", chat=Tru
 
 class OpenAIApi:
     def __init__(self, generation: GenerationServicer, served_model_name: str | None = None,
-                 api_keys: list[str] | None = None, tokenizer_dir: str | None = None) -> None:
+                 api_keys: list[str] | None = None, tokenizer_dir: str | None = None,
+                 tool_parser: ToolCallParser = ToolCallParser.NONE) -> None:
         self.generation = generation
+        self.tool_parser = tool_parser
         self.served_model_name = served_model_name
         self._keys = [k.encode() for k in api_keys or []]
         self._tokenizer_dir = tokenizer_dir
@@ -160,10 +170,25 @@ class OpenAIApi:
         return await self._serve(request, api, COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        api, messages, kwargs = parse_chat(await read_json(request))
+        api, messages, kwargs = parse_chat(await read_json(request), self.tool_parser)
         self._check_model(api.model)
+        if api.tools is not None:
+            messages, kwargs = self._with_tools(api.tools, messages, kwargs)
         api.prompts = [await self._chat_prompt(api, messages, kwargs)]
         return await self._serve(request, api, CHAT)
+
+    def _with_tools(self, tools: ToolRequest, messages: list[dict[str, Any]], kwargs: dict[str, Any]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The template gets the tools (unless tool_choice is none) as transformers passes them; a template that
+        does not render tools gets them as a system message, and tool calls and results as text it can render."""
+        source = self._template_source()[0]
+        messages = tool_messages(messages, source)
+        offered = tools.template_tools()
+        if offered is None:
+            return messages, kwargs
+        if "tools" in source:
+            return messages, {**kwargs, "tools": offered}
+        return [{"role": "system", "content": tools_system_prompt(offered)}, *messages], kwargs
 
     def _check_model(self, model: str | None) -> None:
         if not self.generation.engine.ready.is_set():
@@ -251,6 +276,8 @@ class OpenAIApi:
             first = await anext(responses, None)
             formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
             stream = Stream(call_id, self.model_name() or "", endpoint, n, formatter, api.include_usage)
+            if endpoint.chat and api.tools is not None and api.tools.choice is not ToolChoice.NONE:
+                stream.tools = ToolAnswers(api.tools, self.tool_parser)
             stream.prompt_index = {r.request_id: i for i, r in enumerate(requests)}
             if api.stream:
                 return await stream.send(request, first, responses)
@@ -268,6 +295,7 @@ class Stream:
         self.usage = Usage()
         self.offsets: dict[int, int] = {}
         self.prompt_index: dict[str, int] = {}
+        self.tools: ToolAnswers | None = None
 
     async def collect(self, first: generation_pb2.GenerateResponse | None,
                       rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
@@ -277,8 +305,11 @@ class Stream:
             async for response in rest:
                 self._gather(response, choices)
         build = chat_choice if self.endpoint.chat else completion_choice
+        built = [build(choices[i], self.formatter) for i in sorted(choices)]
+        if self.tools is not None:
+            built = [self.tools.message(b) for b in built]
         return {"id": self.call_id, "object": self.endpoint.object, "created": self.created, "model": self.model,
-                "choices": [build(choices[i], self.formatter) for i in sorted(choices)], "usage": self.usage.body()}
+                "choices": built, "usage": self.usage.body()}
 
     def _gather(self, response: generation_pb2.GenerateResponse, choices: dict[int, Choice]) -> None:
         prompt_index = self.prompt_index.get(response.request_id, 0)
@@ -298,9 +329,9 @@ class Stream:
             if first is not None:
                 if self.endpoint.chat:
                     await out.write(self._event(self._role_chunk()))
-                await out.write(self._event(self._chunk(first)))
+                await self._write_chunk(out, first)
                 async for response in rest:
-                    await out.write(self._event(self._chunk(response)))
+                    await self._write_chunk(out, response)
             if self.include_usage:
                 await out.write(self._event({**self._head(), "choices": [], "usage": self.usage.body()}))
         except (ApiError, RequestError) as e:
@@ -308,6 +339,18 @@ class Stream:
             await out.write(self._event(error.body()))
         await out.write(b"data: [DONE]\n\n")
         return out
+
+    async def _write_chunk(self, out: web.StreamResponse, response: generation_pb2.GenerateResponse) -> None:
+        if self.tools is None:
+            await out.write(self._event(self._chunk(response)))
+            return
+        prompt_index = self.prompt_index.get(response.request_id, 0)
+        self.usage.add(prompt_index, response)
+        choice = self.tools.chunk_choice(prompt_index * self.n + response.index, response.text,
+                                         finish_reason(response))
+        if choice is not None:
+            extra = {"usage": None} if self.include_usage else {}
+            await out.write(self._event({**self._head(), "choices": [choice], **extra}))
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.call_id, "object": self.endpoint.chunk_object, "created": self.created,

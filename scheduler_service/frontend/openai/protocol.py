@@ -8,12 +8,13 @@ from typing import Any
 
 from protos.pagedserve.v1 import common_pb2
 from scheduler_service.frontend.openai.errors import ApiError, bad_param
+from scheduler_service.frontend.openai.tools import ToolCallParser, ToolRequest, read_tools
 
 Prompt = str | list[int]
 UINT32 = 2**32
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 UINT_PARAMS = ("min_tokens", "n")
-REFUSED_PARAMS = ("tools", "functions")
+REFUSED_PARAMS = ("functions", "function_call")
 DEFAULT_ONLY: dict[str, Any] = {
     # vLLM's extensions this server does not implement: taken at their default (or null), refused otherwise rather
     # than ignored, since each changes what comes back.
@@ -44,6 +45,7 @@ class ApiRequest:
     prompts: list[Prompt] = field(default_factory=list)
     max_tokens_given: bool = False
     cache_salt: str | None = None
+    tools: ToolRequest | None = None
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -62,10 +64,18 @@ def parse_completion(body: Any) -> ApiRequest:
     return request
 
 
-def parse_chat(body: Any) -> tuple[ApiRequest, list[dict[str, Any]], dict[str, Any]]:
+def parse_chat(body: Any, tool_parser: ToolCallParser = ToolCallParser.NONE
+               ) -> tuple[ApiRequest, list[dict[str, Any]], dict[str, Any]]:
     """The request, the messages (content flattened to text), and extra template variables."""
     body = require_object(body)
     request = parse_common(body, ("max_completion_tokens", "max_tokens"))
+    request.tools = read_tools(body, tool_parser)
+    schema = request.tools.constraint_schema() if request.tools is not None else None
+    if schema is not None:
+        if request.sampling.HasField("structured_outputs"):
+            raise bad_param("tool_choice", "a required or named tool choice cannot be combined with response_format "
+                                           "or structured_outputs")
+        request.sampling.structured_outputs.json = json.dumps(schema)
     top = read_uint(body, "top_logprobs") if body.get("top_logprobs") is not None else None
     if read_bool(body, "logprobs"):
         request.logprobs = top or 0
