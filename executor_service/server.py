@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from typing import TextIO
 
 import grpc
@@ -35,7 +36,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
-        self.limits = limits or StepLimits()
+        limits = limits or StepLimits()  # drafts only as many as the backend verifies (none: refused)
+        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens))
         self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
@@ -57,7 +59,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 swap=True, copy=True, chunked_prefill=True, max_num_steps=limits.max_num_steps,
                 max_logprobs=info.max_logprobs, seeded_sampling=True,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                max_num_lookahead_slots=limits.max_num_lookahead_slots))
+                max_num_lookahead_slots=limits.max_num_lookahead_slots,
+                max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens)))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -121,7 +124,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.backend.copy(block_maps(step.copy))
             t_swap = time.perf_counter_ns()
             states = self.table.states
-            items = [self.table.item(states[a.request_id], a.num_tokens) for a in plan.admitted]
+            items = [self.table.item(states[a.request_id], a.num_tokens, a.draft_token_ids) for a in plan.admitted]
             t_prep = time.perf_counter_ns()
             outputs = await self._run_passes(items, max(1, step.num_steps))
         except BackendLost:
@@ -156,9 +159,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 state.num_computed = item.start + item.num_tokens
                 if sample is None:
                     continue
-                state.token_ids.append(sample.token_id)
-                outputs.setdefault(item.request_id, []).append(sample)
-                if remaining and self._fits_one_more(state):
+                run = sample.run()
+                if len(run) > len(item.draft_token_ids) + 1:
+                    raise RuntimeError(f"backend answered {len(run)} tokens for {len(item.draft_token_ids)} drafts")
+                state.num_computed += len(run) - 1  # the accepted drafts' KV is in the cache
+                state.token_ids.extend(s.token_id for s in run)
+                outputs.setdefault(item.request_id, []).extend(run)
+                if remaining and not item.draft_token_ids and self._fits_one_more(state):
                     next_items.append(table.item(state, 1))
             items = next_items
         return outputs
