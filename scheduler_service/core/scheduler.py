@@ -320,7 +320,7 @@ class Scheduler:
                       scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
         rid = request.request_id
         if self.rs.inflight[request.slot]:
-            if self.rs.drafting[request.slot]:  # how many tokens its step with drafts keeps is not known yet
+            if self.rs.drafting[request.slot]:  # its step with drafts, or the one it drafts after, is in flight
                 budget_left[1] += 1
                 return
             ahead = self._schedule_ahead(request, *self._works_in_flight()[rid], out, scheduled)
@@ -352,8 +352,10 @@ class Scheduler:
 
     def _propose(self) -> dict[str, list[int]]:
         """Draft tokens for the running decodes that may speculate this step (none above the batch size where
-        speculation stops paying, none for a request whose last token is not known yet, i.e. with a step in
-        flight, or that pauses after its drafts were rejected); their rows are marked drafting."""
+        speculation stops paying, nor for a request that pauses after its drafts were rejected); their rows are
+        marked drafting. Async scheduling: a request whose last token is still being sampled (a step in flight)
+        cannot be drafted for; if its known tokens predict a draft, it waits for that step (an empty proposal)
+        instead of decoding ahead, and is drafted for at the next step."""
         spec = self.config.speculative_config
         k_max = min(spec.num_speculative_tokens, self.limits.max_num_draft_tokens) if spec else 0
         if spec is None or k_max < 1 or len(self.running) > spec.disable_by_batch_size:
@@ -362,15 +364,16 @@ class Scheduler:
         proposals: dict[str, list[int]] = {}
         for request in self.running:
             slot = request.slot
-            if rs.uncomputed[slot] != 1 or rs.inflight[slot] or rs.drafting[slot] or not request.output_token_ids:
+            if rs.uncomputed[slot] != 1 or rs.drafting[slot] or not request.output_token_ids:
                 continue
-            k = min(k_max, int(rs.limit[slot]) - request.num_tokens - 1)  # its last allowed token is the model's
+            ahead = int(rs.inflight[slot])
+            k = min(k_max, int(rs.limit[slot]) - request.num_tokens - ahead - 1)  # the last allowed is the model's
             record = request.drafts
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
                 continue
-            drafts = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = propose_ngram(request.all_token_ids, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
-                proposals[request.request_id] = drafts
+                proposals[request.request_id] = [] if ahead else drafts
                 rs.drafting[slot] = True
         return proposals
 

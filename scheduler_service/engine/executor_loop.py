@@ -482,10 +482,13 @@ class ExecutorLoop:
         queue = (req.first_scheduled_time or now) - stream.arrival
         ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
         hit_rate = self.scheduler.prefix_cache_hit_rate() if self.scheduler is not None else 0.0
+        drafts = req.drafts
+        spec = (f" spec_steps={drafts.steps} mean_accepted_length={drafts.mean_accepted_length:.2f}"
+                if drafts is not None and drafts.steps else "")
         log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d queue=%.3fs "
-                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s", req.request_id, reason.value,
+                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s%s", req.request_id, reason.value,
                  req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), queue, ttft,
-                 now - stream.arrival, req.num_preemptions, hit_rate, f" error={error!r}" if error else "")
+                 now - stream.arrival, req.num_preemptions, hit_rate, spec, f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
         """Latency metrics of one delta; the number of new tokens."""
