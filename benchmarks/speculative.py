@@ -75,9 +75,9 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
-                log_dir: Path | None) -> dict[tuple[str, int], dict[str, float]]:
+                log_dir: Path | None, extra: list[str]) -> dict[tuple[str, int], dict[str, float]]:
     port = free_port()
-    flags = ["--executor", executor, "--metrics-port", str(port), "--api-server-count", "0"]
+    flags = ["--executor", executor, "--metrics-port", str(port), "--api-server-count", "0", *extra]
     if spec is not None:
         flags += ["--speculative-config", spec]
     results: dict[tuple[str, int], dict[str, float]] = {}
@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--scheduler-flags", default="", help="more flags for both schedulers, e.g. --no-async-scheduling")
     args = p.parse_args()
     work = {(name, level): dataset(name, max(4, level * args.requests_per_level), args.output_len)
             for name in args.datasets for level in args.concurrency}
@@ -111,8 +112,9 @@ def main() -> None:
     executor_args = ["--device", args.device, "--num-gpu-blocks", "4096"]
     with service("executor_service", executor_args, args.log_dir, env={"OMP_NUM_THREADS": str(args.threads)},
                  name="executor") as executor:
-        plain = run_setting(executor.address, None, work, args.log_dir)
-        spec_on = run_setting(executor.address, spec, work, args.log_dir)
+        extra = args.scheduler_flags.split()
+        plain = run_setting(executor.address, None, work, args.log_dir, extra)
+        spec_on = run_setting(executor.address, spec, work, args.log_dir, extra)
     record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
                               "machine": machine(), "results": []}
     for key in work:

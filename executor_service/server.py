@@ -207,7 +207,8 @@ def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepT
     """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
     context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
     return json.dumps({
-        "seqs": len(items), "tokens": sum(i.num_tokens for i in items), "sampled": sum(i.sample for i in items),
+        "seqs": len(items), "tokens": sum(i.num_tokens + len(i.draft_token_ids) for i in items),
+        "drafts": sum(len(i.draft_token_ids) for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
         "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})

@@ -369,12 +369,18 @@ class Scheduler:
             ahead = int(rs.inflight[slot])
             k = min(k_max, int(rs.limit[slot]) - request.num_tokens - ahead - 1)  # the last allowed is the model's
             record = request.drafts
+            tokens = request.all_token_ids
+            if record is not None and record.guess is not None:
+                record.settle_guess(tokens, request.num_output_tokens, spec.min_acceptance_rate)
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
                 continue
-            drafts = propose_ngram(request.all_token_ids, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = propose_ngram(tokens, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
                 proposals[request.request_id] = [] if ahead else drafts
                 rs.drafting[slot] = True
+                if ahead:
+                    record = request.drafts = record or DraftRecord()
+                    record.guess = (len(tokens), drafts[0])
         return proposals
 
     def _schedule_drafts(self, request: Request, drafts: list[int], extra: int, budget_left: list[int],

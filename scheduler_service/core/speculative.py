@@ -110,7 +110,9 @@ def continuation(tokens: list[int], start: int, k: int) -> list[int]:
 class DraftRecord:
     """One request's speculation so far: steps verified, draft tokens sent and accepted (for the request log and
     the metrics), and the back-off: a recent acceptance rate, and the output length before which it does not
-    propose (paused after its rate fell below the floor), with the length of its last pause."""
+    propose (paused after its rate fell below the floor), with the length of its last pause. guess: under async
+    scheduling, the position and token its n-gram predicted for a token still being sampled (it waited for
+    that token to draft after it); a wrong guess counts as a rejected draft in the back-off."""
 
     steps: int = 0
     drafted: int = 0
@@ -118,6 +120,7 @@ class DraftRecord:
     recent: float = 1.0
     resume_at: int = 0
     pause: int = 0
+    guess: tuple[int, int] | None = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -128,7 +131,17 @@ class DraftRecord:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.recent = 0.6 * self.recent + 0.4 * (accepted / drafted)
+        self.observe(accepted / drafted, num_output, floor)
+
+    def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> None:
+        """The guessed token is known now: score the guess (a draft of one) in the back-off."""
+        if self.guess is not None and self.guess[0] < len(tokens):
+            position, token = self.guess
+            self.guess = None
+            self.observe(float(tokens[position] == token), num_output, floor)
+
+    def observe(self, rate: float, num_output: int, floor: float) -> None:
+        self.recent = 0.6 * self.recent + 0.4 * rate
         if self.recent < floor:
             self.pause = min(64, max(8, 2 * self.pause))
             self.resume_at = num_output + self.pause

@@ -343,7 +343,7 @@ class ExecutorLoop:
         if self._unrouted and not self._pending:
             self._route_unrouted()
         self._observe(core, executor)
-        if not out.scheduled and not self._pending:
+        if not out.scheduled and not self._pending and executor is None:  # a result just in: schedule at once
             await self._idle()
         else:
             await asyncio.sleep(0)

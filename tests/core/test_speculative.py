@@ -274,3 +274,33 @@ def drive_trace(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int,
     assert not s.has_unfinished()
     assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
     return outputs, reasons, s
+
+
+def test_async_a_request_whose_tokens_predict_a_draft_waits_for_its_step_then_drafts() -> None:
+    s = make_scheduler(async_scheduling=True)
+    request = Request("r", list(PERIODIC), SamplingOptions(max_tokens=50), 0.0)
+    s.add_request(request)
+    prefill = s.schedule()
+    decode = s.schedule()  # the first token is being sampled: decoded ahead, nothing to draft from
+    assert [w.num_tokens for w in decode.scheduled] == [1] and not drafts_of(decode)
+    s.update(prefill, ExecutorResult(sampled={"r": [10]}))
+    waits = s.schedule()  # "13 10" predicts 11 for the token in flight: it waits for it instead of decoding ahead
+    assert waits.scheduled == []
+    s.update(decode, ExecutorResult(sampled={"r": [11]}))
+    s.update(waits, ExecutorResult())
+    assert drafts_of(s.schedule()) == {"r": (12, 13, 10)}
+
+
+def test_async_wrong_guesses_pause_the_waiting() -> None:
+    s = make_scheduler(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, min_acceptance_rate=0.5),
+                       async_scheduling=True)
+    s.add_request(Request("r", list(PERIODIC), SamplingOptions(max_tokens=200), 0.0))
+    pending = [s.schedule()]
+    waited = 0
+    for _ in range(30):
+        out = s.schedule()
+        waited += not out.scheduled
+        first = pending.pop(0)
+        s.update(first, ExecutorResult(sampled={"r": [50]} if first.scheduled else {}))  # never what it guessed
+        pending.append(out)
+    assert 0 < waited < 8, "after its guesses kept failing it decoded ahead again"
