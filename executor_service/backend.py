@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,9 @@ class BatchItem:
     whose input tokens are token_ids[start:start + num_tokens]. The KV slot of position p
     is block_table[p // block_size] * block_size + p % block_size. When sample is True
     (start + num_tokens == len(token_ids)) the backend samples the token that follows, among those token_mask allows.
+    draft_token_ids (speculative decoding, only on an item that samples): proposed tokens after the last one;
+    the pass also computes their positions (their slots are in block_table) and verifies them: its sample is
+    the accepted drafts and then the model's own next token (SampleOutput.extra).
     """
 
     request_id: str
@@ -42,16 +46,25 @@ class BatchItem:
     block_table: list[int]
     sample: bool
     sampling: SamplingConfig
+    draft_token_ids: Sequence[int] = ()
     token_mask: np.ndarray | None = None
     """Structured outputs: the tokens it may sample here (token_masks.py's row: bit t of the bytes, least
-    significant bit first, allows token t); None = any."""
+    significant bit first, allows token t); None = any. An item with a mask carries no drafts."""
 
 
 @dataclass(slots=True)
 class SampleOutput:
+    """A sampled token; after a verification of drafts, extra holds the tokens that follow it in the same pass
+    (token_id was the first draft, accepted; the last of extra is the model's own token)."""
+
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    extra: list[SampleOutput] = field(default_factory=list)
+
+    def run(self) -> list[SampleOutput]:
+        """This token and the ones after it from verified drafts."""
+        return [self, *self.extra] if self.extra else [self]
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,6 +87,8 @@ class BackendInfo:
     """From the process's start to ready (set when it starts serving)."""
     startup_phases: tuple[tuple[str, float], ...] = ()
     """Seconds of each start-up phase, in order."""
+    max_num_draft_tokens: int = 0
+    """Draft tokens it verifies per request and pass (speculative decoding); 0: it does not verify drafts."""
 
 
 class Backend(Protocol):

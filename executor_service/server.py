@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
 from typing import TextIO
 
 import grpc
@@ -36,7 +37,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len)
-        self.limits = limits or StepLimits()
+        limits = limits or StepLimits()  # drafts only as many as the backend verifies (none: refused)
+        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens))
         self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
@@ -58,7 +60,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 swap=True, copy=True, chunked_prefill=True, max_num_steps=limits.max_num_steps,
                 max_logprobs=info.max_logprobs, seeded_sampling=True,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True))
+                max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True,
+                max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens)))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -123,7 +126,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.backend.copy(block_maps(step.copy))
             t_swap = time.perf_counter_ns()
             states = self.table.states
-            items = [self.table.item(states[a.request_id], a.num_tokens) for a in plan.admitted]
+            items = [self.table.item(states[a.request_id], a.num_tokens, a.draft_token_ids) for a in plan.admitted]
             if masks:
                 for item in items:
                     item.token_mask = masks.get(item.request_id) if item.sample else None
@@ -161,9 +164,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 state.num_computed = item.start + item.num_tokens
                 if sample is None:
                     continue
-                state.token_ids.append(sample.token_id)
-                outputs.setdefault(item.request_id, []).append(sample)
-                if remaining and self._fits_one_more(state):
+                run = sample.run()
+                if len(run) > len(item.draft_token_ids) + 1:
+                    raise RuntimeError(f"backend answered {len(run)} tokens for {len(item.draft_token_ids)} drafts")
+                state.num_computed += len(run) - 1  # the accepted drafts' KV is in the cache
+                state.token_ids.extend(s.token_id for s in run)
+                outputs.setdefault(item.request_id, []).extend(run)
+                if remaining and not item.draft_token_ids and self._fits_one_more(state):
                     next_items.append(table.item(state, 1))
             items = next_items
         return outputs
@@ -205,7 +212,8 @@ def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepT
     """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
     context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
     return json.dumps({
-        "seqs": len(items), "tokens": sum(i.num_tokens for i in items), "sampled": sum(i.sample for i in items),
+        "seqs": len(items), "tokens": sum(i.num_tokens + len(i.draft_token_ids) for i in items),
+        "drafts": sum(len(i.draft_token_ids) for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
         "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})

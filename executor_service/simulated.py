@@ -11,6 +11,7 @@ from executor_service.backend import BackendInfo, BatchItem, SampleOutput
 from executor_service.config import ExecutorConfig
 from executor_service.seeding import splitmix64
 from executor_service.token_masks import allowed_ids
+from executor_service.validator import MAX_NUM_DRAFT_TOKENS
 from protos.contract import BlockMap
 
 PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
@@ -26,7 +27,7 @@ class SimulatedBackend:
             max_model_len=config.max_model_len or config.sim_max_model_len, block_size=config.block_size,
             num_device_blocks=config.num_gpu_blocks if config.num_gpu_blocks is not None else 4096,
             num_swap_blocks=config.num_cpu_blocks if config.num_cpu_blocks is not None else 4096,
-            dtype="none", device="simulated")
+            dtype="none", device="simulated", max_num_draft_tokens=MAX_NUM_DRAFT_TOKENS)
 
     def swap_out(self, mapping: BlockMap) -> None:
         pass
@@ -66,7 +67,7 @@ class SimulatedBackend:
 
     async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         samples = self.execute(items)
-        delay = self.delay_s(sum(i.num_tokens for i in items))
+        delay = self.delay_s(sum(i.num_tokens + len(i.draft_token_ids) for i in items))
         if delay > 0:
             await asyncio.sleep(delay)
         return samples
@@ -74,10 +75,17 @@ class SimulatedBackend:
     def sample(self, item: BatchItem) -> SampleOutput:
         """The simulated model puts all probability on one token: with logprobs asked, that token has
         logprob 0 and is the only alternative with a probability above zero. Under a token mask its token is the
-        allowed one the position's hash picks (EOS only when the mask allows it)."""
-        position = len(item.token_ids)
+        allowed one the position's hash picks (EOS only when the mask allows it); a masked item has no drafts."""
+        run = [self.output(item, len(item.token_ids))]
+        drafts = item.draft_token_ids
+        while len(run) <= len(drafts) and run[-1].token_id == drafts[len(run) - 1]:  # verified as the torch one
+            run.append(self.output(item, len(item.token_ids) + len(run)))
+        run[0].extra = run[1:]
+        return run[0]
+
+    def output(self, item: BatchItem, position: int) -> SampleOutput:
         token = self.token_at(item, position)
-        if item.token_mask is not None:
+        if item.token_mask is not None and position == len(item.token_ids):
             allowed = allowed_ids(item.token_mask, self.info.vocab_size)
             masked = item.sampling.masked_ids(position - item.num_prompt_tokens, self.info.eos_token_ids)
             kept = np.setdiff1d(allowed, masked) if masked else allowed

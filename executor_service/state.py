@@ -32,6 +32,7 @@ class AdmittedRequest:
     new_block_ids: list[int]
     resumed: bool = False
     new: RequestState | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,9 +121,11 @@ class RequestTable:
         for block in admitted.new_block_ids:
             self.device_owner.setdefault(block, set()).add(rid)
 
-    def item(self, state: RequestState, num_tokens: int) -> BatchItem:
-        """The batch item of a request the validator admitted (or check_span accepted) for num_tokens."""
+    def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None) -> BatchItem:
+        """The batch item of a request the validator admitted (or check_span accepted) for num_tokens, and the
+        drafts it verifies."""
         end = state.num_computed + num_tokens
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
-                         num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling)
+                         num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
+                         draft_token_ids or ())
 

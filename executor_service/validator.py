@@ -18,6 +18,7 @@ from protos.pagedserve.v1 import common_pb2, executor_pb2
 
 MAX_NUM_STEPS = 64
 MAX_NUM_LOOKAHEAD_SLOTS = 64
+MAX_NUM_DRAFT_TOKENS = 16
 
 
 class StepRefused(Exception):
@@ -36,6 +37,7 @@ class RunningColumns:
     new_block_ids: list[int]
     num_tokens: int
     resumed: bool
+    draft_token_ids: list[int]
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +49,7 @@ class StepLimits:
     max_num_seqs: int = 256
     max_num_lookahead_slots: int = MAX_NUM_LOOKAHEAD_SLOTS
     max_num_steps: int = MAX_NUM_STEPS
+    max_num_draft_tokens: int = MAX_NUM_DRAFT_TOKENS
 
 
 def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
@@ -54,6 +57,8 @@ def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
     if step.num_steps > limits.max_num_steps:
         raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {limits.max_num_steps} "
                           "(Describe.capabilities)")
+    if step.running.draft_token_ids and step.num_steps > 1:
+        raise StepRefused("draft tokens need num_steps 1 (a verified step is not a multi-step decode)")
     if step.num_lookahead_slots > limits.max_num_lookahead_slots:
         raise StepRefused(f"num_lookahead_slots {step.num_lookahead_slots} exceeds max_num_lookahead_slots "
                           f"{limits.max_num_lookahead_slots} (Describe.capabilities)")
@@ -61,7 +66,8 @@ def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
     if seqs > limits.max_num_seqs:
         raise StepRefused(f"the step schedules {seqs} requests, more than max_num_seqs {limits.max_num_seqs} "
                           "(Describe.capabilities)")
-    tokens = sum(n.num_scheduled_tokens for n in step.new_requests) + sum(step.running.num_scheduled_tokens)
+    tokens = (sum(n.num_scheduled_tokens for n in step.new_requests) + sum(step.running.num_scheduled_tokens)
+              + len(step.running.draft_token_ids))
     if tokens > limits.max_num_batched_tokens:
         raise StepRefused(f"the step schedules {tokens} tokens, more than max_num_batched_tokens "
                           f"{limits.max_num_batched_tokens} (Describe.capabilities)")
@@ -106,7 +112,21 @@ def running_columns(run: executor_pb2.RunningRequests) -> list[RunningColumns]:
         raise StepRefused("running: request_ids, num_scheduled_tokens, num_new_blocks and resumed must be "
                           "columns of one length, and num_new_blocks must add up to len(new_block_ids)")
     blocks = split_columns(run.new_block_ids, counts) if any(counts) else [[] for _ in ids]
-    return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, strict=True)]
+    return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, draft_columns(run, len(ids)),
+                                                 strict=True)]
+
+
+def draft_columns(run: executor_pb2.RunningRequests, num_requests: int) -> list[list[int]]:
+    """Each running request's draft tokens (none when the column is empty); StepRefused if the columns disagree."""
+    counts = list(run.num_draft_tokens)
+    if not counts:
+        if run.draft_token_ids:
+            raise StepRefused("running: draft_token_ids given without num_draft_tokens")
+        return [[] for _ in range(num_requests)]
+    if len(counts) != num_requests or sum(counts) != len(run.draft_token_ids):
+        raise StepRefused("running: num_draft_tokens must be a column of request_ids' length adding up to "
+                          "len(draft_token_ids)")
+    return split_columns(run.draft_token_ids, counts)
 
 
 class _Ownership:
@@ -216,8 +236,23 @@ class StepValidator:
             self._check_claim(r.request_id, r.new_block_ids, ownership)
         if state.num_computed + r.num_tokens > len(state.token_ids):
             raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
-        self._check_span(state.num_computed, r.num_tokens, len(held) + len(r.new_block_ids))
-        return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed)
+        if r.draft_token_ids:
+            self._check_drafts(state, r)
+        self._check_span(state.num_computed, r.num_tokens + len(r.draft_token_ids), len(held) + len(r.new_block_ids))
+        return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed, None, r.draft_token_ids)
+
+    def _check_drafts(self, state: RequestState, r: RunningColumns) -> None:
+        """Drafts follow the request's last token, within the advertised count and the vocabulary."""
+        most = self.limits.max_num_draft_tokens
+        if len(r.draft_token_ids) > most:
+            raise RequestRefused(f"{len(r.draft_token_ids)} draft tokens, more than max_num_draft_tokens {most} "
+                                 "(Describe.capabilities)")
+        if state.num_computed + r.num_tokens != len(state.token_ids):
+            raise RequestRefused("draft tokens need num_scheduled_tokens to reach the request's last token")
+        vocab = self.table.vocab_size
+        bad = next((t for t in r.draft_token_ids if t >= vocab), None) if vocab else None
+        if bad is not None:
+            raise RequestRefused(f"draft token id {bad} outside the vocabulary [0, {vocab})")
 
     def _check_span(self, start: int, num_tokens: int, num_blocks: int) -> None:
         check_span(start, num_tokens, num_blocks, self.table.block_size, self.table.max_model_len)

@@ -42,8 +42,9 @@ from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.sampler import Sampler, SampleRequest
+from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
-from executor_service.validator import RequestRefused, check_span
+from executor_service.validator import MAX_NUM_DRAFT_TOKENS, RequestRefused, check_span
 from protos.contract import BlockMap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -145,7 +146,8 @@ class TorchBackend:
                       compiled=compiled)
         with phases.phase("warm-up"):
             backend.warm_up()
-        backend.info = replace(info, startup_phases=tuple(phases.seconds.items()))
+        drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
+        backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts)
         if packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
                                                     startup_cache(config))
@@ -179,12 +181,14 @@ class TorchBackend:
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
         return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
-                and all(item.num_tokens == 1 for item in items))
+                and all(item.num_tokens == 1 and not item.draft_token_ids for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
         if not items:
             return []
+        if any(item.draft_token_ids for item in items):
+            return self.verify(items)
         t0 = time.perf_counter()
         batch = self.prepare(items)
         with torch.inference_mode():  # once a step: entering it costs ~10 us with the caches cold from the pass
@@ -192,6 +196,17 @@ class TorchBackend:
         if batch.decode_only:
             self._last_decode = DecodeTime(time.perf_counter() - t0, len(items))
         return results
+
+    def verify(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        """One forward pass that also computes the items' draft tokens and verifies them (runner/speculative.py):
+        each sampled item's run of accepted drafts and the model's token after them."""
+        batch = self.prepare(expand_drafts(items))
+        rows, requests = verify_rows(items, batch.sample_items)
+        batch.output_rows = row_index(rows, self.device)
+        with torch.inference_mode():
+            logits = self.run_batch(batch)
+            samples = self.sampler.sample(logits, requests) if logits is not None else []
+        return accept_runs(items, batch.sample_items, samples)
 
     def prepare(self, items: list[BatchItem]) -> Batch:
         """Check the items and pack them into device tensors; raises ValueError before any work."""

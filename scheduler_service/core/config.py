@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import enum
 from dataclasses import dataclass, field
 
 from client.flags import flag
 from scheduler_service.core.policy import Policy
+from scheduler_service.core.speculative import SpeculativeConfig, parse_speculative_config
 
 
 class PreemptionMode(enum.Enum):
@@ -18,6 +20,14 @@ class PreemptionMode(enum.Enum):
 class Victim(enum.Enum):
     LATEST = "latest"
     LONGEST = "longest"
+
+
+def speculative_flag(text: str) -> SpeculativeConfig:
+    """--speculative-config's value; argparse prints the message of a bad one."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(slots=True)
@@ -41,6 +51,10 @@ class CoreConfig:
     max_waiting_time: float | None = field(default=None, metadata=flag(
         "seconds after which a waiting request goes to the head of the queue"))
     async_scheduling: bool = False
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=flag(
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": N, '
+        '"prompt_lookup_max": M} (also disable_by_batch_size, min_acceptance_rate); off by default',
+        parse=speculative_flag))
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,3 +64,4 @@ class ExecutorLimits:
     num_swap_blocks: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    max_num_draft_tokens: int = 0  # draft tokens the executor verifies per request and step (0: none)

@@ -48,7 +48,7 @@ class PlainDecodes:
         slots = order.slots
         ahead = rs.inflight[slots]
         total = rs.num_tokens[slots] + ahead  # its tokens once the steps in flight are done
-        decode = (rs.uncomputed[slots] == 1) & (total < rs.limit[slots])
+        decode = (rs.uncomputed[slots] == 1) & (total < rs.limit[slots]) & ~rs.drafting[slots]
         if num_steps > 1:
             decode &= ahead == 0
         need = total + extra

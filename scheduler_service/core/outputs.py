@@ -28,18 +28,22 @@ class RunningRequestData:
     new_block_ids: list[int]
     num_scheduled_tokens: int
     resumed: bool = False
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class ScheduledWork:
     """One request's part of a step. Read-only to consumers: the scheduler hands out the same object
-    (and its empty new_block_ids) for a request's plain decodes step after step."""
+    (and its empty new_block_ids) for a request's plain decodes step after step. draft_token_ids: proposed
+    tokens the executor verifies after the request's last token (speculative decoding; their slots are in
+    new_block_ids' tables, and they are charged to the token budget beside num_tokens)."""
 
     request: Request
     num_tokens: int
     new_block_ids: list[int]
     is_new: bool = False
     resumed: bool = False
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,7 +94,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(w.num_tokens for w in self.scheduled)
+        return sum(w.num_tokens + len(w.draft_token_ids) for w in self.scheduled)
 
     @property
     def needs_executor(self) -> bool:
@@ -109,7 +113,7 @@ class SchedulerOutput:
 
     def running_requests(self) -> list[RunningRequestData]:
         return [
-            RunningRequestData(w.request.request_id, w.new_block_ids, w.num_tokens, w.resumed)
+            RunningRequestData(w.request.request_id, w.new_block_ids, w.num_tokens, w.resumed, w.draft_token_ids)
             for w in self.scheduled if not w.is_new
         ]
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import SAMPLING, SamplingConfig
+from scheduler_service.core.speculative import DraftRecord
 
 
 class RequestStatus(enum.Enum):
@@ -62,7 +63,7 @@ class Request:
     next changes nothing but the output list. slot: its row in the scheduler's RunningSet while RUNNING.
     tenant and cache_salt are its prefix-cache scope (block_hash): the api server's keyed digest of the
     caller's API key ("" when none, or when the cache is shared across tenants) and vLLM's per-request salt;
-    only requests of the same scope share cached blocks."""
+    only requests of the same scope share cached blocks. drafts: its speculation record (speculative.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -81,6 +82,7 @@ class Request:
     slot: int = -1
     cache_salt: str | None = None
     tenant: str = ""
+    drafts: DraftRecord | None = None  # its speculative decoding so far (None: never proposed for)
 
     def __post_init__(self) -> None:
         self.num_uncomputed_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -37,7 +37,8 @@ NO_PLANS: Plans = (NO_PLAN, NO_PLAN)
 
 class RunningSet:
     """Columns per row: known tokens, tokens not yet computed, table capacity in slots, steps in flight
-    (async scheduling), the slot's generation, and the stop columns of the table `stops`: `limit` (tokens
+    (async scheduling), drafting (draft tokens proposed for this step, or a step with drafts in flight: not a
+    plain decode), the slot's generation, and the stop columns of the table `stops`: `limit` (tokens
     at which a length rule surely ends the request), `watch` (a plain decode must walk through update()'s
     per-request rules: a general rule may end it, or it has sampled nothing yet, and its prompt's last
     block is registered in the prefix cache when that token is computed) and `listen` (one column per
@@ -55,6 +56,7 @@ class RunningSet:
         self.plans: list[Plans] = [NO_PLANS] * capacity  # each row's stop plans (StopTable.row)
         self.gen = np.zeros(capacity, np.int64)
         self.inflight = np.zeros(capacity, np.int64)
+        self.drafting = np.zeros(capacity, np.bool_)
         self._free_slots = list(range(capacity - 1, -1, -1))
         self.order = EMPTY
 
@@ -83,6 +85,7 @@ class RunningSet:
         for column, listening in zip(self.listen, listens, strict=True):
             column[slot] = listening
         self.inflight[slot] = 0
+        self.drafting[slot] = False
         work = ScheduledWork(request, 1, NO_BLOCKS)
         o = self.order
         self.order = Order(np.append(o.slots, slot), [*o.requests, request], [*o.ids, request.request_id],
@@ -122,8 +125,8 @@ class RunningSet:
     def _grow(self) -> None:
         old = len(self.num_tokens)
         (self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self._rules_watch, self.gen,
-         self.inflight, *self.listen) = (np.concatenate([c, np.zeros_like(c)]) for c in (
+         self.inflight, self.drafting, *self.listen) = (np.concatenate([c, np.zeros_like(c)]) for c in (
             self.num_tokens, self.uncomputed, self.capacity, self.limit, self.watch, self._rules_watch, self.gen,
-            self.inflight, *self.listen))
+            self.inflight, self.drafting, *self.listen))
         self.plans += [NO_PLANS] * old
         self._free_slots.extend(range(2 * old - 1, old - 1, -1))

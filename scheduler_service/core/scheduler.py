@@ -31,6 +31,7 @@ from scheduler_service.core.outputs import (
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
+from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, propose_ngram
 from scheduler_service.core.stop_rules import StopTable, stop_reason
 
 RUNNING = RequestStatus.RUNNING
@@ -64,6 +65,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     device_blocks_cached: int = 0
+    spec: SpecDecodeStats | None = None
 
 
 class Scheduler:
@@ -95,6 +97,8 @@ class Scheduler:
         self._swapped_out_blocks = 0
         self._unupdated: list[SchedulerOutput] = []
         self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
+        self._proposals: dict[str, list[int]] = {}  # this step's draft tokens, while schedule() runs
+        self.spec_stats = SpecDecodeStats()
 
     @property
     def running(self) -> list[Request]:
@@ -142,7 +146,7 @@ class Scheduler:
             num_preemptions_recompute=self._preemptions[PreemptionMode.RECOMPUTE],
             num_swapped_in_blocks=self._swapped_in_blocks, num_swapped_out_blocks=self._swapped_out_blocks,
             prefix_cache_queries=kv.prefix_stats.queries, prefix_cache_hits=kv.prefix_stats.hits,
-            device_blocks_cached=kv.device.num_cached,
+            device_blocks_cached=kv.device.num_cached, spec=self.spec_stats,
         )
 
     def prefix_cache_hit_rate(self) -> float:
@@ -214,6 +218,8 @@ class Scheduler:
         out.num_steps = self._num_steps()
         budget = Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: dict[str, ScheduledWork] = {}
+        if self.config.speculative_config is not None and out.num_steps == 1:
+            self._proposals = self._propose()
         self._schedule_running(budget, scheduled, out)
         if not out.num_preempted:
             self._schedule_swapped(budget, scheduled, out)
@@ -222,6 +228,8 @@ class Scheduler:
         if out.num_steps > 1 and any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1
                                      for w in scheduled.values()):
             out.num_steps = 1
+        if self._proposals:
+            self._unpropose(scheduled)
         out.copy = self.kv.end_step()
         out.plain = self._plain.rows(self.rs)
         self._plain = NO_PLAIN
@@ -312,9 +320,15 @@ class Scheduler:
                       scheduled: dict[str, ScheduledWork], out: SchedulerOutput) -> None:
         rid = request.request_id
         if self.rs.inflight[request.slot]:
+            if self.rs.drafting[request.slot]:  # its step with drafts, or the one it drafts after, is in flight
+                budget_left[1] += 1
+                return
             ahead = self._schedule_ahead(request, *self._works_in_flight()[rid], out, scheduled)
             budget_left[0] -= ahead is Ahead.SCHEDULED
             budget_left[1] += ahead is Ahead.WAITS
+            return
+        drafts = self._proposals.get(rid)
+        if drafts and self._schedule_drafts(request, drafts, extra, budget_left, scheduled):
             return
         computed = request.num_computed_tokens
         remaining = request.num_uncomputed_tokens
@@ -333,6 +347,87 @@ class Scheduler:
                 return
         scheduled[rid] = ScheduledWork(request, n, new)
         budget_left[0] -= n
+
+    # ---- speculative decoding -----------------------------------------------------------
+
+    def _propose(self) -> dict[str, list[int]]:
+        """Draft tokens for the running decodes that may speculate this step (none above the batch size where
+        speculation stops paying, nor for a request that pauses after its drafts were rejected); their rows are
+        marked drafting. Async scheduling: a request whose last token is still being sampled (a step in flight)
+        cannot be drafted for; if its known tokens predict a draft, it waits for that step (an empty proposal)
+        instead of decoding ahead, and is drafted for at the next step. A structured-output request does not
+        speculate: the executor gets the mask of its next position only."""
+        spec = self.config.speculative_config
+        k_max = min(spec.num_speculative_tokens, self.limits.max_num_draft_tokens) if spec else 0
+        if spec is None or k_max < 1 or len(self.running) > spec.disable_by_batch_size:
+            return {}
+        rs = self.rs
+        proposals: dict[str, list[int]] = {}
+        for request in self.running:
+            slot = request.slot
+            if rs.uncomputed[slot] != 1 or rs.drafting[slot] or not request.output_token_ids:
+                continue
+            if request.sampling.constraint is not None:  # its mask covers one position: no drafts to verify
+                continue
+            ahead = int(rs.inflight[slot])
+            k = min(k_max, int(rs.limit[slot]) - request.num_tokens - ahead - 1)  # the last allowed is the model's
+            record = request.drafts
+            tokens = request.all_token_ids
+            if record is not None and record.guess is not None:
+                record.settle_guess(tokens, request.num_output_tokens, spec.min_acceptance_rate)
+            if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
+                continue
+            drafts = propose_ngram(tokens, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts:
+                proposals[request.request_id] = [] if ahead else drafts
+                rs.drafting[slot] = True
+                if ahead:
+                    record = request.drafts = record or DraftRecord()
+                    record.guess = (len(tokens), drafts[0])
+        return proposals
+
+    def _schedule_drafts(self, request: Request, drafts: list[int], extra: int, budget_left: list[int],
+                         scheduled: dict[str, ScheduledWork]) -> bool:
+        """A decode with its drafts: slots for the last token and every draft (lookahead), each draft charged to
+        the token budget; as many drafts as the budget and the usable pool allow. False (not drafting any more)
+        where none fit or the pool is short: speculation never preempts."""
+        k = min(len(drafts), budget_left[0] - 1, self.kv.usable_slots - request.num_tokens - extra)
+        if k >= 1:
+            new = self._grow(request, 1, extra + k)
+            if new is not None:
+                scheduled[request.request_id] = ScheduledWork(request, 1, new, draft_token_ids=tuple(drafts[:k]))
+                budget_left[0] -= 1 + k
+                return True
+        self.rs.drafting[request.slot] = False
+        return False
+
+    def _unpropose(self, scheduled: dict[str, ScheduledWork]) -> None:
+        """Proposals that did not make it into the step (budget, preemption) stop marking their rows."""
+        for rid in self._proposals:
+            request = self.requests.get(rid)
+            work = scheduled.get(rid)
+            if request is not None and request.status is RUNNING and (work is None or not work.draft_token_ids):
+                self.rs.drafting[request.slot] = False
+        self._proposals = {}
+
+    def _settle_drafts(self, work: ScheduledWork, tokens: list[int]) -> str:
+        """A verified step's tokens against its drafts: the accepted drafts, then the model's own token. Records
+        the acceptance; an error message if the executor's answer cannot be a verification of these drafts. The
+        slots of rejected drafts are free again: the computed count stops at the accepted ones, so the next step
+        writes those positions before anything attends to them (the blocks stay in the table, which the contract
+        only grows, and are the next steps' room)."""
+        request, drafts = work.request, work.draft_token_ids
+        self.rs.drafting[request.slot] = False
+        accepted = len(tokens) - 1
+        if accepted > len(drafts) or list(drafts[:accepted]) != tokens[:accepted]:
+            return f"executor returned {len(tokens)} tokens that do not verify the {len(drafts)} drafts sent"
+        spec = self.config.speculative_config
+        if request.drafts is None:
+            request.drafts = DraftRecord()
+        request.drafts.record(len(drafts), accepted, request.num_output_tokens + len(tokens),
+                              spec.min_acceptance_rate if spec is not None else 0.0)
+        self.spec_stats.record(len(drafts), accepted)
+        return ""
 
     def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
         new = self.kv.allocate_slots(request, n, extra)
@@ -416,7 +511,7 @@ class Scheduler:
         rid = request.request_id
         work = scheduled.pop(rid, None)
         if work is not None:
-            budget.tokens += work.num_tokens
+            budget.tokens += work.num_tokens + len(work.draft_token_ids)
             budget.seqs += 1
             if not (work.is_new or work.resumed):
                 self.kv.release_tail(rid, len(work.new_block_ids))
@@ -632,6 +727,10 @@ class Scheduler:
         tokens = result.tokens_of(rid)
         if not tokens:
             self._fail(request, "executor returned no token for a completed step", others.append)
+            return
+        error = self._settle_drafts(work, tokens) if work.draft_token_ids else ""
+        if error:
+            self._fail(request, error, others.append)
             return
         self._completed([rid])
         request.output_token_ids += tokens

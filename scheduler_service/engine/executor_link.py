@@ -50,6 +50,7 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
     num_blocks: list[int] = []
     blocks: list[int] = []
     resumed: list[bool] = []
+    drafted: list[ScheduledWork] = []
     for w in out.scheduled:
         if w.is_new:
             _add_new(step, w)
@@ -59,6 +60,8 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
         num_blocks.append(len(w.new_block_ids))
         blocks += w.new_block_ids
         resumed.append(w.resumed)
+        if w.draft_token_ids:
+            drafted.append(w)
     running = step.running
     running.request_ids.extend(ids)
     running.num_scheduled_tokens.extend(num_tokens)
@@ -66,7 +69,17 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
     running.new_block_ids.extend(blocks)
     if any(resumed):
         running.resumed.extend(resumed)
+    if drafted:
+        _add_drafts(running, out)
     return step
+
+
+def _add_drafts(running: executor_pb2.RunningRequests, out: SchedulerOutput) -> None:
+    """The draft columns, aligned with the running requests (speculative decoding)."""
+    for w in out.scheduled:
+        if not w.is_new:
+            running.num_draft_tokens.append(len(w.draft_token_ids))
+            running.draft_token_ids.extend(w.draft_token_ids)
 
 
 def _add_new(step: executor_pb2.StepRequest, w: ScheduledWork) -> None:

@@ -42,7 +42,8 @@ class RequestStream:
 def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
     return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
                        num_swap_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
-                       eos_token_ids=tuple(describe.eos_token_ids))
+                       eos_token_ids=tuple(describe.eos_token_ids),
+                       max_num_draft_tokens=describe.capabilities.max_num_draft_tokens)
 
 EXECUTOR_LOAD_WARN_S = 120.0
 """An executor that has not answered Describe for this long is warned about (before: it is loading, quietly)."""
@@ -390,7 +391,7 @@ class ExecutorLoop:
         if self._unrouted and not self._pending:
             self._route_unrouted()
         self._observe(core, executor)
-        if not out.scheduled and not self._pending:
+        if not out.scheduled and not self._pending and executor is None:  # a result just in: schedule at once
             await self._idle()
         else:
             await asyncio.sleep(0)
@@ -572,10 +573,13 @@ class ExecutorLoop:
         queue = (req.first_scheduled_time or now) - stream.arrival
         ttft = (stream.first_token - stream.arrival) if stream.first_token is not None else float("nan")
         hit_rate = self.scheduler.prefix_cache_hit_rate() if self.scheduler is not None else 0.0
+        drafts = req.drafts
+        spec = (f" spec_steps={drafts.steps} mean_accepted_length={drafts.mean_accepted_length:.2f}"
+                if drafts is not None and drafts.steps else "")
         log.info("request %s finished: reason=%s prompt_tokens=%d output_tokens=%d cached_tokens=%d queue=%.3fs "
-                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s", req.request_id, reason.value,
+                 "ttft=%.3fs e2e=%.3fs preemptions=%d prefix_cache_hit_rate=%.1f%%%s%s", req.request_id, reason.value,
                  req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), queue, ttft,
-                 now - stream.arrival, req.num_preemptions, hit_rate, f" error={error!r}" if error else "")
+                 now - stream.arrival, req.num_preemptions, hit_rate, spec, f" error={error!r}" if error else "")
 
     def _observe_tokens(self, stream: RequestStream, delta: RequestDelta, now: float, m: EngineMetrics) -> int:
         """Latency metrics of one delta; the number of new tokens."""

@@ -17,6 +17,7 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from scheduler_service.core.request import FinishReason
 from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.speculative import SpecDecodeStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -115,6 +116,12 @@ class EngineMetrics:
         by_mode = Counter("pagedserve:num_preemptions_by_mode", "Preemptions by mode", [*MODEL, "mode"], registry=r)
         self.preemptions_swap = by_mode.labels(m, "swap")
         self.preemptions_recompute = by_mode.labels(m, "recompute")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Decodes sent with drafts")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens sent for verification")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens the executor accepted")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                     "each draft position (0 = the first draft)", [*MODEL, "position"], registry=r)
+        self._spec_positions: list[Counter] = []
         self.swap_in_blocks = counter("pagedserve:swap_in_blocks", "Blocks swapped in")
         self.swap_out_blocks = counter("pagedserve:swap_out_blocks", "Blocks swapped out")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted")
@@ -184,7 +191,19 @@ class EngineMetrics:
         self._advance(executor, "out", s.num_swapped_out_blocks, self.swap_out_blocks)
         self._advance(executor, "prefix_queries", s.prefix_cache_queries, self.prefix_cache_queries)
         self._advance(executor, "prefix_hits", s.prefix_cache_hits, self.prefix_cache_hits)
+        if s.spec is not None and s.spec.num_drafts:
+            self._observe_spec(executor, s.spec)
         self._set_totals()
+
+    def _observe_spec(self, executor: str, spec: SpecDecodeStats) -> None:
+        self._advance(executor, "spec_drafts", spec.num_drafts, self.spec_drafts)
+        self._advance(executor, "spec_draft_tokens", spec.num_draft_tokens, self.spec_draft_tokens)
+        self._advance(executor, "spec_accepted", spec.num_accepted_tokens, self.spec_accepted)
+        positions = self._spec_positions
+        for i, accepted in enumerate(spec.accepted_per_pos or ()):
+            if i == len(positions):
+                positions.append(self._spec_per_pos.labels(self.model_name, str(i)))
+            self._advance(executor, f"spec_pos_{i}", accepted, positions[i])
 
     def _set_totals(self) -> None:
         stats = self._stats.values()

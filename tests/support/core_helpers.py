@@ -14,6 +14,7 @@ from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.speculative import SpeculativeConfig
 
 EOS = 2
 EOS2 = 13  # a second EOS id (a model with several), which the model executor samples now and then
@@ -51,13 +52,15 @@ config_spec = st.fixed_dictionaries({
     "aging_rate": st.sampled_from([0.0, 0.5]),
     "watermark": st.sampled_from([0.0, 0.1]),
     "enable_prefix_caching": st.sampled_from([True, True, False]),
+    "speculative_config": st.sampled_from([None, None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                                                         prompt_lookup_max=3)]),
 })
 max_model_len_spec = st.sampled_from([96, 96, 40, 24])
 
 
 def trace_limits(device_blocks: int, cpu_blocks: int, max_model_len: int = 96) -> ExecutorLimits:
     return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
-                          eos_token_ids=(EOS, EOS2))
+                          eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4)
 
 
 def trace_options(spec: TraceSpec) -> SamplingOptions:

@@ -1,0 +1,136 @@
+"""Speculative decoding (n-gram) on vs off, on the same executor in one run.
+
+    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 2] [--output-len 128]
+        [--num-speculative-tokens 4] [--device cpu] [--threads 1] [--datasets copy free]
+
+Both services run as processes: one torch executor (the embedded default model), then for each setting a
+scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn. Two
+reproducible datasets from the default model's own corpus (executor_service/default_model/data, made by a
+seeded generator):
+
+- copy: an edit-style workload whose answers repeat spans of their prompts -- each prompt is a corpus
+  paragraph, a blank line, and the paragraph's first third again; greedy continuation copies much of the rest.
+- free: each prompt is the first sentence of a paragraph; the model writes on freely (no copying asked).
+
+At each concurrency level, max(level * requests_per_level, 4) requests go out with at most `level` in flight
+(greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
+and off and their ratio, and the acceptance the scheduler's metrics report; one JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from client.bench.datasets import BenchRequest
+from client.bench.record import machine
+from client.bench.runner import RunConfig, run_benchmark
+from client.lib import PagedServeClient
+from client.local import free_port, parse_metrics, service
+
+CORPUS = Path(__file__).resolve().parent.parent / "executor_service/default_model/data/generated_corpus.txt"
+SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def paragraphs(count: int) -> list[str]:
+    text = CORPUS.read_text(encoding="utf-8")
+    found = [p.strip() for p in text.split("\n\n") if 300 <= len(p.strip()) <= 900 and "User:" not in p]
+    return found[:count]
+
+
+def copy_prompt(paragraph: str) -> str:
+    words = paragraph.split(" ")
+    return paragraph + "\n\n" + " ".join(words[:len(words) // 3])
+
+
+def free_prompt(paragraph: str) -> str:
+    return paragraph.split(". ")[0] + "."
+
+
+def dataset(name: str, count: int, output_len: int) -> list[BenchRequest]:
+    make = copy_prompt if name == "copy" else free_prompt
+    prompts = [make(p) for p in paragraphs(count)]
+    return [BenchRequest(prompt_len=len(p) // 4, max_tokens=output_len, prompt=p) for p in prompts]
+
+
+async def measure(address: str, requests: list[BenchRequest], concurrency: int) -> dict[str, float]:
+    config = RunConfig(max_concurrency=concurrency, ignore_eos=True, show_progress=False)
+    async with PagedServeClient(address) as client:
+        await run_benchmark(client, requests[:1], config)  # warm-up
+        result = await run_benchmark(client, requests, config)
+    ok = [t for t in result.traces if t.success]
+    outputs = sum(t.output_len for t in ok)
+    return {"completed": len(ok), "failed": len(result.traces) - len(ok), "duration_s": round(result.duration, 2),
+            "output_tok_s": round(outputs / result.duration, 1)}
+
+
+def scrape(port: int) -> dict[str, float]:
+    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+
+
+def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
+                log_dir: Path | None, extra: list[str]) -> dict[tuple[str, int], dict[str, float]]:
+    port = free_port()
+    flags = ["--executor", executor, "--metrics-port", str(port), "--api-server-count", "0", *extra]
+    if spec is not None:
+        flags += ["--speculative-config", spec]
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    with service("scheduler_service", flags, log_dir, name="scheduler-spec" if spec else "scheduler-plain") as s:
+        for (name, level), requests in work.items():
+            before = scrape(port)
+            run = asyncio.run(measure(s.address, requests, level))
+            after = scrape(port)
+            for metric in SPEC_METRICS:
+                run[metric.removeprefix("vllm:spec_decode_").removesuffix("_total")] = \
+                    after.get(metric, 0.0) - before.get(metric, 0.0)
+            results[(name, level)] = run
+            print(f"{'spec' if spec else 'plain'} {name} c={level}: {run}", file=sys.stderr, flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--requests-per-level", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--datasets", nargs="+", default=["copy", "free"], choices=["copy", "free"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--scheduler-flags", default="", help="more flags for both schedulers, e.g. --no-async-scheduling")
+    args = p.parse_args()
+    work = {(name, level): dataset(name, max(4, level * args.requests_per_level), args.output_len)
+            for name in args.datasets for level in args.concurrency}
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
+    executor_args = ["--device", args.device, "--num-gpu-blocks", "4096"]
+    with service("executor_service", executor_args, args.log_dir, env={"OMP_NUM_THREADS": str(args.threads)},
+                 name="executor") as executor:
+        extra = args.scheduler_flags.split()
+        plain = run_setting(executor.address, None, work, args.log_dir, extra)
+        spec_on = run_setting(executor.address, spec, work, args.log_dir, extra)
+    record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
+                              "machine": machine(), "results": []}
+    for key in work:
+        on, off = spec_on[key], plain[key]
+        drafted = on["num_draft_tokens"]
+        row = {"dataset": key[0], "concurrency": key[1], "spec_tok_s": on["output_tok_s"],
+               "plain_tok_s": off["output_tok_s"], "ratio": round(on["output_tok_s"] / off["output_tok_s"], 2),
+               "acceptance": round(on["num_accepted_tokens"] / drafted, 3) if drafted else None,
+               "mean_accepted_length": round(1 + on["num_accepted_tokens"] / on["num_drafts"], 2)
+               if on["num_drafts"] else None}
+        record["results"].append(row)
+        print(f"{key[0]:>5} c={key[1]:<3} spec {on['output_tok_s']:8.1f} tok/s  plain {off['output_tok_s']:8.1f} "
+              f"tok/s  ratio {row['ratio']:.2f}  acceptance {row['acceptance']}  "
+              f"mean accepted length {row['mean_accepted_length']}")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

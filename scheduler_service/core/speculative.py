@@ -1,0 +1,171 @@
+"""Speculative decoding on the scheduler's side: the configuration (vLLM's --speculative-config), the n-gram
+proposer and the per-request back-off that keeps speculation off where its drafts are rejected.
+
+The n-gram proposer is model-free: it looks for the latest earlier occurrence of a request's last n tokens
+(n from prompt_lookup_max down to prompt_lookup_min) and proposes the tokens that followed it. The executor
+verifies the drafts in one forward pass and returns 1 to k+1 tokens (docs/speculative.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+
+class SpecMethod(enum.Enum):
+    NGRAM = "ngram"
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative-config keys (method, num_speculative_tokens, prompt_lookup_min/max,
+    disable_by_batch_size) and our per-request back-off (min_acceptance_rate: a request whose recent drafts are
+    accepted less often than this pauses speculating for a while, longer each time)."""
+
+    method: SpecMethod = SpecMethod.NGRAM
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    min_acceptance_rate: float = 0.2
+
+
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+        "min_acceptance_rate")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The flag's JSON object as a SpeculativeConfig; ValueError naming the key that is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"speculative-config: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("speculative-config: must be a JSON object")
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ValueError(f"speculative-config: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> SpeculativeConfig:
+    method = raw.get("method")
+    if method == "draft_model":
+        raise ValueError("speculative-config.method: 'draft_model' is not implemented yet; use 'ngram'")
+    if method != "ngram":
+        raise ValueError(f"speculative-config.method: must be 'ngram', got {method!r}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative-config.num_speculative_tokens: required")
+    k = _int(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    high = _int(raw, "prompt_lookup_max", 1, 64, default=5)
+    low = _int(raw, "prompt_lookup_min", 1, high, default=min(2, high))
+    batch = _int(raw, "disable_by_batch_size", 1, 1 << 20, default=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    rate = raw.get("min_acceptance_rate", 0.2)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"speculative-config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
+    return SpeculativeConfig(SpecMethod.NGRAM, k, low, high, batch, float(rate))
+
+
+def _int(raw: dict[str, Any], key: str, low: int, high: int, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative-config.{key}: must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest n
+    in [n_min, n_max] that occurs); a continuation that runs into the end of the sequence repeats itself, as a
+    copy would. Empty when no n-gram recurs or k < 1."""
+    num = len(tokens)
+    if k < 1 or num < n_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, num - 1), n_min - 1, -1):
+        windows = sliding_window_view(arr[:-1], n)  # every n-gram that ends before the last token
+        found = np.flatnonzero((windows == arr[num - n:]).all(axis=1))
+        if found.size:
+            return continuation(tokens, int(found[-1]) + n, k)
+    return []
+
+
+def continuation(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens copied from `start` on, the copy reading its own output past the end of tokens."""
+    out = tokens[start:start + k]
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
+@dataclass(slots=True)
+class DraftRecord:
+    """One request's speculation so far: steps verified, draft tokens sent and accepted (for the request log and
+    the metrics), and the back-off: a recent acceptance rate, and the output length before which it does not
+    propose (paused after its rate fell below the floor), with the length of its last pause. guess: under async
+    scheduling, the position and token its n-gram predicted for a token still being sampled (it waited for
+    that token to draft after it); a wrong guess counts as a rejected draft in the back-off."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recent: float = 1.0
+    resume_at: int = 0
+    pause: int = 0
+    guess: tuple[int, int] | None = None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verified step (accepted drafts plus the model's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def record(self, drafted: int, accepted: int, num_output: int, floor: float) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.observe(accepted / drafted, num_output, floor)
+
+    def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> None:
+        """The guessed token is known now: score the guess (a draft of one) in the back-off."""
+        if self.guess is not None and self.guess[0] < len(tokens):
+            position, token = self.guess
+            self.guess = None
+            self.observe(float(tokens[position] == token), num_output, floor)
+
+    def observe(self, rate: float, num_output: int, floor: float) -> None:
+        self.recent = 0.6 * self.recent + 0.4 * rate
+        if self.recent < floor:
+            self.pause = min(64, max(8, 2 * self.pause))
+            self.resume_at = num_output + self.pause
+            self.recent = 0.5 * (1.0 + floor)
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Totals since start, with vLLM's metric meanings: drafts (verified steps that carried drafts), draft
+    tokens, accepted tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if self.accepted_per_pos is None:
+            self.accepted_per_pos = []
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < drafted:
+            per_pos.extend([0] * (drafted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1

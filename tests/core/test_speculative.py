@@ -1,0 +1,306 @@
+"""Speculative decoding in the pure core: the configuration, the n-gram proposer, and the scheduler's drafts,
+lookahead slots, budget and variable-length acceptance (random traces: tests/core/test_properties.py and
+test_async.py run with speculation among their configurations; the one here always speculates)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.config import SchedulerServiceConfig
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
+from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
+from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from tests.support.core_helpers import (
+    BLOCK,
+    EOS,
+    FakeClock,
+    TraceSpec,
+    check_columns,
+    check_invariants,
+    config_spec,
+    play_trace_step,
+    request_spec,
+    trace_limits,
+    update_and_record,
+)
+from tests.support.model_executor import ModelExecutor
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+PERIODIC = [10, 11, 12, 13] * 4  # a prompt that repeats: its drafts come from itself
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+
+def test_the_flag_reads_vllms_keys() -> None:
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
+                                      '"prompt_lookup_max": 4, "disable_by_batch_size": 8}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+            config.disable_by_batch_size) == (5, 2, 4, 8)
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("not json", "not JSON"),
+    ("[1]", "JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative-config.method"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "not implemented"),
+    ('{"method": "ngram"}', "speculative-config.num_speculative_tokens: required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative-config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "speculative-config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}',
+     "speculative-config.prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}', "min_acceptance_rate"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
+])
+def test_a_bad_config_is_refused_naming_the_key(text: str, names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        parse_speculative_config(text)
+
+
+def test_the_scheduler_flag_parses_and_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert SchedulerServiceConfig.from_args([]).speculative_config is None  # off by default
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    config = SchedulerServiceConfig.from_args(["--speculative-config", flag])
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert config.core().speculative_config == config.speculative_config
+    with pytest.raises(SystemExit):
+        SchedulerServiceConfig.from_args(["--speculative-config", '{"method": "ngram"}'])
+    assert "num_speculative_tokens: required" in capsys.readouterr().err
+
+
+# ---- the n-gram proposer -------------------------------------------------------------------------------------
+
+def test_the_proposer_copies_what_followed_the_latest_match_of_the_longest_ngram() -> None:
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose_ngram(tokens, 2, 1, 3) == [7, 8]  # "2 3" matches twice (no "5 2 3"): the latest one wins
+    assert propose_ngram(tokens, 2, 3, 3) == []  # "5 2 3" never occurred before
+    assert propose_ngram([4, 5, 6, 4], 3, 1, 2) == [5, 6, 4]
+    assert propose_ngram([4, 5, 6], 3, 1, 2) == []
+    assert propose_ngram([4, 5, 4], 0, 1, 2) == []
+
+
+def test_a_continuation_that_reaches_the_end_repeats_itself() -> None:
+    assert propose_ngram([7, 7, 7], 4, 1, 2) == [7, 7, 7, 7]
+    assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
+
+
+# ---- the scheduler -------------------------------------------------------------------------------------------
+
+def make_scheduler(spec: SpeculativeConfig | None = SPEC, max_drafts: int = 4, blocks: int = 64,
+                   **config: object) -> Scheduler:
+    cfg = CoreConfig(watermark=0.0, speculative_config=spec, **config)  # type: ignore[arg-type]
+    limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=blocks, num_swap_blocks=0, max_model_len=256,
+                            eos_token_ids=(EOS,), max_num_draft_tokens=max_drafts)
+    return Scheduler(cfg, limits, clock=FakeClock())
+
+
+def started(s: Scheduler, rid: str = "r", prompt: list[int] | None = None, **sampling: object) -> Request:
+    """A request whose prompt is computed and whose first token (the prompt's next period token) is out."""
+    request = Request(rid, list(prompt or PERIODIC), SamplingOptions(**sampling), 0.0)  # type: ignore[arg-type]
+    s.add_request(request)
+    out = s.schedule()
+    s.update(out, ExecutorResult(sampled={rid: [10]}))
+    return request
+
+
+def drafts_of(out: SchedulerOutput) -> dict[str, tuple[int, ...]]:
+    return {w.request.request_id: w.draft_token_ids for w in out.scheduled if w.draft_token_ids}
+
+
+def test_a_decode_carries_drafts_in_its_slots_and_budget() -> None:
+    s = make_scheduler()
+    request = started(s, max_tokens=50)
+    out = s.schedule()
+    assert drafts_of(out) == {"r": (11, 12, 13)}
+    assert out.total_num_scheduled_tokens == 4
+    assert len(s.kv.block_table("r")) * BLOCK >= request.num_tokens + 3  # slots for every draft
+    assert out.running_requests()[0].draft_token_ids == (11, 12, 13)
+
+
+def test_accepted_drafts_advance_the_request_by_several_tokens() -> None:
+    s = make_scheduler()
+    request = started(s, max_tokens=50)
+    before = request.num_tokens
+    out = s.schedule()
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [11, 12, 99]})))  # two accepted, then the model's
+    assert deltas[0].new_token_ids == [11, 12, 99]
+    assert request.num_tokens == before + 3 and request.num_computed_tokens == before + 2
+    assert s.spec_stats.num_drafts == 1 and s.spec_stats.num_draft_tokens == 3
+    assert s.spec_stats.num_accepted_tokens == 2 and s.spec_stats.accepted_per_pos == [1, 1, 0]
+    assert request.drafts is not None and request.drafts.mean_accepted_length == 3.0
+    check_columns(s)
+
+
+def test_a_stop_token_inside_an_accepted_run_cuts_it() -> None:
+    s = make_scheduler()
+    request = started(s, max_tokens=50, stop_token_ids=(12,))
+    out = s.schedule()
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [11, 12, 13, 99]})))
+    assert deltas[0].new_token_ids == [11, 12] and deltas[0].finish_reason is FinishReason.STOPPED
+    assert request.output_token_ids == [10, 11, 12]
+    assert s.kv.device.num_free == 64 - len(s.kv._tables)
+
+
+def test_drafts_never_run_past_max_tokens() -> None:
+    s = make_scheduler()
+    request = started(s, max_tokens=3)  # one token out: two more, the last one the model's own
+    out = s.schedule()
+    assert drafts_of(out) == {"r": (11,)}
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [11, 12]})))
+    assert deltas[0].finish_reason is FinishReason.LENGTH and request.output_token_ids == [10, 11, 12]
+
+
+def test_an_executor_without_verification_gets_plain_steps() -> None:
+    s = make_scheduler(max_drafts=0)
+    started(s, max_tokens=50)
+    assert drafts_of(s.schedule()) == {}
+
+
+@pytest.mark.parametrize(("batch_size", "drafted"), [(1, set()), (2, {"a", "b"})])
+def test_speculation_stops_above_the_batch_size(batch_size: int, drafted: set[str]) -> None:
+    s = make_scheduler(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                         disable_by_batch_size=batch_size))
+    for rid in ("a", "b"):
+        s.add_request(Request(rid, list(PERIODIC), SamplingOptions(max_tokens=50), 0.0))
+    out = s.schedule()
+    s.update(out, ExecutorResult(sampled={"a": [10], "b": [10]}))
+    assert set(drafts_of(s.schedule())) == drafted
+
+
+def test_a_request_whose_drafts_fail_pauses_speculating() -> None:
+    s = make_scheduler(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, min_acceptance_rate=0.5))
+    started(s, max_tokens=200)
+    drafted = 0
+    for _ in range(12):
+        out = s.schedule()
+        drafted += bool(drafts_of(out))
+        s.update(out, ExecutorResult(sampled={"r": [50]}))  # every draft rejected
+    assert 0 < drafted < 6, "it stopped proposing after its drafts kept failing"
+
+
+def test_the_budget_trims_drafts_and_never_preempts_for_them() -> None:
+    s = make_scheduler()
+    started(s, max_tokens=50)
+    s.config.max_num_batched_tokens = 3
+    assert drafts_of(s.schedule()) == {"r": (11, 12)}
+    s = make_scheduler(blocks=5)  # the prompt and the first token fill 5 blocks: no room for draft slots
+    started(s, prompt=[*PERIODIC, 10, 11, 12], max_tokens=50)
+    out = s.schedule()
+    assert drafts_of(out) == {} and [w.num_tokens for w in out.scheduled] == [1]
+
+
+def test_an_answer_that_does_not_verify_the_drafts_fails_the_request() -> None:
+    s = make_scheduler()
+    started(s, max_tokens=50)
+    out = s.schedule()
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [11, 50, 12, 13, 14]})))
+    assert deltas[0].finish_reason is FinishReason.ERROR and "do not verify" in deltas[0].error
+    assert s.kv.device.num_free == 64
+
+
+def test_async_a_request_with_drafts_in_flight_waits_for_them() -> None:
+    s = make_scheduler(async_scheduling=True)
+    request = started(s, max_tokens=50)
+    first = s.schedule()
+    assert drafts_of(first) == {"r": (11, 12, 13)}
+    assert s.schedule().scheduled == [], "how many tokens its step keeps is not known yet"
+    s.update(s._unupdated[1], ExecutorResult())
+    s.update(first, ExecutorResult(sampled={"r": [11, 12, 13, 10]}))
+    assert request.output_token_ids == [10, 11, 12, 13, 10]
+    assert drafts_of(s.schedule()) == {"r": (11, 12, 13)}
+
+
+def test_a_preempted_request_gives_back_its_draft_tokens_budget() -> None:
+    s = make_scheduler(blocks=6, max_num_batched_tokens=64)
+    started(s, "a", max_tokens=50)
+    started(s, "b", prompt=[20, 21, 22, 23] * 2, max_tokens=50)
+    out = s.schedule()
+    check_invariants(s, out, s.config, {})
+    assert out.total_num_scheduled_tokens <= 64
+    if out.num_preempted:
+        assert all(w.request.status is RequestStatus.RUNNING for w in out.scheduled)
+
+
+# ---- random traces, always speculating ------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(request_spec, min_size=1, max_size=10), cfg_kwargs=config_spec,
+       device_blocks=st.integers(5, 40), cpu_blocks=st.integers(0, 30), k=st.integers(1, 4))
+def test_speculative_traces_give_the_undisturbed_tokens(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
+                                                        device_blocks: int, cpu_blocks: int, k: int) -> None:
+    """Against the KV-checking executor model (a rejected draft's slot is never read: the model checks every
+    computed slot before each forward, and a slot holding a rejected draft names tokens the request never had):
+    each request's tokens equal a run without speculation, and every block comes back."""
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
+                             min_acceptance_rate=0.0)
+    plain, plain_reasons, _ = drive_trace(specs, CoreConfig(**{**cfg_kwargs, "speculative_config": None}),  # type: ignore[arg-type]
+                                          device_blocks, cpu_blocks)
+    outputs, reasons, s = drive_trace(specs, CoreConfig(**{**cfg_kwargs, "speculative_config": spec}),  # type: ignore[arg-type]
+                                      device_blocks, cpu_blocks)
+    event(f"drafts accepted: {s.spec_stats.num_accepted_tokens > 0}")
+    event(f"drafts rejected: {s.spec_stats.num_accepted_tokens < s.spec_stats.num_draft_tokens}")
+    for rid, reason in reasons.items():
+        spec_of = specs[int(rid[1:].split(".")[0])]
+        if spec_of[5] or spec_of[10] or FinishReason.ERROR in (reason, plain_reasons[rid]):
+            continue  # ended at a fixed step (abort, stop string; the runs are elsewhere by then), or failed
+        assert (outputs[rid], reason) == (plain[rid], plain_reasons[rid]), rid
+
+
+def drive_trace(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int,
+                cpu_blocks: int) -> tuple[dict[str, list[int]], dict[str, FinishReason], Scheduler]:
+    clock = FakeClock()
+    limits = trace_limits(device_blocks, cpu_blocks)
+    s = Scheduler(cfg, limits, clock=clock)
+    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+    for step in range(800):
+        clock.now = step * 0.01
+        for request in play_trace_step(s, specs, step, clock.now, reasons):
+            outputs[request.request_id] = []
+        before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
+        out = s.schedule()
+        check_invariants(s, out, cfg, before)
+        check_columns(s)
+        update_and_record(s, out, ex.step(out), outputs, reasons)
+        for r in s.running:  # at most the drafts' room beyond what it holds: no block leaks into a table
+            need = r.num_tokens + cfg.num_lookahead_slots + cfg.num_scheduler_steps - 1
+            assert len(s.kv.block_table(r.request_id)) <= s.kv.blocks_for(need + 4), r.request_id
+        if step > max(sp[0] for sp in specs) and not s.has_unfinished():
+            break
+    assert not s.has_unfinished()
+    assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
+    return outputs, reasons, s
+
+
+def test_async_a_request_whose_tokens_predict_a_draft_waits_for_its_step_then_drafts() -> None:
+    s = make_scheduler(async_scheduling=True)
+    request = Request("r", list(PERIODIC), SamplingOptions(max_tokens=50), 0.0)
+    s.add_request(request)
+    prefill = s.schedule()
+    decode = s.schedule()  # the first token is being sampled: decoded ahead, nothing to draft from
+    assert [w.num_tokens for w in decode.scheduled] == [1] and not drafts_of(decode)
+    s.update(prefill, ExecutorResult(sampled={"r": [10]}))
+    waits = s.schedule()  # "13 10" predicts 11 for the token in flight: it waits for it instead of decoding ahead
+    assert waits.scheduled == []
+    s.update(decode, ExecutorResult(sampled={"r": [11]}))
+    s.update(waits, ExecutorResult())
+    assert drafts_of(s.schedule()) == {"r": (12, 13, 10)}
+
+
+def test_async_wrong_guesses_pause_the_waiting() -> None:
+    s = make_scheduler(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, min_acceptance_rate=0.5),
+                       async_scheduling=True)
+    s.add_request(Request("r", list(PERIODIC), SamplingOptions(max_tokens=200), 0.0))
+    pending = [s.schedule()]
+    waited = 0
+    for _ in range(30):
+        out = s.schedule()
+        waited += not out.scheduled
+        first = pending.pop(0)
+        s.update(first, ExecutorResult(sampled={"r": [50]} if first.scheduled else {}))  # never what it guessed
+        pending.append(out)
+    assert 0 < waited < 8, "after its guesses kept failing it decoded ahead again"

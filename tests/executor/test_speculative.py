@@ -1,0 +1,185 @@
+"""Draft verification in the executor: the torch backend's one-pass verification gives the tokens of decoding
+without drafts (greedy, and seeded sampling), the rejection rule keeps the target distribution (a statistical
+test on a small vocabulary), and the shell checks and answers drafts (simulated backend)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from executor_service.backend import BatchItem, SamplingConfig
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.runner.sampler import Sampler, SampleRequest
+from executor_service.runner.speculative import accept_runs
+from executor_service.runner.torch_backend import TorchBackend
+from executor_service.server import ExecutorServicer
+from executor_service.simulated import SimulatedBackend
+from protos.pagedserve.v1 import executor_pb2
+
+VOCAB = 64
+GREEDY = SamplingConfig(temperature=0.0)
+SEEDED = SamplingConfig(temperature=0.9, seed=7)
+Drafter = Callable[[list[int], int], list[int]]
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> TorchBackend:
+    model = make_model(tmp_path_factory.mktemp("m") / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                       vocab_size=VOCAB, init_std=0.2)
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=64))
+
+
+def decode(backend: TorchBackend, prompts: Sequence[list[int]], n: int, sampling: SamplingConfig,
+           drafter: Drafter | None = None) -> list[list[int]]:
+    """n tokens of each prompt, all of them stepped together as the server steps them (drafts from `drafter`,
+    given a request's tokens and its index)."""
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+    while any(len(t) - len(p) < n for t, p in zip(tokens, prompts, strict=True)):
+        items = []
+        for i, t in enumerate(tokens):
+            drafts = drafter(t, i) if drafter is not None and computed[i] else []
+            items.append(BatchItem(str(i), t, len(prompts[i]), computed[i], len(t) - computed[i], tables[i], True,
+                                   sampling, drafts))
+        for i, sample in enumerate(backend.execute(items)):
+            assert sample is not None
+            run = sample.run()
+            assert 1 <= len(run) <= len(items[i].draft_token_ids) + 1
+            computed[i] = len(tokens[i]) + len(run) - 1
+            tokens[i] += [s.token_id for s in run]
+    return [t[len(p):len(p) + n] for t, p in zip(tokens, prompts, strict=True)]
+
+
+PROMPTS = [[3, 9, 4, 9, 4, 9, 4, 1], [5, 6, 7, 8, 5, 6, 7], [11, 12]]
+
+
+def oracle(plain: list[list[int]], corrupt: float, seed: int) -> Drafter:
+    """Drafts from the known answer, some of them (corrupt) replaced by wrong tokens, 0 to 4 of them."""
+    rng = random.Random(seed)
+
+    def drafter(tokens: list[int], i: int) -> list[int]:
+        done = len(tokens) - len(PROMPTS[i])
+        drafts = plain[i][done:done + rng.randrange(5)]
+        return [(t + 1) % VOCAB if rng.random() < corrupt else t for t in drafts]
+    return drafter
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("corrupt", [0.0, 0.3, 1.0])
+def test_verified_decoding_gives_the_tokens_of_plain_decoding(backend: TorchBackend, sampling: SamplingConfig,
+                                                             corrupt: float) -> None:
+    plain = decode(backend, PROMPTS, 16, sampling)
+    assert decode(backend, PROMPTS, 16, sampling, oracle(plain, corrupt, seed=int(corrupt * 10))) == plain
+
+
+def test_drafts_right_from_the_start_take_fewer_steps(backend: TorchBackend) -> None:
+    plain = decode(backend, PROMPTS[:1], 12, GREEDY)
+    calls = [0]
+    execute = backend.execute
+
+    def counted(items: list[BatchItem]) -> list[object]:
+        calls[0] += 1
+        return execute(items)  # type: ignore[return-value]
+    backend.execute = counted  # type: ignore[method-assign,assignment]
+    try:
+        assert decode(backend, PROMPTS[:1], 12, GREEDY, oracle(plain, 0.0, seed=3)) == plain
+    finally:
+        del backend.execute
+    assert calls[0] < 12
+
+
+# ---- the rejection rule keeps the target distribution ------------------------------------------------------
+
+def test_verification_samples_the_target_distribution() -> None:
+    """A draft d is accepted with probability p(d); the first token out follows p either way. 6,000 seeded trials
+    on a 6-token vocabulary: a chi-square test of the first token (5 degrees of freedom, p < 0.001 fails) and
+    the acceptance rate within 4.5 standard deviations of p(d). A verifier that accepts d more or less often than
+    p(d) fails the second; one whose token at the draft's position is not drawn from p (a replacement drawn from
+    p without removing d, say) fails the first."""
+    probs = torch.tensor([0.05, 0.30, 0.15, 0.25, 0.10, 0.15])
+    logits = probs.log()
+    draft, trials = 1, 6000
+    sampler = Sampler(0, torch.device("cpu"))
+    requests = []
+    for seed in range(trials):
+        sampling = SamplingConfig(temperature=1.0, seed=seed)
+        requests += [SampleRequest(sampling, [0, 2], 1, 2), SampleRequest(sampling, [0, 2, draft], 1, 3)]
+    samples = sampler.sample(logits.repeat(2 * trials, 1), requests)
+    items = [BatchItem(str(i), [0, 2], 1, 1, 1, [0], True, SamplingConfig(), [draft]) for i in range(trials)]
+    runs = [s.run() for s in accept_runs(items, range(trials), samples) if s is not None]
+    counts = [0] * len(probs)
+    for run in runs:
+        counts[run[0].token_id] += 1
+    chi2 = sum((c - trials * p) ** 2 / (trials * p) for c, p in zip(counts, probs.tolist(), strict=True))
+    assert chi2 < 20.52, (chi2, counts)  # the 0.999 quantile of chi-square with 5 degrees of freedom
+    accepted = sum(len(run) == 2 for run in runs)
+    p = probs[draft].item()
+    assert abs(accepted - trials * p) < 4.5 * math.sqrt(trials * p * (1 - p)), accepted
+    assert all(len(run) == 1 or run[0].token_id == draft for run in runs)
+
+
+# ---- the shell: checks and answers (simulated backend) -----------------------------------------------------
+
+def servicer() -> ExecutorServicer:
+    return ExecutorServicer(SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=0,
+                                                            block_size=4, max_model_len=64)))
+
+
+async def started(s: ExecutorServicer) -> int:
+    """Request "a" with a 4-token prompt computed and its first token sampled; that token."""
+    new = executor_pb2.NewRequest(request_id="a", token_ids=[65] * 4, num_prompt_tokens=4, num_scheduled_tokens=4,
+                                  block_ids=[0, 1])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[new]))
+    return result.sampled.token_ids[0]
+
+
+def drafted(drafts: list[int], blocks: int = 0, num_tokens: int = 1) -> executor_pb2.RunningRequests:
+    return executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[num_tokens], num_new_blocks=[blocks],
+                                        new_block_ids=list(range(2, 2 + blocks)), num_draft_tokens=[len(drafts)],
+                                        draft_token_ids=drafts)
+
+
+async def test_the_shell_answers_the_accepted_run_and_advances_the_request() -> None:
+    s = servicer()
+    await started(s)
+    state = s.table.states["a"]
+    backend = s.backend
+    assert isinstance(backend, SimulatedBackend)
+    probe = s.table.item(state, 1)
+    truth = [backend.token_at(probe, 5 + j) for j in range(3)]
+    result = await s.run_step(executor_pb2.StepRequest(step_id=2, running=drafted([truth[0], truth[1] ^ 1, 3])))
+    assert not result.error and not result.errors
+    assert list(result.sampled.num_tokens) == [2] and list(result.sampled.token_ids) == truth[:2]
+    assert state.num_computed == 6 and state.token_ids[5:] == truth[:2]
+    described = await s.Describe(executor_pb2.DescribeRequest(), None)
+    assert described.capabilities.max_num_draft_tokens == 16
+
+
+@pytest.mark.parametrize(("running", "num_steps", "message"), [
+    (drafted([1] * 17, blocks=3), 1, "more than max_num_draft_tokens"),
+    (drafted([1, 2, 3, 4]), 1, "need 3 blocks"),
+    (drafted([1, 99999]), 1, "outside the vocabulary"),
+    (drafted([1], num_tokens=0), 1, "last token"),
+])
+async def test_bad_drafts_fail_their_request(running: executor_pb2.RunningRequests, num_steps: int,
+                                             message: str) -> None:
+    s = servicer()
+    await started(s)
+    result = await s.run_step(executor_pb2.StepRequest(step_id=2, running=running, num_steps=num_steps))
+    assert not result.error and message in result.errors[0].message
+
+
+async def test_malformed_draft_columns_or_multi_step_refuse_the_step() -> None:
+    s = servicer()
+    await started(s)
+    bad = drafted([1, 2])
+    bad.num_draft_tokens[:] = [3]
+    assert "num_draft_tokens" in (await s.run_step(executor_pb2.StepRequest(step_id=2, running=bad))).error
+    multi = executor_pb2.StepRequest(step_id=3, running=drafted([1]), num_steps=2)
+    assert "num_steps 1" in (await s.run_step(multi)).error
