@@ -1,8 +1,8 @@
 """StepRequest.token_bitmasks, checked and cut into rows: which tokens each constrained request may sample this step.
 
 The executor never trusts them: a malformed set (wrong row width or byte count, a repeated or unknown request id, a
-row that allows no token, masks with num_steps > 1, where they would hold for the first pass only) refuses the whole
-step before anything changes. A row is the request's bitmask as bytes, bit j of byte k (least significant first)
+row that allows no token, masks with num_steps > 1 or on a request with draft tokens, where they would hold for the
+first position only) refuses the whole step before anything changes. A row is the request's bitmask as bytes, bit j of byte k (least significant first)
 standing for token 8 * k + j: the little-endian uint32 words of the contract read byte by byte.
 """
 
@@ -41,6 +41,11 @@ def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
     unknown = next((rid for rid in ids if rid not in scheduled), None)
     if unknown is not None:
         raise StepRefused(f"token_bitmasks names {unknown!r}, which this step does not schedule")
+    drafting = {rid for rid, k in zip(step.running.request_ids, step.running.num_draft_tokens, strict=False) if k}
+    both = next((rid for rid in ids if rid in drafting), None)
+    if both is not None:
+        raise StepRefused(f"token_bitmasks names {both!r}, which also carries draft tokens: a mask holds for one "
+                          "position, so a constrained request is sent no drafts")
     rows = np.frombuffer(m.bitmask, dtype=np.uint8).reshape(len(ids), 4 * words)
     empty = np.flatnonzero(~allows_some(rows, vocab_size))
     if len(empty):

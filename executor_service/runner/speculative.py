@@ -46,7 +46,8 @@ def verify_rows(items: Sequence[BatchItem], sample_items: Sequence[int]) -> tupl
         known = len(item.token_ids)
         for j in range(count):
             context = [*item.token_ids, *drafts[:j]] if j else item.token_ids
-            requests.append(SampleRequest(item.sampling, context, item.num_prompt_tokens, known + j))
+            mask = item.token_mask if j == 0 else None  # (a masked item has no drafts: the scheduler sends none)
+            requests.append(SampleRequest(item.sampling, context, item.num_prompt_tokens, known + j, mask))
     return rows, requests
 
 
