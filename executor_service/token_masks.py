@@ -2,8 +2,9 @@
 
 The executor never trusts them: a malformed set (wrong row width or byte count, a repeated or unknown request id, a
 row that allows no token, masks with num_steps > 1 or on a request with draft tokens, where they would hold for the
-first position only) refuses the whole step before anything changes. A row is the request's bitmask as bytes, bit j of byte k (least significant first)
-standing for token 8 * k + j: the little-endian uint32 words of the contract read byte by byte.
+first position only) refuses the whole step before anything changes. A row is the request's bitmask as bytes, bit j
+of byte k (least significant first) standing for token 8 * k + j: the little-endian uint32 words of the contract
+read byte by byte.
 """
 
 from __future__ import annotations
