@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import signal
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +19,10 @@ from client.lib import PagedServeClient, build_request
 from executor_service.default_model.model import train_tokenizer
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 from tests.support.procs import (
-    ROOT,
     Stack,
     free_port,
     run,
+    run_script,
     running_stack,
     start,
     stop,
@@ -368,9 +367,7 @@ async def _canary(stack: Stack) -> tuple[float, list[grpc.StatusCode]]:
                     break
 
         watcher = asyncio.create_task(watch())
-        attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", ATTACK, stack.address, cwd=ROOT,
-                                                        stdout=asyncio.subprocess.PIPE)
-        out, _ = await attacker.communicate()
+        out = await run_script(ATTACK, stack.address)
         await asyncio.sleep(0.2)  # a few more canary tokens after the last attack
         stop_canary.set()
         await watcher

@@ -33,7 +33,7 @@ import pytest
 
 from client.lib import PagedServeClient
 from executor_service.default_model.model import train_tokenizer
-from tests.support.procs import ROOT, free_port, run, start, stop, wait_healthy, wait_until
+from tests.support.procs import ROOT, free_port, run, run_script, start, stop, wait_healthy, wait_until
 
 KEY = "test-key-27"
 HEADER_TIMEOUT = 1.5
@@ -293,9 +293,7 @@ async def test_a_huge_chat_message_is_refused_quickly_while_another_stream_flows
                     break
 
         watcher = asyncio.create_task(watch())
-        attacker = await asyncio.create_subprocess_exec(sys.executable, "-c", CHAT_ATTACK, chat_stack.url, KEY,
-                                                        cwd=ROOT, stdout=asyncio.subprocess.PIPE)
-        out, _ = await asyncio.wait_for(attacker.communicate(), 120)
+        out = await run_script(CHAT_ATTACK, chat_stack.url, KEY)
         await asyncio.sleep(0.2)
         done.set()
         await watcher

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,15 @@ class Stack:
         stop(self.executor, signal.SIGKILL)
         self.executor = start("executor_service", self.executor_args, self.log_dir / "executor.log")
         wait_healthy(self.executor_address, self.executor)
+
+
+async def run_script(script: str, *args: str, timeout: float = 120) -> bytes:
+    """`python -c script args...`'s standard output, run from a worker thread with subprocess: its child runs no
+    Python between fork and exec. (An event loop's subprocess transport runs the interpreter's after-fork hooks
+    in the child, which can crash there while gRPC threads of this process hold their locks.)"""
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script, *args], cwd=ROOT,
+                                   stdout=subprocess.PIPE, timeout=timeout, check=True)
+    return done.stdout
 
 
 def thread_count(proc: subprocess.Popen[bytes]) -> int:
