@@ -116,7 +116,7 @@ async def grpc_stream(client: PagedServeClient, i: int, max_tokens: int, load: L
         load.done["grpc"] += 1
     except Exception as e:
         load.failed["grpc"] += 1
-        load.errors.append(f"grpc after {load.last_restart()}: {e!r}"[:300])
+        load.errors.append(f"grpc after {load.last_restart()}: {e!r}"[:600])
 
 
 async def http_stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int, load: Load) -> None:
@@ -140,6 +140,9 @@ async def http_stream(session: aiohttp.ClientSession, url: str, i: int, max_toke
         if reason != "length":
             raise RuntimeError(f"finish_reason {reason}")
         load.done["http"] += 1
+    except aiohttp.ClientConnectorError:  # no stream began: a port closing under it (SO_REUSEPORT); retried
+        load.refused_http += 1
+        await asyncio.sleep(0.2)
     except Exception as e:
         load.failed["http"] += 1
         load.errors.append(f"http after {load.last_restart()}: {e!r}"[:200])
@@ -207,8 +210,8 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         await session.close()
         await client.close()
         return {"open_streams": {"grpc": args.streams, "http": args.http_streams}, "completed": load.done,
-                "failed": load.failed, "http_refused_503_then_retried": load.refused_http,
-                "errors": sorted(set(load.errors))[:12],
+                "failed": load.failed, "http_refused_then_retried": load.refused_http,
+                "errors": sorted(set(load.errors))[:20],
                 "longest_gap_s": {k: round(longest_gap(load.stamps, *w), 3) for k, w in moments.items()},
                 "tokens_resubmitted_by_frontends": stack.resubmitted_tokens()}
     finally:

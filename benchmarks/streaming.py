@@ -20,7 +20,8 @@ Both services run as processes; the simulated executor sleeps --sim-step-latency
 
 Layouts: before = `--api-server-count 0 --no-async-scheduling` (everything in one process, as before the
 split), after = the defaults (one engine core process, --api-server-count front-ends, async scheduling);
-`after2` = the same with two front-ends. The client load runs in this process on the same cores, so
+`after2` = the same with two front-ends; `tier` = the engine core alone (--engine-core-listen tcp://)
+with one front-end process of its own (#28). The client load runs in this process on the same cores, so
 every figure includes that competition: compare the columns of one run, not runs on different days.
 
 With --exact N, N streams are opened at once (max_tokens 50, 8 distinct prompts) against the `after`
@@ -42,7 +43,7 @@ import uvloop
 
 from client.bench.record import emit, machine
 from client.lib import PagedServeClient
-from client.local import free_port, parse_metrics, service
+from client.local import free_port, parse_metrics, service, start, stop
 from protos.pagedserve.v1 import generation_pb2
 
 PROMPT_LEN = 16
@@ -54,6 +55,7 @@ LAYOUTS = {
     "before": ["--api-server-count", "0", "--no-async-scheduling"],
     "after": ["--api-server-count", "1"],
     "after2": ["--api-server-count", "2"],
+    "tier": ["--api-server-count", "0"],  # the engine core alone; one front-end of its own over tcp:// (#28)
     "after-3-in-flight": ["--api-server-count", "1", "--steps-in-flight", "3"],
     "after-2-in-flight": ["--api-server-count", "1", "--steps-in-flight", "2"],
 }
@@ -87,8 +89,8 @@ class Counts:
     responses: int = 0
 
 
-async def window(address: str, metrics_port: int, core_pid: int, streams: int, seconds: float
-                 ) -> dict[str, float]:
+async def window(address: str, metrics_port: int, core_pid: int, streams: int, seconds: float,
+                 frontend_pids: list[int] | None = None) -> dict[str, float]:
     counts = Counts()
     per_stream = [0] * streams
 
@@ -104,7 +106,7 @@ async def window(address: str, metrics_port: int, core_pid: int, streams: int, s
     def sample() -> asyncio.Future[tuple[float, float, float]]:
         return asyncio.ensure_future(asyncio.to_thread(scheduler_sample, metrics_port))
 
-    frontends = children(core_pid)
+    frontends = frontend_pids if frontend_pids is not None else children(core_pid)
     clients = [PagedServeClient(address) for _ in range(-(-streams // STREAMS_PER_CHANNEL))]
     tasks = [asyncio.create_task(one(clients[i // STREAMS_PER_CHANNEL], i)) for i in range(streams)]
     deadline = time.monotonic() + 180
@@ -133,6 +135,24 @@ async def window(address: str, metrics_port: int, core_pid: int, streams: int, s
             "core_cpu": core1 - core0, "frontend_cpu": fe1 - fe0, "frontends": len(frontends)}
 
 
+async def tier_window(core_args: list[str], metrics_port: int, streams: int, seconds: float) -> dict[str, float]:
+    """The `tier` layout: an engine core listening on tcp:// and a front-end process of its own connected to it."""
+    link = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="pagedserve-tier-") as logs:
+        log = Path(logs) / "core.log"
+        core = start("scheduler_service", ["--engine-core-listen", link, *core_args], log)
+        try:
+            deadline = time.monotonic() + 120
+            while "engine core ready" not in log.read_text():
+                if core.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"engine core not ready:\n{log.read_text()[-2000:]}")
+                await asyncio.sleep(0.05)
+            with service("scheduler_service.frontend", ["--engine-core", link], Path(logs), name="frontend") as fe:
+                return await window(fe.address, metrics_port, core.pid, streams, seconds, [fe.proc.pid])
+        finally:
+            stop(core)
+
+
 async def run_case(layout: str, streams: int, step_ms: float, seconds: float) -> dict[str, object]:
     ex_args = ["--simulated", "--num-gpu-blocks", "200000", "--sim-step-latency-ms", str(step_ms), *BIG_STEPS]
     with service("executor_service", ex_args, name="executor") as ex:
@@ -140,8 +160,11 @@ async def run_case(layout: str, streams: int, step_ms: float, seconds: float) ->
         sc_args = ["--executor", ex.address, "--metrics-port", str(port), "--max-num-seqs", "4096",
                    "--max-num-batched-tokens", "65536", "--watermark", "0", "--max-queue-len", "100000",
                    *LAYOUTS[layout]]
-        with service("scheduler_service", sc_args, name="scheduler") as sc:
-            w = await window(sc.address, port, sc.proc.pid, streams, seconds)
+        if layout == "tier":
+            w = await tier_window(sc_args, port, streams, seconds)
+        else:
+            with service("scheduler_service", sc_args, name="scheduler") as sc:
+                w = await window(sc.address, port, sc.proc.pid, streams, seconds)
     step = step_ms / 1e3
     tokens = max(1.0, w["tokens"])
     return {"bench": "streaming", "layout": layout, "streams": streams, "sim_step_ms": step_ms,

@@ -39,6 +39,10 @@ class ResumeState:
         if response.finish_reason:
             self.finished.add(response.index)
 
+    def complete(self, request: generation_pb2.GenerateRequest) -> bool:
+        n = request.sampling.n if request.sampling.HasField("n") else 1
+        return len(self.finished) >= n
+
     def point(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
         """The request again with its resume point."""
         resumed = generation_pb2.GenerateRequest()
@@ -106,6 +110,8 @@ class PagedServeClient:
                     yield response
                 return
             except grpc.aio.AioRpcError as e:
+                if self.resume_attempts and state.complete(request):
+                    return  # every sequence had its last response; only the call's closing status was lost
                 if failures >= self.resume_attempts or not self._resumable(e.code(), request is not first):
                     raise
             finally:

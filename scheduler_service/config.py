@@ -109,8 +109,9 @@ class SchedulerServiceConfig(CoreConfig):
     engine_core_listen: str | None = field(default=None, metadata=flag(
         "engine core: tcp://HOST:PORT or ipc://PATH on which front-ends (its own api servers and any started with "
         "`python -m scheduler_service.frontend`) connect (default: a fresh ipc:// path for its own api servers)"))
-    engine_core: str | None = field(default=None, metadata=flag(
-        "front-end (`python -m scheduler_service.frontend`): the engine core's tcp://HOST:PORT or ipc://PATH"))
+    engine_core: list[str] = field(default_factory=list, metadata=flag(
+        "front-end (`python -m scheduler_service.frontend`): an engine core's tcp://HOST:PORT or ipc://PATH "
+        "(repeatable: new requests go to the least loaded ready core; a lost core's requests move to the others)"))
     engine_core_secret_file: str | None = field(default=None, metadata=flag(
         "file holding the shared secret of the engine-core link (CURVE encryption and authentication); needed "
         "for an address other hosts can reach"))

@@ -76,6 +76,7 @@ class CoreClient:
         self.streams: dict[str, RemoteStream] = {}
         self._unsettled: set[str] = set()  # LENGTH finishes the core counts once finish() settles them
         self.on_ready_change: Callable[[bool], object] | None = None
+        self.on_lost: Callable[[CoreClient], object] | None = None  # a CoreSet moves the open requests elsewhere
         self.num_overflowed = 0
         self.num_resumed = 0  # requests re-submitted to a core after one was lost
         self.lost_since: float | None = None  # when the core was lost, until a session joins one again
@@ -161,9 +162,29 @@ class CoreClient:
         self._new, self._ended = [], []
         self._unsettled.clear()
         self._set_ready(False)
+        if self.on_lost is not None:
+            self.on_lost(self)
         if time.monotonic() - self.lost_since > self.limits.wait_timeout:
             self._fail_open(f"engine core {self.address} lost ({reason}) and not back within "
                             f"--engine-core-wait-timeout {self.limits.wait_timeout:g}s")
+
+    def settling(self, request_id: str) -> bool:
+        """Whether a LENGTH finish of this request waits for finish() to settle it."""
+        return request_id in self._unsettled
+
+    def release_all(self) -> list[tuple[str, RemoteStream]]:
+        """Hand every open request over (to another core): this client forgets them."""
+        moved = list(self.streams.items())
+        self.streams.clear()
+        return moved
+
+    def adopt(self, request_id: str, stream: RemoteStream) -> None:
+        """Take over an open request another core lost: re-submit it here as a continuation."""
+        stream.session = self._session.number
+        self.streams[request_id] = stream
+        if stream.new is not None:
+            self._new.append(replace(stream.new, output_token_ids=list(stream.delivered), resume=True))
+            self._schedule_flush()
 
     def _fail_open(self, message: str) -> None:
         for rid, stream in list(self.streams.items()):

@@ -18,6 +18,8 @@ import uvloop
 from protos.wire import read_secret
 from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
+from scheduler_service.frontend.core_client import CoreClient
+from scheduler_service.frontend.core_set import CoreSet
 from scheduler_service.link_auth import check_address
 from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
@@ -29,8 +31,16 @@ def frontend_name() -> bytes:
     return f"fe-{socket.gethostname()[:24]}-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode()
 
 
-async def serve_frontend(config: SchedulerServiceConfig, engine_core: str) -> None:
-    core = core_client(config, frontend_name(), engine_core)
+def engine_handle(config: SchedulerServiceConfig, addresses: list[str]) -> CoreClient | CoreSet:
+    """One core's CoreClient, or a CoreSet over several."""
+    name = frontend_name()
+    if len(addresses) == 1:
+        return core_client(config, name, addresses[0])
+    return CoreSet([core_client(config, name, address) for address in addresses])
+
+
+async def serve_frontend(config: SchedulerServiceConfig, engine_cores: list[str]) -> None:
+    core = engine_handle(config, engine_cores)
     await core.start()
     api = await open_api_server(config, core, config.listen, reuse_port=True)
     api.public.generation.refusals.listener = core.count_refusal
@@ -40,7 +50,7 @@ async def serve_frontend(config: SchedulerServiceConfig, engine_core: str) -> No
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     freeze_startup_objects()
     log.info("front-end (pid %d) serving %s%s over engine core %s", os.getpid(), config.listen,
-             f" and HTTP {config.http_listen}" if config.http_listen else "", config.engine_core)
+             f" and HTTP {config.http_listen}" if config.http_listen else "", ", ".join(engine_cores))
     await stop.wait()
     log.info("SIGTERM: refusing new requests, draining for up to %.1fs", config.shutdown_timeout)
     await drain(config, api, core)
@@ -53,7 +63,8 @@ def run(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     if not config.engine_core:
         raise SystemExit("--engine-core is required: the engine core's tcp://HOST:PORT or ipc://PATH")
-    check_address(config.engine_core, read_secret(config.engine_core_secret_file), "--engine-core")
+    for address in config.engine_core:
+        check_address(address, read_secret(config.engine_core_secret_file), "--engine-core")
     raise_open_file_limit()
     uvloop.run(serve_frontend(config, config.engine_core))
     return 0

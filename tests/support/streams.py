@@ -47,6 +47,7 @@ Outcome = dict[tuple[str, int], Sequence]  # by (request id, sequence index)
 
 
 async def run_all(address: str, calls: list[Spec], on_token: Callable[[int], None] = lambda n: None,
+                  on_response: Callable[[tuple[str, int]], None] = lambda key: None,
                   max_tokens: int = MAX_TOKENS, resume_attempts: int = 0) -> Outcome:
     out: Outcome = {}
 
@@ -62,6 +63,7 @@ async def run_all(address: str, calls: list[Spec], on_token: Callable[[int], Non
                 seq.finish_reason, seq.prompt_tokens = r.finish_reason, r.usage.prompt_tokens
                 seq.completion_tokens = r.usage.completion_tokens
             on_token(len(r.token_ids))
+            on_response((spec.request_id, r.index))
 
     async with PagedServeClient(address, resume_attempts=resume_attempts) as client:
         await asyncio.gather(*(one(client, s) for s in calls))
