@@ -219,3 +219,18 @@ def test_a_cold_start_packs_by_the_rule_serves_and_swaps_in_what_it_measures(
     after = cold.run_batch(cold.prepare(items))
     assert before is not None and after is not None
     torch.testing.assert_close(before, after, rtol=1e-4, atol=1e-4)
+
+
+def test_the_provisional_rule_takes_forced_settings_and_sizes_the_skinny_rows_by_the_caches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    linears = [Linear(64, 128, False, torch.float32) for _ in range(2)]  # 64 KiB of weights in all
+    monkeypatch.setattr(calibration, "rule_gemm", lambda: "mkl")
+    skinny = packed.skinny_available()
+    monkeypatch.setattr(calibration, "calibration_bytes", lambda: 1 << 30)  # the weights stay in cache: no skinny
+    assert calibration.provisional_choice(linears, "auto", -1) == packed.Packing("mkl", 0, provisional=True)
+    monkeypatch.setattr(calibration, "calibration_bytes", lambda: 1 << 10)  # they outgrow it: the skinny kernel
+    rows = calibration.PROVISIONAL_SKINNY_ROWS if skinny else 0
+    assert calibration.provisional_choice(linears, "auto", -1) == packed.Packing("mkl", rows, provisional=True)
+    assert calibration.provisional_choice(linears, "auto", 8).skinny_rows == (8 if skinny else 0)
+    forced = calibration.provisional_choice(linears, "onednn", -1).gemm
+    assert forced == ("onednn" if packed.available("onednn") else None)

@@ -1,0 +1,166 @@
+"""pagedserve against llama.cpp's llama-server on the CPU, both over OpenAI /v1/completions streaming (#29).
+
+    python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--no-build]
+
+Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
+under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
+float32 safetensors) to GGUF f32 with llama.cpp's own converter. Then, per thread count: pagedserve (executor with
+--cpu-threads N, scheduler with --http-listen) and llama-server (-t N -tb N) at each slot count, one at a time, each
+sent the same ShareGPT-like requests (lognormal prompt and output lengths, the prompts as token ids, ignore_eos, all at
+once) after a warm-up of 8; useful output tok/s from the streams' usage. Greedy equality first: the first
+--check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one JSON line per run
+and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly (exit 0, a JSON
+line saying why) where llama-server cannot be found or built, or the model cannot be converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.llamacpp_build import convert, find_server
+from benchmarks.vs_transformers import DEFAULT_CACHE, MODEL_SPEC, ensure_model
+from client.bench.datasets import BenchRequest, SyntheticConfig, synthetic_requests
+from client.bench.openai_backend import OpenAIBenchClient
+from client.bench.record import machine
+from client.bench.runner import RunConfig, run_benchmark
+from client.bench.stats import SLO, compute_metrics
+from client.local import free_port, service
+
+CTX_PER_SLOT = 512
+
+
+def workload(args: argparse.Namespace) -> list[BenchRequest]:
+    cfg = SyntheticConfig(num_prompts=args.num_requests, input_mean=64.0, output_mean=64.0, input_max=256,
+                          output_max=256, sigma=1.0, vocab_size=MODEL_SPEC["vocab_size"], seed=args.seed)
+    return synthetic_requests(cfg)
+
+
+async def serve_run(url: str, reqs: list[BenchRequest]) -> dict[str, float]:
+    """Warm-up, then every request at once: useful output tok/s, TTFT and TPOT means."""
+    cfg = RunConfig(ignore_eos=True, show_progress=False, timeout=1800)
+    async with OpenAIBenchClient(url) as client:
+        if not await client.check():
+            raise RuntimeError(f"{url} is not answering /v1/models")
+        await run_benchmark(client, reqs[:8], cfg)
+        result = await run_benchmark(client, reqs, cfg)
+    m = compute_metrics(result.traces, result.duration, [50.0], SLO())
+    return {"completed": m.completed, "output_tok_s": round(m.output_throughput, 1),
+            "ttft_ms": round(m.ttft.mean, 1), "tpot_ms": round(m.tpot.mean, 2), "seconds": round(result.duration, 2)}
+
+
+async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
+    cfg = RunConfig(ignore_eos=True, show_progress=False, timeout=600, max_concurrency=1)
+    async with OpenAIBenchClient(url) as client:
+        if not await client.check():
+            raise RuntimeError(f"{url} is not answering /v1/models")
+        result = await run_benchmark(client, [replace(r, max_tokens=16) for r in reqs], cfg)
+    return [t.text for t in sorted(result.traces, key=lambda t: t.start)]
+
+
+@contextlib.contextmanager
+def pagedserve(model: Path, threads: int) -> Iterator[str]:
+    http_port = free_port()
+    executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
+                     "--cpu-threads", str(threads)]
+    with service("executor_service", executor_args, name="executor") as executor, \
+            service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
+                                          "--http-listen", f"127.0.0.1:{http_port}"], name="scheduler"):
+        yield f"http://127.0.0.1:{http_port}"
+
+
+@contextlib.contextmanager
+def llama_server(server: Path, gguf: Path, threads: int, slots: int, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", str(slots), "-c", str(slots * CTX_PER_SLOT), "--no-webui"]
+    with open(log_dir / f"llama-server-{threads}t-{slots}.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_health(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    """Poll llama-server's /health until it answers 200 (the model loaded) or the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)  # polling a process we do not control; not a test
+    raise RuntimeError("llama-server not healthy in time")
+
+
+def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest], log_dir: Path) -> dict[str, int]:
+    with pagedserve(model, 1) as url:
+        ours = asyncio.run(greedy_texts(url, reqs))
+    with llama_server(server, gguf, 1, 1, log_dir) as url:
+        theirs = asyncio.run(greedy_texts(url, reqs))
+    return {"prompts": len(reqs), "equal": sum(a == b for a, b in zip(ours, theirs, strict=True))}
+
+
+def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
+                     reqs: list[BenchRequest], log_dir: Path) -> dict[str, object]:
+    runs: dict[str, dict[str, float]] = {}
+    with pagedserve(model, threads) as url:
+        runs["pagedserve"] = asyncio.run(serve_run(url, reqs))
+    print(json.dumps({"threads": threads, "server": "pagedserve", **runs["pagedserve"]}), flush=True)
+    for n in slots:
+        with llama_server(server, gguf, threads, n, log_dir) as url:
+            runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs))
+        print(json.dumps({"threads": threads, "server": f"llama.cpp np={n}", **runs[f"llama.cpp np={n}"]}),
+              flush=True)
+    best = max((k for k in runs if k != "pagedserve"), key=lambda k: runs[k]["output_tok_s"])
+    ratio = runs["pagedserve"]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9)
+    return {"threads": threads, "pagedserve_tok_s": runs["pagedserve"]["output_tok_s"], "llamacpp_best": best,
+            "llamacpp_tok_s": runs[best]["output_tok_s"], "ratio": round(ratio, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts, both servers")
+    p.add_argument("--slots", default="16,32,64,128", help="llama-server -np values to sweep")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--check-requests", type=int, default=8, help="prompts for the greedy check (0: skip it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
+    args = p.parse_args(argv)
+    server, how = find_server(build=not args.no_build)
+    model = ensure_model(args.model_dir)
+    gguf, converted = convert(model, server) if server is not None else (None, how)
+    if server is None or gguf is None:
+        print(json.dumps({"bench": "vs_llamacpp", "skipped": converted if server is not None else how}))
+        return
+    reqs = workload(args)
+    slots = [int(s) for s in args.slots.split(",")]
+    with tempfile.TemporaryDirectory(prefix="vs-llamacpp-") as tmp:
+        log_dir = Path(tmp)
+        greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
+        print(json.dumps({"greedy_check": greedy}), flush=True)
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir) for t in args.threads.split(",")]
+    print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
+                      "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))
+
+
+if __name__ == "__main__":
+    main()
