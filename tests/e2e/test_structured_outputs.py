@@ -211,7 +211,7 @@ async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(sta
 
 # ---- tool calling ----------------------------------------------------------------------------------------------
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                          "unit": {"type": "string", "enum": ["c", "f"]}},

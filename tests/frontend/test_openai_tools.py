@@ -13,9 +13,9 @@ from scheduler_service.frontend.openai.protocol import parse_chat
 from scheduler_service.frontend.openai.tool_answers import ToolAnswers
 from scheduler_service.frontend.openai.tools import ToolCallParser, ToolChoice, parse_calls, tool_messages
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 MESSAGES = [{"role": "user", "content": "weather?"}]
 
@@ -108,13 +108,14 @@ def test_answers_become_tool_calls_whole_and_streamed() -> None:
     named = ToolAnswers(chat(tool_choice={"type": "function", "function": {"name": "get_time"}}).tools,
                         ToolCallParser.NONE)
     first, second = named.chunk_choice(1, '{"zone"', None), named.chunk_choice(1, ': "UTC"}', "stop")
+    assert first is not None and second is not None
     assert first["delta"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"zone"'}
     assert second["delta"]["tool_calls"][0] == {"index": 0, "function": {"arguments": ': "UTC"}'}}
     assert second["finish_reason"] == "stop"
 
 
 def test_tool_messages_are_rendered_as_text_for_a_template_without_tools() -> None:
-    messages = [{"role": "user", "content": "weather?"},
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
