@@ -285,3 +285,21 @@ async def test_tool_messages_and_auto_are_accepted(client: Any) -> None:
     none = await client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
                                                 max_tokens=4, temperature=0)
     assert none.choices[0].message.tool_calls is None
+
+
+# ---- echo ----------------------------------------------------------------------------------------------------
+
+
+async def test_echo_puts_the_prompt_before_each_choice_streamed_and_not(client: Any) -> None:
+    prompt = "Once upon a time"
+    plain = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    echoed = await client.completions.create(model=MODEL, prompt=[prompt, "The dog"], max_tokens=6, temperature=0,
+                                             echo=True, n=2)
+    texts = [c.text for c in sorted(echoed.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] == prompt + plain.choices[0].text and texts[2].startswith("The dog")
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                             stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == prompt + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    assert caught.value.body["param"] == "echo"
