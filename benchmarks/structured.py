@@ -7,7 +7,8 @@ model's shape but a vocabulary of 151,936, whose tokenizer is the default one wi
 to 151,936 tokens, made once under --dir) a torch executor and a scheduler are started on loopback, then for each
 batch size B, B concurrent gRPC streams generate max_tokens tokens each:
 
-- unconstrained: min_tokens = max_tokens (so every stream produces exactly max_tokens tokens);
+- unconstrained: ignore_eos (so every stream produces exactly max_tokens tokens, through the sampler's greedy fast
+  path);
 - constrained: response JSON schema {"text": string of at least 4096 characters}, so the grammar never completes
   within max_tokens and every stream produces max_tokens tokens through the mask.
 
@@ -80,7 +81,7 @@ async def one_stream(address: str, i: int, max_tokens: int, constrained: bool) -
     if constrained:
         kwargs["structured_outputs"] = common_pb2.StructuredOutputs(json=json.dumps(SCHEMA))
     else:
-        kwargs["min_tokens"] = max_tokens
+        kwargs["ignore_eos"] = True
     gaps: list[float] = []
     tokens = 0
     last = None

@@ -17,6 +17,7 @@ from client.bench.datasets import (
     SyntheticConfig,
     TokenCounter,
     byte_counter,
+    json_schema_requests,
     load_file,
     prefix_repetition_requests,
     synthetic_requests,
@@ -32,6 +33,7 @@ from client.lib import PagedServeClient
 
 SYNTHETIC = "synthetic"
 PREFIX_REPETITION = "prefix-repetition"
+JSON_SCHEMA = "json-schema"
 
 
 def parse_rates(text: str) -> list[float]:
@@ -89,7 +91,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="API key for either backend (default: $PAGEDSERVE_API_KEY)")
     data = b.add_argument_group("dataset")
-    data.add_argument("--dataset", default=SYNTHETIC, help="'synthetic', 'prefix-repetition' or a JSON FILE")
+    data.add_argument("--dataset", default=SYNTHETIC,
+                      help="'synthetic', 'prefix-repetition', 'json-schema' (each request constrained to one of 16 "
+                           "generated JSON schemas, --synthetic-output-max tokens at most) or a JSON FILE")
     data.add_argument("--dataset-format", choices=["auto", "json", "sharegpt"], default="auto",
                       help="FILE layout: json (a list of requests or {'requests': [...]}), sharegpt, "
                            "or auto (sharegpt when entries have 'conversations')")
@@ -158,6 +162,8 @@ def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
             output_max=args.synthetic_output_max, sigma=args.synthetic_sigma,
             vocab_size=args.synthetic_vocab_size, seed=args.seed)
         return synthetic_requests(cfg)
+    if args.dataset == JSON_SCHEMA:
+        return json_schema_requests(args.num_prompts or 100, args.synthetic_output_max)
     if args.dataset == PREFIX_REPETITION:
         return prefix_repetition_requests(PrefixRepetitionConfig(
             num_prompts=args.num_prompts or PrefixRepetitionConfig().num_prompts,

@@ -29,6 +29,7 @@ class BenchRequest:
     max_tokens: int
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    json_schema: str | None = None  # the output must match this JSON schema (structured outputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,36 @@ def prefix_repetition_requests(cfg: PrefixRepetitionConfig) -> list[BenchRequest
     order = rng.permutation(cfg.num_prompts)
     return [BenchRequest(prompt_len=len(prompts[i]), max_tokens=cfg.output_len, prompt_token_ids=prompts[i])
             for i in order]
+
+
+JSON_SCHEMA_LEAVES: tuple[dict[str, Any], ...] = (
+    {"type": "integer", "minimum": 0, "maximum": 9999}, {"type": "boolean"}, {"type": "string", "maxLength": 16},
+    {"type": "string", "enum": ["red", "green", "blue"]}, {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+    {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]},
+)
+
+
+def json_schema_of(i: int) -> dict[str, Any]:
+    """The i-th schema of the json-schema dataset: 2-5 properties of varied kinds, every third one nested."""
+    props: dict[str, Any] = {f"field_{i}_{j}": JSON_SCHEMA_LEAVES[(i + j) % len(JSON_SCHEMA_LEAVES)]
+                             for j in range(2 + i % 4)}
+    if i % 3 == 0:
+        props["nested"] = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string",
+                                                                                               "maxLength": 12}},
+                           "required": ["id", "name"]}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def json_schema_requests(num_prompts: int, max_tokens: int, num_schemas: int = 16) -> list[BenchRequest]:
+    """vLLM's structured-output benchmark in spirit: each request asks for a JSON document matching one of
+    num_schemas generated schemas (in turn), with a text prompt describing it."""
+    out = []
+    for i in range(num_prompts):
+        schema = json.dumps(json_schema_of(i % num_schemas))
+        prompt = f"Generate a JSON document for record {i} matching this schema: {schema}"
+        out.append(BenchRequest(prompt_len=len(prompt.encode()), max_tokens=max_tokens, prompt=prompt,
+                                json_schema=schema))
+    return out
 
 
 def byte_counter(text: str) -> int:

@@ -65,7 +65,10 @@ class OpenAIBenchClient:
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": req.max_tokens,
                                 "temperature": cfg.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        if cfg.ignore_eos:
+        if req.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "record", "schema": json.loads(req.json_schema), "strict": True}}
+        elif cfg.ignore_eos:
             body["ignore_eos"] = True
         return body
 

@@ -17,7 +17,7 @@ from client.bench.datasets import BenchRequest
 from client.bench.progress import make_progress
 from client.bench.stats import RequestTrace
 from client.lib import PagedServeClient
-from protos.pagedserve.v1 import generation_pb2
+from protos.pagedserve.v1 import common_pb2, generation_pb2
 
 ARRIVAL_STREAM = 0xA441
 FAILED_REASONS = {generation_pb2.FINISH_REASON_ERROR: "error", generation_pb2.FINISH_REASON_ABORT: "abort"}
@@ -65,7 +65,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
 
 def sampling_args(req: BenchRequest, cfg: RunConfig) -> dict[str, Any]:
     args: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": cfg.temperature}
-    if cfg.ignore_eos:
+    if req.json_schema is not None:
+        args["structured_outputs"] = common_pb2.StructuredOutputs(json=req.json_schema)
+    elif cfg.ignore_eos:  # a constrained output ends where its grammar does
         args["ignore_eos"] = True
     if cfg.output_len_hint:
         args["output_len_hint"] = req.max_tokens

@@ -5,7 +5,9 @@ official `openai` client.
 Every output that finishes `stop` under a strict json_schema parses and validates against its schema with the
 `jsonschema` package (formats: ipv4 and uuid checked, date as an annotation, jsonschema's default), for 50 distinct
 schemas, with n = 1 and n = 2 and under preemption; regex and choice outputs match; a constraint that allows every
-text leaves greedy output unchanged; bad constraints and logit_bias values are refused naming the field.
+text leaves greedy output unchanged; bad constraints and logit_bias values are refused naming the field. Tool calls
+with tool_choice named and required give arguments valid for the function's schema, streamed and not; `tool`
+messages are accepted in the conversation.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 MODEL = "default-model-v2"
-# 40 blocks of 16 tokens for up to 100 sequences of ~20 prompt + ~40 output tokens: recompute preemption
-EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "40", "--num-cpu-blocks", "0"]
+# 64 blocks of 16 tokens for up to 100 sequences of ~20 prompt + ~40 output tokens: recompute preemption (a chat
+# prompt with the tools system message is ~500 tokens)
+EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
 MAX_TOKENS = 160
 FORMATS = jsonschema.FormatChecker(formats=["ipv4", "uuid"])
 LEAVES: list[dict[str, Any]] = [
@@ -74,7 +77,8 @@ SCHEMAS = [schema(i) for i in range(50)]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
     port = free_port()
-    with running_stack(tmp_path_factory.mktemp("structured"), EXECUTOR, ["--http-listen", f"127.0.0.1:{port}"]) as s:
+    args = ["--http-listen", f"127.0.0.1:{port}", "--tool-call-parser", "hermes"]
+    with running_stack(tmp_path_factory.mktemp("structured"), EXECUTOR, args) as s:
         yield s, f"http://127.0.0.1:{port}/v1"
 
 
@@ -203,3 +207,99 @@ async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(sta
         _, text, reason, _ = await run(c, prompt="x", max_tokens=8, temperature=0.0,
                                        structured_outputs=common_pb2.StructuredOutputs(choice=["alpha", "beta"]))
         assert text in ("alpha", "beta") and reason == generation_pb2.FINISH_REASON_STOP
+
+
+# ---- tool calling ----------------------------------------------------------------------------------------------
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CONVERSATION = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def check_calls(calls: list[Any]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+async def test_forced_tool_calls_have_valid_arguments(client: Any, choice: str) -> None:
+    tool_choice: Any = {"type": "function", "function": {"name": "add"}} if choice == "named" else "required"
+    for seed in range(3):
+        r = await client.chat.completions.create(model=MODEL, messages=CONVERSATION, tools=TOOLS, seed=seed,
+                                                 temperature=0.8, tool_choice=tool_choice, max_tokens=400,
+                                                 parallel_tool_calls=seed != 0)
+        message = r.choices[0].message
+        assert message.content is None
+        check_calls(message.tool_calls)
+        assert r.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls")
+        if choice == "named":
+            assert [c.function.name for c in message.tool_calls] == ["add"]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+async def test_forced_tool_calls_stream_as_tool_call_deltas(client: Any, choice: str) -> None:
+    tool_choice: Any = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    stream = await client.chat.completions.create(model=MODEL, messages=CONVERSATION, tools=TOOLS, temperature=0,
+                                                  tool_choice=tool_choice, max_tokens=MAX_TOKENS, stream=True,
+                                                  parallel_tool_calls=False)
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    async for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+    assert reasons[-1] == ("stop" if choice == "named" else "tool_calls")
+    assert len(calls) == 1 and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMA_OF[calls[0]["name"]])
+
+
+async def test_tool_messages_and_auto_are_accepted(client: Any) -> None:
+    history = [*CONVERSATION,
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees, rain"}]
+    r = await client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="auto",
+                                             max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    if choice.message.tool_calls:
+        check_calls(choice.message.tool_calls)
+    else:
+        assert isinstance(choice.message.content, str)
+    none = await client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                                max_tokens=4, temperature=0)
+    assert none.choices[0].message.tool_calls is None
+
+
+# ---- echo ----------------------------------------------------------------------------------------------------
+
+
+async def test_echo_puts_the_prompt_before_each_choice_streamed_and_not(client: Any) -> None:
+    prompt = "Once upon a time"
+    plain = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    echoed = await client.completions.create(model=MODEL, prompt=[prompt, "The dog"], max_tokens=6, temperature=0,
+                                             echo=True, n=2)
+    texts = [c.text for c in sorted(echoed.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] == prompt + plain.choices[0].text and texts[2].startswith("The dog")
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                             stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == prompt + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    assert caught.value.body["param"] == "echo"

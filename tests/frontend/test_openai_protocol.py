@@ -36,7 +36,8 @@ def test_prompt_forms(prompt: object, expected: list[object]) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"), ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
-    ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"), ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "logit_bias": {"1": "2"}}, "logit_bias"), ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
@@ -131,7 +132,7 @@ def test_error_objects_have_openai_types_and_codes(error: ApiError, kind: str, c
 
 
 @pytest.mark.parametrize(("name", "value"), [
-    ("skip_special_tokens", False), ("use_beam_search", True), ("continue_final_message", True), ("echo", True),
+    ("skip_special_tokens", False), ("use_beam_search", True), ("continue_final_message", True),
     ("truncate_prompt_tokens", 5), ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("prompt_logprobs", 0),
 ])
 def test_vllm_extensions_that_change_the_output_are_refused_unless_at_their_default(name: str, value: object) -> None:

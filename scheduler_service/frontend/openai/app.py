@@ -279,6 +279,10 @@ class OpenAIApi:
             if endpoint.chat and api.tools is not None and api.tools.choice is not ToolChoice.NONE:
                 stream.tools = ToolAnswers(api.tools, self.tool_parser)
             stream.prompt_index = {r.request_id: i for i, r in enumerate(requests)}
+            if api.echo:
+                tokenizer = self.generation.tokenizer()
+                stream.echo = {i: p if isinstance(p, str) else tokenizer.decode(list(p))
+                               for i, p in enumerate(api.prompts)}
             if api.stream:
                 return await stream.send(request, first, responses)
             return web.json_response(await stream.collect(first, responses))
@@ -296,6 +300,8 @@ class Stream:
         self.offsets: dict[int, int] = {}
         self.prompt_index: dict[str, int] = {}
         self.tools: ToolAnswers | None = None
+        self.echo: dict[int, str] = {}  # prompt index -> its text, for echo (each choice's first text starts with it)
+        self._echoed: set[int] = set()
 
     async def collect(self, first: generation_pb2.GenerateResponse | None,
                       rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
@@ -315,6 +321,7 @@ class Stream:
         prompt_index = self.prompt_index.get(response.request_id, 0)
         index = prompt_index * self.n + response.index
         choice = choices.setdefault(index, Choice(index))
+        choice.text.append(self._echo(prompt_index, index))
         choice.text.append(response.text)
         choice.logprobs.extend(response.logprobs)
         choice.finish_reason = finish_reason(response) or choice.finish_reason
@@ -352,6 +359,13 @@ class Stream:
             extra = {"usage": None} if self.include_usage else {}
             await out.write(self._event({**self._head(), "choices": [choice], **extra}))
 
+    def _echo(self, prompt_index: int, index: int) -> str:
+        """The prompt's text the first time choice `index` answers, with echo; "" otherwise."""
+        if not self.echo or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo.get(prompt_index, "")
+
     def _head(self) -> dict[str, Any]:
         return {"id": self.call_id, "object": self.endpoint.chunk_object, "created": self.created,
                 "model": self.model}
@@ -379,7 +393,8 @@ class Stream:
             if f is not None:
                 logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
                 self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": response.text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": self._echo(prompt_index, index) + response.text, "logprobs": logprobs,
+                      "finish_reason": reason}
         if reason is not None:
             choice["stop_reason"] = stop_reason(response)
         return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}

@@ -18,7 +18,7 @@ REFUSED_PARAMS = ("functions", "function_call")
 DEFAULT_ONLY: dict[str, Any] = {
     # vLLM's extensions this server does not implement: taken at their default (or null), refused otherwise rather
     # than ignored, since each changes what comes back.
-    "echo": False, "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
     "continue_final_message": False, "truncate_prompt_tokens": None, "prompt_logprobs": None,
     "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None,
 }
@@ -46,6 +46,7 @@ class ApiRequest:
     max_tokens_given: bool = False
     cache_salt: str | None = None
     tools: ToolRequest | None = None
+    echo: bool = False  # /v1/completions: each choice's text starts with its prompt
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -56,8 +57,10 @@ def parse_completion(body: Any) -> ApiRequest:
     if logprobs is not None:
         request.logprobs = read_uint(body, "logprobs")
         request.sampling.logprobs = request.logprobs
-    if body.get("echo"):
-        raise bad_param("echo", "echo is not supported")
+    request.echo = read_bool(body, "echo")
+    if request.echo and request.logprobs is not None:
+        raise bad_param("echo", "echo with logprobs would need the prompt tokens' logprobs, which this server does "
+                                "not compute; ask for one or the other")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (request.sampling.n if request.sampling.HasField("n") else 1):
         raise bad_param("best_of", "only best_of equal to n is supported")
@@ -69,6 +72,8 @@ def parse_chat(body: Any, tool_parser: ToolCallParser = ToolCallParser.NONE
     """The request, the messages (content flattened to text), and extra template variables."""
     body = require_object(body)
     request = parse_common(body, ("max_completion_tokens", "max_tokens"))
+    if body.get("echo"):
+        raise bad_param("echo", "echo is supported on /v1/completions only")
     request.tools = read_tools(body, tool_parser)
     schema = request.tools.constraint_schema() if request.tools is not None else None
     if schema is not None:

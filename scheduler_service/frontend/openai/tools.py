@@ -5,7 +5,8 @@ or named call, and the parsers that find calls in a model's free text (--tool-ca
 - `auto`: the model may call tools; a parser (hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   llama3_json: `{"name": ..., "parameters": {...}}`, several joined by `;`) reads the calls from its text.
 - `required`: the output is constrained to a JSON array of `{"name": one of the tools, "parameters": that tool's
-  schema}` (one item unless parallel_tool_calls), as vLLM does, and read as the calls.
+  schema}` (one item unless parallel_tool_calls, then at most MAX_PARALLEL_CALLS), as vLLM does, and read as the
+  calls.
 - a named function: the output is constrained to that function's parameters schema, and is its arguments.
 """
 
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_service.frontend.openai.errors import ApiError, bad_param
+
+MAX_PARALLEL_CALLS = 8
+"""The most calls one `required` answer may hold (with parallel_tool_calls; one without)."""
 
 
 class ToolCallParser(enum.Enum):
@@ -55,10 +59,8 @@ class ToolRequest:
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, schema in self.schemas.items()]
-        array: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-        if not self.parallel:
-            array["maxItems"] = 1
-        return array
+        return {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+                "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return None if self.choice is ToolChoice.NONE else self.tools
