@@ -1,10 +1,12 @@
 """Speculative decoding (n-gram) on vs off, on the same executor in one run.
 
-    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 2] [--output-len 128]
-        [--num-speculative-tokens 4] [--device cpu] [--threads 1] [--datasets copy free]
+    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--output-len 128]
+        [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
+        [--scheduler-flags "--no-async-scheduling"]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
-scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn. Two
+scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn, --rounds
+times in alternating order (the figures are the medians of the rounds: a shared machine's load drifts). Two
 reproducible datasets from the default model's own corpus (executor_service/default_model/data, made by a
 seeded generator):
 
@@ -94,10 +96,17 @@ def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], lis
     return results
 
 
+def medians(runs: list[dict[tuple[str, int], dict[str, float]]]) -> dict[tuple[str, int], dict[str, float]]:
+    """Per dataset and level: the median round by output tok/s (its other figures with it)."""
+    return {key: sorted((run[key] for run in runs), key=lambda r: r["output_tok_s"])[len(runs) // 2]
+            for key in runs[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--requests-per-level", type=int, default=2)
+    p.add_argument("--requests-per-level", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--datasets", nargs="+", default=["copy", "free"], choices=["copy", "free"])
@@ -113,9 +122,13 @@ def main() -> None:
     with service("executor_service", executor_args, args.log_dir, env={"OMP_NUM_THREADS": str(args.threads)},
                  name="executor") as executor:
         extra = args.scheduler_flags.split()
-        plain = run_setting(executor.address, None, work, args.log_dir, extra)
-        spec_on = run_setting(executor.address, spec, work, args.log_dir, extra)
+        rounds: dict[str | None, list[dict[tuple[str, int], dict[str, float]]]] = {None: [], spec: []}
+        for r in range(args.rounds):
+            for setting in ((None, spec) if r % 2 == 0 else (spec, None)):
+                rounds[setting].append(run_setting(executor.address, setting, work, args.log_dir, extra))
+    plain, spec_on = medians(rounds[None]), medians(rounds[spec])
     record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
+                              "rounds": args.rounds, "scheduler_flags": args.scheduler_flags,
                               "machine": machine(), "results": []}
     for key in work:
         on, off = spec_on[key], plain[key]
