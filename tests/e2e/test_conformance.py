@@ -577,3 +577,35 @@ async def test_num_prompt_tokens_past_the_tokens_sent_is_refused(session: Sessio
     lying = executor_pb2.NewRequest(request_id="lying", token_ids=session.prompt(5, seed=35), num_prompt_tokens=6,
                                     num_scheduled_tokens=5, block_ids=session.take(1), sampling=SAMPLING)
     assert refused(await session.step(new_requests=[lying]), "lying")
+
+
+async def test_verified_draft_tokens_give_the_tokens_of_plain_decoding(session: Session) -> None:
+    """Speculative decoding (an executor that advertises max_num_draft_tokens): drafts after a request's last token,
+    right ones and a wrong one, come back as the accepted drafts and the model's token after them -- the tokens
+    plain decoding gives -- and the request's computed count advances by the accepted drafts."""
+    most = session.describe.capabilities.max_num_draft_tokens
+    if not most:
+        pytest.skip("the executor verifies no draft tokens (max_num_draft_tokens 0)")
+    a, b = session.seq("a", 9, seed=11), session.seq("b", 9, seed=11)
+    await session.generate(a, 14)
+    await session.run([(b, len(b.tokens))])
+    vocab = session.describe.vocab_size
+    while len(b.outputs) < 14:
+        done = len(b.outputs)
+        drafts = a.outputs[done:done + min(most, 3)]
+        if done % 2 and drafts:
+            drafts[-1] = (drafts[-1] + 1) % vocab  # the last draft is wrong
+        work = session.work(b, 1, extra_slots=len(drafts))
+        assert isinstance(work, Running)
+        running = columns([work])
+        running.num_draft_tokens.append(len(drafts))
+        running.draft_token_ids.extend(drafts)
+        session.step_id += 1
+        await session.call.write(executor_pb2.StepRequest(step_id=session.step_id, running=running))
+        result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+        assert not result.error and not result.errors, (result.error, list(result.errors))
+        got = sampled_tokens(result)["b"]
+        assert 1 <= len(got) <= len(drafts) + 1 and got[:-1] == drafts[:len(got) - 1], (drafts, got)
+        b.tokens += got
+        b.computed = len(b.tokens) - 1
+    assert b.outputs[:14] == a.outputs[:14]
