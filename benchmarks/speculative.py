@@ -16,7 +16,8 @@ seeded generator):
 
 At each concurrency level, max(level * requests_per_level, 4) requests go out with at most `level` in flight
 (greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
-and off and their ratio, and the acceptance the scheduler's metrics report; one JSON line at the end.
+and off and their ratio, the same per CPU second of the executor and scheduler processes (steadier than wall
+time on a shared machine), and the acceptance the scheduler's metrics report; one JSON line at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -33,7 +35,7 @@ from client.bench.datasets import BenchRequest
 from client.bench.record import machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.lib import PagedServeClient
-from client.local import free_port, parse_metrics, service
+from client.local import Service, free_port, parse_metrics, service
 
 CORPUS = Path(__file__).resolve().parent.parent / "executor_service/default_model/data/generated_corpus.txt"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -69,24 +71,37 @@ async def measure(address: str, requests: list[BenchRequest], concurrency: int) 
     ok = [t for t in result.traces if t.success]
     outputs = sum(t.output_len for t in ok)
     return {"completed": len(ok), "failed": len(result.traces) - len(ok), "duration_s": round(result.duration, 2),
-            "output_tok_s": round(outputs / result.duration, 1)}
+            "output_tokens": outputs, "output_tok_s": round(outputs / result.duration, 1)}
+
+
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU time of these processes (all their threads) so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def scrape(port: int) -> dict[str, float]:
     return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
 
 
-def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
+def run_setting(executor: Service, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
                 log_dir: Path | None, extra: list[str]) -> dict[tuple[str, int], dict[str, float]]:
     port = free_port()
-    flags = ["--executor", executor, "--metrics-port", str(port), "--api-server-count", "0", *extra]
+    flags = ["--executor", executor.address, "--metrics-port", str(port), "--api-server-count", "0", *extra]
     if spec is not None:
         flags += ["--speculative-config", spec]
     results: dict[tuple[str, int], dict[str, float]] = {}
     with service("scheduler_service", flags, log_dir, name="scheduler-spec" if spec else "scheduler-plain") as s:
         for (name, level), requests in work.items():
             before = scrape(port)
+            cpu = cpu_seconds(executor.proc.pid, s.proc.pid)
             run = asyncio.run(measure(s.address, requests, level))
+            run["cpu_s"] = round(cpu_seconds(executor.proc.pid, s.proc.pid) - cpu, 2)
+            run["cpu_tok_s"] = round(run["output_tokens"] / run["cpu_s"], 1) if run["cpu_s"] else 0.0
             after = scrape(port)
             for metric in SPEC_METRICS:
                 run[metric.removeprefix("vllm:spec_decode_").removesuffix("_total")] = \
@@ -125,7 +140,7 @@ def main() -> None:
         rounds: dict[str | None, list[dict[tuple[str, int], dict[str, float]]]] = {None: [], spec: []}
         for r in range(args.rounds):
             for setting in ((None, spec) if r % 2 == 0 else (spec, None)):
-                rounds[setting].append(run_setting(executor.address, setting, work, args.log_dir, extra))
+                rounds[setting].append(run_setting(executor, setting, work, args.log_dir, extra))
     plain, spec_on = medians(rounds[None]), medians(rounds[spec])
     record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
                               "rounds": args.rounds, "scheduler_flags": args.scheduler_flags,
@@ -135,13 +150,15 @@ def main() -> None:
         drafted = on["num_draft_tokens"]
         row = {"dataset": key[0], "concurrency": key[1], "spec_tok_s": on["output_tok_s"],
                "plain_tok_s": off["output_tok_s"], "ratio": round(on["output_tok_s"] / off["output_tok_s"], 2),
+               "spec_cpu_tok_s": on["cpu_tok_s"], "plain_cpu_tok_s": off["cpu_tok_s"],
+               "cpu_ratio": round(on["cpu_tok_s"] / off["cpu_tok_s"], 2) if off["cpu_tok_s"] else None,
                "acceptance": round(on["num_accepted_tokens"] / drafted, 3) if drafted else None,
                "mean_accepted_length": round(1 + on["num_accepted_tokens"] / on["num_drafts"], 2)
                if on["num_drafts"] else None}
         record["results"].append(row)
         print(f"{key[0]:>5} c={key[1]:<3} spec {on['output_tok_s']:8.1f} tok/s  plain {off['output_tok_s']:8.1f} "
-              f"tok/s  ratio {row['ratio']:.2f}  acceptance {row['acceptance']}  "
-              f"mean accepted length {row['mean_accepted_length']}")
+              f"tok/s  ratio {row['ratio']:.2f}  (per CPU second: ratio {row['cpu_ratio']})  acceptance "
+              f"{row['acceptance']}  mean accepted length {row['mean_accepted_length']}")
     print(json.dumps(record))
 
 
