@@ -16,8 +16,9 @@ seeded generator):
 
 At each concurrency level, max(level * requests_per_level, 4) requests go out with at most `level` in flight
 (greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
-and off and their ratio, the same per CPU second of the executor and scheduler processes (steadier than wall
-time on a shared machine), and the acceptance the scheduler's metrics report; one JSON line at the end.
+and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
+executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
+(load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ from client.local import Service, free_port, parse_metrics, service
 CORPUS = Path(__file__).resolve().parent.parent / "executor_service/default_model/data/generated_corpus.txt"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                 "vllm:spec_decode_num_accepted_tokens_total")
+STEPS = "pagedserve:executor_step_seconds_count"
+BUSY = "pagedserve:executor_busy_seconds_total"
 
 
 def paragraphs(count: int) -> list[str]:
@@ -63,10 +67,13 @@ def dataset(name: str, count: int, output_len: int) -> list[BenchRequest]:
     return [BenchRequest(prompt_len=len(p) // 4, max_tokens=output_len, prompt=p) for p in prompts]
 
 
-async def measure(address: str, requests: list[BenchRequest], concurrency: int) -> dict[str, float]:
+async def measure(address: str, requests: list[BenchRequest], concurrency: int,
+                  start: Callable[[], None]) -> dict[str, float]:
+    """One warm-up request, then `start()` (the counters' snapshot) and the run."""
     config = RunConfig(max_concurrency=concurrency, ignore_eos=True, show_progress=False)
     async with PagedServeClient(address) as client:
-        await run_benchmark(client, requests[:1], config)  # warm-up
+        await run_benchmark(client, requests[:1], config)
+        start()
         result = await run_benchmark(client, requests, config)
     ok = [t for t in result.traces if t.success]
     outputs = sum(t.output_len for t in ok)
@@ -97,12 +104,19 @@ def run_setting(executor: Service, spec: str | None, work: dict[tuple[str, int],
     results: dict[tuple[str, int], dict[str, float]] = {}
     with service("scheduler_service", flags, log_dir, name="scheduler-spec" if spec else "scheduler-plain") as s:
         for (name, level), requests in work.items():
-            before = scrape(port)
-            cpu = cpu_seconds(executor.proc.pid, s.proc.pid)
-            run = asyncio.run(measure(s.address, requests, level))
-            run["cpu_s"] = round(cpu_seconds(executor.proc.pid, s.proc.pid) - cpu, 2)
-            run["cpu_tok_s"] = round(run["output_tokens"] / run["cpu_s"], 1) if run["cpu_s"] else 0.0
+            pids = (executor.proc.pid, s.proc.pid)
+            before: dict[str, float] = {}
+
+            def snapshot() -> None:
+                before.update(scrape(port), cpu=cpu_seconds(*pids))  # noqa: B023 - called within this iteration
+            run = asyncio.run(measure(s.address, requests, level, snapshot))
             after = scrape(port)
+            run["cpu_s"] = round(cpu_seconds(*pids) - before["cpu"], 2)
+            run["cpu_tok_s"] = round(run["output_tokens"] / run["cpu_s"], 1) if run["cpu_s"] else 0.0
+            steps = after.get(STEPS, 0.0) - before.get(STEPS, 0.0)
+            run["tokens_per_step"] = round(run["output_tokens"] / steps, 2) if steps else 0.0
+            busy = after.get(BUSY, 0.0) - before.get(BUSY, 0.0)
+            run["busy_tok_s"] = round(run["output_tokens"] / busy, 1) if busy else 0.0
             for metric in SPEC_METRICS:
                 run[metric.removeprefix("vllm:spec_decode_").removesuffix("_total")] = \
                     after.get(metric, 0.0) - before.get(metric, 0.0)
@@ -152,13 +166,16 @@ def main() -> None:
                "plain_tok_s": off["output_tok_s"], "ratio": round(on["output_tok_s"] / off["output_tok_s"], 2),
                "spec_cpu_tok_s": on["cpu_tok_s"], "plain_cpu_tok_s": off["cpu_tok_s"],
                "cpu_ratio": round(on["cpu_tok_s"] / off["cpu_tok_s"], 2) if off["cpu_tok_s"] else None,
+               "busy_ratio": round(on["busy_tok_s"] / off["busy_tok_s"], 2) if off["busy_tok_s"] else None,
+               "spec_tokens_per_step": on["tokens_per_step"], "plain_tokens_per_step": off["tokens_per_step"],
                "acceptance": round(on["num_accepted_tokens"] / drafted, 3) if drafted else None,
                "mean_accepted_length": round(1 + on["num_accepted_tokens"] / on["num_drafts"], 2)
                if on["num_drafts"] else None}
         record["results"].append(row)
         print(f"{key[0]:>5} c={key[1]:<3} spec {on['output_tok_s']:8.1f} tok/s  plain {off['output_tok_s']:8.1f} "
-              f"tok/s  ratio {row['ratio']:.2f}  (per CPU second: ratio {row['cpu_ratio']})  acceptance "
-              f"{row['acceptance']}  mean accepted length {row['mean_accepted_length']}")
+              f"tok/s  ratio {row['ratio']:.2f}  (per CPU second {row['cpu_ratio']}, per executor-busy second "
+              f"{row['busy_ratio']}; tokens per step {on['tokens_per_step']} vs {off['tokens_per_step']})  "
+              f"acceptance {row['acceptance']}  mean accepted length {row['mean_accepted_length']}")
     print(json.dumps(record))
 
 
