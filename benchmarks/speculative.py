@@ -1,10 +1,12 @@
 """Speculative decoding (n-gram) on vs off, on the same executor in one run.
 
-    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 2] [--output-len 128]
-        [--num-speculative-tokens 4] [--device cpu] [--threads 1] [--datasets copy free]
+    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--output-len 128]
+        [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
+        [--scheduler-flags "--no-async-scheduling"]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
-scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn. Two
+scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn, --rounds
+times in alternating order (the figures are the medians of the rounds: a shared machine's load drifts). Two
 reproducible datasets from the default model's own corpus (executor_service/default_model/data, made by a
 seeded generator):
 
@@ -14,7 +16,9 @@ seeded generator):
 
 At each concurrency level, max(level * requests_per_level, 4) requests go out with at most `level` in flight
 (greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
-and off and their ratio, and the acceptance the scheduler's metrics report; one JSON line at the end.
+and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
+executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
+(load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,13 @@ from client.bench.datasets import BenchRequest
 from client.bench.record import machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.lib import PagedServeClient
-from client.local import free_port, parse_metrics, service
+from client.local import Service, free_port, parse_metrics, service
 
 CORPUS = Path(__file__).resolve().parent.parent / "executor_service/default_model/data/generated_corpus.txt"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                 "vllm:spec_decode_num_accepted_tokens_total")
+STEPS = "pagedserve:executor_step_seconds_count"
+BUSY = "pagedserve:executor_busy_seconds_total"
 
 
 def paragraphs(count: int) -> list[str]:
@@ -59,33 +67,56 @@ def dataset(name: str, count: int, output_len: int) -> list[BenchRequest]:
     return [BenchRequest(prompt_len=len(p) // 4, max_tokens=output_len, prompt=p) for p in prompts]
 
 
-async def measure(address: str, requests: list[BenchRequest], concurrency: int) -> dict[str, float]:
+async def measure(address: str, requests: list[BenchRequest], concurrency: int,
+                  start: Callable[[], None]) -> dict[str, float]:
+    """One warm-up request, then `start()` (the counters' snapshot) and the run."""
     config = RunConfig(max_concurrency=concurrency, ignore_eos=True, show_progress=False)
     async with PagedServeClient(address) as client:
-        await run_benchmark(client, requests[:1], config)  # warm-up
+        await run_benchmark(client, requests[:1], config)
+        start()
         result = await run_benchmark(client, requests, config)
     ok = [t for t in result.traces if t.success]
     outputs = sum(t.output_len for t in ok)
     return {"completed": len(ok), "failed": len(result.traces) - len(ok), "duration_s": round(result.duration, 2),
-            "output_tok_s": round(outputs / result.duration, 1)}
+            "output_tokens": outputs, "output_tok_s": round(outputs / result.duration, 1)}
+
+
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU time of these processes (all their threads) so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
 
 
 def scrape(port: int) -> dict[str, float]:
     return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
 
 
-def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
+def run_setting(executor: Service, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
                 log_dir: Path | None, extra: list[str]) -> dict[tuple[str, int], dict[str, float]]:
     port = free_port()
-    flags = ["--executor", executor, "--metrics-port", str(port), "--api-server-count", "0", *extra]
+    flags = ["--executor", executor.address, "--metrics-port", str(port), "--api-server-count", "0", *extra]
     if spec is not None:
         flags += ["--speculative-config", spec]
     results: dict[tuple[str, int], dict[str, float]] = {}
     with service("scheduler_service", flags, log_dir, name="scheduler-spec" if spec else "scheduler-plain") as s:
         for (name, level), requests in work.items():
-            before = scrape(port)
-            run = asyncio.run(measure(s.address, requests, level))
+            pids = (executor.proc.pid, s.proc.pid)
+            before: dict[str, float] = {}
+
+            def snapshot() -> None:
+                before.update(scrape(port), cpu=cpu_seconds(*pids))  # noqa: B023 - called within this iteration
+            run = asyncio.run(measure(s.address, requests, level, snapshot))
             after = scrape(port)
+            run["cpu_s"] = round(cpu_seconds(*pids) - before["cpu"], 2)
+            run["cpu_tok_s"] = round(run["output_tokens"] / run["cpu_s"], 1) if run["cpu_s"] else 0.0
+            steps = after.get(STEPS, 0.0) - before.get(STEPS, 0.0)
+            run["tokens_per_step"] = round(run["output_tokens"] / steps, 2) if steps else 0.0
+            busy = after.get(BUSY, 0.0) - before.get(BUSY, 0.0)
+            run["busy_tok_s"] = round(run["output_tokens"] / busy, 1) if busy else 0.0
             for metric in SPEC_METRICS:
                 run[metric.removeprefix("vllm:spec_decode_").removesuffix("_total")] = \
                     after.get(metric, 0.0) - before.get(metric, 0.0)
@@ -94,10 +125,17 @@ def run_setting(executor: str, spec: str | None, work: dict[tuple[str, int], lis
     return results
 
 
+def medians(runs: list[dict[tuple[str, int], dict[str, float]]]) -> dict[tuple[str, int], dict[str, float]]:
+    """Per dataset and level: the median round by output tok/s (its other figures with it)."""
+    return {key: sorted((run[key] for run in runs), key=lambda r: r["output_tok_s"])[len(runs) // 2]
+            for key in runs[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--requests-per-level", type=int, default=2)
+    p.add_argument("--requests-per-level", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--datasets", nargs="+", default=["copy", "free"], choices=["copy", "free"])
@@ -113,22 +151,31 @@ def main() -> None:
     with service("executor_service", executor_args, args.log_dir, env={"OMP_NUM_THREADS": str(args.threads)},
                  name="executor") as executor:
         extra = args.scheduler_flags.split()
-        plain = run_setting(executor.address, None, work, args.log_dir, extra)
-        spec_on = run_setting(executor.address, spec, work, args.log_dir, extra)
+        rounds: dict[str | None, list[dict[tuple[str, int], dict[str, float]]]] = {None: [], spec: []}
+        for r in range(args.rounds):
+            for setting in ((None, spec) if r % 2 == 0 else (spec, None)):
+                rounds[setting].append(run_setting(executor, setting, work, args.log_dir, extra))
+    plain, spec_on = medians(rounds[None]), medians(rounds[spec])
     record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
+                              "rounds": args.rounds, "scheduler_flags": args.scheduler_flags,
                               "machine": machine(), "results": []}
     for key in work:
         on, off = spec_on[key], plain[key]
         drafted = on["num_draft_tokens"]
         row = {"dataset": key[0], "concurrency": key[1], "spec_tok_s": on["output_tok_s"],
                "plain_tok_s": off["output_tok_s"], "ratio": round(on["output_tok_s"] / off["output_tok_s"], 2),
+               "spec_cpu_tok_s": on["cpu_tok_s"], "plain_cpu_tok_s": off["cpu_tok_s"],
+               "cpu_ratio": round(on["cpu_tok_s"] / off["cpu_tok_s"], 2) if off["cpu_tok_s"] else None,
+               "busy_ratio": round(on["busy_tok_s"] / off["busy_tok_s"], 2) if off["busy_tok_s"] else None,
+               "spec_tokens_per_step": on["tokens_per_step"], "plain_tokens_per_step": off["tokens_per_step"],
                "acceptance": round(on["num_accepted_tokens"] / drafted, 3) if drafted else None,
                "mean_accepted_length": round(1 + on["num_accepted_tokens"] / on["num_drafts"], 2)
                if on["num_drafts"] else None}
         record["results"].append(row)
         print(f"{key[0]:>5} c={key[1]:<3} spec {on['output_tok_s']:8.1f} tok/s  plain {off['output_tok_s']:8.1f} "
-              f"tok/s  ratio {row['ratio']:.2f}  acceptance {row['acceptance']}  "
-              f"mean accepted length {row['mean_accepted_length']}")
+              f"tok/s  ratio {row['ratio']:.2f}  (per CPU second {row['cpu_ratio']}, per executor-busy second "
+              f"{row['busy_ratio']}; tokens per step {on['tokens_per_step']} vs {off['tokens_per_step']})  "
+              f"acceptance {row['acceptance']}  mean accepted length {row['mean_accepted_length']}")
     print(json.dumps(record))
 
 

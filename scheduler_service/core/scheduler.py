@@ -604,8 +604,9 @@ class Scheduler:
         cached = self.kv.get_computed_blocks(request)
         source = self.requests.get(request.share_prompt_with or "")
         if source is None or source.status is not RUNNING or request.output_token_ids \
-                or source.num_computed_tokens < request.num_prompt_tokens:
-            return cached
+                or source.num_computed_tokens < request.num_prompt_tokens \
+                or any(w.request is source for w in self._entered_running):
+            return cached  # (a source that entered RUNNING this step: the executor gets its blocks only now)
         forked = self.kv.fork_blocks(request, source.request_id)
         if forked is None or forked.num_tokens <= cached.num_tokens:
             return cached

@@ -668,3 +668,56 @@ async def test_logit_bias_shifts_the_greedy_choice(session: Session) -> None:
     bad = Seq("bad-bias", session.prompt(6, 61), 6, sampling=wrong)
     result = await session.step(new_requests=[session.work(bad, 6)])
     assert refused(result, "bad-bias") and any("sampling.logit_bias" in e.message for e in result.errors)
+
+
+async def test_verified_draft_tokens_give_the_tokens_of_plain_decoding(session: Session) -> None:
+    """Speculative decoding (an executor that advertises max_num_draft_tokens): drafts after a request's last token,
+    right ones and a wrong one, come back as the accepted drafts and the model's token after them -- the tokens
+    plain decoding gives -- and the request's computed count advances by the accepted drafts."""
+    most = session.describe.capabilities.max_num_draft_tokens
+    if not most:
+        pytest.skip("the executor verifies no draft tokens (max_num_draft_tokens 0)")
+    a, b = session.seq("a", 9, seed=11), session.seq("b", 9, seed=11)
+    await session.generate(a, 14)
+    await session.run([(b, len(b.tokens))])
+    vocab = session.describe.vocab_size
+    while len(b.outputs) < 14:
+        done = len(b.outputs)
+        drafts = a.outputs[done:done + min(most, 3)]
+        if done % 2 and drafts:
+            drafts[-1] = (drafts[-1] + 1) % vocab  # the last draft is wrong
+        work = session.work(b, 1, extra_slots=len(drafts))
+        assert isinstance(work, Running)
+        running = columns([work])
+        running.num_draft_tokens.append(len(drafts))
+        running.draft_token_ids.extend(drafts)
+        session.step_id += 1
+        await session.call.write(executor_pb2.StepRequest(step_id=session.step_id, running=running))
+        result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+        assert not result.error and not result.errors, (result.error, list(result.errors))
+        got = sampled_tokens(result)["b"]
+        assert 1 <= len(got) <= len(drafts) + 1 and got[:-1] == drafts[:len(got) - 1], (drafts, got)
+        b.tokens += got
+        b.computed = len(b.tokens) - 1
+    assert b.outputs[:14] == a.outputs[:14]
+
+
+async def test_a_token_bitmask_on_a_request_with_drafts_refuses_the_step_whole(session: Session) -> None:
+    """A mask holds for one position, so a constrained request is sent no drafts: a step that gives one request both
+    is refused whole (an executor that supports only one of the two skips this)."""
+    caps = session.describe.capabilities
+    if not caps.token_bitmask or not caps.max_num_draft_tokens:
+        pytest.skip("the executor does not take both token masks and draft tokens")
+    seq = session.seq("md", 9, seed=12)
+    await session.run([(seq, len(seq.tokens))])
+    work = session.work(seq, 1, extra_slots=1)
+    assert isinstance(work, Running)
+    running = columns([work])
+    running.num_draft_tokens.append(1)
+    running.draft_token_ids.append(5)
+    session.step_id += 1
+    step = executor_pb2.StepRequest(step_id=session.step_id, running=running,
+                                    token_bitmasks=masks({"md": {5, 7}}, session.describe.vocab_size))
+    await session.call.write(step)
+    result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+    await assert_refused_whole_and_usable(session, result, "token_bitmasks")

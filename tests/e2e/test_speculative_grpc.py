@@ -1,0 +1,124 @@
+"""Speculative decoding through the whole stack: a real torch executor process (the embedded default model,
+with few KV blocks so that requests preempt each other), schedulers with and without --speculative-config
+against it in turn, and clients over gRPC.
+
+The same workload -- greedy prompts whose answers copy spans of the prompt (so n-gram drafts are accepted),
+an n = 2 greedy request, a request ended by a stop string and two seeded sampled requests, all at once --
+must give the same tokens, text and finish reasons with speculation off; with it on (async scheduling, swap
+preemption), while the executor is SIGKILLed and restarted mid-run; and with it on under recompute
+preemption and synchronous scheduling. The speculative runs must have verified drafts and accepted some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from client.lib import PagedServeClient
+from tests.support.procs import ROOT, free_port, parse_metrics, start, stop, wait_healthy
+
+CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+MAX_TOKENS = 40
+EXECUTOR_ARGS = ["--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--block-size", "16"]
+Outputs = dict[str, tuple[tuple[int, ...], str, int]]
+
+
+def copy_prompts(count: int) -> list[str]:
+    text = CORPUS.read_text(encoding="utf-8")
+    found = [p.strip() for p in text.split("\n\n") if 300 <= len(p.strip()) <= 600 and "User:" not in p]
+    return [p + "\n\n" + " ".join(p.split(" ")[:len(p.split(" ")) // 3]) for p in found[:count]]
+
+
+def workload() -> list[tuple[str, dict[str, Any]]]:
+    prompts = copy_prompts(7)
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    work = [(f"copy{i}", {"prompt": p, **greedy}) for i, p in enumerate(prompts[:5])]
+    work.append(("n2", {"prompt": prompts[5], **greedy, "n": 2}))
+    work.append(("stop", {"prompt": prompts[6], **greedy, "stop": [" the "]}))
+    for seed in (3, 4):
+        work.append((f"seeded{seed}", {"prompt": prompts[seed], "max_tokens": MAX_TOKENS, "temperature": 0.8,
+                                       "seed": seed, "ignore_eos": True}))
+    return work
+
+
+async def generate(address: str, kill: threading.Event | None = None) -> Outputs:
+    """Every request of the workload at once; each sequence's (token ids, text, finish reason). `kill` is set
+    once a quarter of the tokens have streamed."""
+    target = len(workload()) * MAX_TOKENS // 4
+    streamed = [0]
+
+    async def one(client: PagedServeClient, name: str, kwargs: dict[str, Any]) -> Outputs:
+        seqs: dict[int, tuple[list[int], str, int]] = {}
+        async for r in client.generate(**kwargs):
+            ids, text, reason = seqs.get(r.index, ([], "", 0))
+            seqs[r.index] = (ids + list(r.token_ids), text + r.text, r.finish_reason or reason)
+            assert not r.error, r.error
+            streamed[0] += len(r.token_ids)
+            if kill is not None and streamed[0] >= target:
+                kill.set()
+        return {f"{name}.{i}": (tuple(ids), text, reason) for i, (ids, text, reason) in seqs.items()}
+
+    async with PagedServeClient(address) as client:
+        results = await asyncio.gather(*(one(client, name, kwargs) for name, kwargs in workload()))
+    return {k: v for r in results for k, v in r.items()}
+
+
+def scheduler_run(tmp_path: Path, executor: str, name: str, flags: list[str],
+                  restart: Any = None) -> tuple[Outputs, dict[str, float]]:
+    port, metrics = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start("scheduler_service", ["--listen", address, "--executor", executor, "--metrics-port", str(metrics),
+                                       "--api-server-count", "0", *flags], tmp_path / f"scheduler-{name}.log")
+    try:
+        wait_healthy(address, proc)
+        kill = threading.Event() if restart is not None else None
+        killer = threading.Thread(target=restart, args=(kill,)) if restart is not None else None
+        if killer is not None:
+            killer.start()
+        outputs = asyncio.run(generate(address, kill))
+        if killer is not None:
+            killer.join()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        return outputs, parse_metrics(text)
+    finally:
+        stop(proc)
+
+
+def test_speculation_keeps_every_output(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    args = ["--listen", address, *EXECUTOR_ARGS]
+    executors = [start("executor_service", args, tmp_path / "executor.log")]
+
+    def restart(kill: threading.Event) -> None:
+        assert kill.wait(120), "the run never got a quarter of its tokens out"
+        stop(executors[-1], signal.SIGKILL)
+        executors.append(start("executor_service", args, tmp_path / "executor-2.log"))
+        wait_healthy(address, executors[-1])
+
+    try:
+        wait_healthy(address, executors[0])
+        plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
+        assert len(plain) == len(workload()) + 1
+        assert plain["stop.0"][2] != plain["copy0.0"][2], "the stop string ended its request early"
+        assert plain["n2.0"] == plain["n2.1"], "greedy n = 2 gives two equal sequences"
+        runs = {
+            "spec-swap-async-sigkill": (["--speculative-config", SPEC, "--preemption-mode", "swap"], restart),
+            "spec-recompute-sync": (["--speculative-config", SPEC, "--preemption-mode", "recompute",
+                                     "--no-async-scheduling"], None),
+        }
+        for name, (flags, killer) in runs.items():
+            outputs, m = scheduler_run(tmp_path, address, name, flags, killer)
+            for key, expected in plain.items():
+                assert outputs[key] == expected, f"{name}: {key}"
+            assert m["vllm:spec_decode_num_drafts_total"] > 0, name
+            assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
+            assert m.get("vllm:num_preemptions_total", 0.0) > 0, f"{name}: the small KV cache made requests preempt"
+        assert len(executors) == 2, "the executor was killed and restarted mid-run"
+    finally:
+        for proc in executors:
+            stop(proc)
