@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.model import ModelConfig
 from executor_service.model.families import NormLayout, QKNorm
@@ -43,6 +44,19 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 
 FAMILIES: dict[str, Family] = {
     "qwen3": Family(transformers.Qwen3Config, {"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True}),
     "olmo2": Family(transformers.Olmo2Config, {"num_hidden_layers": 2, "tie_word_embeddings": False}, shard=True),
+    "phi3": Family(transformers.Phi3Config, {"num_hidden_layers": 2, "rope_scaling": LONGROPE,
+                                             "original_max_position_embeddings": 128,
+                                             "sliding_window": WINDOW, "tie_word_embeddings": False}),
+    "gemma2": Family(transformers.Gemma2Config, {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": WINDOW,
+                                                 "attn_logit_softcapping": 1.0, "final_logit_softcapping": 5.0,
+                                                 "query_pre_attn_scalar": 2, "tie_word_embeddings": False}),
+    "gemma3": Family(transformers.Gemma3TextConfig, {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": WINDOW,
+                                                     "query_pre_attn_scalar": 16,
+                                                     "rope_parameters": {
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 100.0}}}),
 }
 
 
@@ -91,9 +105,33 @@ def test_greedy_matches_transformers(served: Callable[[str], Served], name: str)
         model.driver.release(seq)
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logprobs_match_transformers(served: Callable[[str], Served], name: str) -> None:
+    """The raw log-probabilities after the last prompt token (final soft-capping included) are transformers'."""
+    model = served(name)
+    prompt = make_prompt(50, seed=99, vocab=VOCAB)
+    sampling = SamplingConfig(temperature=0.0, logprobs=5)
+    blocks = [model.driver.free.pop() for _ in range(7)]
+    out = model.backend.execute([BatchItem(f"lp-{name}", prompt, 50, 0, 50, blocks, True, sampling)])[0]
+    model.driver.free.extend(blocks)
+    with torch.inference_mode():
+        expected = torch.log_softmax(model.hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert out is not None and out.top_logprobs
+    assert [t for t, _ in out.top_logprobs] == expected.topk(5).indices.tolist()
+    assert [v for _, v in out.top_logprobs] == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
+
+
 def test_configs_name_the_family_features(served: Callable[[str], Served]) -> None:
     qwen3 = ModelConfig.from_dir(served("qwen3").path)
     assert qwen3.features.qk_norm == QKNorm.PER_HEAD and qwen3.tie_word_embeddings
     olmo2 = ModelConfig.from_dir(served("olmo2").path)
     assert olmo2.features.qk_norm == QKNorm.WHOLE and olmo2.features.norm_layout == NormLayout.POST
     assert len(list(served("olmo2").path.glob("model-*.safetensors"))) > 1
+    phi3 = ModelConfig.from_dir(served("phi3").path)
+    assert phi3.rope_scaling is not None and phi3.rope_scaling.rope_type == "longrope"
+    assert phi3.rope_scaling.attention_factor > 1.0 and phi3.layer_windows == (WINDOW, WINDOW)
+    gemma2 = ModelConfig.from_dir(served("gemma2").path).features
+    assert gemma2.layer_windows == (WINDOW, None, WINDOW, None) and gemma2.norm_layout == NormLayout.SANDWICH
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (1.0, 5.0)
+    gemma3 = ModelConfig.from_dir(served("gemma3").path).features
+    assert gemma3.layer_windows == (WINDOW,) * 5 + (None,) and gemma3.local_rope_theta == 100.0
