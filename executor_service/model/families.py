@@ -154,7 +154,7 @@ def gemma3(raw: dict[str, Any], num_layers: int) -> Features:
 
 
 def mixtral(raw: dict[str, Any], num_layers: int) -> Features:
-    moe = MoEConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                     True, 0, (True,) * num_layers)
     return Features(moe=moe, layer_windows=windows(raw, num_layers, lambda i: True))
 
@@ -163,7 +163,7 @@ def qwen_moe(raw: dict[str, Any], num_layers: int, base: Features) -> Features:
     step = int(raw.get("decoder_sparse_step", 1) or 1)
     dense = set(raw.get("mlp_only_layers") or [])
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    moe = MoEConfig(int(raw["num_experts"]), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
                     bool(raw.get("norm_topk_prob", False)), int(raw.get("shared_expert_intermediate_size") or 0),
                     sparse)
     return replace(base, moe=moe)
@@ -176,6 +176,11 @@ def qwen2_moe(raw: dict[str, Any], num_layers: int) -> Features:
 
 def qwen3_moe(raw: dict[str, Any], num_layers: int) -> Features:
     return qwen_moe(raw, num_layers, qwen3(raw, num_layers))
+
+
+def num_experts(raw: dict[str, Any]) -> int:
+    """`num_experts` (Qwen checkpoints) or `num_local_experts` (Mixtral; Qwen3-MoE as transformers 5.x writes it)."""
+    return int(raw["num_experts"] if raw.get("num_experts") is not None else raw["num_local_experts"])
 
 
 def optional_float(value: Any) -> float | None:

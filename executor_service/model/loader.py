@@ -282,19 +282,11 @@ def read_tensor(reader: Any, name: str, target: Target) -> Tensor:
 
 
 def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
+    """The rows of q, k and v in this rank's fused qkv_proj (gate/up and stacked experts' w13 are halves)."""
     layout = model.layout
     q = layout.num_heads * layout.head_dim
     kv = layout.num_kv_heads * layout.head_dim
-    inter = layout.intermediate_size
-    slices = {
-        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
-    }
-    moe = model.config.features.moe
-    if moe is not None:
-        expert_inter = moe.intermediate_size // layout.world_size
-        slices["w13"] = [(0, expert_inter), (expert_inter, 2 * expert_inter)]
-    return slices
+    return {"qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]}
 
 
 def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, list[tuple[int, int]]],
@@ -303,8 +295,9 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
     if target.expert is not None:
         dest = dest[target.expert]
     if target.shard is not None:
-        fused = target.param.rsplit(".", 1)[-1] if target.expert is not None else target.param.rsplit(".", 2)[-2]
-        lo, hi = slices[fused][target.shard]
+        fused = target.param.rsplit(".", 2)[-2]
+        half = dest.shape[0] // 2
+        lo, hi = slices[fused][target.shard] if fused in slices else (target.shard * half, (target.shard + 1) * half)
         dest = dest[lo:hi]
     if target.padded and dest.shape[0] > tensor.shape[0]:
         dest[tensor.shape[0] :].zero_()

@@ -57,6 +57,17 @@ FAMILIES: dict[str, Family] = {
                                                                             "rope_theta": 1000000.0},
                                                          "sliding_attention": {"rope_type": "default",
                                                                                "rope_theta": 100.0}}}),
+    "mixtral": Family(transformers.MixtralConfig, {"num_hidden_layers": 2, "num_local_experts": 8,
+                                                   "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                   "sliding_window": WINDOW}),
+    "qwen2_moe": Family(transformers.Qwen2MoeConfig, {"num_hidden_layers": 2, "num_experts": 60,
+                                                      "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+                                                      "shared_expert_intermediate_size": 48,
+                                                      "norm_topk_prob": False, "tie_word_embeddings": True},
+                        shard=True),
+    "qwen3_moe": Family(transformers.Qwen3MoeConfig, {"num_hidden_layers": 2, "head_dim": 16, "num_experts": 8,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "norm_topk_prob": True, "mlp_only_layers": [1]}),
 }
 
 
@@ -135,3 +146,10 @@ def test_configs_name_the_family_features(served: Callable[[str], Served]) -> No
     assert (gemma2.attn_softcap, gemma2.final_softcap) == (1.0, 5.0)
     gemma3 = ModelConfig.from_dir(served("gemma3").path).features
     assert gemma3.layer_windows == (WINDOW,) * 5 + (None,) and gemma3.local_rope_theta == 100.0
+    mixtral = ModelConfig.from_dir(served("mixtral").path).features.moe
+    assert mixtral is not None and (mixtral.num_experts, mixtral.top_k, mixtral.renormalize) == (8, 2, True)
+    qwen2_moe = ModelConfig.from_dir(served("qwen2_moe").path).features.moe
+    assert qwen2_moe is not None and (qwen2_moe.num_experts, qwen2_moe.top_k) == (60, 4)
+    assert not qwen2_moe.renormalize and qwen2_moe.shared_intermediate_size == 48
+    qwen3_moe = ModelConfig.from_dir(served("qwen3_moe").path).features.moe
+    assert qwen3_moe is not None and qwen3_moe.renormalize and qwen3_moe.sparse_layers == (True, False)
