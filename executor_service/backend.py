@@ -69,6 +69,10 @@ class BackendInfo:
     """From the process's start to ready (set when it starts serving)."""
     startup_phases: tuple[tuple[str, float], ...] = ()
     """Seconds of each start-up phase, in order."""
+    architecture: str = ""
+    """The Hugging Face architecture name served ("" for none, e.g. the simulated backend)."""
+    sliding_windows: tuple[int, ...] = ()
+    """Per layer: the sliding window (keys a query sees), 0 for full attention; () for none."""
 
 
 class Backend(Protocol):

@@ -358,6 +358,8 @@ def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, 
         bos_token_id=tokenizer.bos_token_id,
         add_bos_token=tokenizer.add_bos_token,
         chat_template=tokenizer.chat_template,
+        architecture=model_cfg.architecture,
+        sliding_windows=tuple(w or 0 for w in model_cfg.layer_windows),
     )
 
 

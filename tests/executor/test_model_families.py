@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -17,6 +18,8 @@ from executor_service.config import ExecutorConfig
 from executor_service.model import ModelConfig
 from executor_service.model.families import NormLayout, QKNorm
 from executor_service.runner.torch_backend import TorchBackend
+from executor_service.server import serve
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.executor.test_torch_model import Driver, Seq, assert_same_tokens, hf_greedy, make_prompt
 
 transformers = pytest.importorskip("transformers")
@@ -116,6 +119,35 @@ def test_greedy_matches_transformers(served: Callable[[str], Served], name: str)
         model.driver.release(seq)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "mixtral"])
+def test_recompute_and_swap_preemption_keep_the_tokens(served: Callable[[str], Served], name: str) -> None:
+    """A request preempted by recompute (state dropped, prompt + outputs resent) and one swapped out and back into
+    other blocks continue with transformers' tokens."""
+    model = served(name)
+    backend, driver = model.backend, model.driver
+    prompt = make_prompt(45, seed=31, vocab=VOCAB)
+    expected = hf_greedy(model.hf, prompt, 12)
+    seq = Seq(f"{name}-pre", list(prompt), len(prompt))
+    driver.generate([seq], 4, chunk=16)
+    driver.release(seq)
+    resumed = Seq(f"{name}-pre", list(seq.tokens), len(prompt))
+    driver.generate([resumed], 12, chunk=16)
+    driver.release(resumed)
+    assert_same_tokens(resumed.tokens[len(prompt) :], expected, backend.info.eos_token_ids)
+    swapped = Seq(f"{name}-swap", list(prompt), len(prompt))
+    driver.generate([swapped], 3)
+    old_blocks = list(swapped.blocks)
+    cpu_blocks = list(range(len(old_blocks)))
+    backend.swap_out(list(zip(old_blocks, cpu_blocks, strict=True)))
+    driver.release(swapped)
+    backend.kv_cache.device_kv[:, :, old_blocks] = 0.0
+    swapped.blocks = [driver.free.pop(0) for _ in old_blocks]
+    backend.swap_in(list(zip(cpu_blocks, swapped.blocks, strict=True)))
+    driver.generate([swapped], 12)
+    driver.release(swapped)
+    assert_same_tokens(swapped.tokens[len(prompt) :], expected, backend.info.eos_token_ids)
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logprobs_match_transformers(served: Callable[[str], Served], name: str) -> None:
     """The raw log-probabilities after the last prompt token (final soft-capping included) are transformers'."""
@@ -153,3 +185,33 @@ def test_configs_name_the_family_features(served: Callable[[str], Served]) -> No
     assert not qwen2_moe.renormalize and qwen2_moe.shared_intermediate_size == 48
     qwen3_moe = ModelConfig.from_dir(served("qwen3_moe").path).features.moe
     assert qwen3_moe is not None and qwen3_moe.renormalize and qwen3_moe.sparse_layers == (True, False)
+
+
+async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callable[[str], Served]) -> None:
+    """Over gRPC: Describe names the architecture and its per-layer windows; an Execute stream of a prefill and
+    decode steps gives transformers' greedy tokens for a prompt longer than the window."""
+    model = served("gemma2")
+    prompt = make_prompt(60, seed=21, vocab=VOCAB)
+    server, port = await serve(model.backend, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            info = await stub.Describe(executor_pb2.DescribeRequest())
+            assert info.architecture == "Gemma2ForCausalLM"
+            assert list(info.sliding_windows) == [WINDOW, 0, WINDOW, 0]
+            call = stub.Execute()
+            first = executor_pb2.NewRequest(request_id="g", token_ids=prompt, num_prompt_tokens=60,
+                                            num_scheduled_tokens=60, block_ids=list(range(9)),
+                                            sampling=common_pb2.SamplingParams(temperature=0.0))
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[first]))
+            tokens = list((await call.read()).sampled.token_ids)
+            running = executor_pb2.RunningRequests(request_ids=["g"], num_scheduled_tokens=[1], num_new_blocks=[0])
+            for step in range(2, NEW_TOKENS + 1):
+                await call.write(executor_pb2.StepRequest(step_id=step, running=running))
+                result = await call.read()
+                assert not result.error and not result.errors
+                tokens += list(result.sampled.token_ids)
+            await call.done_writing()
+    finally:
+        await server.stop(None)
+    assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
