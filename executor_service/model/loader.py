@@ -232,7 +232,8 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
     if expert:
         stacked, part = EXPERT_PARTS[expert.group(3)]
         param = f"{expert.group(1)}.experts.{stacked}"
-        return Target(param, part, None, expert=int(expert.group(2))) if param in params else None
+        split = checkpoint_split(f"{expert.group(1)}.experts.{expert.group(3)}.weight", cfg, layout)
+        return Target(param, part, split, expert=int(expert.group(2))) if param in params else None
     split = checkpoint_split(name, cfg, layout)
     match = FUSED_NAME.match(name)
     if match:
@@ -249,22 +250,35 @@ def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split 
         return None
     _, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split(".", 1))
     d, rank = layout.head_dim, layout.rank
-    q, inter = layout.num_heads * d, layout.intermediate_size
+    q = layout.num_heads * d
+    full_inter = intermediate_of(name, cfg)
+    inter = full_inter // layout.world_size
     match module:
         case "q_proj":
             return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
         case "k_proj" | "v_proj":
             start = layout.kv_head_start * d
             return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
-        case "gate_proj" | "up_proj":
-            return Split(0, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+        case "gate_proj" | "up_proj" | "w1" | "w3":
+            return Split(0, rank * inter, (rank + 1) * inter, full_inter)
         case "o_proj" if kind == "weight":
             return Split(1, rank * q, (rank + 1) * q, cfg.num_heads * d)
-        case "down_proj" if kind == "weight":
-            return Split(1, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+        case "down_proj" | "w2" if kind == "weight":
+            return Split(1, rank * inter, (rank + 1) * inter, full_inter)
         case "embed_tokens" | "lm_head":
             return Split(0, layout.vocab_start, layout.vocab_start + layout.vocab_rows, cfg.vocab_size)
     return None
+
+
+def intermediate_of(name: str, cfg: ModelConfig) -> int:
+    """The full intermediate size of the MLP that checkpoint tensor `name` belongs to: an expert's, the shared
+    expert's, or the dense MLP's."""
+    moe = cfg.features.moe
+    if moe is not None and ".experts." in name:
+        return moe.intermediate_size
+    if moe is not None and ".shared_expert." in name:
+        return moe.shared_intermediate_size
+    return cfg.intermediate_size
 
 
 def read_tensor(reader: Any, name: str, target: Target) -> Tensor:

@@ -106,7 +106,7 @@ class ShardLayout:
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:
     if world_size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {world_size}")
-    if world_size > 1 and (not cfg.features.splits_over_ranks or cfg.features.moe is not None):
+    if world_size > 1 and not cfg.features.splits_over_ranks:
         raise ModelLoadError(f"tensor parallelism does not support {cfg.architecture} yet; use"
                              " --tensor-parallel-size 1")
     problems = []
@@ -114,6 +114,11 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
         problems.append(f"num_attention_heads ({cfg.num_heads})")
     if cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    moe = cfg.features.moe
+    if moe is not None and moe.intermediate_size % world_size:
+        problems.append(f"the experts' intermediate size ({moe.intermediate_size})")
+    if moe is not None and moe.shared_intermediate_size % world_size:
+        problems.append(f"shared_expert_intermediate_size ({moe.shared_intermediate_size})")
     if cfg.num_kv_heads % world_size and world_size % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads ({cfg.num_kv_heads}; or the size a multiple of it)")
     if problems:

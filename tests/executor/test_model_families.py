@@ -21,6 +21,7 @@ from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import serve
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.executor.test_torch_model import Driver, Seq, assert_same_tokens, hf_greedy, make_prompt
+from tests.support.procs import free_port, start, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,6 +188,28 @@ def test_configs_name_the_family_features(served: Callable[[str], Served]) -> No
     assert qwen3_moe is not None and qwen3_moe.renormalize and qwen3_moe.sparse_layers == (True, False)
 
 
+async def greedy_over_grpc(address: str, prompt: list[int]) -> tuple[executor_pb2.DescribeResponse, list[int]]:
+    """Describe, then one Execute stream: the prompt's prefill and decode steps, NEW_TOKENS greedy tokens."""
+    blocks = list(range(-(-(len(prompt) + NEW_TOKENS) // 8)))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        info = await stub.Describe(executor_pb2.DescribeRequest())
+        call = stub.Execute()
+        first = executor_pb2.NewRequest(request_id="g", token_ids=prompt, num_prompt_tokens=len(prompt),
+                                        num_scheduled_tokens=len(prompt), block_ids=blocks,
+                                        sampling=common_pb2.SamplingParams(temperature=0.0))
+        await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[first]))
+        tokens = list((await call.read()).sampled.token_ids)
+        running = executor_pb2.RunningRequests(request_ids=["g"], num_scheduled_tokens=[1], num_new_blocks=[0])
+        for step in range(2, NEW_TOKENS + 1):
+            await call.write(executor_pb2.StepRequest(step_id=step, running=running))
+            result = await call.read()
+            assert not result.error and not result.errors
+            tokens += list(result.sampled.token_ids)
+        await call.done_writing()
+    return info, tokens
+
+
 async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callable[[str], Served]) -> None:
     """Over gRPC: Describe names the architecture and its per-layer windows; an Execute stream of a prefill and
     decode steps gives transformers' greedy tokens for a prompt longer than the window."""
@@ -194,24 +217,29 @@ async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callab
     prompt = make_prompt(60, seed=21, vocab=VOCAB)
     server, port = await serve(model.backend, "127.0.0.1:0")
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = executor_pb2_grpc.ExecutorStub(channel)
-            info = await stub.Describe(executor_pb2.DescribeRequest())
-            assert info.architecture == "Gemma2ForCausalLM"
-            assert list(info.sliding_windows) == [WINDOW, 0, WINDOW, 0]
-            call = stub.Execute()
-            first = executor_pb2.NewRequest(request_id="g", token_ids=prompt, num_prompt_tokens=60,
-                                            num_scheduled_tokens=60, block_ids=list(range(9)),
-                                            sampling=common_pb2.SamplingParams(temperature=0.0))
-            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[first]))
-            tokens = list((await call.read()).sampled.token_ids)
-            running = executor_pb2.RunningRequests(request_ids=["g"], num_scheduled_tokens=[1], num_new_blocks=[0])
-            for step in range(2, NEW_TOKENS + 1):
-                await call.write(executor_pb2.StepRequest(step_id=step, running=running))
-                result = await call.read()
-                assert not result.error and not result.errors
-                tokens += list(result.sampled.token_ids)
-            await call.done_writing()
+        info, tokens = await greedy_over_grpc(f"127.0.0.1:{port}", prompt)
     finally:
         await server.stop(None)
+    assert info.architecture == "Gemma2ForCausalLM"
+    assert list(info.sliding_windows) == [WINDOW, 0, WINDOW, 0]
+    assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe"])
+async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
+                                                            tmp_path: Path) -> None:
+    """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
+    soft-capping per rank (Gemma 2); every expert's and the shared expert's intermediate rows split (Qwen2-MoE)."""
+    model = served(name)
+    prompt = make_prompt(50, seed=23, vocab=VOCAB)
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
+                                      "--tensor-parallel-size", "2", "--block-size", "8", "--num-gpu-blocks", "32",
+                                      "--num-cpu-blocks", "4"], tmp_path / "executor.log")
+    try:
+        wait_healthy(address, proc)
+        info, tokens = await greedy_over_grpc(address, prompt)
+    finally:
+        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
+    assert info.architecture == model.hf.config.architectures[0]
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
