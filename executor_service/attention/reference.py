@@ -44,11 +44,13 @@ class Group:
 
 @dataclass(slots=True, frozen=True)
 class Extras:
-    """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included)
-    and soft-capping of the scores (Gemma 2)."""
+    """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included),
+    soft-capping of the scores (Gemma 2) and attention sinks (GPT-OSS: a logit per query head [heads] that joins
+    every softmax's denominator and attends to nothing)."""
 
     window: int | None = None
     softcap: float | None = None
+    sinks: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -246,8 +248,8 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
         grouped = grouped.view(n, num_kv_heads, size, head_dim)
     else:
         grouped = grouped.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, size * q_len, head_dim)
-    if extras is not None and extras.softcap is not None:
-        attended = _capped_attention(grouped, key, value, group.bias, scale, extras.softcap)
+    if extras is not None and (extras.softcap is not None or extras.sinks is not None):
+        attended = _explicit_attention(grouped, key, value, group, scale, extras)
     else:
         attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.bias, scale=scale)
     if q_len == 1:
@@ -256,13 +258,21 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
     return attended.reshape(n * q_len, num_heads, head_dim)
 
 
-def _capped_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float,
-                      softcap: float) -> Tensor:
-    """Attention whose scores are soft-capped before the mask (Gemma 2): cap * tanh(q.k * scale / cap)."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
-    if bias is not None:
-        scores = scores + bias
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, group: Group, scale: float,
+                        extras: Extras) -> Tensor:
+    """Attention written out: scores soft-capped before the mask (cap * tanh(q.k * scale / cap)) and each query
+    head's sink logit appended to its scores before the softmax, its probability dropped after."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
+    if extras.softcap is not None:
+        scores = scores.div_(extras.softcap).tanh_().mul_(extras.softcap)
+    if group.bias is not None:
+        scores = scores + group.bias
+    if extras.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), value)
+    n, kv_heads, rows = scores.shape[:3]  # rows: a KV head's query heads, each over q_len positions
+    sinks = extras.sinks.float().view(kv_heads, -1, 1).expand(-1, -1, group.q_len).reshape(1, kv_heads, rows, 1)
+    probs = torch.softmax(torch.cat([scores, sinks.expand(n, -1, -1, -1)], dim=-1), dim=-1)
+    return torch.matmul(probs[..., :-1], value)
 
 
 def _gather(cache: Tensor, slots: Tensor, name: str, scratch: Scratch | None) -> Tensor:

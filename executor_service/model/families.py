@@ -45,6 +45,7 @@ class MoEConfig:
     renormalize: bool
     shared_intermediate_size: int
     sparse_layers: tuple[bool, ...]
+    swiglu: tuple[float, float] | None = None  # GPT-OSS experts (alpha, limit): see moe.py's OaiMoE
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +64,7 @@ class Features:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (GPT-OSS)
     splits_over_ranks: bool = True  # False: tensor parallelism refuses the family (a norm over all heads)
 
     @property
@@ -72,7 +74,7 @@ class Features:
     @property
     def attention_extras(self) -> bool:
         """Whether some layer needs attention the fused kernels do not compute (window, soft-capping)."""
-        return self.has_windows or self.attn_softcap is not None
+        return self.has_windows or self.attn_softcap is not None or self.attention_sinks
 
 
 FamilyParser = Callable[[dict[str, Any], int], Features]
@@ -183,6 +185,14 @@ def num_experts(raw: dict[str, Any]) -> int:
     return int(raw["num_experts"] if raw.get("num_experts") is not None else raw["num_local_experts"])
 
 
+def gpt_oss(raw: dict[str, Any], num_layers: int) -> Features:
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]), True, 0,
+                    (True,) * num_layers, (float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))))
+    bias = bool(raw.get("attention_bias", True))
+    return Features(moe=moe, attention_bias=bias, o_proj_bias=bias, attention_sinks=True, splits_over_ranks=False,
+                    layer_windows=windows(raw, num_layers, lambda i: i % 2 == 0))
+
+
 def optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -199,6 +209,7 @@ FAMILIES: dict[str, FamilyParser] = {
     "MixtralForCausalLM": mixtral,
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,
+    "GptOssForCausalLM": gpt_oss,
 }
 """Hugging Face architecture name -> its parser; the order is the README's list."""
 

@@ -1,5 +1,5 @@
-"""The reference paged attention's extras (a sliding window, soft-capped scores) against dense attention written
-out per sequence, over a shuffled paged cache, for decodes and prefill chunks behind a cached prefix."""
+"""The reference paged attention's extras (a sliding window, soft-capped scores, attention sinks) against dense
+attention written out per sequence, over a shuffled paged cache, for decodes and prefill chunks behind a prefix."""
 
 from __future__ import annotations
 
@@ -26,11 +26,18 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, extra
     if extras.window is not None:
         allowed &= key_pos > query_pos - extras.window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if extras.sinks is not None:
+        sink = extras.sinks[:, None, None].expand(-1, n, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])
+
+
 @pytest.mark.parametrize("extras", [Extras(window=5), Extras(softcap=0.7), Extras(window=3, softcap=1.5),
-                                    Extras(window=64)])
+                                    Extras(window=64), Extras(sinks=SINKS), Extras(window=4, sinks=SINKS)])
 def test_extras_equal_dense_attention(extras: Extras) -> None:
     gen = torch.Generator().manual_seed(3)
     contexts, q_lens = [1, 9, 23, 17], [1, 1, 7, 17]  # decodes, a chunk behind a prefix, a whole prompt

@@ -72,6 +72,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(transformers.Qwen3MoeConfig, {"num_hidden_layers": 2, "head_dim": 16, "num_experts": 8,
                                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                                       "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "gpt_oss": Family(transformers.GptOssConfig, {"num_hidden_layers": 2, "head_dim": 16, "num_local_experts": 8,
+                                                  "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                  "sliding_window": WINDOW,
+                                                  "rope_parameters": {"rope_type": "yarn", "factor": 8.0,
+                                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                      "original_max_position_embeddings": 64,
+                                                                      "rope_theta": 150000.0, "truncate": False}}),
 }
 
 
@@ -186,6 +193,10 @@ def test_configs_name_the_family_features(served: Callable[[str], Served]) -> No
     assert not qwen2_moe.renormalize and qwen2_moe.shared_intermediate_size == 48
     qwen3_moe = ModelConfig.from_dir(served("qwen3_moe").path).features.moe
     assert qwen3_moe is not None and qwen3_moe.renormalize and qwen3_moe.sparse_layers == (True, False)
+    gpt_oss = ModelConfig.from_dir(served("gpt_oss").path)
+    assert gpt_oss.features.attention_sinks and gpt_oss.layer_windows == (WINDOW, None)
+    assert gpt_oss.rope_scaling is not None and gpt_oss.rope_scaling.rope_type == "yarn"
+    assert gpt_oss.features.moe is not None and gpt_oss.features.moe.swiglu == (1.702, 7.0)
 
 
 async def greedy_over_grpc(address: str, prompt: list[int]) -> tuple[executor_pb2.DescribeResponse, list[int]]:
