@@ -197,21 +197,25 @@ def _cut(order: list[int], q_lens: list[int], lens: list[int], max_tokens: int) 
 
 def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[int], block_tables: Tensor,
            block_size: int, group_size: int, whole: bool, window: int | None = None) -> Group:
-    """Index tensors and mask of one group (built once per step on the host, then moved to the device)."""
+    """Index tensors and mask of one group (built once per step on the host, then moved to the device). With a
+    window, a sequence's keys start at the first one its first query sees: the blocks before are never read."""
     device = block_tables.device
-    n, q_len, kv_len = len(chunk), max(q_lens[s] for s in chunk), max(lens[s] for s in chunk)
+    n, q_len = len(chunk), max(q_lens[s] for s in chunk)
     seq_q = torch.tensor([q_lens[s] for s in chunk])
     seq_kv = torch.tensor([lens[s] for s in chunk])
-    key_pos = torch.arange(kv_len)
+    first = torch.zeros_like(seq_kv) if window is None else (seq_kv - seq_q - window + 1).clamp(min=0)
+    kv_len = int((seq_kv - first).max())
+    key_pos = first[:, None] + torch.arange(kv_len)[None, :]  # [n, kv_len] positions in the sequence
     tables = block_tables.index_select(0, torch.tensor(chunk, device=device)).long().cpu()
-    clamped = torch.minimum(key_pos[None, :], seq_kv[:, None] - 1)
+    clamped = torch.minimum(key_pos, seq_kv[:, None] - 1)
     slots = (tables.gather(1, clamped // block_size) * block_size + clamped % block_size).flatten()
     q_idx = torch.arange(q_len)
     query_pos = seq_kv[:, None] - seq_q[:, None] + q_idx[None, :]  # [n, q_len]; padding rows past the end
     is_real = q_idx[None, :] < seq_q[:, None]
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_kv[:, None, None])
+    keys = key_pos[:, None, :]
+    allowed = (keys <= query_pos[:, :, None]) & (keys < seq_kv[:, None, None])
     if window is not None:
-        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
+        allowed &= keys > query_pos[:, :, None] - window
     allowed[:, :, 0] |= ~is_real  # padding query rows see key 0 only, so they stay finite
     bias = None
     if not bool(allowed.all()):

@@ -76,6 +76,13 @@ class Features:
         """Whether some layer needs attention the fused kernels do not compute (window, soft-capping)."""
         return self.has_windows or self.attn_softcap is not None or self.attention_sinks
 
+    @property
+    def graphable(self) -> bool:
+        """Whether the forward may be captured (CUDA graphs) or compiled (--compile-sizes): not with the reference
+        attention's host-side plan, the experts' host-side grouping, or q/k norms (the compiled attention op's
+        path does not apply them)."""
+        return not self.attention_extras and self.moe is None and self.qk_norm == QKNorm.NONE
+
 
 FamilyParser = Callable[[dict[str, Any], int], Features]
 

@@ -60,3 +60,18 @@ def test_extras_equal_dense_attention(extras: Extras) -> None:
         v = v_cache.view(-1, KV_HEADS, DIM)[slots]
         expected = dense(query[starts[s] : starts[s + 1]], k, v, 0.5, extras)
         torch.testing.assert_close(out[starts[s] : starts[s + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_out_of_every_window_are_never_read() -> None:
+    """A decode at position 40 with window 8 sees keys 33 - 40: blocks 0 - 7 (keys 0 - 31) may hold anything, even
+    NaN (as a block released to another request would), and the output is the window's attention."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(12, BLOCK, KV_HEADS, DIM, generator=gen)
+    table = torch.arange(11, dtype=torch.int32)[None, :]
+    query = torch.randn(1, HEADS, DIM, generator=gen)
+    lens, starts = torch.tensor([41], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    clean = paged_attention(query, k_cache, v_cache, table, lens, starts, 0.5, Scratch(), Extras(window=8))
+    k_cache[:8], v_cache[:8] = float("nan"), float("nan")
+    poisoned = paged_attention(query, k_cache, v_cache, table, lens, starts, 0.5, Scratch(), Extras(window=8))
+    assert torch.equal(clean, poisoned) and bool(poisoned.isfinite().all())
