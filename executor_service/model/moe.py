@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import linear, silu
+from torch.nn.functional import silu
 
 from executor_service.model.families import MoEConfig
 from executor_service.model.parallel import Linear, ParallelContext
 
 
-class ExpertWeights(nn.Module):
-    """Every expert's gate and up projections stacked [E, 2 * inter, hidden] and down [E, hidden, inter]."""
+class Expert(nn.Module):
+    """One expert: its gate and up projections fused (gate_up_proj) and down_proj, plain linears (packed for the
+    CPU's GEMM like the model's others); under tensor parallelism this rank's intermediate rows, summed by the
+    caller."""
 
-    def __init__(self, num_experts: int, hidden_size: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype))
         self.intermediate_size = inter
+        self.gate_up_proj = Linear(hidden_size, 2 * inter, False, dtype)
+        self.down_proj = Linear(inter, hidden_size, False, dtype)
 
-    def run(self, expert: int, x: Tensor) -> Tensor:
-        gate, up = linear(x, self.w13[expert]).split(self.intermediate_size, dim=-1)
-        return linear(silu(gate).mul_(up), self.w2[expert])
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(silu(gate).mul_(up))
 
 
 class SparseMoE(nn.Module):
@@ -38,7 +40,7 @@ class SparseMoE(nn.Module):
         self.num_experts = moe.num_experts
         self.parallel = parallel
         self.gate = Linear(hidden_size, moe.num_experts, False, dtype)
-        self.experts = ExpertWeights(moe.num_experts, hidden_size, inter, dtype)
+        self.experts = nn.ModuleList(Expert(hidden_size, inter, dtype) for _ in range(moe.num_experts))
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden_size, 1, False, dtype) if shared is not None else None
 
@@ -54,7 +56,7 @@ class SparseMoE(nn.Module):
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
         for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
-            y = self.experts.run(expert, x.index_select(0, rows)) * row_weights[:, None]
+            y = self.experts[expert](x.index_select(0, rows)) * row_weights[:, None]
             out.index_add_(0, rows, y.to(x.dtype))
         out = self.parallel.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
