@@ -134,7 +134,7 @@ def olmo2(raw: dict[str, Any], num_layers: int) -> Features:
 
 
 def phi3(raw: dict[str, Any], num_layers: int) -> Features:
-    return Features(layer_windows=windows(raw, num_layers, lambda i: True), splits_over_ranks=False)
+    return Features(layer_windows=windows(raw, num_layers, lambda i: True))
 
 
 def gemma_common(raw: dict[str, Any]) -> Features:

@@ -60,12 +60,14 @@ class Split:
 
 @dataclass(slots=True, frozen=True)
 class Target:
-    """Where a checkpoint tensor goes: `param`, and which `shard` of its fused output rows (q/k/v, gate/up)."""
+    """Where a checkpoint tensor goes: `param`, and which `shard` of its fused output rows (q/k/v, gate/up);
+    `unfuse`: the checkpoint tensor is itself fused (Phi-3) and split over ranks part by part."""
 
     param: str
     shard: int | None
     split: Split | None = None
     padded: bool = False
+    unfuse: bool = False
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
@@ -129,7 +131,9 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     if target is not None:
                         view = mapped.tensor(name) if mapped is not None and target.split is None else None
                         param = params[target.param]
-                        if view is not None and can_alias(param, target, view, target.param in linear_weights):
+                        if target.unfuse:
+                            copy_fused_parts(param, reader.get_tensor(name), name, model)
+                        elif view is not None and can_alias(param, target, view, target.param in linear_weights):
                             param.data = view  # no copy: the parameter is the file's pages
                         else:
                             tensor = view if view is not None else read_tensor(reader, name, target)
@@ -226,7 +230,26 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
         param = f"{match.group(1)}.{fused}.{match.group(3)}"
         return Target(param, shard, split) if param in params else None
     padded = split is not None and name in ("model.embed_tokens.weight", "lm_head.weight")
-    return Target(name, None, split, padded) if name in params else None
+    unfuse = layout.world_size > 1 and name.rsplit(".", 2)[-2] in SHARDS
+    return Target(name, None, split, padded, unfuse) if name in params else None
+
+
+def copy_fused_parts(param: torch.nn.Parameter, tensor: Tensor, name: str, model: LlamaForCausalLM) -> None:
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) into this rank's fused parameter: each part's
+    rows (q, k, v; gate, up) cut as the unfused part would be."""
+    head, fused, kind = name.rsplit(".", 2)
+    dest, offset, out = param.data, 0, 0
+    for part in SHARDS[fused]:
+        split = checkpoint_split(f"{head}.{part}.{kind}", model.config, model.layout)
+        if split is None:
+            raise ModelLoadError(f"weight {name}: cannot split its {part} part over ranks")
+        rows = split.stop - split.start
+        if offset + split.total > tensor.shape[0] or out + rows > dest.shape[0]:
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, too few rows for the config")
+        dest[out : out + rows].copy_(tensor[offset + split.start : offset + split.stop])
+        offset, out = offset + split.total, out + rows
+    if offset != tensor.shape[0] or out != dest.shape[0]:
+        raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies another")
 
 
 def standard_name(name: str) -> str:
