@@ -129,7 +129,7 @@ def qwen3(raw: dict[str, Any], num_layers: int) -> Features:
 
 
 def olmo2(raw: dict[str, Any], num_layers: int) -> Features:
-    return Features(norm_layout=NormLayout.POST, qk_norm=QKNorm.WHOLE, splits_over_ranks=False,
+    return Features(norm_layout=NormLayout.POST, qk_norm=QKNorm.WHOLE,
                     attention_bias=bool(raw.get("attention_bias", False)))
 
 

@@ -36,6 +36,7 @@ from executor_service.model.parallel import (
     ParallelContext,
     ParallelLMHead,
     RowParallelLinear,
+    ShardedRMSNorm,
     ShardLayout,
     VocabParallelEmbedding,
 )
@@ -130,7 +131,14 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
         self.qk_norm = features.qk_norm
-        if features.qk_norm != QKNorm.NONE:
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
+        if features.qk_norm == QKNorm.WHOLE and parallel.world_size > 1:
+            replicas = max(1, parallel.world_size // cfg.num_kv_heads)
+            self.q_norm = ShardedRMSNorm(self.q_size, cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, dtype, parallel)
+            self.k_norm = ShardedRMSNorm(self.kv_size, cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps, dtype,
+                                         parallel, replicas)
+        elif features.qk_norm != QKNorm.NONE:
             whole = features.qk_norm == QKNorm.WHOLE
             norm_ops = ops if whole else None  # the fused kernel takes whole rows only
             q_dim, k_dim = (self.q_size, self.kv_size) if whole else (cfg.head_dim, cfg.head_dim)

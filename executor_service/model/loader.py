@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
+from executor_service.model.families import QKNorm
 from executor_service.model.llama import LlamaForCausalLM, ModelOps
 from executor_service.model.parallel import SINGLE, Linear, ParallelContext, ShardLayout
 from executor_service.startup import Phases
@@ -271,6 +272,11 @@ def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split 
     match module:
         case "q_proj":
             return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "q_norm" if cfg.features.qk_norm == QKNorm.WHOLE:
+            return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "k_norm" if cfg.features.qk_norm == QKNorm.WHOLE:
+            start = layout.kv_head_start * d
+            return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
         case "k_proj" | "v_proj":
             start = layout.kv_head_start * d
             return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)

@@ -162,6 +162,23 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a dimension split across ranks (OLMo 2's q/k norm spans all heads): each rank holds its slice of
+    the rows and of the weight, and the sum of squares is all-reduced; `replicas` ranks hold each slice (KV heads
+    replicated when there are fewer than ranks), so the sum counts it that many times."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float, dtype: torch.dtype, parallel: ParallelContext,
+                 replicas: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_size, dtype=dtype))
+        self.full_size, self.eps, self.parallel, self.replicas = full_size, eps, parallel, replicas
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        squares = self.parallel.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return (self.weight * (x32 * torch.rsqrt(squares / self.full_size + self.eps))).to(x.dtype)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [vocab_start, vocab_start + vocab_per_rank) of the table; a token held elsewhere looks up
     zeros here, and the all-reduce leaves exactly its row."""
