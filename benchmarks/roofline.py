@@ -47,8 +47,10 @@ class ModelShape:
         from executor_service.model import ModelConfig
 
         c = ModelConfig.from_dir(model_dir)
-        return cls(c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                   c.vocab_size, dtype_bytes)
+        moe = c.features.moe  # a sparse MLP counts as the intermediate rows one token runs through (FLOPs)
+        inter = c.intermediate_size if moe is None else moe.intermediate_size * moe.top_k + moe.shared_intermediate_size
+        return cls(c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, inter, c.vocab_size,
+                   dtype_bytes)
 
     def linears(self) -> list[tuple[int, int]]:
         """(in, out) of one layer's linears: fused qkv, o, fused gate/up, down."""

@@ -89,6 +89,10 @@ class BackendInfo:
     """Seconds of each start-up phase, in order."""
     max_num_draft_tokens: int = 0
     """Draft tokens it verifies per request and pass (speculative decoding); 0: it does not verify drafts."""
+    architecture: str = ""
+    """The Hugging Face architecture name served ("" for none, e.g. the simulated backend)."""
+    sliding_windows: tuple[int, ...] = ()
+    """Per layer: the sliding window (keys a query sees), 0 for full attention; () for none."""
 
 
 class Backend(Protocol):

@@ -56,6 +56,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             executor_version=EXECUTOR_VERSION, bos_token_id=info.bos_token_id or 0,
             add_bos_token=info.add_bos_token, chat_template=info.chat_template,
             startup_seconds=info.startup_seconds, startup_phases=dict(info.startup_phases),
+            architecture=info.architecture, sliding_windows=list(info.sliding_windows),
             capabilities=executor_pb2.Capabilities(
                 swap=True, copy=True, chunked_prefill=True, max_num_steps=limits.max_num_steps,
                 max_logprobs=info.max_logprobs, seeded_sampling=True,

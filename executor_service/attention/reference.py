@@ -44,11 +44,13 @@ class Group:
 
 @dataclass(slots=True, frozen=True)
 class Extras:
-    """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included)
-    and soft-capping of the scores (Gemma 2)."""
+    """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included),
+    soft-capping of the scores (Gemma 2) and attention sinks (GPT-OSS: a logit per query head [heads] that joins
+    every softmax's denominator and attends to nothing)."""
 
     window: int | None = None
     softcap: float | None = None
+    sinks: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -195,21 +197,25 @@ def _cut(order: list[int], q_lens: list[int], lens: list[int], max_tokens: int) 
 
 def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[int], block_tables: Tensor,
            block_size: int, group_size: int, whole: bool, window: int | None = None) -> Group:
-    """Index tensors and mask of one group (built once per step on the host, then moved to the device)."""
+    """Index tensors and mask of one group (built once per step on the host, then moved to the device). With a
+    window, a sequence's keys start at the first one its first query sees: the blocks before are never read."""
     device = block_tables.device
-    n, q_len, kv_len = len(chunk), max(q_lens[s] for s in chunk), max(lens[s] for s in chunk)
+    n, q_len = len(chunk), max(q_lens[s] for s in chunk)
     seq_q = torch.tensor([q_lens[s] for s in chunk])
     seq_kv = torch.tensor([lens[s] for s in chunk])
-    key_pos = torch.arange(kv_len)
+    first = torch.zeros_like(seq_kv) if window is None else (seq_kv - seq_q - window + 1).clamp(min=0)
+    kv_len = int((seq_kv - first).max())
+    key_pos = first[:, None] + torch.arange(kv_len)[None, :]  # [n, kv_len] positions in the sequence
     tables = block_tables.index_select(0, torch.tensor(chunk, device=device)).long().cpu()
-    clamped = torch.minimum(key_pos[None, :], seq_kv[:, None] - 1)
+    clamped = torch.minimum(key_pos, seq_kv[:, None] - 1)
     slots = (tables.gather(1, clamped // block_size) * block_size + clamped % block_size).flatten()
     q_idx = torch.arange(q_len)
     query_pos = seq_kv[:, None] - seq_q[:, None] + q_idx[None, :]  # [n, q_len]; padding rows past the end
     is_real = q_idx[None, :] < seq_q[:, None]
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_kv[:, None, None])
+    keys = key_pos[:, None, :]
+    allowed = (keys <= query_pos[:, :, None]) & (keys < seq_kv[:, None, None])
     if window is not None:
-        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
+        allowed &= keys > query_pos[:, :, None] - window
     allowed[:, :, 0] |= ~is_real  # padding query rows see key 0 only, so they stay finite
     bias = None
     if not bool(allowed.all()):
@@ -246,8 +252,8 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
         grouped = grouped.view(n, num_kv_heads, size, head_dim)
     else:
         grouped = grouped.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, size * q_len, head_dim)
-    if extras is not None and extras.softcap is not None:
-        attended = _capped_attention(grouped, key, value, group.bias, scale, extras.softcap)
+    if extras is not None and (extras.softcap is not None or extras.sinks is not None):
+        attended = _explicit_attention(grouped, key, value, group, scale, extras)
     else:
         attended = F.scaled_dot_product_attention(grouped, key, value, attn_mask=group.bias, scale=scale)
     if q_len == 1:
@@ -256,13 +262,21 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
     return attended.reshape(n * q_len, num_heads, head_dim)
 
 
-def _capped_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float,
-                      softcap: float) -> Tensor:
-    """Attention whose scores are soft-capped before the mask (Gemma 2): cap * tanh(q.k * scale / cap)."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
-    if bias is not None:
-        scores = scores + bias
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, group: Group, scale: float,
+                        extras: Extras) -> Tensor:
+    """Attention written out: scores soft-capped before the mask (cap * tanh(q.k * scale / cap)) and each query
+    head's sink logit appended to its scores before the softmax, its probability dropped after."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
+    if extras.softcap is not None:
+        scores = scores.div_(extras.softcap).tanh_().mul_(extras.softcap)
+    if group.bias is not None:
+        scores = scores + group.bias
+    if extras.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), value)
+    n, kv_heads, rows = scores.shape[:3]  # rows: a KV head's query heads, each over q_len positions
+    sinks = extras.sinks.float().view(kv_heads, -1, 1).expand(-1, -1, group.q_len).reshape(1, kv_heads, rows, 1)
+    probs = torch.softmax(torch.cat([scores, sinks.expand(n, -1, -1, -1)], dim=-1), dim=-1)
+    return torch.matmul(probs[..., :-1], value)
 
 
 def _gather(cache: Tensor, slots: Tensor, name: str, scratch: Scratch | None) -> Tensor:

@@ -11,7 +11,7 @@ from typing import Any
 from executor_service.model.families import FAMILIES, SILU_ONLY, Features
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -28,7 +28,10 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length, and beyond
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
+    attention_factor: float = 1.0  # longrope, yarn: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: the correction range's rotations
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +172,8 @@ def read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | No
         return theta, read_longrope(raw, scaling, int(original), source)
     if "factor" not in scaling:
         raise ModelLoadError(f"{source}: rope_type {rope_type!r} needs a 'factor'")
+    if rope_type == "yarn":
+        return theta, read_yarn(scaling, int(original))
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(scaling["factor"]),
@@ -191,6 +196,23 @@ def read_longrope(raw: dict[str, Any], scaling: dict[str, Any], original: int, s
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeScaling("longrope", factor, original_max_position_embeddings=original, short_factor=short,
                        long_factor=long, attention_factor=float(attention))
+
+
+def read_yarn(scaling: dict[str, Any], original: int) -> RopeScaling:
+    """YaRN (GPT-OSS): interpolation blended with extrapolation over a correction range of dimensions; cos and sin
+    scaled by 0.1 ln(factor) + 1 (or the ratio of the two mscales) unless the config names the attention factor."""
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original, attention_factor=float(attention),
+                       beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                       truncate=bool(scaling.get("truncate", True)))
 
 
 def read_dtype(raw: dict[str, Any]) -> str:

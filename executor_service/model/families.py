@@ -45,6 +45,7 @@ class MoEConfig:
     renormalize: bool
     shared_intermediate_size: int
     sparse_layers: tuple[bool, ...]
+    swiglu: tuple[float, float] | None = None  # GPT-OSS experts (alpha, limit): see moe.py's OaiMoE
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +64,7 @@ class Features:
     attention_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (GPT-OSS)
     splits_over_ranks: bool = True  # False: tensor parallelism refuses the family (a norm over all heads)
 
     @property
@@ -72,7 +74,14 @@ class Features:
     @property
     def attention_extras(self) -> bool:
         """Whether some layer needs attention the fused kernels do not compute (window, soft-capping)."""
-        return self.has_windows or self.attn_softcap is not None
+        return self.has_windows or self.attn_softcap is not None or self.attention_sinks
+
+    @property
+    def graphable(self) -> bool:
+        """Whether the forward may be captured (CUDA graphs) or compiled (--compile-sizes): not with the reference
+        attention's host-side plan, the experts' host-side grouping, or q/k norms (the compiled attention op's
+        path does not apply them)."""
+        return not self.attention_extras and self.moe is None and self.qk_norm == QKNorm.NONE
 
 
 FamilyParser = Callable[[dict[str, Any], int], Features]
@@ -120,12 +129,12 @@ def qwen3(raw: dict[str, Any], num_layers: int) -> Features:
 
 
 def olmo2(raw: dict[str, Any], num_layers: int) -> Features:
-    return Features(norm_layout=NormLayout.POST, qk_norm=QKNorm.WHOLE, splits_over_ranks=False,
+    return Features(norm_layout=NormLayout.POST, qk_norm=QKNorm.WHOLE,
                     attention_bias=bool(raw.get("attention_bias", False)))
 
 
 def phi3(raw: dict[str, Any], num_layers: int) -> Features:
-    return Features(layer_windows=windows(raw, num_layers, lambda i: True), splits_over_ranks=False)
+    return Features(layer_windows=windows(raw, num_layers, lambda i: True))
 
 
 def gemma_common(raw: dict[str, Any]) -> Features:
@@ -154,7 +163,7 @@ def gemma3(raw: dict[str, Any], num_layers: int) -> Features:
 
 
 def mixtral(raw: dict[str, Any], num_layers: int) -> Features:
-    moe = MoEConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                     True, 0, (True,) * num_layers)
     return Features(moe=moe, layer_windows=windows(raw, num_layers, lambda i: True))
 
@@ -163,7 +172,7 @@ def qwen_moe(raw: dict[str, Any], num_layers: int, base: Features) -> Features:
     step = int(raw.get("decoder_sparse_step", 1) or 1)
     dense = set(raw.get("mlp_only_layers") or [])
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    moe = MoEConfig(int(raw["num_experts"]), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
                     bool(raw.get("norm_topk_prob", False)), int(raw.get("shared_expert_intermediate_size") or 0),
                     sparse)
     return replace(base, moe=moe)
@@ -176,6 +185,19 @@ def qwen2_moe(raw: dict[str, Any], num_layers: int) -> Features:
 
 def qwen3_moe(raw: dict[str, Any], num_layers: int) -> Features:
     return qwen_moe(raw, num_layers, qwen3(raw, num_layers))
+
+
+def num_experts(raw: dict[str, Any]) -> int:
+    """`num_experts` (Qwen checkpoints) or `num_local_experts` (Mixtral; Qwen3-MoE as transformers 5.x writes it)."""
+    return int(raw["num_experts"] if raw.get("num_experts") is not None else raw["num_local_experts"])
+
+
+def gpt_oss(raw: dict[str, Any], num_layers: int) -> Features:
+    moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]), True, 0,
+                    (True,) * num_layers, (float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))))
+    bias = bool(raw.get("attention_bias", True))
+    return Features(moe=moe, attention_bias=bias, o_proj_bias=bias, attention_sinks=True, splits_over_ranks=False,
+                    layer_windows=windows(raw, num_layers, lambda i: i % 2 == 0))
 
 
 def optional_float(value: Any) -> float | None:
@@ -194,6 +216,7 @@ FAMILIES: dict[str, FamilyParser] = {
     "MixtralForCausalLM": mixtral,
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,
+    "GptOssForCausalLM": gpt_oss,
 }
 """Hugging Face architecture name -> its parser; the order is the README's list."""
 

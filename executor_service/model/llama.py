@@ -18,7 +18,7 @@ from executor_service.attention.reference import paged_attention as reference_at
 from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
-from executor_service.model.moe import SparseMoE
+from executor_service.model.moe import OaiMoE, SparseMoE
 from executor_service.model.packed import Packing, can_pack
 from executor_service.model.parallel import (
     SINGLE,
@@ -26,6 +26,7 @@ from executor_service.model.parallel import (
     ParallelContext,
     ParallelLMHead,
     RowParallelLinear,
+    ShardedRMSNorm,
     ShardLayout,
     VocabParallelEmbedding,
 )
@@ -120,13 +121,22 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel)
         self.qk_norm = features.qk_norm
-        if features.qk_norm != QKNorm.NONE:
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
+        if features.qk_norm == QKNorm.WHOLE and parallel.world_size > 1:
+            replicas = max(1, parallel.world_size // cfg.num_kv_heads)
+            self.q_norm = ShardedRMSNorm(self.q_size, cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps, dtype, parallel)
+            self.k_norm = ShardedRMSNorm(self.kv_size, cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps, dtype,
+                                         parallel, replicas)
+        elif features.qk_norm != QKNorm.NONE:
             whole = features.qk_norm == QKNorm.WHOLE
             norm_ops = ops if whole else None  # the fused kernel takes whole rows only
             q_dim, k_dim = (self.q_size, self.kv_size) if whole else (cfg.head_dim, cfg.head_dim)
             self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype, norm_ops, features.gemma_norm)
             self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype, norm_ops, features.gemma_norm)
-        self.extras = Extras(window, features.attn_softcap) if window or features.attn_softcap else None
+        self.window, self.softcap = window, features.attn_softcap
+        self.has_extras = bool(window or features.attn_softcap or features.attention_sinks)
+        self.sinks = nn.Parameter(torch.empty(layout.num_heads, dtype=dtype)) if features.attention_sinks else None
         self.scratch = scratch
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
@@ -139,9 +149,9 @@ class Attention(nn.Module):
                                        self.num_kv_heads)
         else:
             q = self.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        if self.extras is not None:  # the torch reference computes windows and soft-capping on every device
+        if self.has_extras:  # the torch reference computes windows, soft-capping and sinks on every device
             out = reference_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                      self.scale, self.scratch, self.extras)
+                                      self.scale, self.scratch, Extras(self.window, self.softcap, self.sinks))
         else:
             out = self.ops.paged_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
@@ -250,6 +260,8 @@ def make_mlp(cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.
     moe = cfg.features.moe
     if moe is None or not moe.sparse_layers[index]:
         return MLP(cfg, layout.intermediate_size, ops, dtype, parallel)
+    if moe.swiglu is not None:
+        return OaiMoE(cfg.hidden_size, moe, dtype)
     shared_inter = moe.shared_intermediate_size // layout.world_size
     shared = MLP(cfg, shared_inter, ops, dtype, parallel) if shared_inter else None
     return SparseMoE(cfg.hidden_size, moe, moe.intermediate_size // layout.world_size, shared, dtype, parallel)

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from executor_service.model.config import ModelConfig, ModelLoadError
+from executor_service.model.families import QKNorm
 from executor_service.model.llama import LlamaForCausalLM, ModelOps
 from executor_service.model.parallel import SINGLE, Linear, ParallelContext, ShardLayout
 from executor_service.startup import Phases
@@ -39,10 +40,8 @@ FUSED = {
 }
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
-                "w2": ("w2", None), "down_proj": ("w2", None)}
-RENAMED = (("block_sparse_moe.", "mlp."),)  # Mixtral's sparse MLP is the layer's `mlp` here
+MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+MIXTRAL_PARTS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 ALIAS_ALIGNMENT = 64
@@ -62,18 +61,14 @@ class Split:
 
 @dataclass(slots=True, frozen=True)
 class Target:
-    """Where a checkpoint tensor goes: `param`, its `expert` row (stacked experts) and `shard` of the fused
-    output rows (q/k/v, gate/up)."""
+    """Where a checkpoint tensor goes: `param`, and which `shard` of its fused output rows (q/k/v, gate/up);
+    `unfuse`: the checkpoint tensor is itself fused (Phi-3) and split over ranks part by part."""
 
     param: str
     shard: int | None
     split: Split | None = None
     padded: bool = False
-    expert: int | None = None
-
-    @property
-    def key(self) -> tuple[str, int | None, int | None]:
-        return self.param, self.shard, self.expert
+    unfuse: bool = False
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
@@ -127,7 +122,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     params = dict(model.named_parameters())
     slices = shard_slices(model)
     linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
-    loaded: set[tuple[str, int | None, int | None]] = set()
+    loaded: set[tuple[str, int | None]] = set()
     for path in files:
         try:
             mapped = MappedSafetensors.open(path) if model.layout.world_size == 1 else None
@@ -137,12 +132,14 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     if target is not None:
                         view = mapped.tensor(name) if mapped is not None and target.split is None else None
                         param = params[target.param]
-                        if view is not None and can_alias(param, target, view, target.param in linear_weights):
+                        if target.unfuse:
+                            copy_fused_parts(param, reader.get_tensor(name), name, model)
+                        elif view is not None and can_alias(param, target, view, target.param in linear_weights):
                             param.data = view  # no copy: the parameter is the file's pages
                         else:
                             tensor = view if view is not None else read_tensor(reader, name, target)
                             copy_weight(param, target, slices, tensor, name)
-                        loaded.add(target.key)
+                        loaded.add((target.param, target.shard))
             del mapped
         except ModelLoadError:
             raise
@@ -217,7 +214,7 @@ def populate(buffer: mmap.mmap) -> None:
 def can_alias(param: torch.nn.Parameter, target: Target, view: Tensor, linear: bool) -> bool:
     """Whether the parameter can be the file's mapped tensor itself: a whole CPU tensor of the parameter's dtype
     and shape, and, for a linear layer's weight, 64-byte aligned as the kernels' loads like best."""
-    return (param.device.type == "cpu" and target.shard is None and target.expert is None and not target.padded
+    return (param.device.type == "cpu" and target.shard is None and not target.padded
             and view.dtype == param.dtype and tuple(view.shape) == tuple(param.shape)
             and (not linear or view.data_ptr() % ALIAS_ALIGNMENT == 0))
 
@@ -226,13 +223,7 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
              layout: ShardLayout) -> Target | None:
     if name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
         return None
-    for old, new in RENAMED:
-        name = name.replace(old, new)
-    expert = EXPERT_NAME.match(name)
-    if expert:
-        stacked, part = EXPERT_PARTS[expert.group(3)]
-        param = f"{expert.group(1)}.experts.{stacked}"
-        return Target(param, part, None, expert=int(expert.group(2))) if param in params else None
+    name = standard_name(name)
     split = checkpoint_split(name, cfg, layout)
     match = FUSED_NAME.match(name)
     if match:
@@ -240,7 +231,33 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
         param = f"{match.group(1)}.{fused}.{match.group(3)}"
         return Target(param, shard, split) if param in params else None
     padded = split is not None and name in ("model.embed_tokens.weight", "lm_head.weight")
-    return Target(name, None, split, padded) if name in params else None
+    unfuse = layout.world_size > 1 and name.rsplit(".", 2)[-2] in SHARDS
+    return Target(name, None, split, padded, unfuse) if name in params else None
+
+
+def copy_fused_parts(param: torch.nn.Parameter, tensor: Tensor, name: str, model: LlamaForCausalLM) -> None:
+    """A fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) into this rank's fused parameter: each part's
+    rows (q, k, v; gate, up) cut as the unfused part would be."""
+    head, fused, kind = name.rsplit(".", 2)
+    dest, offset, out = param.data, 0, 0
+    for part in SHARDS[fused]:
+        split = checkpoint_split(f"{head}.{part}.{kind}", model.config, model.layout)
+        if split is None:
+            raise ModelLoadError(f"weight {name}: cannot split its {part} part over ranks")
+        rows = split.stop - split.start
+        if offset + split.total > tensor.shape[0] or out + rows > dest.shape[0]:
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, too few rows for the config")
+        dest[out : out + rows].copy_(tensor[offset + split.start : offset + split.stop])
+        offset, out = offset + split.total, out + rows
+    if offset != tensor.shape[0] or out != dest.shape[0]:
+        raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies another")
+
+
+def standard_name(name: str) -> str:
+    """Mixtral's names as the other families spell them: its sparse MLP is the layer's `mlp` and an expert's w1, w3,
+    w2 are gate_proj, up_proj, down_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{MIXTRAL_PARTS[m.group(2)]}.", name)
 
 
 def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split | None:
@@ -249,22 +266,40 @@ def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split 
         return None
     _, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split(".", 1))
     d, rank = layout.head_dim, layout.rank
-    q, inter = layout.num_heads * d, layout.intermediate_size
+    q = layout.num_heads * d
+    full_inter = intermediate_of(name, cfg)
+    inter = full_inter // layout.world_size
     match module:
         case "q_proj":
             return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "q_norm" if cfg.features.qk_norm == QKNorm.WHOLE:
+            return Split(0, rank * q, (rank + 1) * q, cfg.num_heads * d)
+        case "k_norm" if cfg.features.qk_norm == QKNorm.WHOLE:
+            start = layout.kv_head_start * d
+            return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
         case "k_proj" | "v_proj":
             start = layout.kv_head_start * d
             return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
         case "gate_proj" | "up_proj":
-            return Split(0, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+            return Split(0, rank * inter, (rank + 1) * inter, full_inter)
         case "o_proj" if kind == "weight":
             return Split(1, rank * q, (rank + 1) * q, cfg.num_heads * d)
         case "down_proj" if kind == "weight":
-            return Split(1, rank * inter, (rank + 1) * inter, cfg.intermediate_size)
+            return Split(1, rank * inter, (rank + 1) * inter, full_inter)
         case "embed_tokens" | "lm_head":
             return Split(0, layout.vocab_start, layout.vocab_start + layout.vocab_rows, cfg.vocab_size)
     return None
+
+
+def intermediate_of(name: str, cfg: ModelConfig) -> int:
+    """The full intermediate size of the MLP that checkpoint tensor `name` belongs to: an expert's, the shared
+    expert's, or the dense MLP's."""
+    moe = cfg.features.moe
+    if moe is not None and ".experts." in name:
+        return moe.intermediate_size
+    if moe is not None and ".shared_expert." in name:
+        return moe.shared_intermediate_size
+    return cfg.intermediate_size
 
 
 def read_tensor(reader: Any, name: str, target: Target) -> Tensor:
@@ -282,29 +317,20 @@ def read_tensor(reader: Any, name: str, target: Target) -> Tensor:
 
 
 def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
+    """The rows of q, k and v in this rank's fused qkv_proj (a fused gate_up_proj is two halves)."""
     layout = model.layout
     q = layout.num_heads * layout.head_dim
     kv = layout.num_kv_heads * layout.head_dim
-    inter = layout.intermediate_size
-    slices = {
-        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
-    }
-    moe = model.config.features.moe
-    if moe is not None:
-        expert_inter = moe.intermediate_size // layout.world_size
-        slices["w13"] = [(0, expert_inter), (expert_inter, 2 * expert_inter)]
-    return slices
+    return {"qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]}
 
 
 def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, list[tuple[int, int]]],
                 tensor: Tensor, name: str) -> None:
     dest = param.data
-    if target.expert is not None:
-        dest = dest[target.expert]
     if target.shard is not None:
-        fused = target.param.rsplit(".", 1)[-1] if target.expert is not None else target.param.rsplit(".", 2)[-2]
-        lo, hi = slices[fused][target.shard]
+        fused = target.param.rsplit(".", 2)[-2]
+        half = dest.shape[0] // 2
+        lo, hi = slices[fused][target.shard] if fused in slices else (target.shard * half, (target.shard + 1) * half)
         dest = dest[lo:hi]
     if target.padded and dest.shape[0] > tensor.shape[0]:
         dest[tensor.shape[0] :].zero_()
@@ -316,19 +342,15 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
     dest.copy_(tensor)
 
 
-def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None, int | None]],
+def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None]],
                    directory: Path) -> None:
     missing: list[str] = []
-    for param, tensor in params.items():
+    for param in params:
         head, fused, kind = param.rsplit(".", 2) if param.count(".") >= 2 else ("", "", param)
-        if kind in ("w13", "w2"):
-            rows: tuple[int | None, ...] = (0, 1) if kind == "w13" else (None,)
-            missing += [f"{head}.{fused}.{e}.{kind}[{row}]" for e in range(tensor.shape[0]) for row in rows
-                        if (param, row, e) not in loaded]
-        elif fused in SHARDS and (param, None, None) not in loaded:
+        if fused in SHARDS and (param, None) not in loaded:  # a fused checkpoint tensor (Phi-3) fills it whole
             parts = enumerate(SHARDS[fused])
-            missing += [f"{head}.{part}.{kind}" for i, part in parts if (param, i, None) not in loaded]
-        elif fused not in SHARDS and (param, None, None) not in loaded:
+            missing += [f"{head}.{part}.{kind}" for i, part in parts if (param, i) not in loaded]
+        elif fused not in SHARDS and (param, None) not in loaded:
             missing.append(param)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

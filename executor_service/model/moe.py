@@ -1,30 +1,34 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks top_k experts per token
-(their weights renormalised where the family does), tokens are grouped by expert and each expert runs one GEMM
-pair over its tokens; an optional shared expert, scaled by a sigmoid gate, is added. Under tensor parallelism
-each rank holds a slice of every expert's intermediate dimension (as the dense MLP), so the sum is all-reduced."""
+"""Mixture-of-experts MLPs. SparseMoE (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks top_k experts per
+token (their weights renormalised where the family does), tokens are grouped by expert and each expert runs one
+GEMM pair over its tokens; an optional shared expert, scaled by a sigmoid gate, is added. Under tensor parallelism
+each rank holds a slice of every expert's intermediate dimension (as the dense MLP), so the sum is all-reduced.
+OaiMoE (GPT-OSS): a biased router, softmax over the top_k logits, biased experts stored as in the checkpoint
+(x @ W, gate and up interleaved) with a clamped SwiGLU."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import linear, silu
+from torch.nn.functional import silu
 
 from executor_service.model.families import MoEConfig
 from executor_service.model.parallel import Linear, ParallelContext
 
 
-class ExpertWeights(nn.Module):
-    """Every expert's gate and up projections stacked [E, 2 * inter, hidden] and down [E, hidden, inter]."""
+class Expert(nn.Module):
+    """One expert: its gate and up projections fused (gate_up_proj) and down_proj, plain linears (packed for the
+    CPU's GEMM like the model's others); under tensor parallelism this rank's intermediate rows, summed by the
+    caller."""
 
-    def __init__(self, num_experts: int, hidden_size: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype))
         self.intermediate_size = inter
+        self.gate_up_proj = Linear(hidden_size, 2 * inter, False, dtype)
+        self.down_proj = Linear(inter, hidden_size, False, dtype)
 
-    def run(self, expert: int, x: Tensor) -> Tensor:
-        gate, up = linear(x, self.w13[expert]).split(self.intermediate_size, dim=-1)
-        return linear(silu(gate).mul_(up), self.w2[expert])
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(silu(gate).mul_(up))
 
 
 class SparseMoE(nn.Module):
@@ -36,7 +40,7 @@ class SparseMoE(nn.Module):
         self.num_experts = moe.num_experts
         self.parallel = parallel
         self.gate = Linear(hidden_size, moe.num_experts, False, dtype)
-        self.experts = ExpertWeights(moe.num_experts, hidden_size, inter, dtype)
+        self.experts = nn.ModuleList(Expert(hidden_size, inter, dtype) for _ in range(moe.num_experts))
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden_size, 1, False, dtype) if shared is not None else None
 
@@ -50,19 +54,67 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         experts, weights = self.route(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens, token_weights = order // self.top_k, weights.flatten().index_select(0, order)
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = tokens[start : start + count]
-                y = self.experts.run(expert, x.index_select(0, rows)) * token_weights[start : start + count, None]
-                out.index_add_(0, rows, y.to(x.dtype))
-                start += count
+        for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
+            y = self.experts[expert](x.index_select(0, rows)) * row_weights[:, None]
+            out.index_add_(0, rows, y.to(x.dtype))
         out = self.parallel.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> list[tuple[int, Tensor, Tensor]]:
+    """(expert, its tokens' rows, their weights) for every expert some token chose, in expert order."""
+    top_k = experts.shape[1]
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens, token_weights = order // top_k, weights.flatten().index_select(0, order)
+    groups, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            groups.append((expert, tokens[start : start + count], token_weights[start : start + count]))
+            start += count
+    return groups
+
+
+class OaiExperts(nn.Module):
+    """GPT-OSS's experts as its checkpoint stores them: gate_up_proj [E, hidden, 2 * inter] (gate and up
+    interleaved), down_proj [E, inter, hidden], and their biases."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inter: int, dtype: torch.dtype,
+                 swiglu: tuple[float, float]) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * inter, dtype=dtype))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size, dtype=dtype))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        self.alpha, self.limit = swiglu
+
+    def run(self, expert: int, x: Tensor) -> Tensor:
+        gate_up = torch.addmm(self.gate_up_proj_bias[expert], x, self.gate_up_proj[expert])
+        gate = gate_up[:, ::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return torch.addmm(self.down_proj_bias[expert], (up + 1) * glu, self.down_proj[expert])
+
+
+class OaiMoE(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if moe.swiglu is None:
+            raise ValueError("OaiMoE needs the experts' SwiGLU alpha and limit")
+        self.top_k = moe.top_k
+        self.num_experts = moe.num_experts
+        self.router = Linear(hidden_size, moe.num_experts, True, dtype)
+        self.experts = OaiExperts(moe.num_experts, hidden_size, moe.intermediate_size, dtype, moe.swiglu)
+
+    def forward(self, x: Tensor) -> Tensor:
+        values, experts = self.router(x).topk(self.top_k, dim=-1)
+        weights = torch.softmax(values, dim=-1)
+        out = torch.zeros_like(x)
+        for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
+            y = self.experts.run(expert, x.index_select(0, rows)) * row_weights[:, None]
+            out.index_add_(0, rows, y.to(x.dtype))
         return out

@@ -106,7 +106,7 @@ class ShardLayout:
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:
     if world_size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {world_size}")
-    if world_size > 1 and (not cfg.features.splits_over_ranks or cfg.features.moe is not None):
+    if world_size > 1 and not cfg.features.splits_over_ranks:
         raise ModelLoadError(f"tensor parallelism does not support {cfg.architecture} yet; use"
                              " --tensor-parallel-size 1")
     problems = []
@@ -114,6 +114,11 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
         problems.append(f"num_attention_heads ({cfg.num_heads})")
     if cfg.intermediate_size % world_size:
         problems.append(f"intermediate_size ({cfg.intermediate_size})")
+    moe = cfg.features.moe
+    if moe is not None and moe.intermediate_size % world_size:
+        problems.append(f"the experts' intermediate size ({moe.intermediate_size})")
+    if moe is not None and moe.shared_intermediate_size % world_size:
+        problems.append(f"shared_expert_intermediate_size ({moe.shared_intermediate_size})")
     if cfg.num_kv_heads % world_size and world_size % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads ({cfg.num_kv_heads}; or the size a multiple of it)")
     if problems:
@@ -155,6 +160,23 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         y = self.parallel.all_reduce(dense(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a dimension split across ranks (OLMo 2's q/k norm spans all heads): each rank holds its slice of
+    the rows and of the weight, and the sum of squares is all-reduced; `replicas` ranks hold each slice (KV heads
+    replicated when there are fewer than ranks), so the sum counts it that many times."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float, dtype: torch.dtype, parallel: ParallelContext,
+                 replicas: int = 1) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_size, dtype=dtype))
+        self.full_size, self.eps, self.parallel, self.replicas = full_size, eps, parallel, replicas
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        squares = self.parallel.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return (self.weight * (x32 * torch.rsqrt(squares / self.full_size + self.eps))).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

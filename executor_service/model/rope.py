@@ -36,6 +36,8 @@ class RopeTables:
             long = base / torch.tensor(scaling.long_factor, dtype=torch.float32)
             return cls(short.to(device), long.to(device), scaling.original_max_position_embeddings,
                        scaling.attention_factor)
+        if scaling.rope_type == "yarn":
+            return cls(scale_yarn(head_dim, theta, scaling).to(device), attention_factor=scaling.attention_factor)
         raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -52,6 +54,27 @@ class RopeTables:
 
 def default_inv_freq(dim: int, theta: float) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def scale_yarn(dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """YaRN's frequencies: extrapolated (unscaled) above the correction range's dimensions, interpolated (divided by
+    the factor) below it, linearly blended inside it."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (scaling.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def scale_llama3(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:

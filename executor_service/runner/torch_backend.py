@@ -134,13 +134,16 @@ class TorchBackend:
                               num_swap_blocks)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
-        plain_attention = not model_cfg.features.attention_extras  # the reference's host-side plan is not graphable
-        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1 and plain_attention:
+        graphable = model_cfg.features.graphable
+        if (config.cuda_graph_sizes or config.compile_sizes) and not graphable:
+            log.warning("%s: CUDA graphs and --compile-sizes are off (sliding windows, soft-capping, sinks, q/k norms"
+                        " or experts are not captured yet)", model_cfg.architecture)
+        if config.cuda_graph_sizes and device.type == "cuda" and parallel.world_size == 1 and graphable:
             with phases.phase("cuda graphs"):
                 graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
                                       -(-max_model_len // config.block_size), device)
         compiled = None
-        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1 and plain_attention:
+        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1 and graphable:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
         backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
                       compiled=compiled)
@@ -387,6 +390,8 @@ def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, 
         bos_token_id=tokenizer.bos_token_id,
         add_bos_token=tokenizer.add_bos_token,
         chat_template=tokenizer.chat_template,
+        architecture=model_cfg.architecture,
+        sliding_windows=tuple(w or 0 for w in model_cfg.layer_windows),
     )
 
 

@@ -9,14 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
+from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.model import ModelConfig
 from executor_service.model.families import NormLayout, QKNorm
 from executor_service.runner.torch_backend import TorchBackend
+from executor_service.server import serve
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.executor.test_torch_model import Driver, Seq, assert_same_tokens, hf_greedy, make_prompt
+from tests.support.procs import free_port, start, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +48,37 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 
 FAMILIES: dict[str, Family] = {
     "qwen3": Family(transformers.Qwen3Config, {"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True}),
     "olmo2": Family(transformers.Olmo2Config, {"num_hidden_layers": 2, "tie_word_embeddings": False}, shard=True),
+    "phi3": Family(transformers.Phi3Config, {"num_hidden_layers": 2, "rope_scaling": LONGROPE,
+                                             "original_max_position_embeddings": 128,
+                                             "sliding_window": WINDOW, "tie_word_embeddings": False}),
+    "gemma2": Family(transformers.Gemma2Config, {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": WINDOW,
+                                                 "attn_logit_softcapping": 1.0, "final_logit_softcapping": 5.0,
+                                                 "query_pre_attn_scalar": 2, "tie_word_embeddings": False}),
+    "gemma3": Family(transformers.Gemma3TextConfig, {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": WINDOW,
+                                                     "query_pre_attn_scalar": 16,
+                                                     "rope_parameters": {
+                                                         "full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 100.0}}}),
+    "mixtral": Family(transformers.MixtralConfig, {"num_hidden_layers": 2, "num_local_experts": 8,
+                                                   "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                   "sliding_window": WINDOW}),
+    "qwen2_moe": Family(transformers.Qwen2MoeConfig, {"num_hidden_layers": 2, "num_experts": 60,
+                                                      "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+                                                      "shared_expert_intermediate_size": 48,
+                                                      "norm_topk_prob": False, "tie_word_embeddings": True},
+                        shard=True),
+    "qwen3_moe": Family(transformers.Qwen3MoeConfig, {"num_hidden_layers": 2, "head_dim": 16, "num_experts": 8,
+                                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                      "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "gpt_oss": Family(transformers.GptOssConfig, {"num_hidden_layers": 2, "head_dim": 16, "num_local_experts": 8,
+                                                  "num_experts_per_tok": 2, "intermediate_size": 32,
+                                                  "sliding_window": WINDOW,
+                                                  "rope_parameters": {"rope_type": "yarn", "factor": 8.0,
+                                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                      "original_max_position_embeddings": 64,
+                                                                      "rope_theta": 150000.0, "truncate": False}}),
 }
 
 
@@ -91,9 +127,153 @@ def test_greedy_matches_transformers(served: Callable[[str], Served], name: str)
         model.driver.release(seq)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "mixtral"])
+def test_recompute_and_swap_preemption_keep_the_tokens(served: Callable[[str], Served], name: str) -> None:
+    """A request preempted by recompute (state dropped, prompt + outputs resent) and one swapped out and back into
+    other blocks continue with transformers' tokens."""
+    model = served(name)
+    backend, driver = model.backend, model.driver
+    prompt = make_prompt(45, seed=31, vocab=VOCAB)
+    expected = hf_greedy(model.hf, prompt, 12)
+    seq = Seq(f"{name}-pre", list(prompt), len(prompt))
+    driver.generate([seq], 4, chunk=16)
+    driver.release(seq)
+    resumed = Seq(f"{name}-pre", list(seq.tokens), len(prompt))
+    driver.generate([resumed], 12, chunk=16)
+    driver.release(resumed)
+    assert_same_tokens(resumed.tokens[len(prompt) :], expected, backend.info.eos_token_ids)
+    swapped = Seq(f"{name}-swap", list(prompt), len(prompt))
+    driver.generate([swapped], 3)
+    old_blocks = list(swapped.blocks)
+    cpu_blocks = list(range(len(old_blocks)))
+    backend.swap_out(list(zip(old_blocks, cpu_blocks, strict=True)))
+    driver.release(swapped)
+    backend.kv_cache.device_kv[:, :, old_blocks] = 0.0
+    swapped.blocks = [driver.free.pop(0) for _ in old_blocks]
+    backend.swap_in(list(zip(cpu_blocks, swapped.blocks, strict=True)))
+    driver.generate([swapped], 12)
+    driver.release(swapped)
+    assert_same_tokens(swapped.tokens[len(prompt) :], expected, backend.info.eos_token_ids)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logprobs_match_transformers(served: Callable[[str], Served], name: str) -> None:
+    """The raw log-probabilities after the last prompt token (final soft-capping included) are transformers'."""
+    model = served(name)
+    prompt = make_prompt(50, seed=99, vocab=VOCAB)
+    sampling = SamplingConfig(temperature=0.0, logprobs=5)
+    blocks = [model.driver.free.pop() for _ in range(7)]
+    out = model.backend.execute([BatchItem(f"lp-{name}", prompt, 50, 0, 50, blocks, True, sampling)])[0]
+    model.driver.free.extend(blocks)
+    with torch.inference_mode():
+        expected = torch.log_softmax(model.hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert out is not None and out.top_logprobs
+    assert [t for t, _ in out.top_logprobs] == expected.topk(5).indices.tolist()
+    assert [v for _, v in out.top_logprobs] == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
+def test_bfloat16_logprobs_are_within_tolerance_of_transformers(served: Callable[[str], Served], name: str) -> None:
+    """Served in bfloat16 (as these families ship), the log-probabilities of the 20 likeliest tokens after a prompt
+    longer than the window are within bfloat16's rounding of transformers' own bfloat16 run."""
+    model = served(name)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model.path), device="cpu", dtype="bfloat16", block_size=8,
+                                                 num_gpu_blocks=16, num_cpu_blocks=0, seed=0))
+    assert backend.info.dtype == "bfloat16"
+    prompt = make_prompt(50, seed=77, vocab=VOCAB)
+    sampling = SamplingConfig(temperature=0.0, logprobs=20)
+    out = backend.execute([BatchItem("bf16", prompt, 50, 0, 50, list(range(7)), True, sampling)])[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.bfloat16,
+                                                            attn_implementation="eager").eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    assert out is not None and len(out.top_logprobs) == 20
+    ours = torch.tensor([v for _, v in out.top_logprobs])
+    theirs = expected[[t for t, _ in out.top_logprobs]]
+    assert (ours - theirs).abs().max().item() < 0.15  # measured 0.03 - 0.08
+
+
 def test_configs_name_the_family_features(served: Callable[[str], Served]) -> None:
     qwen3 = ModelConfig.from_dir(served("qwen3").path)
     assert qwen3.features.qk_norm == QKNorm.PER_HEAD and qwen3.tie_word_embeddings
     olmo2 = ModelConfig.from_dir(served("olmo2").path)
     assert olmo2.features.qk_norm == QKNorm.WHOLE and olmo2.features.norm_layout == NormLayout.POST
     assert len(list(served("olmo2").path.glob("model-*.safetensors"))) > 1
+    phi3 = ModelConfig.from_dir(served("phi3").path)
+    assert phi3.rope_scaling is not None and phi3.rope_scaling.rope_type == "longrope"
+    assert phi3.rope_scaling.attention_factor > 1.0 and phi3.layer_windows == (WINDOW, WINDOW)
+    gemma2 = ModelConfig.from_dir(served("gemma2").path).features
+    assert gemma2.layer_windows == (WINDOW, None, WINDOW, None) and gemma2.norm_layout == NormLayout.SANDWICH
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (1.0, 5.0)
+    gemma3 = ModelConfig.from_dir(served("gemma3").path).features
+    assert gemma3.layer_windows == (WINDOW,) * 5 + (None,) and gemma3.local_rope_theta == 100.0
+    mixtral = ModelConfig.from_dir(served("mixtral").path).features.moe
+    assert mixtral is not None and (mixtral.num_experts, mixtral.top_k, mixtral.renormalize) == (8, 2, True)
+    qwen2_moe = ModelConfig.from_dir(served("qwen2_moe").path).features.moe
+    assert qwen2_moe is not None and (qwen2_moe.num_experts, qwen2_moe.top_k) == (60, 4)
+    assert not qwen2_moe.renormalize and qwen2_moe.shared_intermediate_size == 48
+    qwen3_moe = ModelConfig.from_dir(served("qwen3_moe").path).features.moe
+    assert qwen3_moe is not None and qwen3_moe.renormalize and qwen3_moe.sparse_layers == (True, False)
+    gpt_oss = ModelConfig.from_dir(served("gpt_oss").path)
+    assert gpt_oss.features.attention_sinks and gpt_oss.layer_windows == (WINDOW, None)
+    assert gpt_oss.rope_scaling is not None and gpt_oss.rope_scaling.rope_type == "yarn"
+    assert gpt_oss.features.moe is not None and gpt_oss.features.moe.swiglu == (1.702, 7.0)
+
+
+async def greedy_over_grpc(address: str, prompt: list[int]) -> tuple[executor_pb2.DescribeResponse, list[int]]:
+    """Describe, then one Execute stream: the prompt's prefill and decode steps, NEW_TOKENS greedy tokens."""
+    blocks = list(range(-(-(len(prompt) + NEW_TOKENS) // 8)))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        info = await stub.Describe(executor_pb2.DescribeRequest())
+        call = stub.Execute()
+        first = executor_pb2.NewRequest(request_id="g", token_ids=prompt, num_prompt_tokens=len(prompt),
+                                        num_scheduled_tokens=len(prompt), block_ids=blocks,
+                                        sampling=common_pb2.SamplingParams(temperature=0.0))
+        await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[first]))
+        tokens = list((await call.read()).sampled.token_ids)
+        running = executor_pb2.RunningRequests(request_ids=["g"], num_scheduled_tokens=[1], num_new_blocks=[0])
+        for step in range(2, NEW_TOKENS + 1):
+            await call.write(executor_pb2.StepRequest(step_id=step, running=running))
+            result = await call.read()
+            assert not result.error and not result.errors
+            tokens += list(result.sampled.token_ids)
+        await call.done_writing()
+    return info, tokens
+
+
+async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callable[[str], Served]) -> None:
+    """Over gRPC: Describe names the architecture and its per-layer windows; an Execute stream of a prefill and
+    decode steps gives transformers' greedy tokens for a prompt longer than the window."""
+    model = served("gemma2")
+    prompt = make_prompt(60, seed=21, vocab=VOCAB)
+    server, port = await serve(model.backend, "127.0.0.1:0")
+    try:
+        info, tokens = await greedy_over_grpc(f"127.0.0.1:{port}", prompt)
+    finally:
+        await server.stop(None)
+    assert info.architecture == "Gemma2ForCausalLM"
+    assert list(info.sliding_windows) == [WINDOW, 0, WINDOW, 0]
+    assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2"])
+async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
+                                                            tmp_path: Path) -> None:
+    """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
+    soft-capping per rank (Gemma 2); every expert's and the shared expert's intermediate rows split (Qwen2-MoE);
+    the checkpoint's fused qkv and gate/up cut part by part (Phi-3); the q/k norm over all heads all-reduced
+    (OLMo 2)."""
+    model = served(name)
+    prompt = make_prompt(50, seed=23, vocab=VOCAB)
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
+                                      "--tensor-parallel-size", "2", "--block-size", "8", "--num-gpu-blocks", "32",
+                                      "--num-cpu-blocks", "4"], tmp_path / "executor.log")
+    try:
+        wait_healthy(address, proc)
+        info, tokens = await greedy_over_grpc(address, prompt)
+    finally:
+        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
+    assert info.architecture == model.hf.config.architectures[0]
+    assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)

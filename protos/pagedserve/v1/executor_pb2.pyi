@@ -38,7 +38,7 @@ class Capabilities(_message.Message):
     def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases")
+    __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases", "architecture", "sliding_windows")
     class StartupPhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class DescribeResponse(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STARTUP_PHASES_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +82,9 @@ class DescribeResponse(_message.Message):
     chat_template: str
     startup_seconds: float
     startup_phases: _containers.ScalarMap[str, float]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., tokenizer_json: _Optional[str] = ..., executor_version: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., add_bos_token: _Optional[bool] = ..., chat_template: _Optional[str] = ..., startup_seconds: _Optional[float] = ..., startup_phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    architecture: str
+    sliding_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., tokenizer_json: _Optional[str] = ..., executor_version: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., add_bos_token: _Optional[bool] = ..., chat_template: _Optional[str] = ..., startup_seconds: _Optional[float] = ..., startup_phases: _Optional[_Mapping[str, float]] = ..., architecture: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_scheduled_tokens", "block_ids", "sampling")
