@@ -114,7 +114,12 @@ class TorchBackend:
             ops = model_ops(device, dtype)
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
         packing = Packing(None, 0)
-        if config.cpu_weight_prepack:
+        compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
+            and model_cfg.features.graphable
+        if config.cpu_weight_prepack and compiles:
+            log.info("--compile-sizes: linear weights are left to torch.compile (it cannot lower a packed oneDNN "
+                     "linear, and a background measurement would swap packs under its graphs)")
+        elif config.cpu_weight_prepack:
             with phases.phase("pack"):
                 packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
                                              measure_later=parallel.world_size == 1)
@@ -143,7 +148,7 @@ class TorchBackend:
                 graphs = DecodeGraphs(model, kv_cache.layers, config.cuda_graph_sizes,
                                       -(-max_model_len // config.block_size), device)
         compiled = None
-        if config.compile_sizes and device.type == "cpu" and parallel.world_size == 1 and graphable:
+        if compiles:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
         backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
                       compiled=compiled)
