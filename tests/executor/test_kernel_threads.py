@@ -6,6 +6,8 @@ thread count."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch
 
 from executor_service.attention import cpu as attention_cpu
 from executor_service.model import cpu_ops
+from tests.support.procs import ROOT
 
 
 @pytest.fixture
@@ -57,11 +60,22 @@ def test_one_torch_thread_means_one_kernel_thread() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_process_has_one_openmp_runtime() -> None:
+OPENMP_RUNTIMES = """
+from pathlib import Path
+from tests.executor.test_kernel_threads import probes
+probes()
+print("\\n".join(sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                         if any(name in line for name in ("libgomp", "libiomp", "libomp"))})))
+"""
+
+
+def test_the_executors_kernels_bring_no_second_openmp_runtime() -> None:
+    """In a fresh process (this one may hold other packages' runtimes, e.g. sentencepiece's bundled libgomp), torch
+    and the kernels loaded: one OpenMP runtime."""
     probes()
-    maps = Path("/proc/self/maps")
-    if not maps.is_file():
+    if not Path("/proc/self/maps").is_file():
         pytest.skip("no /proc here")
-    runtimes = {line.split()[-1] for line in maps.read_text().splitlines()
-                if any(name in line for name in ("libgomp", "libiomp", "libomp"))}
+    out = subprocess.run([sys.executable, "-c", OPENMP_RUNTIMES], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    runtimes = out.split()
     assert len(runtimes) == 1, runtimes
