@@ -218,13 +218,10 @@ class Scheduler:
         out.num_steps = self._num_steps()
         budget = Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: dict[str, ScheduledWork] = {}
-        if self.config.speculative_config is not None and out.num_steps == 1:
-            self._proposals = self._propose()
-        self._schedule_running(budget, scheduled, out)
-        if not out.num_preempted:
-            self._schedule_swapped(budget, scheduled, out)
-        if not out.num_preempted and not self.swapped and self._passed_delay(now):
-            self._schedule_waiting(budget, scheduled, out, now)
+        if self.config.speculative_config is None or not self._drafts_in_flight():
+            if self.config.speculative_config is not None and out.num_steps == 1:
+                self._proposals = self._propose()
+            self._schedule_phases(budget, scheduled, out, now)
         if out.num_steps > 1 and any(w.is_new or w.request.num_tokens - w.request.num_computed_tokens > 1
                                      for w in scheduled.values()):
             out.num_steps = 1
@@ -246,6 +243,20 @@ class Scheduler:
             self._unupdated.append(out)
             self._count_in_flight(out, 1)
         return out
+
+    def _schedule_phases(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput,
+                         now: float) -> None:
+        self._schedule_running(budget, scheduled, out)
+        if not out.num_preempted:
+            self._schedule_swapped(budget, scheduled, out)
+        if not out.num_preempted and not self.swapped and self._passed_delay(now):
+            self._schedule_waiting(budget, scheduled, out, now)
+
+    def _drafts_in_flight(self) -> bool:
+        """Async scheduling: a step with drafts is still running. The step after it waits for its answer (it is
+        empty): every request then knows its tokens and may draft again, and all of them step together (a
+        request that waited alone would fall out of step with the batch and halve it)."""
+        return any(w.draft_token_ids for out in self._unupdated for w in out.explicit_works())
 
     def _count_in_flight(self, out: SchedulerOutput, change: int) -> None:
         """Async scheduling: each running request's number of steps scheduled but not yet updated."""

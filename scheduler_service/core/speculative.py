@@ -17,7 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 class SpecMethod(enum.Enum):

@@ -29,7 +29,7 @@ from tests.support.core_helpers import (
 )
 from tests.support.model_executor import ModelExecutor
 
-SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=64)
 PERIODIC = [10, 11, 12, 13] * 4  # a prompt that repeats: its drafts come from itself
 
 
@@ -235,7 +235,7 @@ def test_speculative_traces_give_the_undisturbed_tokens(specs: list[TraceSpec], 
     computed slot before each forward, and a slot holding a rejected draft names tokens the request never had):
     each request's tokens equal a run without speculation, and every block comes back."""
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
-                             min_acceptance_rate=0.0)
+                             disable_by_batch_size=64, min_acceptance_rate=0.0)
     plain, plain_reasons, _ = drive_trace(specs, CoreConfig(**{**cfg_kwargs, "speculative_config": None}),  # type: ignore[arg-type]
                                           device_blocks, cpu_blocks)
     outputs, reasons, s = drive_trace(specs, CoreConfig(**{**cfg_kwargs, "speculative_config": spec}),  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from client.lib import PagedServeClient
 from tests.support.procs import ROOT, free_port, parse_metrics, start, stop, wait_healthy
 
 CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
 MAX_TOKENS = 40
 EXECUTOR_ARGS = ["--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--block-size", "16"]
 Outputs = dict[str, tuple[tuple[int, ...], str, int]]

@@ -7,7 +7,9 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from scheduler_service.engine.metrics import LATENCY_BUCKETS, StepHistogram
+from scheduler_service.core.scheduler import SchedulerStats
+from scheduler_service.core.speculative import SpecDecodeStats
+from scheduler_service.engine.metrics import LATENCY_BUCKETS, EngineMetrics, StepHistogram
 
 NAME = "vllm:inter_token_latency_seconds"
 
@@ -93,3 +95,21 @@ async def test_metrics_connections_are_bounded() -> None:
         for _, w in held:
             w.close()
         await server.close()
+
+
+def test_spec_decode_counters_follow_the_schedulers_totals() -> None:
+    metrics = EngineMetrics("m")
+    spec = SpecDecodeStats()
+    stats = SchedulerStats(1, 0, 0, 0.1, 0.0, 1, 0, 0, 0, 0, 0, spec=spec)
+    spec.record(3, 2)
+    metrics.observe_stats(stats, "e")
+    spec.record(4, 4)
+    spec.record(2, 0)
+    metrics.observe_stats(stats, "e")
+    got = samples(metrics.registry)
+    assert got['vllm:spec_decode_num_drafts_total{model_name="m"}'] == 3
+    assert got['vllm:spec_decode_num_draft_tokens_total{model_name="m"}'] == 9
+    assert got['vllm:spec_decode_num_accepted_tokens_total{model_name="m"}'] == 6
+    per_pos = [got[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}}']
+               for i in range(4)]
+    assert per_pos == [2, 2, 1, 1]

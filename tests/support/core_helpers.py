@@ -39,6 +39,8 @@ request_spec = st.tuples(
 
 PREFIXES = {k: [9 + (k * 7 + j) % 31 for j in range(4 * k + 3)] for k in (1, 2, 3)}
 
+TRACE_SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                               disable_by_batch_size=64)
 config_spec = st.fixed_dictionaries({
     "policy": st.sampled_from(list(Policy)),
     "preemption_mode": st.sampled_from(list(PreemptionMode)),
@@ -52,8 +54,7 @@ config_spec = st.fixed_dictionaries({
     "aging_rate": st.sampled_from([0.0, 0.5]),
     "watermark": st.sampled_from([0.0, 0.1]),
     "enable_prefix_caching": st.sampled_from([True, True, False]),
-    "speculative_config": st.sampled_from([None, None, SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
-                                                                         prompt_lookup_max=3)]),
+    "speculative_config": st.sampled_from([None, None, TRACE_SPEC]),
 })
 max_model_len_spec = st.sampled_from([96, 96, 40, 24])
 

@@ -82,6 +82,10 @@ class ModelExecutor:
         for rid in out.swapped_out_ids:
             self.states[rid].table = None
         self._move(self.cpu, self.device, out.swap_in)
+        held = {b for st in self.states.values() if st.table is not None for b in st.table}
+        for a, _ in out.copy:  # as the real executor's validator: a copy reads a block a live request holds
+            if a not in held:
+                raise CacheCorrupted(f"copy from block {a}, which no live request holds yet")
         self._move(self.device, self.device, out.copy)
         for n in out.new_requests():
             self.states[n.request_id] = _State(list(n.token_ids), n.num_computed_tokens, list(n.block_ids))
