@@ -41,6 +41,7 @@ from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.sampler import Sampler, SampleRequest
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
+from executor_service.token_masks import resolve_masks
 from executor_service.validator import RequestRefused, check_span
 from protos.contract import BlockMap
 
@@ -78,6 +79,8 @@ class DecodeTime:
 
 
 class TorchBackend:
+    overlaps_token_masks = True  # masks that follow a step are awaited after its forward pass (token_masks.py)
+
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
                  device: torch.device, graphs: DecodeGraphs | None = None,
                  compiled: CompiledForward | None = None) -> None:
@@ -170,7 +173,7 @@ class TorchBackend:
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
         return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
-                and all(item.num_tokens == 1 for item in items))
+                and all(item.num_tokens == 1 and item.deferred_masks is None for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
@@ -201,6 +204,7 @@ class TorchBackend:
         results: list[SampleOutput | None] = [None] * len(items)
         if logits is None:
             return results
+        resolve_masks(items)  # masks that follow the step: the forward pass ran while they came
         with inference_mode():
             samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
         for i, sample in zip(batch.sample_items, samples, strict=True):
