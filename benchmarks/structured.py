@@ -107,6 +107,11 @@ async def measure(address: str, batch: int, max_tokens: int, constrained: bool) 
     return tokens / wall, statistics.mean(gaps) * 1e3, statistics.median(gaps) * 1e3
 
 
+def medians(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    tokens, mean, p50 = (statistics.median(r[k] for r in runs) for k in range(3))
+    return tokens, mean, p50
+
+
 def run_model(name: str, executor_args: list[str], batches: list[int], max_tokens: int, tmp: Path,
               scheduler_args: list[str], repeats: int) -> None:
     """Free and constrained runs alternate `repeats` times; the medians are compared (the machine may be shared)."""
@@ -115,11 +120,11 @@ def run_model(name: str, executor_args: list[str], batches: list[int], max_token
         for batch in batches:
             runs: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
             for _ in range(repeats):
-                for held in (False, True):
-                    runs[held].append(asyncio.run(measure(stack.address, batch, max_tokens, held)))
-            free, held = (tuple(statistics.median(r[k] for r in runs[c]) for k in range(3)) for c in (False, True))
-            print(f"{name} batch {batch:3d} (median of {repeats}): free {free[0]:8.1f} tok/s ITL mean {free[1]:7.2f} ms "
-                  f"p50 {free[2]:7.2f} | json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms p50 {held[2]:7.2f}"
+                for constrained in (False, True):
+                    runs[constrained].append(asyncio.run(measure(stack.address, batch, max_tokens, constrained)))
+            free, held = (medians(runs[c]) for c in (False, True))
+            print(f"{name} batch {batch:3d} (median of {repeats}): free {free[0]:8.1f} tok/s ITL mean "
+                  f"{free[1]:7.2f} ms p50 {free[2]:7.2f} | json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms p50 {held[2]:7.2f}"
                   f" | ITL ratio {held[1] / free[1]:.3f} (p50 {held[2] / free[2]:.3f}), throughput ratio "
                   f"{held[0] / free[0]:.3f}", flush=True)
 
