@@ -124,7 +124,8 @@ def run_model(name: str, executor_args: list[str], batches: list[int], max_token
                     runs[constrained].append(asyncio.run(measure(stack.address, batch, max_tokens, constrained)))
             free, held = (medians(runs[c]) for c in (False, True))
             print(f"{name} batch {batch:3d} (median of {repeats}): free {free[0]:8.1f} tok/s ITL mean "
-                  f"{free[1]:7.2f} ms p50 {free[2]:7.2f} | json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms p50 {held[2]:7.2f}"
+                  f"{free[1]:7.2f} ms p50 {free[2]:7.2f} | json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms "
+                  f"p50 {held[2]:7.2f}"
                   f" | ITL ratio {held[1] / free[1]:.3f} (p50 {held[2] / free[2]:.3f}), throughput ratio "
                   f"{held[0] / free[0]:.3f}", flush=True)
 
