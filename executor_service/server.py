@@ -43,6 +43,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._step_lock = asyncio.Lock()
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
+        self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
@@ -83,19 +84,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self.table.reset()
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
             messages = request_iterator.__aiter__()
+            self._next_message = messages.__anext__  # the masks of a token_bitmasks_follow step
             async for step in messages:
                 if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
                     log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 async with self._step_lock:
                     try:
-                        result = await self.run_step(step, messages.__anext__)
+                        result = await self.run_step(step)
                     except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
                         log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
                 yield result
         finally:
             self._owner = None
+            self._next_message = None
             self._released.set()
             log.info("scheduler %s disconnected (stream %d)", peer, self._stream_epoch)
 
@@ -106,11 +109,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             return False
         return self._owner is None
 
-    async def run_step(self, step: executor_pb2.StepRequest,
-                       follow: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
-                       ) -> executor_pb2.StepResult:
-        """One step; `follow` reads the stream's next message (the masks of a token_bitmasks_follow step)."""
+    async def run_step(self, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        """One step; the masks of a token_bitmasks_follow step are read from the open stream (_next_message)."""
         t0 = time.perf_counter_ns()
+        follow = self._next_message
         result = executor_pb2.StepResult(step_id=step.step_id)
         for rid in step.finished_ids:
             self.table.drop(rid)
