@@ -206,6 +206,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         finally:
             deferred.fail(StepRefused("the step's token masks never came"))
             reader.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # retrieved: the step's error already says what went wrong
 
     async def _read_masks(self, step: executor_pb2.StepRequest,
                           follow: Callable[[], Awaitable[executor_pb2.StepRequest]], deferred: DeferredMasks) -> None:

@@ -92,3 +92,28 @@ async def test_a_constraint_that_does_not_compile_ends_the_request_with_its_reas
         assert tokens == [] and last.finish_reason is FinishReason.ERROR and "structured_outputs" in last.error
     finally:
         await engine.stop()
+
+
+async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> None:
+    """A lost executor means recompute: the requests go back with their outputs, and the matchers, which follow the
+    outputs, go on where they were; the constrained outputs still match."""
+    from scheduler_service.engine.executor_link import ExecutorLost
+
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+    await engine.start()
+    real_receive = engine.connection.receive
+    calls = {"n": 0}
+
+    async def lose_once(out: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            engine.connection.drop_stream()
+            raise ExecutorLost("injected")
+        return await real_receive(out)
+
+    engine.connection.receive = lose_once  # type: ignore[method-assign]
+    try:
+        check(await run_three(engine))
+        assert calls["n"] > 6
+    finally:
+        await engine.stop()
