@@ -12,9 +12,10 @@ batch size B, B concurrent gRPC streams generate max_tokens tokens each:
 - constrained: response JSON schema {"text": string of at least 4096 characters}, so the grammar never completes
   within max_tokens and every stream produces max_tokens tokens through the mask.
 
-Prints tokens/s and the ITL (mean and p50 of every gap between a stream's responses), and the constrained/free
-ratio measured in the same run. The engine core runs constrained steps one at a time (no async scheduling), so the
-ratio includes that cost, the mask fill (xgrammar) and its transport and application in the executor.
+Free and constrained runs alternate --repeats times (the medians are compared: the machine may be shared). Prints
+tokens/s and the ITL (mean and p50 of every gap between a stream's responses), and the constrained/free ratio
+measured in the same run: the cost of the mask fill (xgrammar, in the engine core), its transport, the wait for masks
+that follow their step (async scheduling) and their application in the executor.
 """
 
 from __future__ import annotations
@@ -106,16 +107,27 @@ async def measure(address: str, batch: int, max_tokens: int, constrained: bool) 
     return tokens / wall, statistics.mean(gaps) * 1e3, statistics.median(gaps) * 1e3
 
 
+def medians(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    tokens, mean, p50 = (statistics.median(r[k] for r in runs) for k in range(3))
+    return tokens, mean, p50
+
+
 def run_model(name: str, executor_args: list[str], batches: list[int], max_tokens: int, tmp: Path,
-              scheduler_args: list[str]) -> None:
+              scheduler_args: list[str], repeats: int) -> None:
+    """Free and constrained runs alternate `repeats` times; the medians are compared (the machine may be shared)."""
     tmp.mkdir(parents=True, exist_ok=True)
     with running_stack(tmp, ["--device", "cpu", *executor_args], scheduler_args) as stack:
         for batch in batches:
-            free = asyncio.run(measure(stack.address, batch, max_tokens, False))
-            held = asyncio.run(measure(stack.address, batch, max_tokens, True))
-            print(f"{name} batch {batch:3d}: free {free[0]:8.1f} tok/s ITL mean {free[1]:7.2f} ms p50 {free[2]:7.2f} | "
-                  f"json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms p50 {held[2]:7.2f} | "
-                  f"ITL ratio {held[1] / free[1]:.3f}, throughput ratio {held[0] / free[0]:.3f}", flush=True)
+            runs: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+            for _ in range(repeats):
+                for constrained in (False, True):
+                    runs[constrained].append(asyncio.run(measure(stack.address, batch, max_tokens, constrained)))
+            free, held = (medians(runs[c]) for c in (False, True))
+            print(f"{name} batch {batch:3d} (median of {repeats}): free {free[0]:8.1f} tok/s ITL mean "
+                  f"{free[1]:7.2f} ms p50 {free[2]:7.2f} | json-schema {held[0]:8.1f} tok/s ITL mean {held[1]:7.2f} ms "
+                  f"p50 {held[2]:7.2f}"
+                  f" | ITL ratio {held[1] / free[1]:.3f} (p50 {held[2] / free[2]:.3f}), throughput ratio "
+                  f"{held[0] / free[0]:.3f}", flush=True)
 
 
 def main() -> None:
@@ -124,13 +136,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--models", default="default,151k")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pagedserve-structured-bench"))
+    parser.add_argument("--repeats", type=int, default=3, help="alternating free/constrained runs per batch size")
     parser.add_argument("--scheduler-args", default="", help="extra scheduler flags, e.g. --no-async-scheduling")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     for name in args.models.split(","):
         extra = [] if name == "default" else ["--model", str(make_wide_model(args.dir / "wide-151k"))]
         run_model(name, [*extra, "--num-gpu-blocks", "1024"], batches, args.max_tokens, args.dir / f"logs-{name}",
-                  args.scheduler_args.split())
+                  args.scheduler_args.split(), args.repeats)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,13 @@ class BatchItem:
     token_mask: np.ndarray | None = None
     """Structured outputs: the tokens it may sample here (token_masks.py's row: bit t of the bytes, least
     significant bit first, allows token t); None = any. An item with a mask carries no drafts."""
+    deferred_masks: DeferredRows | None = None
+    """Masks that follow the step: a backend that overlaps them (Backend.overlaps_token_masks) waits for them after
+    the forward pass, before sampling, on its forward thread (token_masks.resolve_masks)."""
+
+
+class DeferredRows(Protocol):
+    def wait(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(slots=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import TextIO
 
@@ -17,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
 from executor_service.state import RequestState, RequestTable
-from executor_service.token_masks import step_masks
+from executor_service.token_masks import DeferredMasks, follow_masks, step_masks
 from executor_service.validator import RequestRefused, StepLimits, StepRefused, StepValidator, check_span
 from protos.contract import BlockMap
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -44,6 +45,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._step_lock = asyncio.Lock()
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
+        self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
@@ -62,7 +64,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_logprobs=info.max_logprobs, seeded_sampling=True,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
                 max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True,
-                max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens)))
+                max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
+                deferred_token_bitmask=True))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -84,7 +87,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self._stream_epoch += 1
                 self.table.reset()
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
-            async for step in request_iterator:
+            messages = request_iterator.__aiter__()
+            self._next_message = messages.__anext__  # the masks of a token_bitmasks_follow step
+            async for step in messages:
                 if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
                     log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
@@ -97,6 +102,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 yield result
         finally:
             self._owner = None
+            self._next_message = None
             self._released.set()
             log.info("scheduler %s disconnected (stream %d)", peer, self._stream_epoch)
 
@@ -108,7 +114,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return self._owner is None
 
     async def run_step(self, step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+        """One step; the masks of a token_bitmasks_follow step are read from the open stream (_next_message)."""
         t0 = time.perf_counter_ns()
+        follow = self._next_message
         result = executor_pb2.StepResult(step_id=step.step_id)
         for rid in step.finished_ids:
             self.table.drop(rid)
@@ -116,6 +124,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             masks = step_masks(step, self.backend.info.vocab_size)
             plan, running = self.validator.check(step)
         except StepRefused as e:
+            if step.token_bitmasks_follow and follow is not None:
+                with contextlib.suppress(StopAsyncIteration):
+                    await follow()  # the masks that follow belong to this refused step
             result.error = str(e)
             return result
         self.table.commit(plan)
@@ -132,10 +143,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 for item in items:
                     item.token_mask = masks.get(item.request_id) if item.sample else None
             t_prep = time.perf_counter_ns()
-            outputs = await self._run_passes(items, max(1, step.num_steps))
+            if step.token_bitmasks_follow:
+                outputs = await self._run_with_following_masks(step, items, follow)
+            else:
+                outputs = await self._run_passes(items, max(1, step.num_steps))
         except BackendLost:
             raise
-        except Exception as e:  # a backend failure (CUDA OOM, a bug, ...) fails this step only
+        except (Exception, StopAsyncIteration) as e:  # a backend failure (CUDA OOM, a bug, ...) fails this step only
             log.exception("step %d failed", step.step_id)
             for request_id in {*(n.request_id for n in step.new_requests), *(r.request_id for r in running)}:
                 self.table.drop(request_id)
@@ -175,6 +189,44 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     next_items.append(table.item(state, 1))
             items = next_items
         return outputs
+
+    async def _run_with_following_masks(self, step: executor_pb2.StepRequest, items: list[BatchItem],
+                                        follow: Callable[[], Awaitable[executor_pb2.StepRequest]] | None
+                                        ) -> dict[str, list[SampleOutput]]:
+        """A step whose masks come in the next message: a backend that overlaps them runs the forward pass while
+        they travel (its sampler waits for them), another one waits for them first. Bad masks fail the step."""
+        if follow is None:
+            raise StepRefused("token_bitmasks_follow without a stream to read the masks from")
+        deferred = DeferredMasks()
+        reader = asyncio.ensure_future(self._read_masks(step, follow, deferred))
+        try:
+            if getattr(self.backend, "overlaps_token_masks", False):
+                for item in items:
+                    item.deferred_masks = deferred if item.sample else None
+            else:
+                await asyncio.shield(reader)
+                masks = deferred.wait()
+                for item in items:
+                    item.token_mask = masks.get(item.request_id) if item.sample else None
+            outputs = await self._run_passes(items, 1)
+            await reader
+            return outputs
+        finally:
+            deferred.fail(StepRefused("the step's token masks never came"))
+            reader.cancel()
+            if reader.done() and not reader.cancelled():
+                reader.exception()  # retrieved: the step's error already says what went wrong
+
+    async def _read_masks(self, step: executor_pb2.StepRequest,
+                          follow: Callable[[], Awaitable[executor_pb2.StepRequest]], deferred: DeferredMasks) -> None:
+        try:
+            deferred.set(follow_masks(step, await follow(), self.backend.info.vocab_size))
+        except StopAsyncIteration:
+            deferred.fail(StepRefused("the stream ended before the step's token masks"))
+            raise
+        except StepRefused as e:
+            deferred.fail(e)
+            raise
 
     def _fits_one_more(self, state: RequestState) -> bool:
         """Whether a multi-step pass may go on with one more token of this request: its block table holds

@@ -9,8 +9,11 @@ read byte by byte.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
+from executor_service.backend import BatchItem
 from executor_service.validator import StepRefused
 from protos.pagedserve.v1 import executor_pb2
 
@@ -22,9 +25,30 @@ def words_per_row(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def scheduled_ids(step: executor_pb2.StepRequest) -> set[str]:
+    return {n.request_id for n in step.new_requests} | set(step.running.request_ids)
+
+
 def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
     """The step's rows by request id ({} without masks); StepRefused if they break the contract."""
-    m = step.token_bitmasks
+    if step.token_bitmasks_follow and step.token_bitmasks.request_ids:
+        raise StepRefused("token_bitmasks in a step whose masks follow (token_bitmasks_follow)")
+    if step.token_bitmasks_follow and max(1, step.num_steps) > 1:
+        raise StepRefused("token_bitmasks_follow with num_steps > 1: a mask holds for one sampled token")
+    return check_masks(step.token_bitmasks, vocab_size, step, scheduled_ids(step))
+
+
+def follow_masks(step: executor_pb2.StepRequest, message: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
+    """The masks a token_bitmasks_follow step's next message carries; StepRefused if it is not that message."""
+    if message.step_id != step.step_id:
+        raise StepRefused(f"step {step.step_id}'s token masks were to follow, got step {message.step_id}")
+    if message.new_requests or message.running.request_ids or message.finished_ids or message.token_bitmasks_follow:
+        raise StepRefused("the message after a token_bitmasks_follow step carries token_bitmasks only")
+    return check_masks(message.token_bitmasks, vocab_size, step, scheduled_ids(step))
+
+
+def check_masks(m: executor_pb2.TokenBitmasks, vocab_size: int, step: executor_pb2.StepRequest,
+                scheduled: set[str]) -> TokenMasks:
     ids = list(m.request_ids)
     if not ids:
         return {}
@@ -38,7 +62,6 @@ def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
         raise StepRefused("token_bitmasks.request_ids names a request more than once")
     if max(1, step.num_steps) > 1:
         raise StepRefused("token_bitmasks with num_steps > 1: a mask holds for one sampled token")
-    scheduled = {n.request_id for n in step.new_requests} | set(step.running.request_ids)
     unknown = next((rid for rid in ids if rid not in scheduled), None)
     if unknown is not None:
         raise StepRefused(f"token_bitmasks names {unknown!r}, which this step does not schedule")
@@ -52,6 +75,33 @@ def step_masks(step: executor_pb2.StepRequest, vocab_size: int) -> TokenMasks:
     if len(empty):
         raise StepRefused(f"token_bitmasks: the row of {ids[int(empty[0])]!r} allows no token of the vocabulary")
     return dict(zip(ids, rows, strict=True))
+
+
+class DeferredMasks:
+    """A step's masks that follow it (token_bitmasks_follow): the forward pass runs while they travel; the sampler
+    waits for them on the forward thread (wait), the event loop hands them over (set) or the failure (fail)."""
+
+    def __init__(self) -> None:
+        self._future: Future[TokenMasks] = Future()
+
+    def set(self, masks: TokenMasks) -> None:
+        if not self._future.done():
+            self._future.set_result(masks)
+
+    def fail(self, error: Exception) -> None:
+        if not self._future.done():
+            self._future.set_exception(error)
+
+    def wait(self) -> TokenMasks:
+        return self._future.result()
+
+
+def resolve_masks(items: list[BatchItem]) -> None:
+    """Items whose masks follow get their rows (blocks until they are in: call it on the forward thread)."""
+    for item in items:
+        if item.deferred_masks is not None:
+            item.token_mask = item.deferred_masks.wait().get(item.request_id)
+            item.deferred_masks = None
 
 
 def allows_some(rows: np.ndarray, vocab_size: int) -> np.ndarray:

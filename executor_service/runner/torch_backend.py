@@ -44,6 +44,7 @@ from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.sampler import Sampler, SampleRequest
 from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
+from executor_service.token_masks import resolve_masks
 from executor_service.validator import MAX_NUM_DRAFT_TOKENS, RequestRefused, check_span
 from protos.contract import BlockMap
 
@@ -81,6 +82,8 @@ class DecodeTime:
 
 
 class TorchBackend:
+    overlaps_token_masks = True  # masks that follow a step are awaited after its forward pass (token_masks.py)
+
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
                  device: torch.device, graphs: DecodeGraphs | None = None,
                  compiled: CompiledForward | None = None) -> None:
@@ -189,7 +192,8 @@ class TorchBackend:
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
         return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
-                and all(item.num_tokens == 1 and not item.draft_token_ids for item in items))
+                and all(item.num_tokens == 1 and not item.draft_token_ids and item.deferred_masks is None
+                        for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
@@ -209,11 +213,14 @@ class TorchBackend:
         """One forward pass that also computes the items' draft tokens and verifies them (runner/speculative.py):
         each sampled item's run of accepted drafts and the model's token after them."""
         batch = self.prepare(expand_drafts(items))
-        rows, requests = verify_rows(items, batch.sample_items)
+        rows, _ = verify_rows(items, batch.sample_items)
         batch.output_rows = row_index(rows, self.device)
         with torch.inference_mode():
             logits = self.run_batch(batch)
-            samples = self.sampler.sample(logits, requests) if logits is not None else []
+            samples = []
+            if logits is not None:
+                resolve_masks(items)  # (constrained items of the step, which carry no drafts)
+                samples = self.sampler.sample(logits, verify_rows(items, batch.sample_items)[1])
         return accept_runs(items, batch.sample_items, samples)
 
     def prepare(self, items: list[BatchItem]) -> Batch:
@@ -233,6 +240,7 @@ class TorchBackend:
         results: list[SampleOutput | None] = [None] * len(items)
         if logits is None:
             return results
+        resolve_masks(items)  # masks that follow the step: the forward pass ran while they came
         with inference_mode():
             samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
         for i, sample in zip(batch.sample_items, samples, strict=True):

@@ -139,15 +139,24 @@ class ExecutorConnection:
         await self.send(out)
         return await self.receive(out)
 
-    async def send(self, out: SchedulerOutput, masks: executor_pb2.TokenBitmasks | None = None) -> None:
-        """Write a step (with the token masks of its constrained requests); with async scheduling the next one is
-        written before this one's result is read."""
+    async def send(self, out: SchedulerOutput, masks: executor_pb2.TokenBitmasks | None = None,
+                   follow: bool = False) -> None:
+        """Write a step (with the token masks of its constrained requests, or with follow: they come in the next
+        message, send_masks); with async scheduling the next one is written before this one's result is read."""
+        step = step_proto(out)
+        if masks is not None:
+            step.token_bitmasks.CopyFrom(masks)
+        step.token_bitmasks_follow = follow
+        await self._write(step)
+
+    async def send_masks(self, step_id: int, masks: executor_pb2.TokenBitmasks) -> None:
+        """The masks of a step sent with follow."""
+        await self._write(executor_pb2.StepRequest(step_id=step_id, token_bitmasks=masks))
+
+    async def _write(self, step: executor_pb2.StepRequest) -> None:
         try:
             if self._call is None:
                 self._call = self._stub.Execute(metadata=self._metadata)
-            step = step_proto(out)
-            if masks is not None:
-                step.token_bitmasks.CopyFrom(masks)
             await self._call.write(step)
         except (asyncio.InvalidStateError, grpc.aio.UsageError, grpc.RpcError) as e:
             raise await self._stream_failed(e) from e

@@ -95,6 +95,7 @@ class ExecutorLoop:
         self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
         self._compiling: set[asyncio.Task[None]] = set()
         self._to_compile: list[RequestStream] = []
+        self._masks_follow: set[int] = set()  # steps sent whose masks are still to send
         self._unrouted = StepDeltas()
         self.on_ready_change: Callable[[bool], object] | None = None
         # The pool's check of a described executor: "" to accept, else why it is refused.
@@ -345,7 +346,8 @@ class ExecutorLoop:
                 if await self._sleep_until_work_or_loss():
                     await self._recover("connection lost while idle")
                     continue
-            step = self._step_serial if self._holds_constrained() else plain_step
+            serial = self._holds_constrained() and not (self.core_config.async_scheduling and self._defers_masks())
+            step = self._step_serial if serial else plain_step
             try:
                 await step(sched)
             except (asyncio.CancelledError, ExecutorLost):
@@ -365,7 +367,7 @@ class ExecutorLoop:
         core = time.perf_counter() - t0
         if out.needs_executor:
             try:
-                await self.connection.send(out)
+                await self._send_async(out)
             except ExecutorLost as e:
                 await self._lose(str(e), out)
                 return
@@ -386,6 +388,12 @@ class ExecutorLoop:
             self._executor_answered()
             self._pending.popleft()
             self._unrouted = sched.update(prev, result)
+            if self._pending and self._pending[0].step_id in self._masks_follow:
+                try:
+                    await self._send_following_masks(self._pending[0])
+                except ExecutorLost as e:
+                    await self._lose(str(e))
+                    return
             executor = t2 - t1
             core += time.perf_counter() - t2
         if self._unrouted and not self._pending:
@@ -395,6 +403,28 @@ class ExecutorLoop:
             await self._idle()
         else:
             await asyncio.sleep(0)
+
+    def _defers_masks(self) -> bool:
+        """Whether constrained steps keep async scheduling: the executor takes a step's masks in the message after it
+        (running the forward pass meanwhile), and only one step is ever in flight ahead of the one being read."""
+        d = self.describe
+        return d is not None and d.capabilities.deferred_token_bitmask and self.steps_in_flight == 2
+
+    async def _send_async(self, out: SchedulerOutput) -> None:
+        """Send a step under async scheduling. A step with constrained requests gets its masks now if no step is in
+        flight before it; else they follow once the step before it is read (_send_following_masks)."""
+        if not self._constrained or not any(w.request.request_id in self._constrained for w in out.scheduled):
+            await self.connection.send(out)
+        elif not self._pending:
+            await self.connection.send(out, self._step_masks(out))
+        else:
+            self._masks_follow.add(out.step_id)
+            await self.connection.send(out, follow=True)
+
+    async def _send_following_masks(self, out: SchedulerOutput) -> None:
+        self._masks_follow.discard(out.step_id)
+        masks = self._step_masks(out) or executor_pb2.TokenBitmasks()
+        await self.connection.send_masks(out.step_id, masks)
 
     def _holds_constrained(self) -> bool:
         """Whether a constrained request is among the scheduler's (those that ended are forgotten here)."""
@@ -501,6 +531,7 @@ class ExecutorLoop:
             log.warning("executor connection lost (%s); reconnecting", reason)
         self.ready.clear()
         self._pending.clear()
+        self._masks_follow.clear()
         self._unrouted = StepDeltas()
         sched.reset_executor()
         self._refresh_gauges()

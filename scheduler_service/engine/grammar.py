@@ -147,7 +147,8 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
     for work in out.scheduled:
         request = work.request
         grammar = grammars.get(request.request_id)
-        if grammar is not None and request.num_computed_tokens + work.num_tokens >= request.num_tokens:
+        if (grammar is not None and not request.is_finished
+                and request.num_computed_tokens + work.num_tokens >= request.num_tokens):
             rows.append((request, grammar))
     if not rows:
         return None, {}

@@ -721,3 +721,43 @@ async def test_a_token_bitmask_on_a_request_with_drafts_refuses_the_step_whole(s
     await session.call.write(step)
     result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
     await assert_refused_whole_and_usable(session, result, "token_bitmasks")
+
+
+async def test_token_bitmasks_may_follow_the_step_in_the_next_message(session: Session) -> None:
+    """With deferred_token_bitmask, a step sent with token_bitmasks_follow takes its masks from the next message
+    (same step_id, masks only): the executor may run the forward pass first; the sampled tokens obey them. A next
+    message that is not the step's masks refuses the step, and the stream stays usable."""
+    if not session.describe.capabilities.deferred_token_bitmask:
+        pytest.skip("executor does not advertise deferred_token_bitmask")
+    vocab = session.describe.vocab_size
+    seq = session.seq("later", 8, seed=70)
+    allowed = {seq.rid: {11, 12}}
+    for n in (8, 1, 1):
+        session.step_id += 1
+        work = session.work(seq, n)
+        new = [work] if isinstance(work, executor_pb2.NewRequest) else []
+        running = [] if new else [work]
+        await session.call.write(executor_pb2.StepRequest(step_id=session.step_id, new_requests=new,
+                                                          running=columns(running), token_bitmasks_follow=True))
+        await session.call.write(executor_pb2.StepRequest(step_id=session.step_id,
+                                                          token_bitmasks=masks(allowed, vocab)))
+        result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+        assert not result.error and not result.errors, result
+        got = sampled_tokens(result)[seq.rid]
+        assert set(got) <= allowed[seq.rid]
+        seq.live, seq.computed = True, seq.computed + n
+        seq.tokens += got
+        seq.computed = len(seq.tokens) - 1
+    other = session.seq("wrong", 6, seed=71)
+    session.step_id += 1
+    await session.call.write(executor_pb2.StepRequest(step_id=session.step_id, new_requests=[session.work(other, 6)],  # type: ignore[list-item]
+                                                      token_bitmasks_follow=True))
+    await session.call.write(executor_pb2.StepRequest(step_id=session.step_id + 5,
+                                                      token_bitmasks=masks({"wrong": {3}}, vocab)))
+    result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+    assert "token masks" in result.error and not sampled_tokens(result).get("wrong")
+    session.finish(other)
+    after = session.seq("after-follow", 6, seed=72)
+    await session.step(finished_ids=["wrong"])
+    await session.generate(after, 2)
+    assert len(after.outputs) == 2

@@ -177,23 +177,25 @@ async def test_logit_bias_steers_greedy_output(client: Any, stack: tuple[Stack, 
         model=MODEL, prompt="Once upon a time", max_tokens=1, temperature=0, logprobs=1)).choices[0].logprobs.tokens[0]
 
 
-@pytest.mark.parametrize(("extra", "says"), [
-    ({"response_format": response_format({"type": "strin"})}, "structured_outputs.json"),
+@pytest.mark.parametrize(("extra", "says", "param"), [
+    ({"response_format": response_format({"type": "strin"})}, "structured_outputs.json", "response_format"),
     ({"response_format": response_format({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})},
-     "structured_outputs.json"),
-    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
-    ({"structured_outputs": {"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}}, f"at most {MAX_CONSTRAINT_BYTES} bytes"),
-    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ({"logit_bias": {"5": 100.5}}, "logit_bias[5]"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),
+     "structured_outputs.json", "response_format"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar", "structured_outputs"),
+    ({"guided_grammar": "root ::= missing"}, "structured_outputs.grammar", "guided_grammar"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]", "structured_outputs"),
+    ({"structured_outputs": {"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}}, f"at most {MAX_CONSTRAINT_BYTES} bytes",
+     "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias[5]", "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias[999999]", "logit_bias"),
 ])
 async def test_bad_constraints_and_biases_are_refused_naming_the_field(client: Any, extra: dict[str, Any],
-                                                                       says: str) -> None:
+                                                                       says: str, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
-    assert says in caught.value.body["message"] and caught.value.body["param"]
+    assert says in caught.value.body["message"] and caught.value.body["param"] == param
 
 
 async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(stack: tuple[Stack, str]) -> None:

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "deferred_token_bitmask")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Capabilities(_message.Message):
     MAX_NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     swap: bool
     copy: bool
     chunked_prefill: bool
@@ -35,7 +36,8 @@ class Capabilities(_message.Message):
     max_num_lookahead_slots: int
     token_bitmask: bool
     max_num_draft_tokens: int
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ...) -> None: ...
+    deferred_token_bitmask: bool
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases", "architecture", "sliding_windows")
@@ -131,7 +133,7 @@ class BlockMapping(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots", "token_bitmasks")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "swapped_out_ids", "swap_out", "swap_in", "copy", "num_steps", "num_lookahead_slots", "token_bitmasks", "token_bitmasks_follow")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class StepRequest(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningRequests
@@ -154,7 +157,8 @@ class StepRequest(_message.Message):
     num_steps: int
     num_lookahead_slots: int
     token_bitmasks: TokenBitmasks
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., token_bitmasks: _Optional[_Union[TokenBitmasks, _Mapping]] = ...) -> None: ...
+    token_bitmasks_follow: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., swapped_out_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockMapping, _Mapping]]] = ..., num_steps: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., token_bitmasks: _Optional[_Union[TokenBitmasks, _Mapping]] = ..., token_bitmasks_follow: _Optional[bool] = ...) -> None: ...
 
 class TokenBitmasks(_message.Message):
     __slots__ = ("request_ids", "words_per_row", "bitmask")

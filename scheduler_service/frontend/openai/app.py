@@ -273,7 +273,10 @@ class OpenAIApi:
         tenant = self.generation.tenant_of(presented_key(request))
         responses = merged([self.generation.generate(r, tenant) for r in requests])
         async with contextlib.aclosing(responses):  # type: ignore[type-var]
-            first = await anext(responses, None)
+            try:
+                first = await anext(responses, None)
+            except RequestError as e:
+                raise named_for_http(from_status(e.code, e.message), api) from None
             formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
             stream = Stream(call_id, self.model_name() or "", endpoint, n, formatter, api.include_usage)
             if endpoint.chat and api.tools is not None and api.tools.choice is not ToolChoice.NONE:
@@ -398,6 +401,13 @@ class Stream:
         if reason is not None:
             choice["stop_reason"] = stop_reason(response)
         return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+
+
+def named_for_http(error: ApiError, api: ApiRequest) -> ApiError:
+    """A refusal of the constraint names the body parameter that gave it (response_format, tools, ...)."""
+    if error.param == "structured_outputs" and api.constraint_param is not None:
+        error.param = api.constraint_param
+    return error
 
 
 def generate_request(request_id: str, prompt: str | list[int], api: ApiRequest) -> generation_pb2.GenerateRequest:

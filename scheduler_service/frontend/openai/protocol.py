@@ -47,6 +47,7 @@ class ApiRequest:
     cache_salt: str | None = None
     tools: ToolRequest | None = None
     echo: bool = False  # /v1/completions: each choice's text starts with its prompt
+    constraint_param: str | None = None  # the body parameter that gave sampling.structured_outputs
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -81,6 +82,7 @@ def parse_chat(body: Any, tool_parser: ToolCallParser = ToolCallParser.NONE
             raise bad_param("tool_choice", "a required or named tool choice cannot be combined with response_format "
                                            "or structured_outputs")
         request.sampling.structured_outputs.json = json.dumps(schema)
+        request.constraint_param = "tools"
     top = read_uint(body, "top_logprobs") if body.get("top_logprobs") is not None else None
     if read_bool(body, "logprobs"):
         request.logprobs = top or 0
@@ -192,7 +194,7 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     sampling.include_stop_str_in_output = read_bool(body, "include_stop_str_in_output")
     sampling.stop.extend(read_stop(body.get("stop")))
     sampling.stop_token_ids.extend(read_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
-    read_constraint(body, sampling)
+    request.constraint_param = read_constraint(body, sampling)
     read_logit_bias(body.get("logit_bias"), sampling)
     salt = body.get("cache_salt")
     if salt is not None:
@@ -209,9 +211,9 @@ def parse_common(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> ApiR
     return request
 
 
-def read_constraint(body: dict[str, Any], sampling: common_pb2.SamplingParams) -> None:
+def read_constraint(body: dict[str, Any], sampling: common_pb2.SamplingParams) -> str | None:
     """OpenAI's response_format (text, json_object, json_schema) or vLLM's structured_outputs (or its guided_*
-    parameters): at most one of them, into sampling.structured_outputs."""
+    parameters): at most one of them, into sampling.structured_outputs; the parameter that gave it, if any."""
     fmt = read_response_format(body.get("response_format"))
     given = {name: body[name] for name in ("structured_outputs", *GUIDED_PARAMS) if body.get(name) is not None}
     if fmt is not None and given:
@@ -220,11 +222,15 @@ def read_constraint(body: dict[str, Any], sampling: common_pb2.SamplingParams) -
         raise bad_param(next(iter(given)), f"give one of {', '.join(given)}")
     if fmt is not None:
         sampling.structured_outputs.CopyFrom(fmt)
-    elif "structured_outputs" in given:
+        return "response_format"
+    if "structured_outputs" in given:
         sampling.structured_outputs.CopyFrom(read_structured_outputs(given["structured_outputs"]))
-    elif given:
+        return "structured_outputs"
+    if given:
         name, value = next(iter(given.items()))
         sampling.structured_outputs.CopyFrom(structured_field(GUIDED_PARAMS[name], value, name))
+        return name
+    return None
 
 
 def read_response_format(value: Any) -> common_pb2.StructuredOutputs | None:

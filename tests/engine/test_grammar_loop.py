@@ -1,0 +1,119 @@
+"""Structured outputs in the engine loop (#30), in-process against a real simulated executor (byte vocabulary): the
+grammar state follows each request's tokens under async scheduling, with the masks following their step (the
+executor's deferred_token_bitmask) or, for an executor without it, with the steps run one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scheduler_service.core.config import CoreConfig
+from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
+from scheduler_service.engine.executor_loop import ExecutorLoop
+from tests.engine.test_executor_loop import collect
+from tests.support.procs import free_port, start, stop, wait_healthy
+
+PATTERN = "[a-c]{12}(x|yz)"
+
+
+@pytest.fixture
+def executor(tmp_path: Path) -> Iterator[str]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "2"],
+                 tmp_path / "executor.log")
+    wait_healthy(address, proc)
+    yield address
+    stop(proc)
+
+
+def constrained(rid: str, seed: int) -> Request:
+    return Request(rid, [65] * 5, SamplingOptions(max_tokens=40, seed=seed,
+                                                  constraint=Constraint(ConstraintKind.REGEX, PATTERN)), 0.0)
+
+
+async def run_three(engine: ExecutorLoop) -> list[tuple[list[int], RequestDelta]]:
+    queues: list[asyncio.Queue[RequestDelta]] = [asyncio.Queue() for _ in range(3)]
+    engine.add(constrained("c0", 1), queues[0])
+    engine.add(constrained("c1", 2), queues[1])
+    engine.add(Request("free", [66] * 5, SamplingOptions(max_tokens=20, ignore_eos=True), 0.0), queues[2])
+    return list(await asyncio.wait_for(asyncio.gather(*(collect(q) for q in queues)), 60))
+
+
+def check(results: list[tuple[list[int], RequestDelta]]) -> None:
+    for tokens, last in results[:2]:
+        assert last.finish_reason is FinishReason.STOPPED, last
+        assert tokens[-1] == 2  # the simulated executor's EOS, allowed only once the regex is complete
+        assert re.fullmatch(PATTERN, bytes(tokens[:-1]).decode()), tokens
+    assert len(results[2][0]) == 20 and results[2][1].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+async def test_constrained_requests_follow_their_grammar_under_async_scheduling(executor: str, deferred: bool) -> None:
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+    await engine.start()
+    sends: list[tuple[bool, bool]] = []  # (masks inline, masks follow) of each step sent
+    real_send = engine.connection.send
+
+    async def spy(out: Any, masks: Any = None, follow: bool = False) -> None:
+        sends.append((masks is not None, follow))
+        await real_send(out, masks, follow)
+
+    engine.connection.send = spy  # type: ignore[method-assign]
+    try:
+        assert engine.describe is not None
+        if not deferred:
+            engine.describe.capabilities.deferred_token_bitmask = False
+        check(await run_three(engine))
+        if deferred:
+            assert any(follow for _, follow in sends), "no step's masks followed it: async scheduling was off"
+        else:
+            assert not any(follow for _, follow in sends) and any(inline for inline, _ in sends)
+        assert not engine._constrained or all(rid not in engine.streams for rid in engine._constrained)
+        assert engine._sched().kv.device.num_used == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_constraint_that_does_not_compile_ends_the_request_with_its_reason(executor: str) -> None:
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        bad = Request("bad", [65] * 3, SamplingOptions(constraint=Constraint(ConstraintKind.GRAMMAR, "root ::= (")),
+                      0.0)
+        engine.add(bad, queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 60)
+        assert tokens == [] and last.finish_reason is FinishReason.ERROR and "structured_outputs" in last.error
+    finally:
+        await engine.stop()
+
+
+async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> None:
+    """A lost executor means recompute: the requests go back with their outputs, and the matchers, which follow the
+    outputs, go on where they were; the constrained outputs still match."""
+    from scheduler_service.engine.executor_link import ExecutorLost
+
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+    await engine.start()
+    real_receive = engine.connection.receive
+    calls = {"n": 0}
+
+    async def lose_once(out: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            engine.connection.drop_stream()
+            raise ExecutorLost("injected")
+        return await real_receive(out)
+
+    engine.connection.receive = lose_once  # type: ignore[method-assign]
+    try:
+        check(await run_three(engine))
+        assert calls["n"] > 6
+    finally:
+        await engine.stop()
