@@ -257,13 +257,14 @@ async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callab
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2", "gpt_oss"])
 async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
                                                             tmp_path: Path) -> None:
     """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
     soft-capping per rank (Gemma 2); every expert's and the shared expert's intermediate rows split (Qwen2-MoE);
     the checkpoint's fused qkv and gate/up cut part by part (Phi-3); the q/k norm over all heads all-reduced
-    (OLMo 2)."""
+    (OLMo 2); sinks per head and the stacked experts' interleaved columns split, the down bias added once
+    (GPT-OSS)."""
     model = served(name)
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
     address = f"127.0.0.1:{free_port()}"
