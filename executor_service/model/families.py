@@ -65,7 +65,6 @@ class Features:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (GPT-OSS)
-    splits_over_ranks: bool = True  # False: tensor parallelism refuses the family (a norm over all heads)
 
     @property
     def has_windows(self) -> bool:
@@ -196,7 +195,7 @@ def gpt_oss(raw: dict[str, Any], num_layers: int) -> Features:
     moe = MoEConfig(num_experts(raw), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]), True, 0,
                     (True,) * num_layers, (float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))))
     bias = bool(raw.get("attention_bias", True))
-    return Features(moe=moe, attention_bias=bias, o_proj_bias=bias, attention_sinks=True, splits_over_ranks=False,
+    return Features(moe=moe, attention_bias=bias, o_proj_bias=bias, attention_sinks=True,
                     layer_windows=windows(raw, num_layers, lambda i: i % 2 == 0))
 
 

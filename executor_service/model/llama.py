@@ -261,7 +261,7 @@ def make_mlp(cfg: ModelConfig, layout: ShardLayout, ops: ModelOps, dtype: torch.
     if moe is None or not moe.sparse_layers[index]:
         return MLP(cfg, layout.intermediate_size, ops, dtype, parallel)
     if moe.swiglu is not None:
-        return OaiMoE(cfg.hidden_size, moe, dtype)
+        return OaiMoE(cfg.hidden_size, moe, moe.intermediate_size // layout.world_size, dtype, parallel)
     shared_inter = moe.shared_intermediate_size // layout.world_size
     shared = MLP(cfg, shared_inter, ops, dtype, parallel) if shared_inter else None
     return SparseMoE(cfg.hidden_size, moe, moe.intermediate_size // layout.world_size, shared, dtype, parallel)

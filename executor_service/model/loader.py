@@ -277,6 +277,10 @@ def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split 
         case "k_norm" if cfg.features.qk_norm == QKNorm.WHOLE:
             start = layout.kv_head_start * d
             return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
+        case "self_attn" if kind == "sinks":
+            return Split(0, rank * layout.num_heads, (rank + 1) * layout.num_heads, cfg.num_heads)
+        case "experts" if kind in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):  # GPT-OSS's stacked experts
+            return oai_expert_split(kind, layout.rank, inter, full_inter)
         case "k_proj" | "v_proj":
             start = layout.kv_head_start * d
             return Split(0, start, start + layout.num_kv_heads * d, cfg.num_kv_heads * d)
@@ -289,6 +293,15 @@ def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split 
         case "embed_tokens" | "lm_head":
             return Split(0, layout.vocab_start, layout.vocab_start + layout.vocab_rows, cfg.vocab_size)
     return None
+
+
+def oai_expert_split(kind: str, rank: int, inter: int, full_inter: int) -> Split:
+    """GPT-OSS's experts: gate_up_proj [E, hidden, 2I] (gate and up interleaved, so a rank's intermediate rows are
+    contiguous columns) and its bias [E, 2I]; down_proj [E, I, hidden]."""
+    if kind == "down_proj":
+        return Split(1, rank * inter, (rank + 1) * inter, full_inter)
+    dim = 2 if kind == "gate_up_proj" else 1
+    return Split(dim, 2 * rank * inter, 2 * (rank + 1) * inter, 2 * full_inter)
 
 
 def intermediate_of(name: str, cfg: ModelConfig) -> int:
@@ -313,7 +326,7 @@ def read_tensor(reader: Any, name: str, target: Target) -> Tensor:
         if len(shape) > split.dim:
             implied[split.dim] = split.total
         raise ModelLoadError(f"weight {name} has shape {shape}, the config implies {tuple(implied)}")
-    return view[split.start : split.stop] if split.dim == 0 else view[:, split.start : split.stop]
+    return view[(slice(None),) * split.dim + (slice(split.start, split.stop),)]
 
 
 def shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:

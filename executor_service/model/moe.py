@@ -81,34 +81,40 @@ def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> list[
 
 class OaiExperts(nn.Module):
     """GPT-OSS's experts as its checkpoint stores them: gate_up_proj [E, hidden, 2 * inter] (gate and up
-    interleaved), down_proj [E, inter, hidden], and their biases."""
+    interleaved), down_proj [E, inter, hidden], and their biases; under tensor parallelism this rank's intermediate
+    rows, and the down projection's bias added on rank 0 only (the caller sums the ranks)."""
 
     def __init__(self, num_experts: int, hidden_size: int, inter: int, dtype: torch.dtype,
-                 swiglu: tuple[float, float]) -> None:
+                 swiglu: tuple[float, float], add_down_bias: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * inter, dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size, dtype=dtype))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
         self.alpha, self.limit = swiglu
+        self.add_down_bias = add_down_bias
 
     def run(self, expert: int, x: Tensor) -> Tensor:
         gate_up = torch.addmm(self.gate_up_proj_bias[expert], x, self.gate_up_proj[expert])
         gate = gate_up[:, ::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
+        if not self.add_down_bias:
+            return torch.mm((up + 1) * glu, self.down_proj[expert])
         return torch.addmm(self.down_proj_bias[expert], (up + 1) * glu, self.down_proj[expert])
 
 
 class OaiMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, inter: int, dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
         if moe.swiglu is None:
             raise ValueError("OaiMoE needs the experts' SwiGLU alpha and limit")
         self.top_k = moe.top_k
         self.num_experts = moe.num_experts
+        self.parallel = parallel
         self.router = Linear(hidden_size, moe.num_experts, True, dtype)
-        self.experts = OaiExperts(moe.num_experts, hidden_size, moe.intermediate_size, dtype, moe.swiglu)
+        self.experts = OaiExperts(moe.num_experts, hidden_size, inter, dtype, moe.swiglu, parallel.rank == 0)
 
     def forward(self, x: Tensor) -> Tensor:
         values, experts = self.router(x).topk(self.top_k, dim=-1)
@@ -117,4 +123,4 @@ class OaiMoE(nn.Module):
         for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
             y = self.experts.run(expert, x.index_select(0, rows)) * row_weights[:, None]
             out.index_add_(0, rows, y.to(x.dtype))
-        return out
+        return self.parallel.all_reduce(out)

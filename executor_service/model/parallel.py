@@ -106,9 +106,6 @@ class ShardLayout:
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:
     if world_size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {world_size}")
-    if world_size > 1 and not cfg.features.splits_over_ranks:
-        raise ModelLoadError(f"tensor parallelism does not support {cfg.architecture} yet; use"
-                             " --tensor-parallel-size 1")
     problems = []
     if cfg.num_heads % world_size:
         problems.append(f"num_attention_heads ({cfg.num_heads})")

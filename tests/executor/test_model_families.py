@@ -4,6 +4,7 @@ transformers' greedy tokens for prompts longer than the family's sliding window.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,13 +258,14 @@ async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callab
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2", "gpt_oss"])
 async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
                                                             tmp_path: Path) -> None:
     """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
     soft-capping per rank (Gemma 2); every expert's and the shared expert's intermediate rows split (Qwen2-MoE);
     the checkpoint's fused qkv and gate/up cut part by part (Phi-3); the q/k norm over all heads all-reduced
-    (OLMo 2)."""
+    (OLMo 2); sinks per head and the stacked experts' interleaved columns split, the down bias added once
+    (GPT-OSS)."""
     model = served(name)
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
     address = f"127.0.0.1:{free_port()}"
@@ -277,3 +279,35 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
         assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
     assert info.architecture == model.hf.config.architectures[0]
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
+
+
+def test_transformers_4x_spellings_read_the_same_features() -> None:
+    """Configs as transformers 4.x wrote them (released checkpoints): no layer_types, rope_scaling with "type",
+    rope_local_base_freq, sliding_window_pattern, torch_dtype, Phi-3's top-level original_max_position_embeddings."""
+    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
+    gemma2 = ModelConfig.from_dict({**base, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
+                                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+                                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                    "query_pre_attn_scalar": 256, "rope_theta": 10000.0})
+    assert gemma2.layer_windows == (4096, None, 4096, None) and gemma2.dtype == "bfloat16"
+    assert gemma2.features.query_scale == 256**-0.5
+    gemma3 = ModelConfig.from_dict({**base, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+                                    "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1e6,
+                                    "rope_local_base_freq": 10000.0, "rope_scaling": None})
+    assert gemma3.layer_windows == ((512,) * 5 + (None,)) * 2
+    assert gemma3.features.local_rope_theta == 10000.0 and gemma3.rope_theta == 1e6
+    phi3 = ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2,
+                                  "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                                  "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                                   "long_factor": [4.0] * 8}, "sliding_window": 262144})
+    assert phi3.rope_scaling is not None and phi3.rope_scaling.original_max_position_embeddings == 4096
+    assert phi3.rope_scaling.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    oss = ModelConfig.from_dict({**base, "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2,
+                                 "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+                                 "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000,
+                                 "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                  "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                                  "truncate": False}})
+    assert oss.rope_scaling is not None and oss.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    assert oss.layer_windows == (128, None) and oss.features.moe is not None and oss.features.moe.top_k == 4
