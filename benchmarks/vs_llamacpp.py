@@ -75,7 +75,20 @@ def pagedserve(model: Path, threads: int) -> Iterator[str]:
     with service("executor_service", executor_args, name="executor") as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
                                           "--http-listen", f"127.0.0.1:{http_port}"], name="scheduler"):
+        wait_calibrated(executor.log)
         yield f"http://127.0.0.1:{http_port}"
+
+
+def wait_calibrated(log: Path, timeout: float = 600.0) -> None:
+    """Until the executor's packing choice is final: from the start-up cache, or measured after ready (its log says
+    which), so that the timed runs do not share the cores with the measurement or see its swap."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        packed = "linear weights packed" in text
+        if "packing measured" in text or (packed and "measuring in the background" not in text):
+            return
+        time.sleep(0.5)  # polling another process's log; not a test
 
 
 @contextlib.contextmanager
