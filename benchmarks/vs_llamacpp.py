@@ -68,10 +68,10 @@ async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
 
 
 @contextlib.contextmanager
-def pagedserve(model: Path, threads: int) -> Iterator[str]:
+def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
     http_port = free_port()
     executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
-                     "--cpu-threads", str(threads)]
+                     "--cpu-threads", str(threads), *extra]
     with service("executor_service", executor_args, name="executor") as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
                                           "--http-listen", f"127.0.0.1:{http_port}"], name="scheduler"):
@@ -132,9 +132,9 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
 
 
 def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
-                     reqs: list[BenchRequest], log_dir: Path) -> dict[str, object]:
+                     reqs: list[BenchRequest], log_dir: Path, extra: tuple[str, ...]) -> dict[str, object]:
     runs: dict[str, dict[str, float]] = {}
-    with pagedserve(model, threads) as url:
+    with pagedserve(model, threads, extra) as url:
         runs["pagedserve"] = asyncio.run(serve_run(url, reqs))
     print(json.dumps({"threads": threads, "server": "pagedserve", **runs["pagedserve"]}), flush=True)
     for n in slots:
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--check-requests", type=int, default=8, help="prompts for the greedy check (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -170,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         log_dir = Path(tmp)
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
-        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir) for t in args.threads.split(",")]
+        extra = tuple(args.executor_args.split())
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, extra)
+                for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
                       "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))
 
