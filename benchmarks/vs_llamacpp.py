@@ -36,7 +36,7 @@ from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import SLO, compute_metrics
 from client.local import free_port, service
 
-CTX_PER_SLOT = 512
+CTX_PER_SLOT = 640  # the longest request (256 + 256 tokens) and llama.cpp's BOS, with room
 
 
 def workload(args: argparse.Namespace) -> list[BenchRequest]:
