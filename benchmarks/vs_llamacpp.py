@@ -160,10 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
+    if server is None:
+        print(json.dumps({"bench": "vs_llamacpp", "skipped": how}))
+        return
     model = ensure_model(args.model_dir)
-    gguf, converted = convert(model, server) if server is not None else (None, how)
-    if server is None or gguf is None:
-        print(json.dumps({"bench": "vs_llamacpp", "skipped": converted if server is not None else how}))
+    gguf, converted = convert(model, server)
+    if gguf is None:
+        print(json.dumps({"bench": "vs_llamacpp", "skipped": converted}))
         return
     reqs = workload(args)
     slots = [int(s) for s in args.slots.split(",")]
