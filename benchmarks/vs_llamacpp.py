@@ -36,7 +36,7 @@ from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import SLO, compute_metrics
 from client.local import free_port, service
 
-CTX_PER_SLOT = 512
+CTX_PER_SLOT = 640  # the longest request (256 + 256 tokens) and llama.cpp's BOS, with room
 
 
 def workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -68,14 +68,27 @@ async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
 
 
 @contextlib.contextmanager
-def pagedserve(model: Path, threads: int) -> Iterator[str]:
+def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
     http_port = free_port()
     executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
-                     "--cpu-threads", str(threads)]
+                     "--cpu-threads", str(threads), *extra]
     with service("executor_service", executor_args, name="executor") as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
                                           "--http-listen", f"127.0.0.1:{http_port}"], name="scheduler"):
+        wait_calibrated(executor.log)
         yield f"http://127.0.0.1:{http_port}"
+
+
+def wait_calibrated(log: Path, timeout: float = 600.0) -> None:
+    """Until the executor's packing choice is final: from the start-up cache, or measured after ready (its log says
+    which), so that the timed runs do not share the cores with the measurement or see its swap."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        packed = "linear weights packed" in text
+        if "packing measured" in text or (packed and "measuring in the background" not in text):
+            return
+        time.sleep(0.5)  # polling another process's log; not a test
 
 
 @contextlib.contextmanager
@@ -119,9 +132,9 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
 
 
 def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
-                     reqs: list[BenchRequest], log_dir: Path) -> dict[str, object]:
+                     reqs: list[BenchRequest], log_dir: Path, extra: tuple[str, ...]) -> dict[str, object]:
     runs: dict[str, dict[str, float]] = {}
-    with pagedserve(model, threads) as url:
+    with pagedserve(model, threads, extra) as url:
         runs["pagedserve"] = asyncio.run(serve_run(url, reqs))
     print(json.dumps({"threads": threads, "server": "pagedserve", **runs["pagedserve"]}), flush=True)
     for n in slots:
@@ -143,13 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--check-requests", type=int, default=8, help="prompts for the greedy check (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
+    if server is None:
+        print(json.dumps({"bench": "vs_llamacpp", "skipped": how}))
+        return
     model = ensure_model(args.model_dir)
-    gguf, converted = convert(model, server) if server is not None else (None, how)
-    if server is None or gguf is None:
-        print(json.dumps({"bench": "vs_llamacpp", "skipped": converted if server is not None else how}))
+    gguf, converted = convert(model, server)
+    if gguf is None:
+        print(json.dumps({"bench": "vs_llamacpp", "skipped": converted}))
         return
     reqs = workload(args)
     slots = [int(s) for s in args.slots.split(",")]
@@ -157,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         log_dir = Path(tmp)
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
-        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir) for t in args.threads.split(",")]
+        extra = tuple(args.executor_args.split())
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, extra)
+                for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
                       "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))
 

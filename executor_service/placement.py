@@ -48,6 +48,20 @@ def cgroup_quota() -> float | None:
     return None
 
 
+def set_wait_policy(policy: str) -> bool:
+    """OMP_WAIT_POLICY=policy for the OpenMP runtime torch loads; False (and a warning) if torch is loaded already,
+    since libgomp reads it once, when it starts."""
+    import sys
+
+    if not policy:
+        return True
+    if "torch" in sys.modules:
+        log.warning("--cpu-omp-wait-policy %s ignored: torch is already loaded", policy)
+        return False
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    return True
+
+
 def place(cpu_threads: int, cpu_cores: str) -> int:
     """Bind this process (and the threads it starts from now on) to `cpu_cores` if given, then size torch's pool to
     `cpu_threads` (0: usable_cores()); returns the thread count. Call before the first forward pass."""

@@ -4,6 +4,8 @@ cgroup CPU quota, and place() binds the process and sizes torch's pool."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,3 +62,16 @@ def test_the_flags_reach_the_config() -> None:
     config = ExecutorConfig.from_args(["--cpu-threads", "4", "--cpu-cores", "0-3"])
     assert config.cpu_threads == 4 and config.cpu_cores == "0-3"
     assert ExecutorConfig.from_args([]).cpu_threads == 0
+
+
+def test_the_wait_policy_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert placement.set_wait_policy("") and "OMP_WAIT_POLICY" not in os.environ
+    assert not placement.set_wait_policy("passive")  # this process has torch loaded: too late, left alone
+    assert "OMP_WAIT_POLICY" not in os.environ
+    script = ("import os, sys; from executor_service import placement; ok = placement.set_wait_policy('passive'); "
+              "print(ok, os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split() == ["True", "PASSIVE", "False"]
+    assert ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive"]).cpu_omp_wait_policy == "passive"
