@@ -15,7 +15,6 @@ from pathlib import Path
 from client.local import free_port, parse_metrics, start, stop, wait_healthy, wait_until
 from tests.support.streams import EXECUTOR, check_complete, run_all, specs
 
-
 TOKENS = 120  # per stream: long enough (2.4 s of 20 ms steps) that the kill lands mid-stream on a busy machine
 
 
