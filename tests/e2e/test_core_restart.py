@@ -7,6 +7,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.support.procs import wait_until
@@ -62,3 +63,16 @@ async def test_a_frontend_that_goes_silent_is_dropped_and_its_requests_freed(tmp
         outcome = await asyncio.wait_for(streams, 120)  # it comes back, is told it is unknown, and resumes
         check_complete(outcome, calls, 200)
         assert outcome == await run_all(tiers.public, calls, max_tokens=200)
+
+
+async def test_requests_of_a_core_that_does_not_come_back_end_unavailable_after_the_wait(tmp_path: Path) -> None:
+    calls = specs(3)
+    args = ["--engine-core-timeout", "1", "--engine-core-wait-timeout", "2"]
+    with running_tiers(tmp_path, EXECUTOR, frontend_args=args) as tiers:
+        streams = asyncio.create_task(run_all(tiers.public, calls, max_tokens=400))
+        await asyncio.to_thread(wait_until, lambda: tiers.metrics().get("vllm:num_requests_running", 0) > 0, 30.0,
+                                "requests running")
+        tiers.kill_core(signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(streams, 30)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "--engine-core-wait-timeout" in str(e.value.details())
