@@ -19,7 +19,11 @@ TOKENS = 120  # per stream: long enough (2.4 s of 20 ms steps) that the kill lan
 
 
 def core_holds_nothing(metrics_port: int) -> bool:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    """The core is up and holds no block and no request (False while its /metrics is not up yet)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
     m = parse_metrics(text)
     return m.get("pagedserve:device_blocks_used", 0) == 0 and m.get("vllm:num_requests_running", 0) == 0 \
         and m.get("vllm:num_requests_waiting", 0) == 0
@@ -65,6 +69,7 @@ async def test_a_lost_core_s_requests_move_to_the_survivor_and_finish_identicall
         disturbed = asyncio.create_task(run_all(public, calls, count, on_response=stamp, max_tokens=TOKENS))
         await asyncio.wait_for(begun.wait(), 60)
         await asyncio.to_thread(wait_until, lambda: not core_holds_nothing(metrics[0]), 10.0, "core 0 busy")
+        # (up since the loop above: False here means it holds requests)
         killed = time.monotonic()
         cores[0].send_signal(signal.SIGKILL)
         outcome = await asyncio.wait_for(disturbed, 120)
