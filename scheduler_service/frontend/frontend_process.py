@@ -20,7 +20,7 @@ from scheduler_service.config import SchedulerServiceConfig, parse_config
 from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.core_set import CoreSet
-from scheduler_service.link_auth import check_address
+from scheduler_service.link_auth import check_address, tenant_key
 from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
 log = logging.getLogger("pagedserve.frontend")
@@ -42,7 +42,11 @@ def engine_handle(config: SchedulerServiceConfig, addresses: list[str]) -> CoreC
 async def serve_frontend(config: SchedulerServiceConfig, engine_cores: list[str]) -> None:
     core = engine_handle(config, engine_cores)
     await core.start()
-    api = await open_api_server(config, core, config.listen, reuse_port=True)
+    tenants = tenant_key(read_secret(config.engine_core_secret_file))
+    if tenants is None and (config.api_key or config.api_key_file):
+        log.warning("API keys without --engine-core-secret-file: this front-end's tenant digests are its own, so "
+                    "its tenants share no cached prefix with other front-ends")
+    api = await open_api_server(config, core, config.listen, reuse_port=True, tenant_secret=tenants)
     api.public.generation.refusals.listener = core.count_refusal
     await follow_readiness(api, core)
     stop = asyncio.Event()
