@@ -121,8 +121,9 @@ class SchedulerServiceConfig(CoreConfig):
         "responses one stream may have waiting for a slow client before it is aborted"))
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
-        config = config_from(cls, build_parser().parse_args(argv))
+    def from_args(cls, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+                  ) -> SchedulerServiceConfig:
+        config = config_from(cls, (parser or build_parser()).parse_args(argv))
         if config.metrics_port is not None and config.metrics_port < 0:
             config.metrics_port = None
         return config
@@ -133,8 +134,11 @@ class SchedulerServiceConfig(CoreConfig):
         return core
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
+def build_parser(prog: str = "python -m scheduler_service", description: str = "pagedserve scheduler"
+                 ) -> argparse.ArgumentParser:
+    """The scheduler's flags under `prog` (a front-end of its own shares them: `python -m
+    scheduler_service.frontend`, `pagedserve frontend`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     add_flags(p, SchedulerServiceConfig)
     return p
 
@@ -145,8 +149,9 @@ def default_api_server_count(cpus: int) -> int:
     return max(1, min(8, cpus // 4))
 
 
-def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
-    config = SchedulerServiceConfig.from_args(argv)
+def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+                 ) -> SchedulerServiceConfig:
+    config = SchedulerServiceConfig.from_args(argv, parser)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
     if config.api_server_count is None:

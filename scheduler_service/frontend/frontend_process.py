@@ -16,7 +16,7 @@ import uuid
 import uvloop
 
 from protos.wire import read_secret
-from scheduler_service.config import SchedulerServiceConfig, parse_config
+from scheduler_service.config import SchedulerServiceConfig, build_parser, parse_config
 from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.core_set import CoreSet
@@ -24,6 +24,9 @@ from scheduler_service.link_auth import check_address, tenant_key
 from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
 log = logging.getLogger("pagedserve.frontend")
+PROG = "python -m scheduler_service.frontend"
+DESCRIPTION = ("pagedserve front-end: the public gRPC and OpenAI HTTP ports over engine cores reached by "
+               "--engine-core (the scheduler's flags: those of the ports, API keys, limits and the core link apply)")
 
 
 def frontend_name() -> bytes:
@@ -62,9 +65,9 @@ async def serve_frontend(config: SchedulerServiceConfig, engine_cores: list[str]
         await core.close()
 
 
-def run(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None, prog: str = PROG) -> int:
     configure_logging()
-    config = parse_config(argv)
+    config = parse_config(argv, build_parser(prog, DESCRIPTION))
     if not config.engine_core:
         raise SystemExit("--engine-core is required: the engine core's tcp://HOST:PORT or ipc://PATH")
     for address in config.engine_core:
