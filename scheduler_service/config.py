@@ -60,7 +60,8 @@ class SchedulerServiceConfig(CoreConfig):
         "executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to (repeatable; the pool "
         "follows DNS at run time)"))
     executor_resolve_interval: float = field(default=5.0, metadata=flag(
-        "seconds between re-resolutions of dns:/// executors and re-reads of the drain file"))
+        "seconds between re-resolutions of dns:/// executors (a front-end: dns:/// engine cores) and re-reads of "
+        "the drain file"))
     executor_hosts_file: str | None = field(default=None, metadata=flag(
         "hosts(5)-format file consulted before DNS for dns:/// names, re-read at every resolution"))
     executor_drain_file: str | None = field(default=None, metadata=flag(
@@ -106,8 +107,10 @@ class SchedulerServiceConfig(CoreConfig):
         "engine core: tcp://HOST:PORT or ipc://PATH on which front-ends (its own api servers and any started with "
         "`python -m scheduler_service.frontend`) connect (default: a fresh ipc:// path for its own api servers)"))
     engine_core: list[str] = field(default_factory=list, metadata=flag(
-        "front-end (`python -m scheduler_service.frontend`): an engine core's tcp://HOST:PORT or ipc://PATH "
-        "(repeatable: new requests go to the least loaded ready core; a lost core's requests move to the others)"))
+        "front-end (`python -m scheduler_service.frontend`): an engine core's tcp://HOST:PORT or ipc://PATH, or "
+        "dns:///NAME:PORT for a core at every address NAME resolves to, re-resolved every "
+        "--executor-resolve-interval seconds (repeatable: new requests go to the least loaded ready core; a lost "
+        "core's requests move to the others)"))
     engine_core_secret_file: str | None = field(default=None, metadata=flag(
         "file holding the shared secret of the engine-core link (CURVE encryption and authentication); needed "
         "for an address other hosts can reach"))
