@@ -1,6 +1,6 @@
 """Engine cores by name (`--engine-core dns:///NAME:PORT`, #28): every address NAME resolves to is a core, reached
 at tcp://ADDRESS:PORT. The name is re-resolved every --executor-resolve-interval seconds with the executor pool's
-Resolver (scheduler_service/engine/membership.py: --executor-hosts-file first, then DNS), so a core that restarts
+Resolver (scheduler_service/name_resolution.py: --executor-hosts-file first, then DNS), so a core that restarts
 at a new address, or a scaled core tier, is followed at run time: new addresses join the front-end's CoreSet,
 vanished ones are retired there (their requests move to a ready core once they are lost)."""
 
@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 
 from scheduler_service.config import DNS_SCHEME, ExecutorTarget, parse_target
-from scheduler_service.engine.membership import Resolver
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.core_set import CoreSet
+from scheduler_service.name_resolution import Resolver
 
 log = logging.getLogger("pagedserve.frontend")
 

@@ -17,12 +17,12 @@ import uvloop
 
 from protos.wire import read_secret
 from scheduler_service.config import SchedulerServiceConfig, build_parser, parse_config
-from scheduler_service.engine.membership import Resolver
 from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.core_membership import CoreMembership, is_dns, parse_core_name
 from scheduler_service.frontend.core_set import CoreSet
 from scheduler_service.link_auth import check_address, tenant_key
+from scheduler_service.name_resolution import Resolver
 from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
 log = logging.getLogger("pagedserve.frontend")
