@@ -3,6 +3,7 @@
     pagedserve serve [MODEL] ...            both services on this machine (scripts/up.sh runs this)
     pagedserve scheduler ARGS...            = python -m scheduler_service ARGS...
     pagedserve executor ARGS...             = python -m executor_service ARGS...
+    pagedserve frontend ARGS...             = python -m scheduler_service.frontend ARGS...
     pagedserve generate|bench|health ...    = python -m client generate|bench|health ...
 
 Everything after the command name goes to that command unchanged (`--help` included). Importing this module
@@ -27,6 +28,11 @@ def _serve(argv: list[str]) -> int:
 def _scheduler(argv: list[str]) -> int:
     from scheduler_service.launch import run
     return run(argv)
+
+
+def _frontend(argv: list[str]) -> int:
+    from scheduler_service.frontend.frontend_process import run
+    return run(argv, prog=f"{PROG} frontend")
 
 
 def _executor(argv: list[str]) -> int:
@@ -56,6 +62,8 @@ COMMANDS: dict[str, Command] = {
                      "directory; default: the embedded model)", _serve),
     "scheduler": Command("run the scheduler service (= python -m scheduler_service)", _scheduler),
     "executor": Command("run the executor service (= python -m executor_service)", _executor),
+    "frontend": Command("run a front-end of its own over engine cores (= python -m scheduler_service.frontend)",
+                        _frontend),
     "generate": Command("stream one generation from a running server", _client("generate")),
     "bench": Command("benchmark a running server, measured the way vllm bench serve measures", _client("bench")),
     "health": Command("exit 0 when a server reports SERVING", _client("health")),

@@ -65,6 +65,9 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     g.add_argument("--output-len-hint", type=int, help="expected output length, for the scheduler's --policy sjf")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds for the whole call")
     g.add_argument("--json", action="store_true", help="one JSON object per streamed response")
+    g.add_argument("--resume-attempts", type=int, default=0,
+                   help="resume a broken stream up to this many times in a row (any front-end behind --server), "
+                        "from the tokens received; 0 = never")
     h = sub.add_parser("health", help="exit 0 when the server reports SERVING")
     add_connection_args(g)
     add_connection_args(h)
@@ -98,7 +101,8 @@ def response_json(r: generation_pb2.GenerateResponse) -> str:
 
 
 def client_for(args: argparse.Namespace) -> PagedServeClient:
-    return PagedServeClient(args.server, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca)
+    return PagedServeClient(args.server, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
+                            resume_attempts=getattr(args, "resume_attempts", 0))
 
 
 async def generate(args: argparse.Namespace) -> int:

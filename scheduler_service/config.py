@@ -61,7 +61,8 @@ class SchedulerServiceConfig(CoreConfig):
         "executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to (repeatable; the pool "
         "follows DNS at run time)"))
     executor_resolve_interval: float = field(default=5.0, metadata=flag(
-        "seconds between re-resolutions of dns:/// executors and re-reads of the drain file"))
+        "seconds between re-resolutions of dns:/// executors (a front-end: dns:/// engine cores) and re-reads of "
+        "the drain file"))
     executor_hosts_file: str | None = field(default=None, metadata=flag(
         "hosts(5)-format file consulted before DNS for dns:/// names, re-read at every resolution"))
     executor_drain_file: str | None = field(default=None, metadata=flag(
@@ -110,8 +111,10 @@ class SchedulerServiceConfig(CoreConfig):
         "engine core: tcp://HOST:PORT or ipc://PATH on which front-ends (its own api servers and any started with "
         "`python -m scheduler_service.frontend`) connect (default: a fresh ipc:// path for its own api servers)"))
     engine_core: list[str] = field(default_factory=list, metadata=flag(
-        "front-end (`python -m scheduler_service.frontend`): an engine core's tcp://HOST:PORT or ipc://PATH "
-        "(repeatable: new requests go to the least loaded ready core; a lost core's requests move to the others)"))
+        "front-end (`python -m scheduler_service.frontend`): an engine core's tcp://HOST:PORT or ipc://PATH, or "
+        "dns:///NAME:PORT for a core at every address NAME resolves to, re-resolved every "
+        "--executor-resolve-interval seconds (repeatable: new requests go to the least loaded ready core; a lost "
+        "core's requests move to the others)"))
     engine_core_secret_file: str | None = field(default=None, metadata=flag(
         "file holding the shared secret of the engine-core link (CURVE encryption and authentication); needed "
         "for an address other hosts can reach"))
@@ -125,8 +128,9 @@ class SchedulerServiceConfig(CoreConfig):
         "responses one stream may have waiting for a slow client before it is aborted"))
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> SchedulerServiceConfig:
-        config = config_from(cls, build_parser().parse_args(argv))
+    def from_args(cls, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+                  ) -> SchedulerServiceConfig:
+        config = config_from(cls, (parser or build_parser()).parse_args(argv))
         if config.metrics_port is not None and config.metrics_port < 0:
             config.metrics_port = None
         return config
@@ -137,8 +141,11 @@ class SchedulerServiceConfig(CoreConfig):
         return core
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scheduler_service", description="pagedserve scheduler")
+def build_parser(prog: str = "python -m scheduler_service", description: str = "pagedserve scheduler"
+                 ) -> argparse.ArgumentParser:
+    """The scheduler's flags under `prog` (a front-end of its own shares them: `python -m
+    scheduler_service.frontend`, `pagedserve frontend`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     add_flags(p, SchedulerServiceConfig)
     return p
 
@@ -149,8 +156,9 @@ def default_api_server_count(cpus: int) -> int:
     return max(1, min(8, cpus // 4))
 
 
-def parse_config(argv: list[str] | None = None) -> SchedulerServiceConfig:
-    config = SchedulerServiceConfig.from_args(argv)
+def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+                 ) -> SchedulerServiceConfig:
+    config = SchedulerServiceConfig.from_args(argv, parser)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
     if config.api_server_count is None:

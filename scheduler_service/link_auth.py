@@ -6,6 +6,7 @@ cannot finish the handshake. Without a secret only loopback and ipc:// addresses
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 from urllib.parse import urlsplit
 
@@ -14,12 +15,22 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+TENANT_KEY_LABEL = b"pagedserve api-key tenant digest key v1"
 
 
 def key_pair(secret: str, role: str) -> tuple[bytes, bytes]:
     """(public, secret) Z85 CURVE keys for `role` ("core" or "frontend"), a function of the secret only."""
     private = zmq.utils.z85.encode(hashlib.sha256(f"pagedserve-{role}\0{secret}".encode()).digest())
     return zmq.curve_public(private), private
+
+
+def tenant_key(secret: str | None) -> bytes | None:
+    """The key of the API-key tenant digests (frontend/auth.py TenantScope) that every front-end and api server
+    holding the link secret computes alike: HMAC-SHA256 of a label of its own under the secret (a one-way
+    derivation, separate from the CURVE keys; the secret itself is never the key). None without a secret."""
+    if secret is None:
+        return None
+    return hmac.new(secret.encode(), TENANT_KEY_LABEL, hashlib.sha256).digest()
 
 
 def is_local(address: str) -> bool:

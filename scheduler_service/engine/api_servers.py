@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
+from protos.wire import read_secret
 from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.frontend.api_server import run_api_server
+from scheduler_service.link_auth import tenant_key
 
 log = logging.getLogger("pagedserve.core")
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
@@ -52,7 +54,9 @@ class ApiServers:
         self.stopping = False
         self._ctx = multiprocessing.get_context("spawn")
         self._restarts: set[asyncio.Task[None]] = set()
-        self._tenant_secret = os.urandom(32)  # keys the API keys' prefix-cache tenants alike in every api server
+        # keys the API keys' prefix-cache tenants alike in every api server (and, from the link secret, alike in
+        # every front-end of the deployment)
+        self._tenant_secret = tenant_key(read_secret(config.engine_core_secret_file)) or os.urandom(32)
 
     def names(self) -> set[bytes]:
         """The engine-core link names of the api servers it runs now."""

@@ -27,9 +27,9 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.engine.executor_loop import ExecutorLoop, RequestStream
-from scheduler_service.engine.membership import Resolver
 from scheduler_service.engine.metrics import EngineMetrics
 from scheduler_service.messages import QueueFull
+from scheduler_service.name_resolution import Resolver
 
 log = logging.getLogger("pagedserve.pool")
 BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD = 32, 1.5, 0.3

@@ -55,8 +55,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 class TenantScope:
     """Who a caller is to the prefix cache: HMAC-SHA256 of its API key under a secret the api servers of one
-    service share (the engine core draws it at start and hands it to each), as 32 hex digits. The key itself
-    never leaves the api server, and its digest is useless outside this service's lifetime. Requests of
+    service share, as 32 hex digits. With --engine-core-secret-file the secret is derived from the link secret
+    (link_auth.tenant_key), so every front-end of a deployment, standalone or a core's child, computes the same
+    digest; without it the engine core draws one at start for its own api servers. The key itself
+    never leaves the api server, and its digest is useless outside this deployment. Requests of
     different tenants never share cached blocks (scheduler_service/core/block_hash.py)."""
 
     def __init__(self, secret: bytes | None = None) -> None:

@@ -2,7 +2,9 @@
 over one CoreClient per core. A new request goes to the ready core with the fewest open requests of this
 front-end; when a core is lost, its open requests move at once to the ready survivors as continuations (the tokens
 delivered so far, same ids, seeds and arrival), without waiting for its restart. With no survivor ready they wait
-for whichever core is ready first, the lost one included."""
+for whichever core is ready first, the lost one included. With dns:///NAME:PORT (frontend/core_membership.py) the
+set changes at run time: a core whose address NAME no longer resolves to is retired (no new requests; once lost,
+its requests move to a ready core; once it holds none, it is closed)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,13 @@ class CoreSet:
         self.owner: dict[str, CoreClient] = {}
         self.num_moved = 0
         self.describe: executor_pb2.DescribeResponse | None = None
+        self.retired: set[CoreClient] = set()
         for client in clients:
-            client.on_ready_change = self._readiness
-            client.on_lost = self._move_from
+            self._watch(client)
+
+    def _watch(self, client: CoreClient) -> None:
+        client.on_ready_change = self._readiness
+        client.on_lost = self._move_from
 
     def _describe(self) -> executor_pb2.DescribeResponse | None:
         """A ready core's executor description (the cores serve one model), else any core's."""
@@ -45,8 +51,45 @@ class CoreSet:
         for client in self.clients:
             await client.close()
 
+    def addresses(self) -> set[str]:
+        """The addresses of the cores in service (not retired)."""
+        return {c.address for c in self.clients if c not in self.retired}
+
+    async def join(self, address: str, connect: Callable[[str], CoreClient]) -> None:
+        """A core at `address` enters service: a retired client of it returns, else a new one is started."""
+        for client in self.clients:
+            if client.address == address:
+                self.retired.discard(client)
+                return
+        client = connect(address)
+        self._watch(client)
+        self.clients.append(client)
+        await client.start()
+        log.info("engine core %s joined (%d cores)", address, len(self.clients))
+
+    def retire(self, address: str) -> None:
+        """No new requests for the core at `address` (its name no longer resolves to it)."""
+        self.retired |= {c for c in self.clients if c.address == address}
+        self._hand_over()
+
+    async def sweep(self) -> None:
+        """Close the retired cores that hold no request any more."""
+        self._hand_over()
+        for client in [c for c in self.retired if not c.streams]:
+            self.retired.discard(client)
+            self.clients.remove(client)
+            await client.close()
+            log.info("engine core %s retired (%d cores)", client.address, len(self.clients))
+
+    def _hand_over(self) -> None:
+        """Retired cores that are lost hand their open requests to a ready core, if one is."""
+        for client in self.retired:
+            if not client.ready.is_set():
+                self._move_from(client)
+
     def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> RemoteStream:
-        ready = [c for c in self.clients if c.ready.is_set()] or self.clients
+        serving = [c for c in self.clients if c not in self.retired] or self.clients
+        ready = [c for c in serving if c.ready.is_set()] or serving
         client = min(ready, key=lambda c: len(c.streams))
         stream = client.add(request, queue, stop_strings)
         self.owner[request.request_id] = client
@@ -74,10 +117,12 @@ class CoreSet:
             await asyncio.sleep(0.02)
 
     def count_refusal(self, code: str) -> None:
-        self.clients[0].count_refusal(code)
+        if self.clients:
+            self.clients[0].count_refusal(code)
 
     def _readiness(self, _: bool) -> None:
         self.describe = self._describe()
+        self._hand_over()
         ready = any(c.ready.is_set() for c in self.clients)
         if ready == self.ready.is_set():
             return

@@ -44,9 +44,9 @@ def pagedserve(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_every_command(script: Path) -> None:
     out = pagedserve(script, "--help")
     assert out.returncode == 0, out.stderr
-    for name in ("serve", "scheduler", "executor", "generate", "bench", "health"):
+    for name in ("serve", "scheduler", "executor", "frontend", "generate", "bench", "health"):
         assert f"\n    {name}" in out.stdout
-    assert set(COMMANDS) == {"serve", "scheduler", "executor", "generate", "bench", "health"}
+    assert set(COMMANDS) == {"serve", "scheduler", "executor", "frontend", "generate", "bench", "health"}
 
 
 def test_no_command_or_an_unknown_one_is_a_usage_error(script: Path) -> None:
@@ -60,6 +60,7 @@ def test_no_command_or_an_unknown_one_is_a_usage_error(script: Path) -> None:
 
 # A flag each command's own parser has, so the help shown is that command's, not the top level's.
 OWN_FLAG = {"serve": "--simulated", "scheduler": "--api-server-count", "executor": "--tensor-parallel-size",
+            "frontend": "--engine-core",
             "generate": "--max-tokens", "bench": "--request-rate", "health": "--service"}
 
 
@@ -80,8 +81,19 @@ def test_scheduler_help_is_the_scheduler_services(script: Path) -> None:
         assert flag in out.stdout
 
 
+def test_frontend_is_the_frontend_process_named_after_the_script(script: Path) -> None:
+    out = pagedserve(script, "frontend", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: pagedserve frontend"), out.stdout[:200]
+    direct = subprocess.run([sys.executable, "-m", "scheduler_service.frontend", "--help"], capture_output=True,
+                            text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert direct.returncode == 0 and direct.stdout.startswith("usage: python -m scheduler_service.frontend")
+    assert out.stdout.split("\n\n", 1)[1] == direct.stdout.split("\n\n", 1)[1], "the same flags after the usage"
+    missing = pagedserve(script, "frontend", "--listen", "127.0.0.1:0")
+    assert missing.returncode != 0 and "--engine-core is required" in missing.stderr, missing.stderr
+
+
 def test_service_commands_pass_arguments_through(script: Path) -> None:
-    for name in ("scheduler", "executor"):
+    for name in ("scheduler", "executor", "frontend"):
         out = pagedserve(script, name, "--no-such-flag")
         assert out.returncode == 2 and "unrecognized arguments: --no-such-flag" in out.stderr, out.stderr
 

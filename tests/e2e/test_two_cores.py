@@ -15,9 +15,15 @@ from pathlib import Path
 from client.local import free_port, parse_metrics, start, stop, wait_healthy, wait_until
 from tests.support.streams import EXECUTOR, check_complete, run_all, specs
 
+TOKENS = 120  # per stream: long enough (2.4 s of 20 ms steps) that the kill lands mid-stream on a busy machine
+
 
 def core_holds_nothing(metrics_port: int) -> bool:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    """The core is up and holds no block and no request (False while its /metrics is not up yet)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
     m = parse_metrics(text)
     return m.get("pagedserve:device_blocks_used", 0) == 0 and m.get("vllm:num_requests_running", 0) == 0 \
         and m.get("vllm:num_requests_waiting", 0) == 0
@@ -45,11 +51,11 @@ async def test_a_lost_core_s_requests_move_to_the_survivor_and_finish_identicall
         for port in metrics:  # both cores ready, so that requests spread over both
             await asyncio.to_thread(wait_until, partial(core_holds_nothing, port), 30.0, "a core up")
         calls = specs(16)
-        reference = await run_all(public, calls)
-        check_complete(reference, calls)
+        reference = await run_all(public, calls, max_tokens=TOKENS)
+        check_complete(reference, calls, TOKENS)
         stamps: dict[tuple[str, int], list[float]] = {}
         begun = asyncio.Event()
-        total = sum(s.n for s in calls) * 48
+        total = sum(s.n for s in calls) * TOKENS
         seen = [0]
 
         def count(n: int) -> None:
@@ -60,13 +66,14 @@ async def test_a_lost_core_s_requests_move_to_the_survivor_and_finish_identicall
         def stamp(key: tuple[str, int]) -> None:
             stamps.setdefault(key, []).append(time.monotonic())
 
-        disturbed = asyncio.create_task(run_all(public, calls, count, on_response=stamp))
+        disturbed = asyncio.create_task(run_all(public, calls, count, on_response=stamp, max_tokens=TOKENS))
         await asyncio.wait_for(begun.wait(), 60)
         await asyncio.to_thread(wait_until, lambda: not core_holds_nothing(metrics[0]), 10.0, "core 0 busy")
-        stop(cores[0], signal.SIGKILL)
+        # (up since the loop above: False here means it holds requests)
         killed = time.monotonic()
+        cores[0].send_signal(signal.SIGKILL)
         outcome = await asyncio.wait_for(disturbed, 120)
-        check_complete(outcome, calls)
+        check_complete(outcome, calls, TOKENS)
         assert outcome == reference
         log = (tmp_path / "frontend.log").read_text()
         assert "moved its" in log, log[-2000:]

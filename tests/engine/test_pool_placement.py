@@ -17,9 +17,9 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_loop import ExecutorLoop
-from scheduler_service.engine.membership import Resolver, pick_family
 from scheduler_service.engine.pool import ExecutorPool, Member, PoolConfig
 from scheduler_service.messages import QueueFull
+from scheduler_service.name_resolution import Resolver, pick_family
 
 LIMITS = ExecutorLimits(block_size=16, num_device_blocks=256, num_swap_blocks=16, max_model_len=4096)
 

@@ -12,12 +12,14 @@ import zmq.asyncio
 
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.frontend.core_client import CoreClient, RemoteStream
+from scheduler_service.frontend.core_set import CoreSet
 from scheduler_service.frontend.generation import RequestError
 from scheduler_service.messages import (
     Delta,
     Ended,
     Refusal,
     Refused,
+    Status,
     ToFrontend,
     encoder,
     ipc_address,
@@ -95,3 +97,44 @@ async def test_adds_and_ends_of_one_loop_turn_go_to_the_core_as_one_message() ->
         await c.close()
         core.close(linger=0)
         ctx.term()
+
+
+async def test_a_lost_core_s_open_requests_are_re_submitted_as_continuations_once_a_core_is_ready(
+        client: Callable[[int], CoreClient]) -> None:
+    c = client(100)
+    queue: asyncio.Queue[object] = asyncio.Queue()
+    c.add(Request("r", [1, 2, 3], SamplingOptions(max_tokens=9, seed=4), 12.5), queue)
+    c._flush()
+    c._deliver(wire(ToFrontend([Delta("r", [7, 8])])))
+    c._lost("test")
+    assert not c.ready.is_set() and c._new == []
+    c._session.number += 1  # what the session does before its next hello
+    c._set_status(Status(False))
+    assert c._new == [], "nothing goes to a core that is not ready"
+    c._set_status(Status(True))
+    [again] = c._new
+    assert (again.request_id, again.prompt_token_ids, again.output_token_ids, again.resume) == (
+        "r", [1, 2, 3], [7, 8], True)
+    assert again.sampling.seed == 4 and again.arrival_time == 12.5 and c.num_resumed == 1
+    assert c.ready.is_set() and c.lost_since is None
+
+
+async def test_a_core_set_moves_a_lost_core_s_requests_to_a_ready_survivor(
+        client: Callable[[int], CoreClient]) -> None:
+    a, b = client(100), client(100)
+    cores = CoreSet([a, b])
+    for core in (a, b):
+        core._set_status(Status(True))
+    queue: asyncio.Queue[object] = asyncio.Queue()
+    for i in range(4):
+        cores.add(Request(f"r{i}", [1, 2], SamplingOptions(max_tokens=9), 0.0), queue)
+    assert len(a.streams) == len(b.streams) == 2, "placed on the least loaded core"
+    lost_ids = set(a.streams)
+    a._deliver(wire(ToFrontend([Delta(rid, [5]) for rid in lost_ids])))
+    b._new.clear()
+    a._lost("test")
+    assert not a.streams and set(b.streams) == {f"r{i}" for i in range(4)} and cores.num_moved == 2
+    assert {n.request_id: n.output_token_ids for n in b._new} == {rid: [5] for rid in lost_ids}
+    assert cores.ready.is_set(), "still ready: one core serves"
+    cores.abort("r0")
+    assert "r0" not in b.streams and "r0" not in cores.owner

@@ -1,4 +1,5 @@
-"""Which executors the pool should hold: --executor HOST:PORT entries and dns:///NAME:PORT names, re-resolved."""
+"""dns:///NAME:PORT names, resolved and re-resolved, for both tiers: which executors the pool should hold
+(--executor), and which engine cores a front-end connects to (--engine-core, frontend/core_membership.py)."""
 
 from __future__ import annotations
 
