@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 KERNEL_DIR_ENV = "PAGEDSERVE_KERNEL_DIR"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 """-fopenmp defines _OPENMP, without which ATen's header compiles at::parallel_for as a serial loop (#29)."""
-LDFLAGS = ["-fopenmp"]
+LDFLAGS = ("-fopenmp",)
 """Links libgomp.so.1: the soname of the libgomp torch's CPU wheel ships and has loaded before any extension, so the
-loader binds the extension to that same runtime (one OpenMP thread pool in the process, not two)."""
+loader binds the extension to that same runtime (one OpenMP thread pool in the process, not two). A tuple, and
+each build gets its own list: cpp_extension appends its own flags to the list it is given, which changed the next
+extension's build key in a process that had built one (so a process that only loaded them looked for another key)."""
 SHARED_HEADERS = Path(__file__).resolve().parent / "csrc"
 
 
@@ -65,7 +67,7 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       extra_ldflags=LDFLAGS, extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
+                       extra_ldflags=list(LDFLAGS), extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
                        is_python_module=False, verbose=False)
 
 
