@@ -67,8 +67,8 @@ def build_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...
     if shutil.which("ninja") is None and env_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                       extra_ldflags=list(LDFLAGS), extra_include_paths=[str(SHARED_HEADERS)], build_directory=str(directory),
-                       is_python_module=False, verbose=False)
+                       extra_ldflags=list(LDFLAGS), extra_include_paths=[str(SHARED_HEADERS)],
+                       build_directory=str(directory), is_python_module=False, verbose=False)
 
 
 def load_prebuilt(library: Path) -> bool:
