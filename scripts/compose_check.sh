@@ -4,7 +4,10 @@
 # a streamed generation, the OpenAI-compatible HTTP API (/v1/models and a completion), /metrics, the C++ CPU
 # kernels built into the image loaded by the executor, and an
 # executor restart with a stream in flight (which must finish with
-# exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving.
+# exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving; then
+# compose.tiers.yaml (executor, engine-core, frontend): the engine-core container and then the frontend container
+# SIGKILLed and started again, each with a client-library stream (--resume-attempts) in flight that must end with
+# the undisturbed run's tokens.
 # Prints one line per stage with its time.
 #
 #   bash scripts/compose_check.sh            # needs root or sudo; .venv must exist (scripts/setup.sh)
@@ -66,6 +69,7 @@ COMPOSE=("${AS_ROOT[@]}" env CONTAINERS_CONF="$CONTAINERS_CONF" DOCKER_HOST="$DO
   PAGEDSERVE_TAG="$PAGEDSERVE_TAG" GRPC_PORT="$GRPC_PORT" HTTP_PORT="$HTTP_PORT" METRICS_PORT="$METRICS_PORT" EXECUTOR_WAIT_TIMEOUT="$EXECUTOR_WAIT_TIMEOUT"
   PUBLISH_ADDRESS="$PUBLISH_ADDRESS" docker-compose --env-file "$WORK/no.env" -f "$ROOT/compose.yaml")
 compose() { "${COMPOSE[@]}" "$@"; }
+TIERS=("${COMPOSE[@]:0:${#COMPOSE[@]}-1}" "$ROOT/compose.tiers.yaml")  # the three-tier layout, same settings
 
 log() { echo "[compose_check] $*"; }
 
@@ -266,17 +270,22 @@ compose_up() {
   note "project $PROJECT, grpc 127.0.0.1:$GRPC_PORT, http 127.0.0.1:$HTTP_PORT, metrics 127.0.0.1:$METRICS_PORT"
 }
 
-health_of() { podman_ inspect --format '{{.State.Health.Status}}' "$(compose ps -q "$1")"; }
-wait_healthy() {
-  local deadline=$((SECONDS + ${1:-300})) service
-  for service in executor scheduler; do
+container_of() {
+  podman_ ps -q --filter "label=com.docker.compose.project=$PROJECT" --filter "label=com.docker.compose.service=$1"
+}
+health_of() { podman_ inspect --format '{{.State.Health.Status}}' "$(container_of "$1" | head -n 1)"; }
+wait_healthy() { wait_services "${1:-300}" executor scheduler; }
+wait_services() {
+  local deadline=$((SECONDS + $1)) service
+  shift
+  for service in "$@"; do
     until [ "$(health_of "$service")" = healthy ]; do
       [ $SECONDS -lt $deadline ] || { echo "$service is not healthy"; compose logs --tail 50; return 1; }
       sleep 1
     done
   done
   "$PY" -m client health --server "$SERVER"
-  note "executor and scheduler healthy"
+  note "$* healthy"
 }
 
 generate() { "$PY" -m client generate --server "$SERVER" --json "$@"; }
@@ -339,6 +348,25 @@ reference_run() {
     'BEGIN { printf "%d tokens in %.1fs", n, b - a }')"
 }
 
+# same_tokens FILE BEFORE ALIVE WHAT: the stream in FILE completed with the reference's tokens, and was still open
+# (ALIVE) when WHAT went down with BEFORE messages received.
+same_tokens() {
+  "$PY" - "$WORK/reference.jsonl" "$@" <<'PYEOF' | tee "$WORK/note"
+import json, sys
+ref, got = ([json.loads(x) for x in open(p)] for p in sys.argv[1:3])
+before, alive, what = sys.argv[3:6]
+tokens = lambda msgs: [t for m in msgs for t in m["token_ids"]]
+last = got[-1] if got else {}
+if last.get("finish_reason") != "length":
+    sys.exit(f"the stream did not complete across the restart: {last.get('finish_reason')}: {last.get('error')}")
+if tokens(got) != tokens(ref):
+    sys.exit("the restarted stream's tokens differ from the undisturbed run's")
+if alive != "yes":
+    sys.exit(f"the stream ended before {what} went down: raise RESTART_MAX_TOKENS")
+print(f"{len(tokens(got))} tokens equal the undisturbed run; {before} messages had arrived when {what} went down")
+PYEOF
+}
+
 # Start the same request, restart the executor container once tokens flow, and require the stream to be
 # still open after the restart (so the executor went away under it) and to end with the reference tokens.
 check_restart() {
@@ -354,20 +382,7 @@ check_restart() {
   kill -0 $client 2>/dev/null || alive=no
   wait $client || true
   rm -f "$WORK/client.pid"
-  "$PY" - "$WORK/reference.jsonl" "$WORK/restart.jsonl" "$before" "$alive" <<'PYEOF' | tee "$WORK/note"
-import json, sys
-ref, got = ([json.loads(x) for x in open(p)] for p in sys.argv[1:3])
-before, alive = sys.argv[3:5]
-tokens = lambda msgs: [t for m in msgs for t in m["token_ids"]]
-last = got[-1] if got else {}
-if last.get("finish_reason") != "length":
-    sys.exit(f"the stream did not complete across the restart: {last.get('finish_reason')}: {last.get('error')}")
-if tokens(got) != tokens(ref):
-    sys.exit("the restarted stream's tokens differ from the undisturbed run's")
-if alive != "yes":
-    sys.exit("the stream ended before the executor went down: raise RESTART_MAX_TOKENS")
-print(f"{len(tokens(got))} tokens equal the undisturbed run; {before} messages had arrived at the restart")
-PYEOF
+  same_tokens "$WORK/restart.jsonl" "$before" "$alive" "the executor"
   compose logs --no-color scheduler | grep "executor stream lost" || echo "note: no 'executor stream lost' line in the scheduler log"
 }
 
@@ -410,6 +425,47 @@ compose_down() {
   compose down --timeout 10 --volumes --remove-orphans
 }
 
+# ------------------------------------------------------------------ the three tiers (compose.tiers.yaml)
+tiers_up() {
+  start_healthchecks
+  timeout 600 "${TIERS[@]}" up -d --no-build
+  note "executor, engine-core, frontend: grpc 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"
+}
+
+# SIGKILL one tier's container with a client-library stream in flight (--resume-attempts), start it again, and
+# require the stream to end with the undisturbed run's tokens. The kill goes straight to podman, at the first
+# tokens: the whole stream takes a few seconds undisturbed, less than a `compose restart` under load.
+check_tier_restart() {
+  local service=$1 id client alive=yes before out=$WORK/tier-$1.jsonl
+  id=$(container_of "$service")
+  [ -n "$id" ] || { echo "no $service container"; return 1; }
+  "$PY" -m client generate --server "$SERVER" --json --resume-attempts 100 "${RESTART_ARGS[@]}" \
+    >"$out" 2>"$out.err" &
+  client=$!
+  echo $client >"$WORK/client.pid"
+  for _ in $(seq 600); do
+    if [ -s "$out" ] || ! kill -0 $client 2>/dev/null; then break; fi
+    sleep 0.05
+  done
+  before=$(wc -l <"$out")
+  podman_ kill -s KILL "$id" >/dev/null
+  kill -0 $client 2>/dev/null || alive=no
+  "${TIERS[@]}" start "$service"
+  wait $client || { cat "$out.err"; true; }
+  rm -f "$WORK/client.pid"
+  same_tokens "$out" "$before" "$alive" "$service"
+}
+
+check_core_resumed() {
+  "${TIERS[@]}" logs --no-color frontend | grep -E "resumed [1-9][0-9]* requests|moved its [1-9][0-9]* open requests" | tee "$WORK/note"
+}
+
+tiers_down() {
+  stop_pid_file healthchecks
+  "${TIERS[@]}" logs --no-color --timestamps >"$WORK/tiers.log" 2>&1
+  "${TIERS[@]}" down --timeout 10 --volumes --remove-orphans
+}
+
 # ------------------------------------------------------------------------------------------- cleanup
 alive() { [ -d "/proc/$1" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
 stop_pid_file() {
@@ -429,6 +485,7 @@ cleanup() {
   stop_pid_file healthchecks
   if [ -S "$SOCK" ] && [ -n "$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ]; then
     compose logs --no-color --timestamps >"$WORK/containers.log" 2>&1
+    "${TIERS[@]}" logs --no-color --timestamps >"$WORK/tiers.log" 2>&1
     compose down --timeout 5 --volumes --remove-orphans >>"$LOG" 2>&1
   fi
   for c in $(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT"); do podman_ rm -f "$c" >>"$LOG" 2>&1; done
@@ -466,3 +523,10 @@ stage "restart executor" check_restart
 stage "healthy after restart" wait_healthy 120
 stage "scale executors" check_scale
 stage "compose down" compose_down
+stage "tiers up" tiers_up
+stage "tiers healthy" wait_services 300 executor engine-core frontend
+stage "restart engine-core" check_tier_restart engine-core
+stage "front-end resumed" check_core_resumed
+stage "tiers healthy again" wait_services 120 executor engine-core frontend
+stage "restart frontend" check_tier_restart frontend
+stage "tiers down" tiers_down

@@ -62,6 +62,8 @@ class CoreSession:
         await self._sock.send(encoder.encode(ToCore(hello=True, frontend=self.name, sent_at=time.monotonic())))
 
     def send(self, msg: ToCore) -> None:
+        if self._sock.closed:  # a flush that was due when the session closed (a retired core's, #28)
+            return
         msg.sent_at = time.monotonic()
         self._sock.send(encoder.encode(msg))
 

@@ -36,6 +36,11 @@ from tests.support.procs import ROOT, free_port, stop
 
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
+COMPOSE_TIERS = ROOT / "compose.tiers.yaml"  # executor, engine-core, frontend (#28)
+TIER_MODULES = {"executor": "executor_service", "engine-core": "scheduler_service",
+                "frontend": "scheduler_service.frontend"}
+# The tier flags compose sets on purpose: the core link and who listens where.
+TIER_FLAGS = {"api_server_count", "engine_core_listen", "engine_core", "engine_core_secret_file"}
 MODULES = {"executor": "executor_service", "scheduler": "scheduler_service"}
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
 LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "::", ""}
@@ -140,7 +145,9 @@ def test_docker_compose_config_validates() -> None:
             pytest.fail("docker-compose is not installed; CI must install it (apt-get install -y docker-compose)")
         pytest.skip("docker-compose is not installed (apt-get install -y docker-compose); CI requires it")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    for files, extra in (([COMPOSE], {}), ([COMPOSE, COMPOSE_GPU], {"MODEL_DIR": "/srv/models/example"})):
+    gpu = {"MODEL_DIR": "/srv/models/example"}
+    for files, extra in (([COMPOSE], {}), ([COMPOSE, COMPOSE_GPU], gpu), ([COMPOSE_TIERS], {}),
+                         ([COMPOSE_TIERS, COMPOSE_GPU], gpu)):
         args = [*compose, "--project-directory", str(ROOT)]
         for f in files:
             args += ["-f", str(f)]
@@ -203,7 +210,7 @@ def named_mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
 def test_env_variables_are_named_after_their_flags() -> None:
     """`--max-num-seqs ${MAX_NUM_SEQS:-256}`: the variable is the flag in upper snake case."""
     pairs = 0
-    for path in (COMPOSE, COMPOSE_GPU):
+    for path in (COMPOSE, COMPOSE_GPU, COMPOSE_TIERS):
         for name, svc in load(path)["services"].items():
             raw = svc.get("command") or ""
             text = raw if isinstance(raw, str) else " ".join(map(str, raw))
@@ -221,6 +228,36 @@ def test_compose_defaults_match_the_command_line_defaults(name: str) -> None:
     got, want = vars(parser.parse_args(cmd[3:])), vars(parser.parse_args([]))
     drift = {k: (got[k], want[k]) for k in want if k not in NETWORK_FLAGS | CONTAINER_FLAGS and got[k] != want[k]}
     assert not drift, f"compose.yaml {name} defaults (compose, flag) differ: {drift}"
+
+
+def test_tiers_wiring() -> None:
+    """compose.tiers.yaml stands alone (docker-compose v1 loads it): the front-ends find the engine core by its
+    service name on its core-link port, over CURVE with the executor's secret, and publish the public ports."""
+    services = load(COMPOSE_TIERS)["services"]
+    assert set(services) == set(TIER_MODULES)
+    for name, svc in services.items():
+        assert command_of(svc)[:3] == ["python", "-m", TIER_MODULES[name]], name
+        assert svc.get("restart") in RESTART_POLICIES and svc.get("healthcheck"), name
+    core, frontend = command_of(services["engine-core"]), command_of(services["frontend"])
+    listen = flag_value(core, "--engine-core-listen") or ""
+    assert listen.startswith("tcp://0.0.0.0:") and flag_value(core, "--api-server-count") == "0"
+    port = int(listen.rsplit(":", 1)[1])
+    assert flag_value(frontend, "--engine-core") == f"dns:///engine-core:{port}", "re-resolved: a new IP is followed"
+    assert port in container_ports(services["engine-core"])
+    secret = flag_value(command_of(services["executor"]), SECRET_FLAG)
+    assert flag_value(core, "--engine-core-secret-file") == flag_value(frontend, "--engine-core-secret-file") == secret
+    assert {50051, 8080} <= {container_port(p) for p in services["frontend"]["ports"]}
+    assert services["frontend"]["depends_on"]["engine-core"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize("name", ["engine-core", "frontend"])
+def test_tier_defaults_match_the_command_line_defaults(name: str) -> None:
+    cmd = command_of(load(COMPOSE_TIERS)["services"][name])
+    parser = scheduler_parser()
+    got, want = vars(parser.parse_args(cmd[3:])), vars(parser.parse_args([]))
+    skip = NETWORK_FLAGS | CONTAINER_FLAGS | TIER_FLAGS
+    drift = {k: (got[k], want[k]) for k in want if k not in skip and got[k] != want[k]}
+    assert not drift, f"compose.tiers.yaml {name} defaults (compose, flag) differ: {drift}"
 
 
 def test_gpu_override() -> None:

@@ -138,3 +138,28 @@ async def test_a_core_set_moves_a_lost_core_s_requests_to_a_ready_survivor(
     assert cores.ready.is_set(), "still ready: one core serves"
     cores.abort("r0")
     assert "r0" not in b.streams and "r0" not in cores.owner
+
+
+async def test_a_retired_core_gets_no_new_request_and_hands_its_requests_to_a_core_that_becomes_ready() -> None:
+    """dns:/// membership (#28): the old address of a restarted core is retired; its requests, lost with it while
+    no other core was ready, move to the new address's core as soon as that one is ready."""
+    old, new = CoreClient("ipc:///nonexistent-old", b"test", 100), CoreClient("ipc:///nonexistent-new", b"test", 100)
+    cores = CoreSet([old, new])
+    try:
+        old._set_status(Status(True))
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cores.add(Request("r0", [1, 2], SamplingOptions(max_tokens=9), 0.0), queue)
+        old._deliver(wire(ToFrontend([Delta("r0", [5])])))
+        old._lost("test")
+        assert set(old.streams) == {"r0"}, "no ready core to move to: the request waits"
+        cores.retire(old.address)
+        assert cores.addresses() == {new.address}
+        cores.add(Request("r1", [3], SamplingOptions(max_tokens=9), 0.0), queue)
+        assert "r1" in new.streams, "a retired core gets no new request"
+        new._set_status(Status(True))
+        assert not old.streams and {"r0", "r1"} <= set(new.streams) and cores.owner["r0"] is new
+        assert [n.output_token_ids for n in new._new if n.request_id == "r0"] == [[5]]
+        await cores.sweep()
+        assert cores.clients == [new] and not cores.retired
+    finally:
+        await cores.close()  # the sweep closed the retired one
