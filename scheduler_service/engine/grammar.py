@@ -142,7 +142,8 @@ class GrammarCompiler:
 def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int
                   ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str]]:
     """The masks of the step's constrained requests that sample in it (their matchers synced to their output
-    first), and the requests whose output the grammar refused (id -> why): they get no mask and must be failed."""
+    first), and the requests whose output the grammar refused or whose grammar allows no token now (id -> why):
+    they get no mask and must be failed."""
     rows = []
     for work in out.scheduled:
         request = work.request
@@ -163,10 +164,22 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
             refused[request.request_id] = error
             continue
         grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
+        if not row_allows_some(buffer[len(ids)], vocab_size):
+            # A grammar whose language is empty (`root ::= root`) or that reached a dead end: an empty row would
+            # make the executor refuse the whole step, failing every request in it, so only this one fails.
+            refused[request.request_id] = "the output's grammar allows no token here: it can never be completed"
+            buffer[len(ids)] = -1
+            continue
         ids.append(request.request_id)
     data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
     masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
     return (masks if ids else None), refused
+
+
+def row_allows_some(row: np.ndarray, vocab_size: int) -> bool:
+    """Whether a mask row (int32 words) allows any token id below vocab_size (bits past it do not count)."""
+    bits = np.unpackbits(row.astype("<i4", copy=False).view(np.uint8), count=vocab_size, bitorder="little")
+    return bool(bits.any())
 
 
 def torch_view(array: np.ndarray) -> Any:

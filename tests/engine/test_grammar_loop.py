@@ -117,3 +117,34 @@ async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> Non
         assert calls["n"] > 6
     finally:
         await engine.stop()
+
+
+async def test_a_grammar_that_allows_no_token_fails_alone(executor: str) -> None:
+    """A grammar whose language is empty (`root ::= root` compiles) gives an all-zero mask row; sent, it makes the
+    executor refuse the whole step, failing every other client's request in it. Only that request fails."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        warm: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("warm", 1), warm)  # xgrammar loaded and the compiler built before the race below
+        assert (await asyncio.wait_for(collect(warm), 60))[1].finish_reason is FinishReason.STOPPED
+        finished: list[str] = []
+
+        async def run(rid: str, queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
+            result = await collect(queue)
+            finished.append(rid)
+            return result
+
+        free: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        bad: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("free", [66] * 5, SamplingOptions(max_tokens=300, ignore_eos=True), 0.0), free)
+        engine.add(Request("bad", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.GRAMMAR, "root ::= root")), 0.0), bad)
+        (free_tokens, free_last), (bad_tokens, bad_last) = await asyncio.wait_for(
+            asyncio.gather(run("free", free), run("bad", bad)), 60)
+        assert free_last.finish_reason is FinishReason.LENGTH and len(free_tokens) == 300, free_last
+        assert bad_tokens == [] and bad_last.finish_reason is FinishReason.ERROR
+        assert "allows no token" in bad_last.error
+        assert finished == ["bad", "free"]  # the bad one shared steps with the free one
+    finally:
+        await engine.stop()
