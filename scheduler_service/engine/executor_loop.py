@@ -463,10 +463,13 @@ class ExecutorLoop:
         refused (an executor that ignored a mask) fails."""
         if not self._constrained or self.describe is None:
             return None
-        masks, refused = step_bitmasks(out, self._constrained, self.describe.vocab_size)
+        masks, refused, complete = step_bitmasks(out, self._constrained, self.describe.vocab_size)
         for rid, error in refused.items():
             self._sched().finish(rid, FinishReason.ERROR, error)
             self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
+        for rid in complete:
+            self._sched().finish(rid, FinishReason.STOPPED)
+            self._route([RequestDelta(rid, [], FinishReason.STOPPED)])
         return masks
 
     def _route_unrouted(self) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
-from scheduler_service.structured import InvalidConstraint, to_grammar
+from scheduler_service.structured import InvalidConstraint, clean_message, to_grammar
 
 if TYPE_CHECKING:
     import xgrammar
@@ -140,10 +140,11 @@ class GrammarCompiler:
 
 
 def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int
-                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str]]:
+                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str], list[str]]:
     """The masks of the step's constrained requests that sample in it (their matchers synced to their output
     first), and the requests whose output the grammar refused or whose grammar allows no token now (id -> why):
-    they get no mask and must be failed."""
+    they get no mask and must be failed; and the requests whose grammar has ended (it accepted EOS, which
+    min_tokens did not let end the request: the grammar wins), which must be finished as stopped."""
     rows = []
     for work in out.scheduled:
         request = work.request
@@ -152,18 +153,27 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
                 and request.num_computed_tokens + work.num_tokens >= request.num_tokens):
             rows.append((request, grammar))
     if not rows:
-        return None, {}
+        return None, {}, []
     words = -(-vocab_size // 32)
     buffer = np.full((len(rows), words), -1, dtype=np.int32)
     bitmask = torch_view(buffer)
     refused: dict[str, str] = {}
+    complete: list[str] = []
     ids: list[str] = []
     for request, grammar in rows:
-        error = grammar.sync(request.output_token_ids)
+        try:
+            error = grammar.sync(request.output_token_ids)
+            if not error and grammar.matcher.is_terminated():
+                complete.append(request.request_id)
+                continue
+            if not error:
+                grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
+        except RuntimeError as e:  # xgrammar's checks: one request's matcher must not fail the engine's step
+            error = f"the output's grammar failed: {clean_message(str(e))}"
         if error:
             refused[request.request_id] = error
+            buffer[len(ids)] = -1
             continue
-        grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
         if not row_allows_some(buffer[len(ids)], vocab_size):
             # A grammar whose language is empty (`root ::= root`) or that reached a dead end: an empty row would
             # make the executor refuse the whole step, failing every request in it, so only this one fails.
@@ -173,7 +183,7 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
         ids.append(request.request_id)
     data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
     masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
-    return (masks if ids else None), refused
+    return (masks if ids else None), refused, complete
 
 
 def row_allows_some(row: np.ndarray, vocab_size: int) -> bool:

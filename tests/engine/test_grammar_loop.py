@@ -148,3 +148,20 @@ async def test_a_grammar_that_allows_no_token_fails_alone(executor: str) -> None
         assert finished == ["bad", "free"]  # the bad one shared steps with the free one
     finally:
         await engine.stop()
+
+
+async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str) -> None:
+    """min_tokens keeps EOS from ending a request; once the grammar has accepted EOS its matcher is terminated and
+    xgrammar raises on the next mask fill, which failed the engine's whole step (every request recomputed, this one
+    an internal error). The grammar wins: the request ends stopped, its document complete."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("short", [65] * 3, SamplingOptions(
+            max_tokens=20, min_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "ab")), 0.0), queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 60)
+        assert last.finish_reason is FinishReason.STOPPED, last
+        assert tokens == [ord("a"), ord("b"), 2]
+    finally:
+        await engine.stop()
