@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -82,16 +83,22 @@ class GrammarCompiler:
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
 
-    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
-                       ) -> list[RequestGrammar | str]:
-        """A fresh matcher of each constraint, or why it does not compile."""
+    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
+                       wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
+        """A fresh matcher of each constraint, or why it does not compile. `wanted[i]()`, read on the compile
+        thread just before constraint i compiles, says whether its request still wants it: the compiles of
+        requests that ended while they queued (a client that gave up) are skipped, so that they do not hold
+        every later constrained request up behind them."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints)
+        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints, wanted)
 
-    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
-                      ) -> list[RequestGrammar | str]:
+    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
+                      wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
         out: list[RequestGrammar | str] = []
-        for constraint in constraints:
+        for i, constraint in enumerate(constraints):
+            if wanted is not None and not wanted[i]():
+                out.append("structured_outputs: the request ended before its grammar compiled")
+                continue
             try:
                 out.append(self._new_matcher(describe, constraint))
             except InvalidConstraint as e:

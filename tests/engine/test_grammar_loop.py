@@ -165,3 +165,36 @@ async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str) -> 
         assert tokens == [ord("a"), ord("b"), 2]
     finally:
         await engine.stop()
+
+
+async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(executor: str) -> None:
+    """Compiles run one at a time; a client that sends a costly spec and gives up must not leave its compile in the
+    queue, holding every later constrained request behind it. An ended request's compile is skipped."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    compiled: list[str] = []
+    real_compile = engine.grammar_compiler._compile
+
+    def spy(describe: Any, constraint: Constraint) -> Any:
+        compiled.append(constraint.spec)
+        return real_compile(describe, constraint)
+
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    try:
+        first: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("first", 1), first)
+        await asyncio.sleep(0)  # its batch goes to the compile thread; the next request is a batch of its own
+        gone: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("gone", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "[x-z]{3}")), 0.0), gone)
+        engine.abort("gone")
+        after: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("after", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "[p-r]{3}")), 0.0), after)
+        for queue, pattern in ((first, PATTERN), (after, "[p-r]{3}")):
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED, last
+            assert re.fullmatch(pattern, bytes(tokens[:-1]).decode()), tokens
+        assert compiled == [PATTERN, "[p-r]{3}"]  # not "[x-z]{3}"
+    finally:
+        await engine.stop()
