@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from scheduler_service.core.outputs import SchedulerOutput
 
 COMPILED_CACHE_SIZE = 256
+COMPILED_CACHE_BYTES = 256 * 1024 * 1024
+"""And at most this much of them (xgrammar's memory_size_bytes): a 60 KB regex compiles to ~40 MB on a 2k
+vocabulary, so 256 distinct ones from one client held ~10 GB in the engine core."""
 
 
 class RequestGrammar:
@@ -75,13 +78,14 @@ def vocab_kind(spec: dict[str, object]) -> str:
 
 class GrammarCompiler:
     """Compiles constraints for one executor's tokenizer on its own thread; the compiled grammars are kept by
-    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them."""
+    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled_bytes = 0
 
     async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
                        wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
@@ -122,8 +126,10 @@ class GrammarCompiler:
         except RuntimeError as e:
             raise InvalidConstraint(str(e)) from None
         self._compiled[constraint] = compiled
-        if len(self._compiled) > COMPILED_CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        self._compiled_bytes += compiled.memory_size_bytes
+        while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
+                                           or self._compiled_bytes > COMPILED_CACHE_BYTES):
+            self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compiler_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
@@ -137,9 +143,11 @@ class GrammarCompiler:
             vocab, kind = tokenizer_vocab(describe)
             info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
                                           stop_token_ids=list(describe.eos_token_ids))
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            # no cache of xgrammar's own (unbounded by default): self._compiled is the one, bounded
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._tokenizer_key = key
             self._compiled.clear()
+            self._compiled_bytes = 0
         return self._compiler
 
     def close(self) -> None:

@@ -198,3 +198,26 @@ async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(execu
         assert compiled == [PATTERN, "[p-r]{3}"]  # not "[x-z]{3}"
     finally:
         await engine.stop()
+
+
+async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled grammars are big (a 60 KB regex: ~40 MB on a 2k vocabulary); a count of 256 alone let one client
+    fill the engine core's memory with distinct specs, and xgrammar's compiler kept its own unbounded copy of each."""
+    from scheduler_service.engine import grammar
+
+    # every compiled grammar is more than 1 byte: only the newest stays
+    monkeypatch.setattr(grammar, "COMPILED_CACHE_BYTES", 1, raising=False)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        for i, pattern in enumerate(("[a-c]{5}", "[d-f]{5}", "[g-i]{5}")):
+            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            engine.add(Request(f"r{i}", [65] * 3, SamplingOptions(
+                max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, pattern)), 0.0), queue)
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(pattern, bytes(tokens[:-1]).decode())
+        compiler = engine.grammar_compiler
+        assert [c.spec for c in compiler._compiled] == ["[g-i]{5}"]
+        assert compiler._compiler is not None and compiler._compiler.get_cache_size_bytes() == 0
+    finally:
+        await engine.stop()
