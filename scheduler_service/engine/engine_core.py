@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
@@ -140,8 +141,16 @@ class EngineCore:
 
     async def _read(self) -> None:
         while True:
-            key, payload = await self._sock.recv_multipart()
-            msg = to_core_decoder.decode(payload)
+            frames = await self._sock.recv_multipart()
+            try:
+                key, payload = frames
+                msg = to_core_decoder.decode(payload)
+            except (ValueError, msgspec.DecodeError) as e:
+                # a peer that is not a front-end of this version: one bad message must not end the intake
+                # (every front-end would then be dropped as silent)
+                log.warning("engine core: refused a message that is not a front-end's (%d frames): %s",
+                            len(frames), e)
+                continue
             link = self.links.get(key)
             if link is None and (not msg.hello or self.closing):  # a session it never met (it restarted) or dropped
                 status = self.status()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -244,7 +245,9 @@ class ExecutorLoop:
             results = ["no executor described"] * len(batch)
         else:
             constraints = [s.request.sampling.constraint for s in batch]
-            results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None])
+            wanted = [functools.partial(self._still_open, s) for s in batch]
+            results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None],
+                                                           wanted)
         for stream, result in zip(batch, results, strict=True):
             rid = stream.request.request_id
             if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
@@ -286,6 +289,10 @@ class ExecutorLoop:
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return self.scheduler.cached_prefix_tokens(request) if self.scheduler is not None else 0
+
+    def _still_open(self, stream: RequestStream) -> bool:
+        """Whether the stream is still this loop's (read on the compile thread: one dict lookup)."""
+        return self.streams.get(stream.request.request_id) is stream
 
     def abort(self, request_id: str) -> None:
         self.finish(request_id, FinishReason.ABORTED)
@@ -463,10 +470,13 @@ class ExecutorLoop:
         refused (an executor that ignored a mask) fails."""
         if not self._constrained or self.describe is None:
             return None
-        masks, refused = step_bitmasks(out, self._constrained, self.describe.vocab_size)
+        masks, refused, complete = step_bitmasks(out, self._constrained, self.describe.vocab_size)
         for rid, error in refused.items():
             self._sched().finish(rid, FinishReason.ERROR, error)
             self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
+        for rid in complete:
+            self._sched().finish(rid, FinishReason.STOPPED)
+            self._route([RequestDelta(rid, [], FinishReason.STOPPED)])
         return masks
 
     def _route_unrouted(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
-from scheduler_service.structured import InvalidConstraint, to_grammar
+from scheduler_service.structured import InvalidConstraint, clean_message, to_grammar
 
 if TYPE_CHECKING:
     import xgrammar
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from scheduler_service.core.outputs import SchedulerOutput
 
 COMPILED_CACHE_SIZE = 256
+COMPILED_CACHE_BYTES = 256 * 1024 * 1024
+"""And at most this much of them (xgrammar's memory_size_bytes): a 60 KB regex compiles to ~40 MB on a 2k
+vocabulary, so 256 distinct ones from one client held ~10 GB in the engine core."""
 
 
 class RequestGrammar:
@@ -74,24 +78,31 @@ def vocab_kind(spec: dict[str, object]) -> str:
 
 class GrammarCompiler:
     """Compiles constraints for one executor's tokenizer on its own thread; the compiled grammars are kept by
-    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them."""
+    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled_bytes = 0
 
-    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
-                       ) -> list[RequestGrammar | str]:
-        """A fresh matcher of each constraint, or why it does not compile."""
+    async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
+                       wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
+        """A fresh matcher of each constraint, or why it does not compile. `wanted[i]()`, read on the compile
+        thread just before constraint i compiles, says whether its request still wants it: the compiles of
+        requests that ended while they queued (a client that gave up) are skipped, so that they do not hold
+        every later constrained request up behind them."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints)
+        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints, wanted)
 
-    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint]
-                      ) -> list[RequestGrammar | str]:
+    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
+                      wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
         out: list[RequestGrammar | str] = []
-        for constraint in constraints:
+        for i, constraint in enumerate(constraints):
+            if wanted is not None and not wanted[i]():
+                out.append("structured_outputs: the request ended before its grammar compiled")
+                continue
             try:
                 out.append(self._new_matcher(describe, constraint))
             except InvalidConstraint as e:
@@ -115,8 +126,10 @@ class GrammarCompiler:
         except RuntimeError as e:
             raise InvalidConstraint(str(e)) from None
         self._compiled[constraint] = compiled
-        if len(self._compiled) > COMPILED_CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        self._compiled_bytes += compiled.memory_size_bytes
+        while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
+                                           or self._compiled_bytes > COMPILED_CACHE_BYTES):
+            self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compiler_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
@@ -130,9 +143,11 @@ class GrammarCompiler:
             vocab, kind = tokenizer_vocab(describe)
             info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
                                           stop_token_ids=list(describe.eos_token_ids))
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            # no cache of xgrammar's own (unbounded by default): self._compiled is the one, bounded
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._tokenizer_key = key
             self._compiled.clear()
+            self._compiled_bytes = 0
         return self._compiler
 
     def close(self) -> None:
@@ -140,9 +155,11 @@ class GrammarCompiler:
 
 
 def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int
-                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str]]:
+                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str], list[str]]:
     """The masks of the step's constrained requests that sample in it (their matchers synced to their output
-    first), and the requests whose output the grammar refused (id -> why): they get no mask and must be failed."""
+    first), and the requests whose output the grammar refused or whose grammar allows no token now (id -> why):
+    they get no mask and must be failed; and the requests whose grammar has ended (it accepted EOS, which
+    min_tokens did not let end the request: the grammar wins), which must be finished as stopped."""
     rows = []
     for work in out.scheduled:
         request = work.request
@@ -151,22 +168,43 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
                 and request.num_computed_tokens + work.num_tokens >= request.num_tokens):
             rows.append((request, grammar))
     if not rows:
-        return None, {}
+        return None, {}, []
     words = -(-vocab_size // 32)
     buffer = np.full((len(rows), words), -1, dtype=np.int32)
     bitmask = torch_view(buffer)
     refused: dict[str, str] = {}
+    complete: list[str] = []
     ids: list[str] = []
     for request, grammar in rows:
-        error = grammar.sync(request.output_token_ids)
+        try:
+            error = grammar.sync(request.output_token_ids)
+            if not error and grammar.matcher.is_terminated():
+                complete.append(request.request_id)
+                continue
+            if not error:
+                grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
+        except RuntimeError as e:  # xgrammar's checks: one request's matcher must not fail the engine's step
+            error = f"the output's grammar failed: {clean_message(str(e))}"
         if error:
             refused[request.request_id] = error
+            buffer[len(ids)] = -1
             continue
-        grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
+        if not row_allows_some(buffer[len(ids)], vocab_size):
+            # A grammar whose language is empty (`root ::= root`) or that reached a dead end: an empty row would
+            # make the executor refuse the whole step, failing every request in it, so only this one fails.
+            refused[request.request_id] = "the output's grammar allows no token here: it can never be completed"
+            buffer[len(ids)] = -1
+            continue
         ids.append(request.request_id)
     data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
     masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
-    return (masks if ids else None), refused
+    return (masks if ids else None), refused, complete
+
+
+def row_allows_some(row: np.ndarray, vocab_size: int) -> bool:
+    """Whether a mask row (int32 words) allows any token id below vocab_size (bits past it do not count)."""
+    bits = np.unpackbits(row.astype("<i4", copy=False).view(np.uint8), count=vocab_size, bitorder="little")
+    return bool(bits.any())
 
 
 def torch_view(array: np.ndarray) -> Any:

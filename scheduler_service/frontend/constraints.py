@@ -20,6 +20,11 @@ from scheduler_service.structured import (
 )
 
 FIELD = "sampling.structured_outputs"
+MAX_SCHEMA_DEPTH = 72
+"""JSON nesting a schema may have. The HTTP api's bodies are held to 64 levels (MAX_BODY_DEPTH); the gRPC api's
+schema is text, and deeper ones recursed out of json.loads (an UNKNOWN status) or took xgrammar seconds to compile
+(300 levels: ~9 s), holding up every later constrained request on the engine core's compile thread. 72: room for
+the levels a required tool choice wraps around a parameters schema that the body limit let through."""
 
 
 def constraint_from(p: common_pb2.SamplingParams) -> Constraint | None:
@@ -55,11 +60,27 @@ def check_size(text: str, field: str) -> None:
 def parsed_schema(text: str, field: str) -> object:
     try:
         schema = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument(field, f"nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
     except ValueError as e:
         raise InvalidArgument(field, f"not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise InvalidArgument(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+    if depth_exceeds(schema, MAX_SCHEMA_DEPTH):
+        raise InvalidArgument(field, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     return schema
+
+
+def depth_exceeds(value: object, limit: int) -> bool:
+    """Whether a JSON value nests objects and arrays deeper than `limit` levels (without recursion)."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def checked_choices(choices: list[str], field: str) -> str:

@@ -202,6 +202,10 @@ async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(sta
     async with PagedServeClient(stack[0].address) as c:
         for so, says in ((common_pb2.StructuredOutputs(regex="a", grammar='root ::= "a"'), "exactly one"),
                          (common_pb2.StructuredOutputs(json="{not json"), "not valid JSON"),
+                         # json.loads recursed out (UNKNOWN); 300 levels compiled for ~9 s on the engine core
+                         (common_pb2.StructuredOutputs(json="[" * 30000 + "]" * 30000), "nested deeper than"),
+                         (common_pb2.StructuredOutputs(json='{"type": "array", "items": ' * 300 + "{}" + "}" * 300),
+                          "nested deeper than"),
                          (common_pb2.StructuredOutputs(grammar="root ::= ("), "structured_outputs.grammar")):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await run(c, prompt="x", max_tokens=4, structured_outputs=so)

@@ -117,3 +117,107 @@ async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> Non
         assert calls["n"] > 6
     finally:
         await engine.stop()
+
+
+async def test_a_grammar_that_allows_no_token_fails_alone(executor: str) -> None:
+    """A grammar whose language is empty (`root ::= root` compiles) gives an all-zero mask row; sent, it makes the
+    executor refuse the whole step, failing every other client's request in it. Only that request fails."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        warm: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("warm", 1), warm)  # xgrammar loaded and the compiler built before the race below
+        assert (await asyncio.wait_for(collect(warm), 60))[1].finish_reason is FinishReason.STOPPED
+        finished: list[str] = []
+
+        async def run(rid: str, queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
+            result = await collect(queue)
+            finished.append(rid)
+            return result
+
+        free: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        bad: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("free", [66] * 5, SamplingOptions(max_tokens=300, ignore_eos=True), 0.0), free)
+        engine.add(Request("bad", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.GRAMMAR, "root ::= root")), 0.0), bad)
+        (free_tokens, free_last), (bad_tokens, bad_last) = await asyncio.wait_for(
+            asyncio.gather(run("free", free), run("bad", bad)), 60)
+        assert free_last.finish_reason is FinishReason.LENGTH and len(free_tokens) == 300, free_last
+        assert bad_tokens == [] and bad_last.finish_reason is FinishReason.ERROR
+        assert "allows no token" in bad_last.error
+        assert finished == ["bad", "free"]  # the bad one shared steps with the free one
+    finally:
+        await engine.stop()
+
+
+async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str) -> None:
+    """min_tokens keeps EOS from ending a request; once the grammar has accepted EOS its matcher is terminated and
+    xgrammar raises on the next mask fill, which failed the engine's whole step (every request recomputed, this one
+    an internal error). The grammar wins: the request ends stopped, its document complete."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("short", [65] * 3, SamplingOptions(
+            max_tokens=20, min_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "ab")), 0.0), queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 60)
+        assert last.finish_reason is FinishReason.STOPPED, last
+        assert tokens == [ord("a"), ord("b"), 2]
+    finally:
+        await engine.stop()
+
+
+async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(executor: str) -> None:
+    """Compiles run one at a time; a client that sends a costly spec and gives up must not leave its compile in the
+    queue, holding every later constrained request behind it. An ended request's compile is skipped."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    compiled: list[str] = []
+    real_compile = engine.grammar_compiler._compile
+
+    def spy(describe: Any, constraint: Constraint) -> Any:
+        compiled.append(constraint.spec)
+        return real_compile(describe, constraint)
+
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    try:
+        first: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("first", 1), first)
+        await asyncio.sleep(0)  # its batch goes to the compile thread; the next request is a batch of its own
+        gone: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("gone", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "[x-z]{3}")), 0.0), gone)
+        engine.abort("gone")
+        after: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("after", [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, "[p-r]{3}")), 0.0), after)
+        for queue, pattern in ((first, PATTERN), (after, "[p-r]{3}")):
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED, last
+            assert re.fullmatch(pattern, bytes(tokens[:-1]).decode()), tokens
+        assert compiled == [PATTERN, "[p-r]{3}"]  # not "[x-z]{3}"
+    finally:
+        await engine.stop()
+
+
+async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled grammars are big (a 60 KB regex: ~40 MB on a 2k vocabulary); a count of 256 alone let one client
+    fill the engine core's memory with distinct specs, and xgrammar's compiler kept its own unbounded copy of each."""
+    from scheduler_service.engine import grammar
+
+    # every compiled grammar is more than 1 byte: only the newest stays
+    monkeypatch.setattr(grammar, "COMPILED_CACHE_BYTES", 1, raising=False)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        for i, pattern in enumerate(("[a-c]{5}", "[d-f]{5}", "[g-i]{5}")):
+            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            engine.add(Request(f"r{i}", [65] * 3, SamplingOptions(
+                max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, pattern)), 0.0), queue)
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(pattern, bytes(tokens[:-1]).decode())
+        compiler = engine.grammar_compiler
+        assert [c.spec for c in compiler._compiled] == ["[g-i]{5}"]
+        assert compiler._compiler is not None and compiler._compiler.get_cache_size_bytes() == 0
+    finally:
+        await engine.stop()
