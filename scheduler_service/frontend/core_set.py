@@ -1,7 +1,10 @@
 """Several engine cores behind one front-end (`--engine-core` repeated, #28): the EngineHandle the public API uses,
 over one CoreClient per core. A new request goes to the ready core with the fewest open requests of this
-front-end; when a core is lost, its open requests move at once to the ready survivors as continuations (the tokens
-delivered so far, same ids, seeds and arrival), without waiting for its restart. With no survivor ready they wait
+front-end, or, where its prompt starts with at least AFFINITY_TOKENS tokens, to the core its prefix hashes to
+among those within AFFINITY_SLACK of the least loaded (rendezvous hashing over the prefix, its cache scope and the
+core's address: every front-end picks the same core for a prefix, so requests sharing a system prompt meet its
+cached blocks); when a core is lost, its open requests move at once to the ready survivors as continuations (the
+tokens delivered so far, same ids, seeds and arrival), without waiting for its restart. With no survivor ready they wait
 for whichever core is ready first, the lost one included. With dns:///NAME:PORT (frontend/core_membership.py) the
 set changes at run time: a core whose address NAME no longer resolves to is retired (no new requests; once lost,
 its requests move to a ready core; once it holds none, it is closed)."""
@@ -9,6 +12,7 @@ its requests move to a ready core; once it holds none, it is closed)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +23,8 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.core_client import CoreClient, RemoteStream
 
 log = logging.getLogger("pagedserve.frontend")
+AFFINITY_TOKENS = 16  # a prompt's leading tokens that choose its core (a block's worth: shorter prompts cache nothing)
+AFFINITY_SLACK = 8  # open requests more than the least loaded core that the prefix's core may have and still get it
 
 
 class CoreSet:
@@ -90,7 +96,7 @@ class CoreSet:
     def add(self, request: Request, queue: asyncio.Queue[Any], stop_strings: bool = False) -> RemoteStream:
         serving = [c for c in self.clients if c not in self.retired] or self.clients
         ready = [c for c in serving if c.ready.is_set()] or serving
-        client = min(ready, key=lambda c: len(c.streams))
+        client = place(request, ready)
         stream = client.add(request, queue, stop_strings)
         self.owner[request.request_id] = client
         return stream
@@ -147,3 +153,14 @@ class CoreSet:
         self.num_moved += len(moved)
         log.warning("engine core %s lost: moved its %d open requests to %d other cores in %.1f ms", lost.address,
                     len(moved), len(survivors), (time.monotonic() - started) * 1e3)
+
+
+def place(request: Request, cores: list[CoreClient]) -> CoreClient:
+    """The core for a new request: the least loaded, or its prefix's core where that is nearly as free."""
+    least = min(len(c.streams) for c in cores)
+    prompt = request.prompt_token_ids
+    if len(prompt) < AFFINITY_TOKENS:
+        return min(cores, key=lambda c: len(c.streams))
+    near = [c for c in cores if len(c.streams) <= least + AFFINITY_SLACK]
+    prefix = ",".join(map(str, prompt[:AFFINITY_TOKENS])) + f"|{request.tenant}|{request.cache_salt}"
+    return max(near, key=lambda c: hashlib.blake2b(f"{prefix}|{c.address}".encode(), digest_size=8).digest())

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.frontend.core_client import CoreClient, RemoteStream
-from scheduler_service.frontend.core_set import CoreSet
+from scheduler_service.frontend.core_set import AFFINITY_SLACK, AFFINITY_TOKENS, CoreSet
 from scheduler_service.frontend.generation import RequestError
 from scheduler_service.messages import (
     Delta,
@@ -138,6 +138,34 @@ async def test_a_core_set_moves_a_lost_core_s_requests_to_a_ready_survivor(
     assert cores.ready.is_set(), "still ready: one core serves"
     cores.abort("r0")
     assert "r0" not in b.streams and "r0" not in cores.owner
+
+
+async def test_requests_sharing_a_prefix_go_to_one_core_the_same_from_every_front_end() -> None:
+    """Placement by cached prefix: prompts sharing their first AFFINITY_TOKENS tokens go to one core (the same one
+    from a second front-end's CoreSet), while that core is within AFFINITY_SLACK of the least loaded; short prompts
+    and a core past the slack go by load."""
+    made = [CoreClient(f"ipc:///nonexistent-{i}", b"test", 100) for i in range(4)]
+    first, second = CoreSet(made[:2]), CoreSet(made[2:])
+    try:
+        for core in made:
+            core._set_status(Status(True))
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        system = list(range(100, 100 + AFFINITY_TOKENS))
+        for i in range(AFFINITY_SLACK + 1):  # the last one while the prefix's core is AFFINITY_SLACK ahead
+            first.add(Request(f"p{i}", [*system, i], SamplingOptions(max_tokens=9), 0.0), queue)
+        home = first.owner["p0"]
+        assert all(first.owner[f"p{i}"] is home for i in range(AFFINITY_SLACK + 1)), "one core for the prefix"
+        other = next(c for c in first.clients if c is not home)
+        first.add(Request("past", [*system, 99], SamplingOptions(max_tokens=9), 0.0), queue)
+        assert first.owner["past"] is other, "past the slack, by load"
+        first.add(Request("short", [1, 2, 3], SamplingOptions(max_tokens=9), 0.0), queue)
+        assert first.owner["short"] is other, "a short prompt goes by load"
+        made[2].address, made[3].address = made[0].address, made[1].address  # the same cores, seen from elsewhere
+        second.add(Request("q", [*system, 7], SamplingOptions(max_tokens=9), 0.0), queue)
+        assert second.owner["q"].address == home.address, "every front-end picks the same core for a prefix"
+    finally:
+        await first.close()
+        await second.close()
 
 
 async def test_a_retired_core_gets_no_new_request_and_hands_its_requests_to_a_core_that_becomes_ready() -> None:
