@@ -228,14 +228,7 @@ class CoreClient:
         self._set_ready(status.ready)
 
     def _set_ready(self, ready: bool) -> None:
-        if ready == self.ready.is_set():
-            return
-        if ready:
-            self.ready.set()
-        else:
-            self.ready.clear()
-        if self.on_ready_change is not None:
-            self.on_ready_change(ready)
+        set_readiness(self.ready, ready, self.on_ready_change)
 
     def _refuse(self, refused: list[Refused]) -> None:
         for r in refused:
@@ -275,3 +268,15 @@ class CoreClient:
 def as_delta(d: Delta) -> RequestDelta:
     logprobs = [TokenLogprob(t, v, tuple((i, x) for i, x in top)) for t, v, top in d.logprobs] if d.logprobs else []
     return RequestDelta(d.request_id, d.token_ids, d.finish_reason, d.error, logprobs)
+
+
+def set_readiness(event: asyncio.Event, ready: bool, on_change: Callable[[bool], object] | None) -> None:
+    """Set or clear a readiness event, telling on_change only when it flips."""
+    if ready == event.is_set():
+        return
+    if ready:
+        event.set()
+    else:
+        event.clear()
+    if on_change is not None:
+        on_change(ready)

@@ -20,7 +20,7 @@ from typing import Any
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.frontend.core_client import CoreClient, RemoteStream
+from scheduler_service.frontend.core_client import CoreClient, RemoteStream, set_readiness
 
 log = logging.getLogger("pagedserve.frontend")
 AFFINITY_TOKENS = 16  # a prompt's leading tokens that choose its core (a block's worth: shorter prompts cache nothing)
@@ -129,15 +129,7 @@ class CoreSet:
     def _readiness(self, _: bool) -> None:
         self.describe = self._describe()
         self._hand_over()
-        ready = any(c.ready.is_set() for c in self.clients)
-        if ready == self.ready.is_set():
-            return
-        if ready:
-            self.ready.set()
-        else:
-            self.ready.clear()
-        if self.on_ready_change is not None:
-            self.on_ready_change(ready)
+        set_readiness(self.ready, any(c.ready.is_set() for c in self.clients), self.on_ready_change)
 
     def _move_from(self, lost: CoreClient) -> None:
         """A core was lost: its open requests go to the ready survivors now, the least loaded first."""

@@ -12,7 +12,7 @@ import pytest
 
 from client.local import start, wait_healthy
 from tests.support.procs import wait_until
-from tests.support.streams import EXECUTOR, MAX_TOKENS, check_complete, run_all, specs
+from tests.support.streams import EXECUTOR, MAX_TOKENS, TokenCount, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
 
@@ -28,18 +28,11 @@ async def test_core_restart_mid_stream_resumes_every_stream_identically(tmp_path
         reference = await run_all(tiers.public, calls)
         check_complete(reference, calls)
         tiers.wait_idle()
-        seen = [0]
-        quarter = asyncio.Event()
-
-        def count(n: int) -> None:
-            seen[0] += n
-            if seen[0] >= total // 4:
-                quarter.set()
-
+        count = TokenCount(total)
         disturbed = asyncio.create_task(run_all(tiers.public, calls, count))
-        await asyncio.wait_for(quarter.wait(), 60)
+        await asyncio.wait_for(count.quarter.wait(), 60)
         tiers.kill_core(sig)
-        assert seen[0] < total // 2, "the kill came while most tokens were still to come"
+        assert count.seen < total // 2, "the kill came while most tokens were still to come"
         tiers.start_core()
         outcome = await asyncio.wait_for(disturbed, 120)
         check_complete(outcome, calls)
@@ -99,18 +92,11 @@ async def test_a_frontend_follows_a_dns_named_core_to_its_new_address(tmp_path: 
         await asyncio.to_thread(wait_healthy, tiers.public, frontend)
         reference = await run_all(tiers.public, calls)
         check_complete(reference, calls)
-        seen = [0]
-        quarter = asyncio.Event()
-
-        def count(n: int) -> None:
-            seen[0] += n
-            if seen[0] >= total // 4:
-                quarter.set()
-
+        count = TokenCount(total)
         disturbed = asyncio.create_task(run_all(tiers.public, calls, count))
-        await asyncio.wait_for(quarter.wait(), 60)
+        await asyncio.wait_for(count.quarter.wait(), 60)
         tiers.kill_core(signal.SIGKILL)
-        assert seen[0] < total // 2, "the kill came while most tokens were still to come"
+        assert count.seen < total // 2, "the kill came while most tokens were still to come"
         tiers.core_address = f"tcp://127.0.0.2:{port}"
         tiers.start_core()
         hosts.write_text("127.0.0.2 engine-core\n")

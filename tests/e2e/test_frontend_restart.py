@@ -13,7 +13,7 @@ import aiohttp
 
 from client.lib import PagedServeClient, ResumeState, build_request
 from client.local import free_port, stop, wait_healthy, wait_until
-from tests.support.streams import EXECUTOR, check_complete, run_all, specs
+from tests.support.streams import EXECUTOR, TokenCount, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
 CORE = ["--engine-core-timeout", "2"]  # a dead front-end's sequences without a token are freed within 2 s
@@ -26,21 +26,14 @@ async def test_frontend_sigkill_mid_stream_client_library_resumes_identically(tm
         reference = await run_all(tiers.public, calls)
         check_complete(reference, calls)
         tiers.wait_idle()
-        seen = [0]
-        quarter = asyncio.Event()
-
-        def count(n: int) -> None:
-            seen[0] += n
-            if seen[0] >= total // 4:
-                quarter.set()
-
+        count = TokenCount(total)
         first = tiers.frontends[0]
         disturbed = asyncio.create_task(run_all(tiers.public, calls, count, resume_attempts=8))
-        await asyncio.wait_for(quarter.wait(), 60)
+        await asyncio.wait_for(count.quarter.wait(), 60)
         second = tiers.start_frontend()  # the survivor on the same port (as replicas behind one Service)
         await asyncio.to_thread(wait_healthy, tiers.public, second)
         stop(first, signal.SIGKILL)
-        assert seen[0] < total, "the kill came while tokens were still to come"
+        assert count.seen < total, "the kill came while tokens were still to come"
         outcome = await asyncio.wait_for(disturbed, 120)
         check_complete(outcome, calls)
         assert outcome == reference, "tokens and text of the undisturbed run, none twice, none missing"

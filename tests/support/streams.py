@@ -43,6 +43,21 @@ class Sequence:
     completion_tokens: int = 0
 
 
+@dataclass
+class TokenCount:
+    """An on_token callback for run_all: the tokens received so far, and `quarter` set once a quarter of `total`
+    has arrived (the moment a restart test disturbs the run)."""
+
+    total: int
+    seen: int = 0
+    quarter: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __call__(self, n: int) -> None:
+        self.seen += n
+        if self.seen >= self.total // 4:
+            self.quarter.set()
+
+
 Outcome = dict[tuple[str, int], Sequence]  # by (request id, sequence index)
 
 
