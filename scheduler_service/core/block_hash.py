@@ -31,7 +31,9 @@ from scheduler_service.core.request import Request
 Scope = tuple[str, str | None]
 Parent = int | Scope
 BlockTokens = bytes  # a full block's token ids, packed by pack_tokens
-BlockKey = tuple[Parent, BlockTokens]
+BlockKey = tuple[Parent, BlockTokens] | tuple[Parent, BlockTokens, int]
+"""(parent, tokens) for a full-attention block; (parent, tokens, group) for a block of a sliding-window group
+(window_groups.py): the same tokens after the same prefix, held for other layers, are other contents."""
 
 ROOT = 0  # the parent id of a request's first block; the pool numbers cached blocks from 1
 NO_ID = -1  # a block whose contents the pool has not identified (not registered, or reused since)

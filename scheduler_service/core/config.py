@@ -65,3 +65,5 @@ class ExecutorLimits:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     max_num_draft_tokens: int = 0  # draft tokens the executor verifies per request and step (0: none)
+    num_window_groups: int = 0  # sliding-window KV cache groups the executor keeps tables for (0: one table)
+    window: int = 0  # the keys a query of those groups reads (Describe.capabilities.kv_window)

@@ -70,7 +70,7 @@ class PlainDecodes:
         slots = order.slots[positions]
         missing = -(-need[positions] // bs) - rs.capacity[slots] // bs
         requests = [order.requests[p] for p in positions.tolist()]
-        grown = kv.grow_tables([r.request_id for r in requests], missing.tolist())
+        grown = kv.grow_tables(requests, missing.tolist())
         if grown is not None:
             rs.capacity[slots] += missing * bs
             self.chosen[positions] = True

@@ -9,6 +9,7 @@ import numpy as np
 
 from protos.contract import BlockMap
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+from scheduler_service.core.window_groups import WindowBlocks
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class SchedulerOutput:
     rejected: list[RequestDelta] = field(default_factory=list)
     num_preempted: int = 0
     plain: PlainRows | None = None
+    window: dict[str, WindowBlocks] = field(default_factory=dict)  # hybrid models: see Scheduler._window_news
 
     @property
     def total_num_scheduled_tokens(self) -> int:

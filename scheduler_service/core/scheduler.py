@@ -33,6 +33,7 @@ from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
 from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, propose_ngram
 from scheduler_service.core.stop_rules import StopTable, stop_reason
+from scheduler_service.core.window_groups import WindowBlocks
 
 RUNNING = RequestStatus.RUNNING
 
@@ -106,8 +107,10 @@ class Scheduler:
         return self.rs.requests
 
     def _new_kv(self, limits: ExecutorLimits) -> KVCacheManager:
+        cfg = self.config
         return KVCacheManager(limits.num_device_blocks, limits.num_swap_blocks, limits.block_size,
-                              self.config.watermark, self.config.enable_prefix_caching)
+                              cfg.watermark, cfg.enable_prefix_caching, limits.num_window_groups, limits.window,
+                              cfg.max_num_batched_tokens + cfg.num_lookahead_slots + cfg.num_scheduler_steps)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -227,6 +230,8 @@ class Scheduler:
             out.num_steps = 1
         if self._proposals:
             self._unpropose(scheduled)
+        if self.kv.windows is not None:
+            out.window = self._window_news(scheduled)
         out.copy = self.kv.end_step()
         out.plain = self._plain.rows(self.rs)
         self._plain = NO_PLAIN
@@ -243,6 +248,24 @@ class Scheduler:
             self._unupdated.append(out)
             self._count_in_flight(out, 1)
         return out
+
+    def _window_news(self, scheduled: dict[str, ScheduledWork]) -> dict[str, WindowBlocks]:
+        """A hybrid model's window-group blocks the executor learns of this step: whole tables of the requests
+        new to it or resumed, the blocks appended to the others'."""
+        windows = self.kv.windows
+        assert windows is not None
+        news: dict[str, WindowBlocks] = {}
+        for rid in windows.grown:
+            found = windows.news(rid, whole=False)
+            if found is not None:
+                news[rid] = found
+        for work in self._entered_running:
+            rid = work.request.request_id
+            if scheduled.get(rid) is work:
+                found = windows.news(rid, whole=True)
+                if found is not None:
+                    news[rid] = found
+        return news
 
     def _schedule_phases(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput,
                          now: float) -> None:
@@ -442,7 +465,7 @@ class Scheduler:
 
     def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
         new = self.kv.allocate_slots(request, n, extra)
-        if new:
+        if new or (new is not None and self.kv.windows is not None):  # window tables may grow alone
             self.rs.set_capacity(request, self.kv.num_slots(request.request_id))
         return new
 
@@ -563,8 +586,7 @@ class Scheduler:
             if kv.never_fits(slots):
                 self._reject_outgrown(request, slots, out)
                 continue
-            extra = kv.blocks_for(slots) - kv.num_blocks_held(request.request_id)
-            if n == 0 or not kv.can_swap_in(request.request_id, max(0, extra)):
+            if n == 0 or not kv.can_swap_in(request.request_id, slots):
                 break
             self.swapped.popleft()
             mapping = kv.swap_in(request)
@@ -600,16 +622,20 @@ class Scheduler:
             # just this chunk: a prefill then never grows, so two chunked prefills can never starve each
             # other of blocks (each preempting itself, forever) -- and LATER means the prompt can't fit now.
             slots = request.num_tokens + self.config.num_lookahead_slots
-            fits = budget.seqs > 0 and self.kv.can_admit(hit, slots) is AllocStatus.OK
+            fits = budget.seqs > 0 and self.kv.can_admit(hit, slots, self._chunk_end(hit, n)) is AllocStatus.OK
             if not fits:
-                if not self._preempt_for(request, hit, slots, scheduled, budget, out):
+                if not self._preempt_for(request, hit, slots, self._chunk_end(hit, n), scheduled, budget, out):
                     break
                 hit = self._prefix_hit(request)
                 n = self._chunk(request.num_tokens - hit.num_tokens, budget.tokens)
-                if n == 0 or self.kv.can_admit(hit, slots) is not AllocStatus.OK:
+                if n == 0 or self.kv.can_admit(hit, slots, self._chunk_end(hit, n)) is not AllocStatus.OK:
                     break
             self._admit(request, hit, n, slots, scheduled, budget)
             self._prev_prompt = True
+
+    def _chunk_end(self, hit: PrefixHit, n: int) -> int:
+        """The slots a new request's first step needs (its window groups' tables go that far at admission)."""
+        return hit.num_tokens + n + self.config.num_lookahead_slots
 
     def _prefix_hit(self, request: Request) -> PrefixHit:
         cached = self.kv.get_computed_blocks(request)
@@ -645,11 +671,11 @@ class Scheduler:
                     f"{self.config.max_num_batched_tokens} with chunked prefill off")
         return ""
 
-    def _preempt_for(self, request: Request, hit: PrefixHit, slots: int, scheduled: dict[str, ScheduledWork],
-                     budget: Budget, out: SchedulerOutput) -> bool:
+    def _preempt_for(self, request: Request, hit: PrefixHit, slots: int, chunk_end: int,
+                     scheduled: dict[str, ScheduledWork], budget: Budget, out: SchedulerOutput) -> bool:
         if self.config.policy is not Policy.PRIORITY:
             return False
-        while budget.seqs <= 0 or self.kv.can_admit(hit, slots) is not AllocStatus.OK:
+        while budget.seqs <= 0 or self.kv.can_admit(hit, slots, chunk_end) is not AllocStatus.OK:
             # Never a request admitted this step: the queue just put it ahead of this one (max wait).
             victim = self._pick_victim(admitted_before=self._step_first_admission)
             if victim is None or self._key(victim) <= self._key(request):
@@ -660,7 +686,7 @@ class Scheduler:
     def _admit(self, request: Request, hit: PrefixHit, n: int, slots: int, scheduled: dict[str, ScheduledWork],
                budget: Budget) -> None:
         self.waiting.discard(request)
-        self.kv.admit(request, hit, slots)
+        self.kv.admit(request, hit, slots, self._chunk_end(hit, n))
         request.num_computed_tokens = hit.num_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = hit.num_tokens

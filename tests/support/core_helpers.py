@@ -110,10 +110,21 @@ def end_trace_requests(s: Scheduler, specs: list[TraceSpec], step: int, reasons:
                     stopped_outside.add(rid)
 
 
+def held_tables(s: Scheduler) -> dict[str, list[int]]:
+    """Every device block each running request holds: its table, and its window groups' tables (hybrid models)."""
+    tables = {}
+    for r in s.running:
+        window = s.kv.window_table(r.request_id)
+        tables[r.request_id] = s.kv.block_table(r.request_id) + (window.flat() if window is not None else [])
+    return tables
+
+
 def check_invariants(s: Scheduler, out: SchedulerOutput, cfg: CoreConfig, before: dict[str, list[int]]) -> None:
     bm = s.kv
-    device_tables = {r.request_id: bm.block_table(r.request_id) for r in s.running}
+    device_tables = held_tables(s)
     assert set(bm._tables) == set(device_tables), "a table outlived its request's RUNNING state"
+    if bm.windows is not None:
+        assert set(bm.windows.tables) == set(device_tables), "a window table outlived its request's RUNNING state"
     assert all(len(set(t)) == len(t) for t in device_tables.values()), "a table holds a block twice"
     held = Counter(b for t in device_tables.values() for b in t)
     refs = bm.device._refs
@@ -181,7 +192,7 @@ def check_columns(s: Scheduler) -> None:
         assert rs.num_tokens[slot] == r.num_tokens, f"{r.request_id}: num_tokens column"
         assert rs.uncomputed[slot] == r.num_uncomputed_tokens, f"{r.request_id}: uncomputed column"
         assert 0 < r.num_uncomputed_tokens <= r.num_tokens
-        assert rs.capacity[slot] == len(s.kv.block_table(r.request_id)) * s.kv.block_size, \
+        assert rs.capacity[slot] == s.kv.num_slots(r.request_id), \
             f"{r.request_id}: capacity column"
         assert len(s.kv.block_table(r.request_id)) <= s.kv.usable_blocks, f"{r.request_id} outgrew the usable pool"
         # the stop columns, as the default stop table (stop_rules.STOP_RULES) derives them

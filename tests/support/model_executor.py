@@ -5,7 +5,12 @@ would have written (so a shared or cached block must equal a recompute), and tha
 writes is held by no other live request (a shared block is copied first). It applies swap and copy
 mappings the way a real executor must. Draft tokens (speculative decoding) are computed into their slots
 like any token and verified against the model's tokens: a rejected draft leaves a slot whose record names
-tokens the request never had, so any later read of it is caught as corruption."""
+tokens the request never had, so any later read of it is caught as corruption.
+
+With window groups (a hybrid model's sliding-window layers) it keeps each request's window tables as the torch
+executor does: a record names its group too, the window layers read only the last `window` positions, through
+their own tables, and after each step it drops the blocks before the next query's window itself. A read of a
+position before its window table's start is corruption; held_blocks() is what the scheduler must still hold."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 
-Slot = tuple[int, int] | None
+Slot = tuple[int, int, int] | None  # (group, position, digest of the tokens up to it)
 
 
 COPY_PERIOD = 6
@@ -45,6 +50,8 @@ class _State:
     num_computed: int
     table: list[int] | None
     digests: list[int] = field(default_factory=list)
+    window_start: int = 0
+    windows: list[list[int]] = field(default_factory=list)  # per window group: blocks of positions from window_start
 
     def digest(self, p: int) -> int:
         while len(self.digests) <= p:
@@ -55,8 +62,10 @@ class _State:
 
 class ModelExecutor:
     def __init__(self, num_device: int, num_cpu: int, block_size: int, eos: int | None = None,
-                 eos_every: int = 0) -> None:
+                 eos_every: int = 0, window_groups: int = 0, window: int = 0) -> None:
         self.bs = block_size
+        self.window_groups = window_groups
+        self.window = window
         self.device: list[Slot] = [None] * (num_device * block_size)
         self.cpu: list[Slot] = [None] * (num_cpu * block_size)
         self.states: dict[str, _State] = {}
@@ -81,6 +90,7 @@ class ModelExecutor:
         self._move(self.device, self.cpu, out.swap_out)
         for rid in out.swapped_out_ids:
             self.states[rid].table = None
+            self.states[rid].windows = []
         self._move(self.cpu, self.device, out.swap_in)
         held = {b for st in self.states.values() if st.table is not None for b in st.table}
         for a, _ in out.copy:  # as the real executor's validator: a copy reads a block a live request holds
@@ -89,6 +99,7 @@ class ModelExecutor:
         self._move(self.device, self.device, out.copy)
         for n in out.new_requests():
             self.states[n.request_id] = _State(list(n.token_ids), n.num_computed_tokens, list(n.block_ids))
+            self._take_windows(n.request_id, out, whole=True)
         for r in out.running_requests():
             st = self.states[r.request_id]
             if r.resumed:
@@ -97,14 +108,47 @@ class ModelExecutor:
                 if st.table is None:
                     raise CacheCorrupted(f"{r.request_id} scheduled while swapped out")
                 st.table.extend(r.new_block_ids)
-        self._holders = Counter(b for st in self.states.values() if st.table is not None for b in set(st.table))
+            self._take_windows(r.request_id, out, whole=r.resumed)
+        self._holders = Counter(b for st in self.states.values() for b in self._blocks_of(st))
         sampled: dict[str, list[int]] = {}
         for work in out.scheduled:
             rid = work.request.request_id
             tokens = self._forward(rid, work.num_tokens, out.num_steps, work.draft_token_ids)
             if tokens:
                 sampled[rid] = tokens
+        for work in out.scheduled:
+            self._drop_out_of_window(self.states.get(work.request.request_id))
         return answer(sampled, reverse=out.step_id % 2 == 1)
+
+    def _take_windows(self, rid: str, out: SchedulerOutput, whole: bool) -> None:
+        if not self.window_groups:
+            return
+        st, news = self.states[rid], out.window.get(rid)
+        if whole:
+            if news is None or len(news.groups) != self.window_groups:
+                raise CacheCorrupted(f"{rid}: new or resumed without its {self.window_groups} window tables")
+            st.window_start, st.windows = news.start, [list(g) for g in news.groups]
+        elif news is not None:
+            for group, new in zip(st.windows, news.groups, strict=True):
+                group.extend(new)
+
+    def _drop_out_of_window(self, st: _State | None) -> None:
+        """The executor's own rule: window blocks before the next query's window are dropped after a step."""
+        if st is None or not st.windows:
+            return
+        cut = min(max(0, st.num_computed - self.window + 1) // self.bs - st.window_start, len(st.windows[0]))
+        if cut > 0:
+            for group in st.windows:
+                del group[:cut]
+            st.window_start += cut
+
+    @staticmethod
+    def _blocks_of(st: _State) -> set[int]:
+        return set(st.table or ()) | {b for group in st.windows for b in group}
+
+    def held_blocks(self) -> set[int]:
+        """Every device block some request's tables name: the scheduler must hold each (none released)."""
+        return {b for st in self.states.values() for b in self._blocks_of(st)}
 
     def _claim_swap_blocks(self, out: SchedulerOutput) -> None:
         """Swap blocks belong to the request swapped into them until a swap-in reads them or it is
@@ -114,7 +158,8 @@ class ModelExecutor:
                 raise CacheCorrupted(f"swap-out into swap block {b}, still held by {self.cpu_owner[b]}")
         mappings = iter(out.swap_out)
         for rid in out.swapped_out_ids:
-            for _ in self.states[rid].table or ():
+            st = self.states[rid]
+            for _ in range(len(st.table or ()) + sum(map(len, st.windows))):
                 self.cpu_owner[next(mappings)[1]] = rid
         for a, _ in out.swap_in:
             if self.cpu_owner.pop(a, None) is None:
@@ -124,11 +169,35 @@ class ModelExecutor:
         for b in [b for b, owner in self.cpu_owner.items() if owner == rid]:
             del self.cpu_owner[b]
 
-    def _slot(self, st: _State, p: int) -> int:
+    def _slot(self, st: _State, p: int, group: int = 0) -> int:
         assert st.table is not None
-        if p // self.bs >= len(st.table):
-            raise CacheCorrupted(f"position {p} beyond block table of {len(st.table)} blocks")
-        return st.table[p // self.bs] * self.bs + p % self.bs
+        table, index = st.table, p // self.bs
+        if group:
+            table, index = st.windows[group - 1], index - st.window_start
+            if index < 0:
+                raise CacheCorrupted(f"window group {group} reads position {p}, whose block it released")
+        if index >= len(table):
+            raise CacheCorrupted(f"position {p} beyond block table of {len(table)} blocks (group {group})")
+        return table[index] * self.bs + p % self.bs
+
+    def _check_read(self, rid: str, st: _State, first_query: int) -> None:
+        """The positions the step's queries read hold what computing them would write: all of them for the
+        full-attention layers, those of the first query's window for the window groups."""
+        reads = [(0, p) for p in range(first_query)]
+        for g in range(1, self.window_groups + 1):
+            reads += [(g, p) for p in range(max(0, first_query - self.window + 1), first_query)]
+        for g, p in reads:
+            slot = self._slot(st, p, g)
+            if self.device[slot] != (g, p, st.digest(p)):
+                raise CacheCorrupted(f"{rid}: group {g}'s slot for position {p} holds {self.device[slot]}, "
+                                     "not what computing it would write")
+
+    def _write(self, rid: str, st: _State, p: int, digest: int) -> None:
+        for g in range(self.window_groups + 1):
+            slot = self._slot(st, p, g)
+            if self._holders[slot // self.bs] != 1:
+                raise CacheCorrupted(f"{rid} writes block {slot // self.bs}, which another live request holds")
+            self.device[slot] = (g, p, digest)
 
     def _forward(self, rid: str, n: int, num_steps: int, drafts: tuple[int, ...] = ()) -> list[int]:
         st = self.states[rid]
@@ -136,15 +205,9 @@ class ModelExecutor:
             raise CacheCorrupted(f"{rid}: drafts on a step that does not sample once after its last token")
         sampled: list[int] = []
         for _ in range(num_steps):
-            for p in range(st.num_computed):
-                if self.device[self._slot(st, p)] != (p, st.digest(p)):
-                    raise CacheCorrupted(f"{rid}: slot for position {p} holds {self.device[self._slot(st, p)]}, "
-                                         "not what computing it would write")
+            self._check_read(rid, st, st.num_computed)
             for p in range(st.num_computed, st.num_computed + n):
-                slot = self._slot(st, p)
-                if self._holders[slot // self.bs] != 1:
-                    raise CacheCorrupted(f"{rid} writes block {slot // self.bs}, which another live request holds")
-                self.device[slot] = (p, st.digest(p))
+                self._write(rid, st, p, st.digest(p))
             st.num_computed += n
             if st.num_computed < len(st.tokens):
                 return sampled
@@ -164,10 +227,7 @@ class ModelExecutor:
         digest = st.digest(known - 1)
         for j, token in enumerate(drafts):
             digest = hash((digest, token))
-            slot = self._slot(st, known + j)
-            if self._holders[slot // self.bs] != 1:
-                raise CacheCorrupted(f"{rid} writes a draft into block {slot // self.bs}, which another request holds")
-            self.device[slot] = (known + j, digest)
+            self._write(rid, st, known + j, digest)
         run: list[int] = []
         while not run or (len(run) <= len(drafts) and run[-1] == drafts[len(run) - 1]):
             run.append(token_at(rid, known + len(run), self.eos, self.eos_every))

@@ -1,0 +1,197 @@
+"""A hybrid model's sliding-window KV cache groups in the pure core: window blocks go back to the pool once no
+query reads them, prefix hits count only where the window's blocks are cached, and random traces against the
+KV-checking executor model (which reads window layers through their own tables and drops released blocks
+itself) keep every invariant, read no released block and produce an undisturbed run's tokens."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.core.config import CoreConfig, ExecutorLimits
+from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.window_groups import released_before
+from tests.core.test_properties import expected_output, reshape
+from tests.support.core_helpers import (
+    BLOCK,
+    EOS,
+    EOS2,
+    FakeClock,
+    TraceSpec,
+    add_trace_arrivals,
+    check_columns,
+    check_invariants,
+    config_spec,
+    end_trace_requests,
+    held_tables,
+    max_model_len_spec,
+    request_spec,
+    update_and_record,
+)
+from tests.support.model_executor import ModelExecutor
+
+
+def hybrid_limits(device_blocks: int, cpu_blocks: int, groups: int, window: int,
+                  max_model_len: int = 96) -> ExecutorLimits:
+    return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
+                          eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4, num_window_groups=groups, window=window)
+
+
+def run_alone(prompt_len: int, max_tokens: int, window: int, groups: int = 1,
+              **cfg: object) -> tuple[Scheduler, list[int], int]:
+    """One request through a hybrid scheduler and the executor model: the scheduler, its tokens, and the most
+    blocks one window group held at once."""
+    s = Scheduler(CoreConfig(**cfg), hybrid_limits(200, 0, groups, window, 512))  # type: ignore[arg-type]
+    ex = ModelExecutor(200, 1, BLOCK, window_groups=groups, window=window)
+    r = Request("a", list(range(5, 5 + prompt_len)), SamplingOptions(max_tokens=max_tokens, ignore_eos=True), 0.0)
+    s.add_request(r)
+    tokens: list[int] = []
+    peak = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        table = s.kv.window_table("a")
+        peak = max(peak, table.length if table is not None else 0)
+        for d in s.update(out, ex.step(out)):
+            tokens += d.new_token_ids
+    return s, tokens, peak
+
+
+def test_a_long_request_holds_the_window_not_the_length() -> None:
+    window = 8
+    s, tokens, peak = run_alone(prompt_len=30, max_tokens=60, window=window, max_num_batched_tokens=4)
+    assert len(tokens) == 60
+    # a step of at most 4 tokens after the window's 7 keys: ceil((7 + 4) / 4) + 1 blocks at most, not 90 / 4
+    assert peak <= -(-(window - 1 + 4) // BLOCK) + 1
+    assert s.kv.device.num_free == 200
+
+
+def test_decode_holds_at_most_ceil_window_over_block_plus_one() -> None:
+    window = 9
+    _, _, peak = run_alone(prompt_len=3, max_tokens=80, window=window)  # decode only, after a 3-token prefill
+    assert peak <= -(-window // BLOCK) + 1
+
+
+def test_full_group_keeps_every_block() -> None:
+    s = Scheduler(CoreConfig(max_num_batched_tokens=8), hybrid_limits(200, 0, 2, 4, 512))
+    s.add_request(Request("a", list(range(5, 45)), SamplingOptions(max_tokens=5, ignore_eos=True), 0.0))
+    ex = ModelExecutor(200, 1, BLOCK, window_groups=2, window=4)
+    for _ in range(5):
+        s.update(out := s.schedule(), ex.step(out))
+    computed = s.requests["a"].num_computed_tokens
+    table = s.kv.window_table("a")
+    assert table is not None and len(table.groups) == 2
+    assert len(s.kv.block_table("a")) == 10  # the whole prompt, allocated at admission
+    assert table.start == released_before(computed - 8, 4, BLOCK)  # released up to the step before the last
+    assert table.end <= -(-computed // BLOCK)
+
+
+def test_prefix_hit_needs_the_windows_blocks() -> None:
+    kv = KVCacheManager(64, 0, BLOCK, watermark=0.0, window_groups=1, window=6)
+    a = Request("a", list(range(5, 29)), SamplingOptions(), 0.0)  # 24 tokens: 6 full blocks
+    kv.admit(a, PrefixHit(), a.num_tokens)
+    a.num_computed_tokens = 24
+    kv.cache_blocks(a)
+    b = Request("b", [*range(5, 29), 99], SamplingOptions(), 0.0)
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 24 and hit.window is not None
+    assert hit.window.start == released_before(24, 6, BLOCK) == 4  # positions 19..23 are read: blocks 4 and 5
+    assert hit.window.groups == [kv.window_table("a").groups[0][4:6]]  # type: ignore[union-attr]
+    # a releases its window blocks but for the last two: they stay cached, so the hit stays
+    kv.release_window(a)
+    assert kv.get_computed_blocks(b).num_tokens == 24
+    # evict the window block of position 5 (allocate every free block): the hit falls back to where the window
+    # before it is cached, which is nowhere here
+    kv.free(a)
+    assert kv.device.allocate(kv.device.num_free) is not None
+    assert kv.get_computed_blocks(b).num_tokens == 0
+
+
+def test_swap_keeps_window_tables() -> None:
+    kv = KVCacheManager(64, 32, BLOCK, watermark=0.0, window_groups=2, window=5)
+    a = Request("a", list(range(5, 25)), SamplingOptions(), 0.0)
+    kv.admit(a, PrefixHit(), a.num_tokens)
+    a.num_computed_tokens = 20
+    before = kv.window_table("a")
+    assert before is not None
+    kv.release_window(a)
+    start, groups = before.start, [list(g) for g in before.groups]
+    mapping = kv.swap_out(a)
+    assert [src for src, _ in mapping] == kv_table_flat(mapping, len(mapping)) and kv.window_table("a") is None
+    assert len(mapping) == 5 + 2 * len(groups[0])
+    assert kv.can_swap_in("a", 21)
+    back = kv.swap_in(a)
+    after = kv.window_table("a")
+    assert after is not None and after.start == start and after.length == len(groups[0])
+    assert [dst for _, dst in back] == kv.block_table("a") + after.flat()
+    kv.free(a)
+    kv.end_step()
+    assert kv.device.num_free == 64 and kv.cpu.num_free == 32
+
+
+def kv_table_flat(mapping: list[tuple[int, int]], n: int) -> list[int]:
+    return [src for src, _ in mapping][:n]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(request_spec, min_size=1, max_size=12), cfg_kwargs=config_spec,
+       device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), max_model_len=max_model_len_spec,
+       groups=st.sampled_from([1, 2, 3]), window=st.sampled_from([1, 3, 5, 8, 13]),
+       seed=st.integers(0, 2**16), lose_at=st.sampled_from([0, 0, 3, 10, 25]))
+def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
+                                                         device_blocks: int, cpu_blocks: int, max_model_len: int,
+                                                         groups: int, window: int, seed: int, lose_at: int) -> None:
+    cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
+    limits = hybrid_limits(device_blocks, cpu_blocks, groups, window, max_model_len)
+    clock = FakeClock()
+    s = Scheduler(cfg, limits, clock=clock)
+    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window)
+    rng = random.Random(seed)
+    requests: dict[str, Request] = {}
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+    stopped_outside: set[str] = set()
+    errors: dict[str, str] = {}
+    released = 0
+    for step in range(800):
+        clock.now = step * 0.01
+        for request in add_trace_arrivals(s, specs, step, clock.now):
+            requests[request.request_id] = request
+            outputs[request.request_id] = []
+        end_trace_requests(s, specs, step, reasons, stopped_outside)
+        before = held_tables(s)
+        out = s.schedule()
+        check_invariants(s, out, cfg, before)
+        check_columns(s)
+        leaving = set(out.finished_ids) | set(out.swapped_out_ids)
+        executor_held = {b for rid, st_ in ex.states.items() if rid not in leaving for b in ex._blocks_of(st_)}
+        assert all(s.kv.device.ref_count(b) > 0 for b in executor_held), "the executor still reads a released block"
+        released += sum(t.start for t in s.kv.windows.tables.values()) if s.kv.windows else 0
+        if step == lose_at:
+            s.reset_executor()
+            s.set_executor_limits(limits)
+            ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups,
+                               window=window)
+            for rejected in out.rejected:
+                reasons[rejected.request_id] = FinishReason.ERROR
+            continue
+        result = reshape(ex.step(out), rng, errors)
+        update_and_record(s, out, result, outputs, reasons)
+        if step > max(sp[0] for sp in specs) and not s.has_unfinished():
+            break
+    assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
+    event(f"window blocks released while running: {released > 0}")
+    event(f"prefix cache hits: {s.stats().prefix_cache_hits > 0}")
+    assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
+    for rid, req in requests.items():
+        reason = reasons[rid]
+        expected = expected_output(req, limits.max_model_len)
+        if rid in stopped_outside or rid in errors:
+            assert outputs[rid] == expected[0][:len(outputs[rid])], rid
+            continue
+        if reason in (FinishReason.ABORTED, FinishReason.ERROR):
+            continue
+        assert (outputs[rid], reason) == expected, rid
