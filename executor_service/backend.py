@@ -53,6 +53,9 @@ class BatchItem:
     deferred_masks: DeferredRows | None = None
     """Masks that follow the step: a backend that overlaps them (Backend.overlaps_token_masks) waits for them after
     the forward pass, before sampling, on its forward thread (token_masks.resolve_masks)."""
+    window_tables: Sequence[list[int]] = ()
+    """KV cache groups (BackendInfo.kv_window_groups): each window group's table by position like block_table, 0 in
+    the positions before the window, whose blocks were released and are never read."""
 
 
 class DeferredRows(Protocol):
@@ -100,6 +103,10 @@ class BackendInfo:
     """The Hugging Face architecture name served ("" for none, e.g. the simulated backend)."""
     sliding_windows: tuple[int, ...] = ()
     """Per layer: the sliding window (keys a query sees), 0 for full attention; () for none."""
+    kv_window_groups: int = 0
+    """Sliding-window KV cache groups it keeps a table each for (Capabilities.kv_window_groups); 0: one table."""
+    kv_window: int = 0
+    """The most keys a query of those groups reads (Capabilities.kv_window)."""
 
 
 class Backend(Protocol):

@@ -70,6 +70,10 @@ class ExecutorConfig:
         "caps its own --max-num-seqs to it; CUDA: the rows the profiling pass samples"))
     max_model_len: int | None = None
     seed: int = 0
+    kv_window_release: bool = field(default=True, metadata=flag(
+        "hybrid models (sliding-window layers beside full-attention ones: Gemma 2/3, GPT-OSS): the window layers'"
+        " KV sits in groups of their own tables, whose blocks the scheduler takes back once they fall out of the"
+        " window (vLLM's hybrid KV cache manager); off: one table for every layer, as for other models"))
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))

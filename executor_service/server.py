@@ -37,7 +37,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.step_log = step_log
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
-                                  info.vocab_size, info.max_model_len)
+                                  info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window)
         limits = limits or StepLimits()  # drafts only as many as the backend verifies (none: refused)
         self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens))
         self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
@@ -65,7 +65,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
                 max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True,
                 max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
-                deferred_token_bitmask=True))
+                deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -155,6 +155,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self.table.drop(request_id)
             return executor_pb2.StepResult(step_id=step.step_id, error=str(e))
         t_fwd = time.perf_counter_ns()
+        for admitted in plan.admitted:
+            self.table.release_out_of_window(admitted.request_id)
         _fill_sampled(result, outputs)
         result.timings.swap_ns = t_swap - t0
         result.timings.prepare_ns = t_prep - t_swap
@@ -236,6 +238,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             return False
         try:
             check_span(state.num_computed, 1, len(state.block_table or ()), t.block_size, t.max_model_len)
+            if state.windows:
+                check_span(state.num_computed, 1, state.window_end, t.block_size, t.max_model_len)
         except RequestRefused:
             return False
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from executor_service.backend import BatchItem, SamplingConfig
+from protos.contract import released_before
 from protos.pagedserve.v1 import common_pb2
 
 OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs")
@@ -21,6 +22,15 @@ class RequestState:
     num_computed: int
     block_table: list[int] | None
     sampling: SamplingConfig
+    window_start: int = 0
+    windows: list[list[int]] = field(default_factory=list)  # per window group: its blocks from window_start on
+
+    def held_blocks(self) -> list[int]:
+        return [*(self.block_table or ()), *(b for group in self.windows for b in group)]
+
+    @property
+    def window_end(self) -> int:
+        return self.window_start + (len(self.windows[0]) if self.windows else 0)
 
 
 @dataclass(slots=True)
@@ -33,6 +43,11 @@ class AdmittedRequest:
     resumed: bool = False
     new: RequestState | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    window_start: int = 0
+    new_window_blocks: list[list[int]] = field(default_factory=list)  # per window group (whole when new or resumed)
+
+    def new_blocks(self) -> list[int]:
+        return [*self.new_block_ids, *(b for group in self.new_window_blocks for b in group)]
 
 
 @dataclass(slots=True)
@@ -63,12 +78,14 @@ class RequestTable:
     or an n > 1 prompt) and which request owns each swap block; the validator reads it, commit() changes it."""
 
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, window_groups: int = 0, window: int = 0) -> None:
         self.num_device_blocks = num_device_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.window_groups = window_groups
+        self.window = window
         self.states: dict[str, RequestState] = {}
         self.device_owner: dict[int, set[str]] = {}
         self.swap_owner: dict[int, str] = {}
@@ -87,13 +104,32 @@ class RequestTable:
                 del self.swap_owner[block]
 
     def _release_device(self, state: RequestState) -> None:
-        for block in state.block_table or ():
+        self._release_blocks(state.request_id, state.held_blocks())
+        state.block_table = None
+        state.windows = []
+
+    def _release_blocks(self, request_id: str, blocks: list[int]) -> None:
+        for block in blocks:
             holders = self.device_owner.get(block)
             if holders is not None:
-                holders.discard(state.request_id)
+                holders.discard(request_id)
                 if not holders:
                     del self.device_owner[block]
-        state.block_table = None
+
+    def release_out_of_window(self, request_id: str) -> None:
+        """After a step: the request stops holding its window blocks that no query of it reads again
+        (protos.contract.released_before); the scheduler may give them to others from the next step on."""
+        state = self.states.get(request_id)
+        if state is None or not state.windows:
+            return
+        cut = min(released_before(state.num_computed, self.window, self.block_size), state.window_end)
+        cut -= state.window_start
+        if cut <= 0:
+            return
+        self._release_blocks(request_id, [b for group in state.windows for b in group[:cut]])
+        for group in state.windows:
+            del group[:cut]
+        state.window_start += cut
 
     def commit(self, plan: StepPlan) -> None:
         """Apply a checked step: swaps first, then refused and re-sent requests leave, then admitted ones
@@ -117,15 +153,20 @@ class RequestTable:
         if admitted.resumed or state.block_table is None:  # the validator admits a swapped-out one only resumed
             self._release_device(state)
             state.block_table = []
+            state.window_start = admitted.window_start
+            state.windows = [[] for _ in range(self.window_groups)]
         state.block_table.extend(admitted.new_block_ids)
-        for block in admitted.new_block_ids:
+        for group, new in zip(state.windows, admitted.new_window_blocks, strict=False):
+            group.extend(new)
+        for block in admitted.new_blocks():
             self.device_owner.setdefault(block, set()).add(rid)
 
     def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None) -> BatchItem:
         """The batch item of a request the validator admitted (or check_span accepted) for num_tokens, and the
         drafts it verifies."""
         end = state.num_computed + num_tokens
+        windows = [[0] * state.window_start + group for group in state.windows]  # positions before: never read
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
                          num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
-                         draft_token_ids or ())
+                         draft_token_ids or (), window_tables=windows)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from executor_service.state import AdmittedRequest, RequestState, RequestTable, StepPlan, sampling_config
-from protos.contract import SAMPLING, SamplingParam, SamplingTable, split_columns
+from protos.contract import SAMPLING, SamplingParam, SamplingTable, released_before, split_columns
 from protos.pagedserve.v1 import common_pb2, executor_pb2
 
 MAX_NUM_STEPS = 64
@@ -38,6 +38,8 @@ class RunningColumns:
     num_tokens: int
     resumed: bool
     draft_token_ids: list[int]
+    new_window_blocks: list[list[int]]  # per window group
+    window_start: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,15 +107,36 @@ def check_span(start: int, num_tokens: int, num_blocks: int, block_size: int, ma
         raise RequestRefused(f"{end} tokens need {needed} blocks, the block table has {num_blocks}")
 
 
-def running_columns(run: executor_pb2.RunningRequests) -> list[RunningColumns]:
+def running_columns(run: executor_pb2.RunningRequests, window_groups: int = 0) -> list[RunningColumns]:
     ids, nums, counts = list(run.request_ids), list(run.num_scheduled_tokens), list(run.num_new_blocks)
     resumed = list(run.resumed) or [False] * len(ids)
     if not len(ids) == len(nums) == len(counts) == len(resumed) or sum(counts) != len(run.new_block_ids):
         raise StepRefused("running: request_ids, num_scheduled_tokens, num_new_blocks and resumed must be "
                           "columns of one length, and num_new_blocks must add up to len(new_block_ids)")
     blocks = split_columns(run.new_block_ids, counts) if any(counts) else [[] for _ in ids]
-    return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, draft_columns(run, len(ids)),
-                                                 strict=True)]
+    windows, starts = window_columns(run, len(ids), window_groups)
+    return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, draft_columns(run, len(ids)), windows,
+                                                 starts, strict=True)]
+
+
+def window_columns(run: executor_pb2.RunningRequests, num_requests: int,
+                   window_groups: int) -> tuple[list[list[list[int]]], list[int]]:
+    """Each running request's new window-group blocks (per group) and window_block_start; StepRefused if the
+    columns disagree, or come to an executor without window groups."""
+    counts, starts = list(run.num_new_window_blocks), list(run.window_block_start)
+    if not counts and not starts and not run.new_window_block_ids:
+        return [[[] for _ in range(window_groups)] for _ in range(num_requests)], [0] * num_requests
+    if not window_groups:
+        raise StepRefused("running: window blocks sent, but this executor keeps no window tables "
+                          "(Capabilities.kv_window_groups is 0)")
+    if len(counts) != num_requests or len(starts) != num_requests \
+            or sum(counts) * window_groups != len(run.new_window_block_ids):
+        raise StepRefused("running: num_new_window_blocks and window_block_start must be columns of request_ids' "
+                          f"length, and {window_groups} x sum(num_new_window_blocks) must be "
+                          "len(new_window_block_ids)")
+    runs = split_columns(run.new_window_block_ids, [n * window_groups for n in counts])
+    return [[blocks[g * n:(g + 1) * n] for g in range(window_groups)] for blocks, n in zip(runs, counts,
+                                                                                          strict=True)], starts
 
 
 def draft_columns(run: executor_pb2.RunningRequests, num_requests: int) -> list[list[int]]:
@@ -162,7 +185,7 @@ class StepValidator:
         """The plan of a step (StepRefused if it is malformed or too large) and its running requests, in step
         order."""
         check_step_size(step, self.limits)
-        running = running_columns(step.running)
+        running = running_columns(step.running, self.table.window_groups)
         ids = [n.request_id for n in step.new_requests] + [r.request_id for r in running]
         if len(set(ids)) != len(ids):
             raise StepRefused("a request id appears more than once among new_requests and running")
@@ -187,8 +210,9 @@ class StepValidator:
 
     @staticmethod
     def _accept(plan: StepPlan, ownership: _Ownership, admitted: AdmittedRequest) -> None:
-        if admitted.new_block_ids:
-            ownership.take(admitted.request_id, admitted.new_block_ids)
+        blocks = admitted.new_blocks()
+        if blocks:
+            ownership.take(admitted.request_id, blocks)
         plan.admitted.append(admitted)
 
     def _refuse(self, plan: StepPlan, ownership: _Ownership, request_id: str, error: RequestRefused) -> None:
@@ -196,12 +220,12 @@ class StepValidator:
         plan.dropped_ids.append(request_id)
         state = self.table.states.get(request_id)
         if state is not None:
-            ownership.free(request_id, state.block_table or ())
+            ownership.free(request_id, state.held_blocks())
 
     def _new(self, new: executor_pb2.NewRequest, ownership: _Ownership) -> AdmittedRequest:
         old = self.table.states.get(new.request_id)
         if old is not None:  # sent again as new: its old state goes first
-            ownership.free(new.request_id, old.block_table or ())
+            ownership.free(new.request_id, old.held_blocks())
         num_sent = len(new.token_ids)
         if new.num_computed_tokens + new.num_scheduled_tokens > num_sent:
             raise RequestRefused("num_computed_tokens + num_scheduled_tokens exceeds the tokens sent")
@@ -216,30 +240,69 @@ class StepValidator:
         if bad is not None:
             raise RequestRefused(f"token id {bad} outside the vocabulary [0, {vocab})")
         blocks = list(new.block_ids)
-        self._check_claim(new.request_id, blocks, ownership)
+        windows = self._new_windows(new)
+        self._check_claim(new.request_id, blocks + [b for group in windows for b in group], ownership)
         self._check_span(new.num_computed_tokens, new.num_scheduled_tokens, len(blocks))
+        self._check_window_span(new.num_computed_tokens, new.num_scheduled_tokens, new.window_block_start,
+                                new.window_block_start + (len(windows[0]) if windows else 0))
         state = RequestState(new.request_id, list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                             [], sampling_config(new.sampling))
-        return AdmittedRequest(new.request_id, new.num_scheduled_tokens, blocks, new=state)
+                             [], sampling_config(new.sampling), new.window_block_start,
+                             [[] for _ in range(self.table.window_groups)])
+        return AdmittedRequest(new.request_id, new.num_scheduled_tokens, blocks, new=state,
+                               window_start=new.window_block_start, new_window_blocks=windows)
+
+    def _new_windows(self, new: executor_pb2.NewRequest) -> list[list[int]]:
+        """A new request's window-group tables (none without window groups)."""
+        groups, ids = self.table.window_groups, list(new.window_block_ids)
+        if not groups:
+            if ids or new.window_block_start:
+                raise RequestRefused("window_block_ids: this executor keeps no window tables "
+                                     "(Capabilities.kv_window_groups is 0)")
+            return []
+        if len(ids) % groups:
+            raise RequestRefused(f"window_block_ids: {len(ids)} blocks do not make {groups} tables of one length")
+        n = len(ids) // groups
+        return [ids[g * n:(g + 1) * n] for g in range(groups)]
+
+    def _check_window_span(self, start: int, num_tokens: int, first: int, end: int) -> None:
+        """The window tables (blocks [first, end)) hold every position the step's queries read and write."""
+        if not self.table.window_groups:
+            return
+        t = self.table
+        needed = released_before(start, t.window, t.block_size)
+        if first > needed:
+            raise RequestRefused(f"window tables start at block {first}, but the step reads block {needed}")
+        try:
+            check_span(start, num_tokens, end, t.block_size, t.max_model_len)
+        except RequestRefused as e:
+            raise RequestRefused(f"window tables: {e}") from None
 
     def _running(self, r: RunningColumns, plan: StepPlan, ownership: _Ownership) -> AdmittedRequest:
         state = self.table.states.get(r.request_id)
         if state is None:
             raise RequestRefused(f"unknown request {r.request_id!r}: send it as a new request")
         held = state.block_table or []
+        window_first, window_end = state.window_start, state.window_end
         if r.resumed:
-            ownership.free(r.request_id, held)
+            ownership.free(r.request_id, state.held_blocks())
             held = []
+            window_first = window_end = r.window_start
         elif state.block_table is None or r.request_id in plan.swapped_out_ids:
             raise RequestRefused("request is swapped out: resume it with its whole block table")
-        if r.new_block_ids:
-            self._check_claim(r.request_id, r.new_block_ids, ownership)
+        elif r.window_start:
+            raise RequestRefused("window_block_start is for resumed requests only (0 for the others)")
+        new_blocks = r.new_block_ids + [b for group in r.new_window_blocks for b in group]
+        if new_blocks:
+            self._check_claim(r.request_id, new_blocks, ownership)
         if state.num_computed + r.num_tokens > len(state.token_ids):
             raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
         if r.draft_token_ids:
             self._check_drafts(state, r)
         self._check_span(state.num_computed, r.num_tokens + len(r.draft_token_ids), len(held) + len(r.new_block_ids))
-        return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed, None, r.draft_token_ids)
+        window_end += len(r.new_window_blocks[0]) if r.new_window_blocks else 0
+        self._check_window_span(state.num_computed, r.num_tokens + len(r.draft_token_ids), window_first, window_end)
+        return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed, None, r.draft_token_ids,
+                               r.window_start, r.new_window_blocks)
 
     def _check_drafts(self, state: RequestState, r: RunningColumns) -> None:
         """Drafts follow the request's last token, within the advertised count and the vocabulary."""
@@ -275,7 +338,7 @@ class StepValidator:
         unknown = swapped_out - states.keys()
         if unknown:
             raise StepRefused(f"swapped_out_ids names unknown request {sorted(unknown)[0]!r}")
-        released = {b for rid in swapped_out for b in states[rid].block_table or ()
+        released = {b for rid in swapped_out for b in states[rid].held_blocks()
                     if device_owner.get(b, set()) <= swapped_out}
         claimed = self._check_swap_out(step)
         destinations = [m.dst for m in step.swap_in] + [m.dst for m in step.copy]
@@ -293,7 +356,7 @@ class StepValidator:
             self._check_destination(m.dst, released, "copy destination")
         plan.swapped_out_ids, plan.swap_claims, plan.swap_frees = swapped_out, claimed, freed
         for rid in swapped_out:
-            ownership.free(rid, states[rid].block_table or ())
+            ownership.free(rid, states[rid].held_blocks())
 
     def _check_swap_out(self, step: executor_pb2.StepRequest) -> dict[int, str]:
         """Each swap block's owner: a shared source block is copied once per holder being swapped out,

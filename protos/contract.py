@@ -13,6 +13,14 @@ BlockMap = list[tuple[int, int]]
 """(source block, destination block) pairs of one swap-out, swap-in or copy."""
 
 
+def released_before(num_computed: int, window: int, block_size: int) -> int:
+    """Sliding-window KV cache groups (Capabilities.kv_window_groups): once a request has computed num_computed
+    tokens, its window blocks before this block index are never read again (its next query, at num_computed, sees
+    keys from num_computed - window + 1 on). The executor stops holding them after that step; the scheduler may
+    then give them to other requests."""
+    return max(0, num_computed - window + 1) // block_size
+
+
 def split_columns(values: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
     """Cut a flat column into consecutive runs of counts[i] values (RunningRequests.new_block_ids by
     num_new_blocks, SampledTokens.token_ids by num_tokens). The counts must add up to len(values)."""

@@ -45,6 +45,8 @@ class AttentionMetadata:
     block_tables: Tensor
     seq_lens: Tensor
     query_start_loc: Tensor
+    layer_metas: list[AttentionMetadata] | None = None
+    """KV cache groups: per layer, the metadata of its group's tables (runner/kv_groups.py); None: this one."""
 
 
 RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
@@ -318,9 +320,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else (cos, sin)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        metas = meta.layer_metas or [meta] * len(kv_caches)
+        for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
             layer_cos, layer_sin = local if layer.uses_local_rope else (cos, sin)
-            x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, meta)
+            x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, layer_meta)
         if output_rows is not None:
             x = x.index_select(0, output_rows)
             residual = None if residual is None else residual.index_select(0, output_rows)

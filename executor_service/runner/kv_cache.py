@@ -1,7 +1,8 @@
 """Paged KV cache on the device plus a CPU swap area of the same layout.
 
 Storage is one tensor per side, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim],
-so a swap or copy of any set of blocks is one index_select + one index_copy_ over all layers. Under
+so a swap or copy of any set of blocks is one index_select + one index_copy_ over all layers. With KV cache
+groups (kv_groups.py) num_layers is a group's size and each model layer reads its page slot of the blocks. Under
 CUDA, swaps run on a side stream ordered against the compute stream with wait_stream / events.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +56,7 @@ def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 
 class KVCache:
     def __init__(self, shape: CacheShape, *, num_device_blocks: int, num_swap_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, layer_slots: Sequence[int] | None = None) -> None:
         if num_device_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one device block, got {num_device_blocks}")
         if num_swap_blocks < 0:
@@ -68,7 +70,8 @@ class KVCache:
                           else torch.zeros(shape.dims(num_device_blocks), dtype=shape.dtype, device=device))
         self.swap_kv = (torch.zeros(shape.dims(num_swap_blocks), dtype=shape.dtype, pin_memory=True) if self.is_cuda
                         else lazy_zeros(shape.dims(num_swap_blocks), shape.dtype))
-        self.layers = [(self.device_kv[i, 0], self.device_kv[i, 1]) for i in range(shape.num_layers)]
+        slots = range(shape.num_layers) if layer_slots is None else layer_slots
+        self.layers = [(self.device_kv[i, 0], self.device_kv[i, 1]) for i in slots]
         self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
 
     def swap_out(self, mapping: BlockMap) -> None:

@@ -41,6 +41,7 @@ from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
+from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.sampler import Sampler, SampleRequest
 from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
@@ -86,8 +87,9 @@ class TorchBackend:
 
     def __init__(self, *, info: BackendInfo, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler,
                  device: torch.device, graphs: DecodeGraphs | None = None,
-                 compiled: CompiledForward | None = None) -> None:
+                 compiled: CompiledForward | None = None, layout: KVLayout | None = None) -> None:
         self.info = info
+        self.layout = layout or KVLayout.single(len(kv_cache.layers))
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -129,17 +131,21 @@ class TorchBackend:
             log.info("linear weights packed for %s; skinny kernel up to %d rows%s",
                      packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
         parallel.wait_for_all()
-        shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
+        # TP ranks send a batch's metadata over their step channel, which carries one table set: one group there
+        layout = plan_layout(model_cfg.layer_windows, config.kv_window_release and parallel.world_size == 1)
+        shape = CacheShape(layout.page_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
         with phases.phase("kv"):
-            num_device_blocks = parallel.min_int(count_device_blocks(config, model, sampler, shape, device), device)
+            num_device_blocks = parallel.min_int(
+                count_device_blocks(config, model, sampler, shape, device, layout.layer_slots), device)
             num_swap_blocks = count_swap_blocks(config, shape)
             kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
-                               device=device)
+                               device=device, layer_slots=layout.layer_slots)
         with phases.phase("tokenizer"):
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)
+            info = replace(info, kv_window_groups=layout.num_window_groups, kv_window=layout.window)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         graphable = model_cfg.features.graphable
@@ -154,7 +160,7 @@ class TorchBackend:
         if compiles:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
         backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
-                      compiled=compiled)
+                      compiled=compiled, layout=layout)
         with phases.phase("warm-up"):
             backend.warm_up()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
@@ -169,7 +175,9 @@ class TorchBackend:
         request that uses it), so that the kernels' first-call costs (oneDNN's JIT, first page faults of the
         weights and the activations) are not the first request's; the sampler's generator is not drawn from."""
         greedy = SamplingConfig(temperature=0.0)
-        items = [BatchItem(f"warm-up-{i}", [0], 1, 0, 1, [0], True, greedy) for i in range(WARM_UP_ROWS)]
+        windows = [[0]] * self.layout.num_window_groups
+        items = [BatchItem(f"warm-up-{i}", [0], 1, 0, 1, [0], True, greedy, window_tables=windows)
+                 for i in range(WARM_UP_ROWS)]
         self.execute(items)
         self._last_decode = DecodeTime()
 
@@ -227,7 +235,10 @@ class TorchBackend:
         """Check the items and pack them into device tensors; raises ValueError before any work."""
         for item in items:
             validate_item(item, self.info)
-        return build_batch(items, self.info, self.device)
+        batch = build_batch(items, self.info, self.device)
+        if self.layout.num_window_groups:
+            batch.meta.layer_metas = window_group_metas(items, batch.meta, self.layout, self.info, self.device)
+        return batch
 
     def run_batch(self, batch: Batch) -> Tensor | None:
         """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
@@ -322,12 +333,12 @@ def resolve_dtype(requested: str, model_dtype: str, device: torch.device) -> tor
 
 
 def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
-                        device: torch.device) -> int:
+                        device: torch.device, layer_slots: tuple[int, ...] | None = None) -> int:
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type != "cuda":
         return shape.blocks_in(config.cpu_kv_cache_space)
-    return profile_cuda_blocks(config, model, sampler, shape, device)
+    return profile_cuda_blocks(config, model, sampler, shape, device, layer_slots)
 
 
 def count_swap_blocks(config: ExecutorConfig, shape: CacheShape) -> int:
@@ -337,7 +348,7 @@ def count_swap_blocks(config: ExecutorConfig, shape: CacheShape) -> int:
 
 
 def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
-                        device: torch.device) -> int:
+                        device: torch.device, layer_slots: tuple[int, ...] | None = None) -> int:
     """Peak memory of a max_num_batched_tokens forward + sampling max_num_seqs rows decides what is left for KV
     blocks."""
     if not 0.0 < config.gpu_memory_utilization <= 1.0:
@@ -346,7 +357,7 @@ def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     scratch = KVCache(shape, num_device_blocks=math.ceil(num_tokens / shape.block_size), num_swap_blocks=0,
-                      device=device)
+                      device=device, layer_slots=layer_slots)
     run_profile_pass(model, sampler, scratch, num_tokens, device, max(1, config.max_num_seqs))
     torch.cuda.synchronize(device)
     scratch_bytes = scratch.num_device_blocks * shape.bytes_per_block
@@ -428,8 +439,24 @@ def validate_item(item: BatchItem, info: BackendInfo) -> None:
         raise ValueError(f"request {item.request_id}: sample=True needs the pass to end at the last token")
     try:
         check_span(item.start, item.num_tokens, len(item.block_table), info.block_size, info.max_model_len)
+        if len(item.window_tables) != info.kv_window_groups:
+            raise RequestRefused(f"{len(item.window_tables)} window tables, not {info.kv_window_groups}")
+        for table in item.window_tables:
+            check_span(item.start, item.num_tokens, len(table), info.block_size, info.max_model_len)
     except RequestRefused as e:
         raise ValueError(f"request {item.request_id}: {e}") from None
+
+
+def window_group_metas(items: list[BatchItem], meta: AttentionMetadata, layout: KVLayout, info: BackendInfo,
+                       device: torch.device) -> list[AttentionMetadata]:
+    """Per layer, the attention metadata of its group: the batch's own for the full-attention layers, one built
+    from each window group's tables (slots and block tables; the same lengths) for the window layers."""
+    groups = [meta]
+    for g in range(layout.num_window_groups):
+        grouped = [replace(item, block_table=list(item.window_tables[g])) for item in items]
+        group_meta = build_batch(grouped, info, device).meta
+        groups.append(replace(group_meta, seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc))
+    return [groups[g] for g in layout.layer_groups]
 
 
 def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:

@@ -57,7 +57,8 @@ class KVCacheManager:
         self.device = DevicePool(num_device_blocks)
         self.cpu = SwapPool(num_swap_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
-        self.windows = WindowGroups(self.device, window_groups, window, block_size) if window_groups > 0 else None
+        self.windows = (WindowGroups(self.device, window_groups, window, block_size) if window_groups > 0 and window > 0
+                        else None)
         self.usable_blocks = self._usable_table_blocks(num_device_blocks - self.watermark_blocks, max_step_tokens)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protos.contract import released_before
 from scheduler_service.core.block_pool import DevicePool
 
 
@@ -40,12 +41,6 @@ class WindowBlocks:
 
     def flat(self) -> list[int]:
         return [block for group in self.groups for block in group]
-
-
-def released_before(num_computed: int, window: int, block_size: int) -> int:
-    """The window blocks before this position are never read again once num_computed tokens are computed:
-    the next query (at num_computed) sees keys from num_computed - window + 1 on."""
-    return max(0, num_computed - window + 1) // block_size
 
 
 class WindowGroups:

@@ -71,7 +71,28 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
         running.resumed.extend(resumed)
     if drafted:
         _add_drafts(running, out)
+    if out.window:
+        _add_window_blocks(step, out)
     return step
+
+
+def _add_window_blocks(step: executor_pb2.StepRequest, out: SchedulerOutput) -> None:
+    """A hybrid model's window-group tables: whole for new requests, the columns of the running ones."""
+    window = out.window
+    for new in step.new_requests:
+        blocks = window.get(new.request_id)
+        if blocks is not None:
+            new.window_block_ids.extend(blocks.flat())
+            new.window_block_start = blocks.start
+    running = step.running
+    for w in out.scheduled:
+        if w.is_new:
+            continue
+        blocks = window.get(w.request.request_id)
+        running.num_new_window_blocks.append(blocks.length if blocks is not None else 0)
+        running.window_block_start.append(blocks.start if blocks is not None and w.resumed else 0)
+        if blocks is not None:
+            running.new_window_block_ids.extend(blocks.flat())
 
 
 def _add_drafts(running: executor_pb2.RunningRequests, out: SchedulerOutput) -> None:

@@ -44,7 +44,9 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
     return ExecutorLimits(block_size=describe.block_size, num_device_blocks=describe.num_device_blocks,
                        num_swap_blocks=describe.num_swap_blocks, max_model_len=describe.max_model_len,
                        eos_token_ids=tuple(describe.eos_token_ids),
-                       max_num_draft_tokens=describe.capabilities.max_num_draft_tokens)
+                       max_num_draft_tokens=describe.capabilities.max_num_draft_tokens,
+                       num_window_groups=describe.capabilities.kv_window_groups,
+                       window=describe.capabilities.kv_window)
 
 EXECUTOR_LOAD_WARN_S = 120.0
 """An executor that has not answered Describe for this long is warned about (before: it is loading, quietly)."""

@@ -10,11 +10,11 @@ import random
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from protos.contract import released_before
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.window_groups import released_before
 from tests.core.test_properties import expected_output, reshape
 from tests.support.core_helpers import (
     BLOCK,

@@ -107,8 +107,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Served]:
     def get(name: str) -> Served:
         if name not in cache:
             path = hf_family_model(tmp_path_factory.mktemp(name), name, seed=len(cache) + 7)
+            # one block table for every layer: these tests drive the model by hand (test_kv_window_groups.py
+            # serves the window layers' own tables through the scheduler core)
             backend = TorchBackend.create(ExecutorConfig(model=str(path), device="cpu", block_size=8,
-                                                         num_gpu_blocks=128, num_cpu_blocks=32, seed=0))
+                                                         num_gpu_blocks=128, num_cpu_blocks=32, seed=0,
+                                                         kv_window_release=False))
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                     attn_implementation="eager").eval()
             cache[name] = Served(path, backend, Driver(backend), hf)
@@ -179,7 +182,7 @@ def test_bfloat16_logprobs_are_within_tolerance_of_transformers(served: Callable
     longer than the window are within bfloat16's rounding of transformers' own bfloat16 run."""
     model = served(name)
     backend = TorchBackend.create(ExecutorConfig(model=str(model.path), device="cpu", dtype="bfloat16", block_size=8,
-                                                 num_gpu_blocks=16, num_cpu_blocks=0, seed=0))
+                                                 num_gpu_blocks=16, num_cpu_blocks=0, seed=0, kv_window_release=False))
     assert backend.info.dtype == "bfloat16"
     prompt = make_prompt(50, seed=77, vocab=VOCAB)
     sampling = SamplingConfig(temperature=0.0, logprobs=20)

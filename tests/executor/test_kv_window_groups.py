@@ -1,0 +1,150 @@
+"""Hybrid models served with sliding-window KV cache groups, end to end in one process: the scheduler core plans
+the steps (window blocks released while a request runs), step_proto builds the Execute message, the executor's
+servicer validates and runs it on the torch backend (window layers read their groups' tables), result_from_proto
+brings the tokens back. Greedy tokens equal transformers' for prompts and outputs longer than the window, under
+swap and recompute preemption and with prefix-cache hits, while every block the scheduler holds free is poisoned
+with NaN before each step: a read of a released block would change the tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from executor_service.config import ExecutorConfig
+from executor_service.runner.torch_backend import TorchBackend
+from executor_service.server import ExecutorServicer
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.config import CoreConfig, PreemptionMode
+from scheduler_service.core.request import FinishReason, Request, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.executor_link import result_from_proto, step_proto
+from scheduler_service.engine.executor_loop import executor_limits
+from tests.executor.test_model_families import VOCAB, WINDOW, hf_family_model
+from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_prompt
+
+transformers = pytest.importorskip("transformers")
+
+HYBRID = ("gemma2", "gemma3", "gpt_oss")
+BLOCK = 8
+NEW_TOKENS = 24  # past the window: decode steps release blocks too
+PROMPTS = (40, 90, 27)
+
+
+@dataclass
+class Hybrid:
+    path: Path
+    backend: TorchBackend
+    hf: Any
+    expected: dict[int, list[int]]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cache: dict[str, Hybrid] = {}
+
+    def get(name: str) -> Hybrid:
+        if name not in cache:
+            path = hf_family_model(tmp_path_factory.mktemp(name), name, seed=11)
+            backend = TorchBackend.create(ExecutorConfig(model=str(path), device="cpu", block_size=BLOCK,
+                                                         num_gpu_blocks=400, num_cpu_blocks=400, seed=0))
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+            expected = {n: hf_greedy(hf, make_prompt(n, seed=n, vocab=VOCAB), NEW_TOKENS) for n in PROMPTS}
+            cache[name] = Hybrid(path, backend, hf, expected)
+        return cache[name]
+
+    return get
+
+
+@dataclass
+class Served:
+    tokens: dict[str, list[int]]
+    scheduler: Scheduler
+    peak_window_blocks: int
+
+
+async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], cfg: CoreConfig,
+                         num_device_blocks: int, poison_cached: bool) -> Served:
+    """Every prompt through the scheduler core and the executor's servicer (greedy, NEW_TOKENS each), the later
+    ones arriving as the earlier ones run; before each step the blocks the scheduler holds free are set to NaN
+    (with poison_cached, cached ones too: only without prefix caching, where nothing may read them)."""
+    servicer = ExecutorServicer(backend)
+    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)  # type: ignore[arg-type]
+    assert describe.capabilities.kv_window_groups > 0 and describe.capabilities.kv_window == WINDOW
+    limits = replace(executor_limits(describe), num_device_blocks=num_device_blocks)
+    s = Scheduler(cfg, limits)
+    tokens = {rid: [] for rid in prompts}
+    pending = list(prompts.items())
+    peak = 0
+    for step in range(2000):
+        if pending and step % 3 == 0:
+            rid, prompt = pending.pop(0)
+            s.add_request(Request(rid, list(prompt), SamplingOptions(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                     ignore_eos=True), 0.0))
+        if not pending and not s.has_unfinished():
+            break
+        out = s.schedule()
+        free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
+        if free:
+            backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
+        for r in s.running:
+            table = s.kv.window_table(r.request_id)
+            peak = max(peak, table.length if table is not None else 0)
+        result = await servicer.run_step(step_proto(out))
+        assert not result.error and not result.errors, (result.error, list(result.errors))
+        for delta in s.update(out, result_from_proto(result, out)):
+            assert delta.finish_reason in (None, FinishReason.LENGTH), delta
+            tokens[delta.request_id] += delta.new_token_ids
+    assert not s.has_unfinished()
+    assert s.kv.device.num_free == num_device_blocks
+    return Served(tokens, s, peak)
+
+
+def request_prompts(copies: int = 1) -> dict[str, list[int]]:
+    return {f"p{n}-{c}": make_prompt(n, seed=n, vocab=VOCAB) for c in range(copies) for n in PROMPTS}
+
+
+def check_tokens(model: Hybrid, served: Served) -> None:
+    for rid, tokens in served.tokens.items():
+        n = int(rid[1:].split("-")[0])
+        assert_same_tokens(tokens, model.expected[n], model.backend.info.eos_token_ids)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_greedy_tokens_equal_transformers_with_released_blocks_poisoned(hybrid: Any, name: str) -> None:
+    model = hybrid(name)
+    cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=False)
+    served = asyncio.run(serve_requests(model.backend, request_prompts(), cfg, 400, poison_cached=True))
+    check_tokens(model, served)
+    # a window group's table: at most the window's blocks before a step of 32 tokens, and the step's own
+    assert 0 < served.peak_window_blocks <= -(-(WINDOW - 1 + 32) // BLOCK) + 1
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+@pytest.mark.parametrize("name", HYBRID)
+def test_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMode) -> None:
+    """A pool that holds about one and a half requests: the others are preempted (swapped out with their window
+    tables, or recomputed) and come back with transformers' tokens."""
+    model = hybrid(name)
+    groups = model.backend.info.kv_window_groups
+    one = -(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * (-(-(WINDOW - 1 + 32) // BLOCK) + 1)
+    cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=False, preemption_mode=mode)
+    served = asyncio.run(serve_requests(model.backend, request_prompts(2), cfg, one * 3 // 2, poison_cached=True))
+    check_tokens(model, served)
+    stats = served.scheduler.stats()
+    assert (stats.num_preemptions_swap if mode is PreemptionMode.SWAP else stats.num_preemptions_recompute) > 0
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_prefix_cache_hits_keep_the_tokens(hybrid: Any, name: str) -> None:
+    """The same prompts again while cached: hits count only where the window's blocks are cached too."""
+    model = hybrid(name)
+    cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=True)
+    served = asyncio.run(serve_requests(model.backend, request_prompts(3), cfg, 400, poison_cached=False))
+    check_tokens(model, served)
+    assert served.scheduler.stats().prefix_cache_hits > 0
