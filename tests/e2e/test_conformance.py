@@ -579,6 +579,32 @@ async def test_num_prompt_tokens_past_the_tokens_sent_is_refused(session: Sessio
     assert refused(await session.step(new_requests=[lying]), "lying")
 
 
+# ---- sliding-window KV cache groups (#32) ----------------------------------------------------------------------
+
+
+async def test_window_tables_to_an_executor_without_window_groups_are_refused(session: Session) -> None:
+    """An executor whose Describe says kv_window_groups 0 keeps one table for every layer: window tables sent to it
+    are refused (the request alone on a new request, the step whole in the running columns), and it goes on."""
+    if session.describe.capabilities.kv_window_groups:
+        pytest.skip("the executor keeps window tables (tests/executor/test_kv_window_groups.py checks those)")
+    a = session.seq("a", 5, seed=40)
+    blocks = session.take(2)
+    windowed = executor_pb2.NewRequest(request_id="w", token_ids=a.tokens, num_prompt_tokens=5, num_scheduled_tokens=5,
+                                       block_ids=blocks[:1], window_block_ids=blocks[1:], sampling=SAMPLING)
+    result = await session.step(new_requests=[windowed])
+    assert refused(result, "w") and "window_block_ids" in result.errors[0].message
+    session.free += blocks
+    await session.generate(a, 2)
+    grow = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0],
+                                        num_new_window_blocks=[0], window_block_start=[0])
+    await session.call.write(executor_pb2.StepRequest(step_id=session.step_id + 1, running=grow))
+    session.step_id += 1
+    result = await asyncio.wait_for(session.call.read(), STEP_TIMEOUT_S)
+    assert "kv_window_groups" in result.error and not sampled_tokens(result)
+    await session.decode([a], 2)
+    assert len(a.outputs) == 4
+
+
 # ---- structured outputs: the token mask (#30) ----------------------------------------------------------------
 
 

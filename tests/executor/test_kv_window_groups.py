@@ -12,13 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
 from executor_service.runner.torch_backend import TorchBackend
-from executor_service.server import ExecutorServicer
-from protos.pagedserve.v1 import executor_pb2
+from executor_service.server import ExecutorServicer, serve
+from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler_service.core.config import CoreConfig, PreemptionMode
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
@@ -71,8 +72,9 @@ class Served:
 async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], cfg: CoreConfig,
                          num_device_blocks: int, poison_cached: bool) -> Served:
     """Every prompt through the scheduler core and the executor's servicer (greedy, NEW_TOKENS each), the later
-    ones arriving as the earlier ones run; before each step the blocks the scheduler holds free are set to NaN
-    (with poison_cached, cached ones too: only without prefix caching, where nothing may read them)."""
+    ones arriving as the earlier ones run; before each step the blocks the scheduler holds free (but those the step
+    swaps out first) are set to NaN (with poison_cached, cached ones too: only without prefix caching, where nothing
+    may read them)."""
     servicer = ExecutorServicer(backend)
     describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)  # type: ignore[arg-type]
     assert describe.capabilities.kv_window_groups > 0 and describe.capabilities.kv_window == WINDOW
@@ -90,6 +92,7 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
             break
         out = s.schedule()
         free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
+        free -= {src for src, _ in out.swap_out}  # the step copies them out before anything else
         if free:
             backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
         for r in s.running:
@@ -148,3 +151,49 @@ def test_prefix_cache_hits_keep_the_tokens(hybrid: Any, name: str) -> None:
     served = asyncio.run(serve_requests(model.backend, request_prompts(3), cfg, 400, poison_cached=False))
     check_tokens(model, served)
     assert served.scheduler.stats().prefix_cache_hits > 0
+
+
+async def test_the_executor_checks_window_tables_and_releases_blocks_out_of_the_window(hybrid: Any) -> None:
+    """Over gRPC: a new request without its window tables, or a running one whose window columns disagree, is
+    refused; once a request has computed past the window, the executor no longer holds its window blocks before
+    it (a copy onto one is accepted, as it is not before)."""
+    model = hybrid("gemma2")
+    server, port = await serve(model.backend, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+
+            async def step(step_id: int, **fields: Any) -> executor_pb2.StepResult:
+                await call.write(executor_pb2.StepRequest(step_id=step_id, **fields))
+                return await call.read()
+
+            prompt = make_prompt(40, seed=5, vocab=VOCAB)
+            sampling = common_pb2.SamplingParams(temperature=0.0)
+            bare = executor_pb2.NewRequest(request_id="bare", token_ids=prompt, num_prompt_tokens=40,
+                                           num_scheduled_tokens=40, block_ids=[0, 1, 2, 3, 4], sampling=sampling)
+            result = await step(1, new_requests=[bare])
+            assert [e.request_id for e in result.errors] == ["bare"] and "window tables" in result.errors[0].message
+            a = executor_pb2.NewRequest(request_id="a", token_ids=prompt, num_prompt_tokens=40, num_scheduled_tokens=16,
+                                        block_ids=[20, 21, 22, 23, 24], window_block_ids=[10, 11, 12, 13, 14],
+                                        sampling=sampling)
+            assert not (await step(2, new_requests=[a])).errors
+            early = [executor_pb2.BlockMapping(src=20, dst=10)]
+            assert "held by live request 'a'" in (await step(3, copy=early)).error  # its window block, still read
+            off = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[24], num_new_blocks=[0],
+                                               num_new_window_blocks=[1], new_window_block_ids=[15, 16],
+                                               window_block_start=[0])
+            assert "new_window_block_ids" in (await step(4, running=off)).error
+            rest = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[24], num_new_blocks=[0])
+            result = await step(5, running=rest)
+            assert not result.error and not result.errors and list(result.sampled.request_ids) == ["a"]
+            # a has computed 40 tokens: its next query sees keys from 25 on, so window blocks 0..2 are released
+            assert not (await step(6, copy=[executor_pb2.BlockMapping(src=20, dst=b) for b in (10, 11, 12)])).error
+            assert "held by live request 'a'" in (await step(7, copy=[executor_pb2.BlockMapping(src=20, dst=13)])).error
+            moved = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[1],
+                                                 new_block_ids=[25], num_new_window_blocks=[1],
+                                                 new_window_block_ids=[15], window_block_start=[3])
+            result = await step(8, running=moved)
+            assert "window_block_start" in result.errors[0].message  # only a resumed request's table starts anew
+            await call.done_writing()
+    finally:
+        await server.stop(None)
