@@ -76,11 +76,11 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
     swaps out first) are set to NaN (with poison_cached, cached ones too: only without prefix caching, where nothing
     may read them)."""
     servicer = ExecutorServicer(backend)
-    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)  # type: ignore[arg-type]
+    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
     assert describe.capabilities.kv_window_groups > 0 and describe.capabilities.kv_window == WINDOW
     limits = replace(executor_limits(describe), num_device_blocks=num_device_blocks)
     s = Scheduler(cfg, limits)
-    tokens = {rid: [] for rid in prompts}
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     pending = list(prompts.items())
     peak = 0
     for step in range(2000):
