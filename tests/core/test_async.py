@@ -21,6 +21,7 @@ from tests.support.core_helpers import (
     check_columns,
     check_invariants,
     config_spec,
+    held_tables,
     max_model_len_spec,
     play_trace_step,
     request_spec,
@@ -33,11 +34,13 @@ Trace = tuple[dict[str, list[int]], dict[str, FinishReason]]
 
 
 def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_blocks: int,
-          steps_in_flight: int = 1, max_model_len: int = 96, lose_at: int = 0) -> Trace:
+          steps_in_flight: int = 1, max_model_len: int = 96, lose_at: int = 0, groups: int = 0,
+          window: int = 0) -> Trace:
+    """groups > 0: a hybrid model's sliding-window KV cache groups (test_window_groups.py)."""
     clock = FakeClock()
-    limits = trace_limits(device_blocks, cpu_blocks, max_model_len)
+    limits = replace(trace_limits(device_blocks, cpu_blocks, max_model_len), num_window_groups=groups, window=window)
     s = Scheduler(cfg, limits, clock=clock)
-    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
+    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
     pending: list[tuple[SchedulerOutput, ExecutorResult]] = []
@@ -49,7 +52,7 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
         clock.now = step * 0.01
         for request in play_trace_step(s, specs, step, clock.now, reasons):
             outputs[request.request_id] = []
-        before = {r.request_id: list(s.kv.block_table(r.request_id)) for r in s.running}
+        before = held_tables(s)
         in_flight = {r.request_id for r in s.running if s.rs.inflight[r.slot]}
         out = s.schedule()
         # A request whose last step is still running and that ends there stays in RUNNING until its
@@ -57,6 +60,9 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
         ending = in_flight - {w.request.request_id for w in out.scheduled}
         check_invariants(s, out, replace(cfg, max_num_seqs=cfg.max_num_seqs + len(ending)), before)
         check_columns(s)
+        leaving = set(out.finished_ids) | set(out.swapped_out_ids)
+        assert all(s.kv.device.ref_count(b) > 0 for rid, st_ in ex.states.items() if rid not in leaving
+                   for b in ex._blocks_of(st_)), "the executor still reads a block the scheduler released"
         if step == lose_at:  # the executor is lost with every step in flight: each request recomputes
             for lost in (*(o for o, _ in pending), out):
                 for d in lost.rejected:
@@ -64,7 +70,8 @@ def drive(specs: list[TraceSpec], cfg: CoreConfig, device_blocks: int, cpu_block
             pending.clear()
             s.reset_executor()
             s.set_executor_limits(limits)
-            ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23)
+            ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups,
+                               window=window)
             check_columns(s)
             continue
         result = ex.step(out)  # the executor runs steps in the order they are sent
@@ -159,3 +166,26 @@ def test_a_new_request_reusing_a_finished_ones_id_is_not_taken_for_it() -> None:
     results = [ex.step(out) for out in sent]
     deltas = [d for out, res in zip(sent, results, strict=True) for d in s.update(out, res)]
     assert [len(d.new_token_ids) for d in deltas] == [1, 1], "the old x's tokens are dropped"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(request_spec, min_size=1, max_size=12), cfg_kwargs=config_spec,
+       device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), steps_in_flight=st.integers(2, 4),
+       max_model_len=max_model_len_spec, lose_at=st.sampled_from([0, 0, 3, 10, 25]),
+       groups=st.sampled_from([1, 2]), window=st.sampled_from([1, 5, 8, 13]))
+def test_async_hybrid_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
+                                                          device_blocks: int, cpu_blocks: int, steps_in_flight: int,
+                                                          max_model_len: int, lose_at: int, groups: int,
+                                                          window: int) -> None:
+    """Sliding-window groups under async scheduling: the scheduler releases window blocks by its own (older)
+    computed count, never a block the executor, steps ahead, still reads; tokens as in sync mode."""
+    kwargs = {**cfg_kwargs, "num_scheduler_steps": 1}
+    sync_out, sync_reasons = drive(specs, CoreConfig(**kwargs), device_blocks, cpu_blocks,  # type: ignore[arg-type]
+                                   max_model_len=max_model_len, lose_at=lose_at, groups=groups, window=window)
+    async_out, async_reasons = drive(specs, CoreConfig(**kwargs, async_scheduling=True),  # type: ignore[arg-type]
+                                     device_blocks, cpu_blocks, steps_in_flight, max_model_len, lose_at, groups, window)
+    for rid, reason in sync_reasons.items():
+        if reason in (FinishReason.ABORTED, FinishReason.ERROR) or async_reasons[rid] in (
+                FinishReason.ABORTED, FinishReason.ERROR) or any(spec[10] for spec in specs):
+            continue
+        assert (async_out[rid], async_reasons[rid]) == (sync_out[rid], reason), rid

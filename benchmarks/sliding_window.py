@@ -1,0 +1,155 @@
+"""Sliding-window KV cache groups: the blocks a long request holds for a Gemma-style model's window layers.
+
+    python -m benchmarks.sliding_window [--context 8192] [--window 512] [--block-size 16] [--chunk 512]
+
+A random-weight Gemma 2 model (transformers writes it: alternating window and full-attention layers, small dims
+so it runs on a CPU) is served twice in this process, with the same KV memory: by the torch backend with window
+groups (--kv-window-release, the default) and without (one table for every layer). Each request (prompt of
+--context minus --new-tokens tokens, then --new-tokens greedy tokens) goes through the real scheduler core, the
+Execute message, the executor's validator and the torch backend, as in tests/executor/test_kv_window_groups.py.
+
+Printed per request: the most blocks its window layers held at once (the window group's table; without the
+release, its whole table), against ceil(W / block_size) + 1 and against the most held during decode alone; the
+most blocks of the pool (in pages of the same bytes) it held; whether the greedy tokens are the same both ways;
+and how many such requests fit in the same KV memory with and without the release (the pool divided by one
+request's peak, in bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from client.bench.record import emit, machine
+from executor_service.backend import BackendInfo
+from executor_service.config import ExecutorConfig
+from executor_service.runner.torch_backend import TorchBackend
+from executor_service.server import ExecutorServicer
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.config import CoreConfig
+from scheduler_service.core.request import Request, SamplingOptions
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.executor_link import result_from_proto, step_proto
+from scheduler_service.engine.executor_loop import executor_limits
+
+NUM_LAYERS = 4
+
+
+@dataclass
+class Peaks:
+    """One request's most blocks held at once: its window layers' table (all of it, and in decode steps), and
+    every table it holds, in pages."""
+
+    window: int = 0
+    window_decode: int = 0
+    pages: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+def write_model(path: Path, window: int, context: int) -> Path:
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.Gemma2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=window, max_position_embeddings=context + 64,
+        initializer_range=0.2, query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+async def serve(backend: TorchBackend, prompts: dict[str, list[int]], new_tokens: int, chunk: int) -> dict[str, Peaks]:
+    servicer = ExecutorServicer(backend)
+    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
+    limits = replace(executor_limits(describe), max_model_len=max(map(len, prompts.values())) + new_tokens)
+    s = Scheduler(CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False), limits)
+    peaks = {rid: Peaks() for rid in prompts}
+    for rid, prompt in prompts.items():
+        s.add_request(Request(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
+                              0.0))
+    while s.has_unfinished():
+        out = s.schedule()
+        for r in s.running:
+            record(s, r, peaks[r.request_id])
+        result = await servicer.run_step(step_proto(out))
+        if result.error or result.errors:
+            raise RuntimeError(f"step refused: {result.error or list(result.errors)}")
+        for delta in s.update(out, result_from_proto(result, out)):
+            peaks[delta.request_id].tokens += delta.new_token_ids
+    return peaks
+
+
+def record(s: Scheduler, request: Request, peaks: Peaks) -> None:
+    rid = request.request_id
+    table = s.kv.window_table(rid)
+    window = table.length if table is not None else len(s.kv.block_table(rid))
+    peaks.window = max(peaks.window, window)
+    if request.num_computed_tokens >= request.num_prompt_tokens:
+        peaks.window_decode = max(peaks.window_decode, window)
+    peaks.pages = max(peaks.pages, s.kv.num_blocks_held(rid))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens: the prefill chunk")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--kv-gib", type=float, default=0.25, help="KV memory of each executor")
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    generator = torch.Generator().manual_seed(3)
+    prompt_len = args.context - args.new_tokens
+    prompts = {f"r{i}": torch.randint(3, 512, (prompt_len,), generator=generator).tolist()
+               for i in range(args.requests)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model(Path(tmp) / "gemma2", args.window, args.context)
+        results: dict[bool, tuple[BackendInfo, dict[str, Peaks], float]] = {}
+        for release in (True, False):
+            config = ExecutorConfig(model=str(path), device="cpu", block_size=args.block_size, num_cpu_blocks=0,
+                                    cpu_kv_cache_space=args.kv_gib, max_num_batched_tokens=args.chunk, seed=0,
+                                    kv_window_release=release)
+            backend = TorchBackend.create(config)
+            t0 = time.perf_counter()
+            peaks = asyncio.run(serve(backend, prompts, args.new_tokens, args.chunk))
+            results[release] = (backend.info, peaks, time.perf_counter() - t0)
+    report(args, results)
+
+
+def report(args: argparse.Namespace, results: dict[bool, tuple[BackendInfo, dict[str, Peaks], float]]) -> None:
+    bound = -(-args.window // args.block_size) + 1
+    _, on, on_s = results[True]
+    _, off, off_s = results[False]
+    layers_per_page = {True: NUM_LAYERS // 2, False: NUM_LAYERS}  # Gemma 2 alternates: half the layers are full
+    for rid in on:
+        emit({"bench": "sliding_window", "request": rid, "context": args.context, "window": args.window,
+              "block_size": args.block_size, "chunk": args.chunk, "bound_ceil_w_over_bs_plus_1": bound,
+              "window_blocks_peak": on[rid].window, "window_blocks_peak_decode": on[rid].window_decode,
+              "window_blocks_peak_release_off": off[rid].window,
+              "pages_peak": on[rid].pages, "pages_peak_release_off": off[rid].pages,
+              "same_greedy_tokens": on[rid].tokens == off[rid].tokens, "tokens": len(on[rid].tokens)})
+    # one request's peak in bytes: pages of layers_per_page layers each
+    per_request = {release: max(p.pages for p in peaks.values()) * layers_per_page[release]
+                   for release, (_, peaks, _) in results.items()}
+    pool = {release: info.num_device_blocks * layers_per_page[release]
+            for release, (info, _, _) in results.items()}
+    fits = {release: pool[release] // per_request[release] for release in results}
+    emit({"bench": "sliding_window", "summary": True, "kv_gib": args.kv_gib,
+          "pool_layer_blocks": pool[True], "request_layer_blocks_peak": per_request[True],
+          "request_layer_blocks_peak_release_off": per_request[False],
+          "concurrent_requests_fit": fits[True], "concurrent_requests_fit_release_off": fits[False],
+          "ratio": round(fits[True] / max(1, fits[False]), 2), "seconds": round(on_s, 1),
+          "seconds_release_off": round(off_s, 1), **machine()}, args.json_out)
+
+
+if __name__ == "__main__":
+    main()
