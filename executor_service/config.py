@@ -103,6 +103,10 @@ class ExecutorConfig:
     sim_token_latency_us: float = 0.0
     sim_eos_rate: float = field(default=0.0, metadata=flag("probability that a simulated token is EOS (0 = never)"))
     sim_eos_token_id: int = 2
+    sim_kv_window_groups: int = field(default=0, metadata=flag(
+        "simulated: advertise this many sliding-window KV cache groups (a hybrid model's window tables, checked and"
+        " released as the torch executor does; 0 = one table)"))
+    sim_kv_window: int = field(default=0, metadata=flag("simulated: the window of --sim-kv-window-groups, in tokens"))
     tls_cert: str | None = field(default=None, metadata=flag("PEM certificate: serve the Executor API over TLS"))
     tls_key: str | None = field(default=None, metadata=flag("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=flag(
