@@ -24,6 +24,7 @@ CHUNK_BYTES = 1 << 21
 DEVICE_CHUNK_BYTES = 1 << 28
 SCRATCH_MAX_BYTES = 1 << 23
 PAD_SLACK = 1.5
+MAX_PLANS = 8  # plans a scratch keeps for one step: one per KV cache group whose layers share its window
 
 PlanT = TypeVar("PlanT")
 
@@ -62,12 +63,12 @@ class Plan:
 class Scratch:
     """Per-caller state (one forward thread): gather buffers reused across calls (fresh multi-megabyte tensors
     cost more in page faults than the gather itself; requests over SCRATCH_MAX_BYTES get a fresh tensor), and
-    the plan of the current step, kept while the caller passes the same metadata tensors (one per layer)."""
+    the plans of the current step, kept while the caller passes the same metadata tensors (one per layer; one plan
+    per KV cache group's block tables)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
-        self._plan_key: tuple[Tensor, ...] = ()
-        self._plan: Any = None
+        self._plans: list[tuple[tuple[Tensor, ...], Any]] = []  # the step's plans, one per table set (KV groups)
 
     def get(self, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
         numel = shape[0] * shape[1]
@@ -82,10 +83,19 @@ class Scratch:
     def plan(self, key: tuple[Tensor, ...], build: Callable[[], PlanT]) -> PlanT:
         """The plan for these metadata tensors (compared by identity; they are held, so ids cannot be reused).
         One kind of plan per scratch: callers with different plan types use different scratches."""
-        if self._plan is None or len(key) != len(self._plan_key) or any(
-                a is not b for a, b in zip(key, self._plan_key, strict=True)):
-            self._plan, self._plan_key = build(), key
-        return self._plan
+        for held, plan in self._plans:
+            if len(held) == len(key) and all(a is b for a, b in zip(key, held, strict=True)):
+                return plan
+        if len(self._plans) >= MAX_PLANS or not self._plans or not same_step(self._plans[0][0], key):
+            self._plans = []  # a new step (or too many tables): the old plans go
+        plan = build()
+        self._plans.append((key, plan))
+        return plan
+
+
+def same_step(held: tuple[Tensor, ...], key: tuple[Tensor, ...]) -> bool:
+    """Two plan keys of one step: the same tensors but the block tables (the first), which each KV group has."""
+    return len(held) == len(key) and all(a is b for a, b in zip(held[1:], key[1:], strict=True))
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
