@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
+from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import ExecutorServicer, serve
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -197,3 +198,16 @@ async def test_the_executor_checks_window_tables_and_releases_blocks_out_of_the_
             await call.done_writing()
     finally:
         await server.stop(None)
+
+
+def test_layers_are_cut_into_groups_of_equal_size() -> None:
+    gemma3_1b = [None if i % 6 == 5 else 512 for i in range(26)]  # 4 full-attention layers, 22 window layers
+    layout = plan_layout(gemma3_1b, release=True)
+    assert layout.page_layers == 4 and layout.num_window_groups == 6 and layout.window == 512  # the last one padded
+    assert [layout.layer_groups[i] for i in (5, 11, 17, 23)] == [0, 0, 0, 0]
+    assert [layout.layer_slots[i] for i in (5, 11, 17, 23)] == [0, 1, 2, 3]
+    pairs = {(layout.layer_groups[i], layout.layer_slots[i]) for i in range(26)}
+    assert len(pairs) == 26  # no two layers share a group's page slot
+    assert plan_layout([None, 16, None, 16], release=True).num_window_groups == 1
+    assert plan_layout([16, 16], release=True) == KVLayout.single(2)  # every layer slides: one table
+    assert plan_layout([None, 16], release=False) == KVLayout.single(2)
