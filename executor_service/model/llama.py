@@ -320,7 +320,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else (cos, sin)
         residual = None
-        metas = meta.layer_metas or [meta] * len(kv_caches)
+        # (torch.compile traces with meta None: runner/compiled.py hands each layer its step's metadata itself)
+        metas = meta.layer_metas if meta is not None and meta.layer_metas else [meta] * len(kv_caches)
         for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
             layer_cos, layer_sin = local if layer.uses_local_rope else (cos, sin)
             x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, layer_meta)
