@@ -21,6 +21,8 @@ class RequestState:
     num_computed: int
     block_table: list[int] | None
     sampling: SamplingConfig
+    draft_computed: int = 0
+    """Speculative decoding with a draft model: its KV holds this request's positions [0, draft_computed)."""
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class AdmittedRequest:
     resumed: bool = False
     new: RequestState | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    num_model_drafts: int = 0
 
 
 @dataclass(slots=True)
@@ -121,11 +124,13 @@ class RequestTable:
         for block in admitted.new_block_ids:
             self.device_owner.setdefault(block, set()).add(rid)
 
-    def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None) -> BatchItem:
+    def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None,
+             num_model_drafts: int = 0) -> BatchItem:
         """The batch item of a request the validator admitted (or check_span accepted) for num_tokens, and the
-        drafts it verifies."""
+        drafts it verifies (given, or proposed by the backend's draft model)."""
         end = state.num_computed + num_tokens
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
                          num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
-                         draft_token_ids or ())
+                         draft_token_ids or (), num_model_drafts=num_model_drafts,
+                         draft_start=min(state.draft_computed, state.num_computed))
 

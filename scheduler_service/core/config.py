@@ -65,3 +65,4 @@ class ExecutorLimits:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     max_num_draft_tokens: int = 0  # draft tokens the executor verifies per request and step (0: none)
+    max_num_model_draft_tokens: int = 0  # tokens the executor's draft model proposes per request and step (0: none)

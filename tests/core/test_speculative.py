@@ -46,14 +46,15 @@ def test_the_flag_reads_vllms_keys() -> None:
     ("not json", "not JSON"),
     ("[1]", "JSON object"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative-config.method"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', "not implemented"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "must be 'ngram' or 'draft_model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "d"}', "speculative-config.model"),
     ('{"method": "ngram"}', "speculative-config.num_speculative_tokens: required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative-config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": true}', "speculative-config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}',
      "speculative-config.prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}', "min_acceptance_rate"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}', "unknown key 'draft'"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(text: str, names: str) -> None:
     with pytest.raises(ValueError, match=names):
