@@ -13,7 +13,12 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from scheduler_service.core.speculative import (
+    SpecMethod,
+    SpeculativeConfig,
+    parse_speculative_config,
+    propose_ngram,
+)
 from tests.support.core_helpers import (
     BLOCK,
     EOS,
@@ -158,6 +163,43 @@ def test_an_executor_without_verification_gets_plain_steps() -> None:
     s = make_scheduler(max_drafts=0)
     started(s, max_tokens=50)
     assert drafts_of(s.schedule()) == {}
+
+
+DRAFT_MODEL_SPEC = SpeculativeConfig(SpecMethod.DRAFT_MODEL, num_speculative_tokens=3, disable_by_batch_size=64)
+
+
+def model_drafting_scheduler(max_model_drafts: int) -> Scheduler:
+    cfg = CoreConfig(watermark=0.0, speculative_config=DRAFT_MODEL_SPEC)
+    limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=64, num_swap_blocks=0, max_model_len=256,
+                            eos_token_ids=(EOS,), max_num_draft_tokens=16, max_num_model_draft_tokens=max_model_drafts)
+    return Scheduler(cfg, limits, clock=FakeClock())
+
+
+def test_draft_model_slots_are_reserved_and_any_answer_of_at_most_k_plus_one_tokens_is_accepted() -> None:
+    """#31, method draft_model: the scheduler reserves k slots and budget for the executor's draft model (the
+    step carries no tokens, only the count) and accepts the run it answers; more than k + 1 tokens fail."""
+    s = model_drafting_scheduler(4)
+    request = started(s, prompt=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=50)  # nothing repeats: no n-gram would draft
+    out = s.schedule()
+    work = out.scheduled[0]
+    assert (work.num_model_drafts, work.draft_token_ids, out.total_num_scheduled_tokens) == (3, (), 4)
+    assert out.running_requests()[0].num_model_drafts == 3
+    assert len(s.kv.block_table("r")) * BLOCK >= request.num_tokens + 3
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [40, 41, 42]})))
+    assert deltas[0].new_token_ids == [40, 41, 42] and request.num_computed_tokens == 8 + 1 + 2
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (3, 2)
+    out = s.schedule()
+    assert out.scheduled[0].num_model_drafts == 3
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [1, 2, 3, 4, 5]})))
+    assert deltas[0].finish_reason is FinishReason.ERROR and "do not verify the 3 drafts" in deltas[0].error
+    assert s.kv.device.num_free == 64
+
+
+def test_draft_model_without_the_executors_capability_gets_plain_steps() -> None:
+    s = model_drafting_scheduler(0)  # the executor verifies n-gram drafts but has no draft model
+    started(s, max_tokens=50)
+    out = s.schedule()
+    assert [(w.num_model_drafts, w.draft_token_ids) for w in out.scheduled] == [(0, ())]
 
 
 @pytest.mark.parametrize(("batch_size", "drafted"), [(1, set()), (2, {"a", "b"})])
