@@ -53,7 +53,8 @@ class CoreConfig:
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = field(default=None, metadata=flag(
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": N, '
-        '"prompt_lookup_max": M} (also disable_by_batch_size, min_acceptance_rate); off by default',
+        '"prompt_lookup_max": M} (also disable_by_batch_size, min_acceptance_rate), or {"method": "draft_model", '
+        '"num_speculative_tokens": K} with an executor started with --draft-model DIR; off by default',
         parse=speculative_flag))
 
 
