@@ -392,6 +392,8 @@ class Scheduler:
             tokens = request.all_token_ids
             if record is not None and record.guess is not None:
                 record.settle_guess(tokens, request.num_output_tokens, spec.min_acceptance_rate)
+            if record is not None:
+                k = min(k, record.draft_depth(k_max))
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
                 continue
             if model_drafts:

@@ -119,7 +119,10 @@ class DraftRecord:
     the metrics), and the back-off: a recent acceptance rate, and the output length before which it does not
     propose (paused after its rate fell below the floor), with the length of its last pause. guess: under async
     scheduling, the position and token its n-gram predicted for a token still being sampled (it waited for
-    that token to draft after it); a wrong guess counts as a rejected draft in the back-off."""
+    that token to draft after it); a wrong guess counts as a rejected draft in the back-off. depth: a recent
+    average of its accepted run (accepted drafts + 1), which caps how many drafts it gets (draft_depth): a request
+    whose first drafts are rejected drafts fewer, so a verification or a draft model's passes are not spent on
+    positions that are rarely accepted."""
 
     steps: int = 0
     drafted: int = 0
@@ -128,6 +131,11 @@ class DraftRecord:
     resume_at: int = 0
     pause: int = 0
     guess: tuple[int, int] | None = None
+    depth: float = float(MAX_SPECULATIVE_TOKENS + 1)
+
+    def draft_depth(self, k_max: int) -> int:
+        """Drafts to propose now: its recent accepted run (rounded), within [1, k_max]."""
+        return max(1, min(k_max, round(self.depth)))
 
     @property
     def mean_accepted_length(self) -> float:
@@ -138,6 +146,7 @@ class DraftRecord:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.depth = min(self.depth, drafted + 1.0) * 0.5 + (accepted + 1) * 0.5
         self.observe(accepted / drafted, num_output, floor)
 
     def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> None:

@@ -150,6 +150,21 @@ def test_a_stop_token_inside_an_accepted_run_cuts_it() -> None:
     assert s.kv.device.num_free == 64 - len(s.kv._tables)
 
 
+def test_a_request_whose_drafts_are_rejected_drafts_fewer_and_more_again_once_accepted() -> None:
+    """#31 adaptivity: the number of drafts follows the request's recent accepted run (accepted drafts + 1)."""
+    s = make_scheduler()
+    started(s, max_tokens=60)
+    out = s.schedule()
+    assert drafts_of(out) == {"r": (11, 12, 13)}
+    list(s.update(out, ExecutorResult(sampled={"r": [12]})))  # the first draft rejected: a run of 1
+    out = s.schedule()
+    assert len(drafts_of(out)["r"]) == 2
+    drafts = drafts_of(out)["r"]
+    list(s.update(out, ExecutorResult(sampled={"r": [*drafts, 10]})))  # all accepted: a run of 3
+    out = s.schedule()
+    assert len(drafts_of(out)["r"]) == 3
+
+
 def test_drafts_never_run_past_max_tokens() -> None:
     s = make_scheduler()
     request = started(s, max_tokens=3)  # one token out: two more, the last one the model's own
