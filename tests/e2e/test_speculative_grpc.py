@@ -125,6 +125,9 @@ def test_speculation_keeps_every_output(tmp_path: Path) -> None:
 
 
 DRAFT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
+# Fewer blocks than EXECUTOR_ARGS: a drafted step never preempts (drafts fall back to a plain decode when the
+# pool is short), so only plain growth does, and 16 blocks (one of the longest requests and a little) make it.
+DRAFT_EXECUTOR_ARGS = ["--num-gpu-blocks", "16", "--num-cpu-blocks", "64", "--block-size", "16"]
 DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "model": "'
               + str(DRAFT_MODEL) + '"}')
 
@@ -135,7 +138,8 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
     preemption with async scheduling and an executor SIGKILL, and under recompute preemption; every greedy draft
     is accepted (the draft is the model), so acceptance is 1.0 on a greedy-only run."""
     address = f"127.0.0.1:{free_port()}"
-    plain_exec = start("executor_service", ["--listen", address, *EXECUTOR_ARGS], tmp_path / "executor-plain.log")
+    plain_exec = start("executor_service", ["--listen", address, *DRAFT_EXECUTOR_ARGS],
+                       tmp_path / "executor-plain.log")
     try:
         wait_healthy(address, plain_exec)
         plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
@@ -145,7 +149,7 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
         assert "needs an executor with a draft model" in log and "--draft-model" in log
     finally:
         stop(plain_exec)
-    args = ["--listen", address, *EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
+    args = ["--listen", address, *DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
     executors = [start("executor_service", args, tmp_path / "executor.log")]
 
     def restart(kill: threading.Event) -> None:
@@ -156,10 +160,10 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
 
     try:
         wait_healthy(address, executors[0])
+        chunks = ["--speculative-config", DRAFT_SPEC, "--max-num-batched-tokens", "32"]  # more requests in flight
         runs = {
-            "draft-swap-async-sigkill": (["--speculative-config", DRAFT_SPEC, "--preemption-mode", "swap"], restart),
-            "draft-recompute-sync": (["--speculative-config", DRAFT_SPEC, "--preemption-mode", "recompute",
-                                      "--no-async-scheduling"], None),
+            "draft-swap-async-sigkill": ([*chunks, "--preemption-mode", "swap"], restart),
+            "draft-recompute-sync": ([*chunks, "--preemption-mode", "recompute", "--no-async-scheduling"], None),
         }
         for name, (flags, killer) in runs.items():
             outputs, m = scheduler_run(tmp_path, address, name, flags, killer)
