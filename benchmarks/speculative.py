@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--output-len 128]
         [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
-        [--scheduler-flags "--no-async-scheduling"]
+        [--scheduler-flags "--no-async-scheduling"] [--method ngram|draft_model] [--draft-model DIR]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
 scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn, --rounds
@@ -19,6 +19,12 @@ At each concurrency level, max(level * requests_per_level, 4) requests go out wi
 and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
 executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
 (load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
+
+--method draft_model starts the executor with --draft-model DIR (default: the embedded default model, the model
+as its own draft: every greedy draft is accepted, and each drafted step costs k - 1 extra draft passes and a
+draft catch-up; it measures the mechanics, not a useful draft) and the speculative scheduler with
+{"method": "draft_model", ...}; both settings run against that executor (with speculation off the draft model is
+idle).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from client.bench.runner import RunConfig, run_benchmark
 from client.lib import PagedServeClient
 from client.local import Service, free_port, parse_metrics, service
 
-CORPUS = Path(__file__).resolve().parent.parent / "executor_service/default_model/data/generated_corpus.txt"
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
+DEFAULT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                 "vllm:spec_decode_num_accepted_tokens_total")
 STEPS = "pagedserve:executor_step_seconds_count"
@@ -143,11 +151,21 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--scheduler-flags", default="", help="more flags for both schedulers, e.g. --no-async-scheduling")
+    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--draft-model", default=str(DEFAULT_MODEL), help="--method draft_model: the executor's draft model")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative-config.disable_by_batch_size (default: the scheduler's)")
     args = p.parse_args()
     work = {(name, level): dataset(name, max(4, level * args.requests_per_level), args.output_len)
             for name in args.datasets for level in args.concurrency}
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
+    config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = args.disable_by_batch_size
     executor_args = ["--device", args.device, "--num-gpu-blocks", "4096"]
+    if args.method == "draft_model":
+        config["model"] = args.draft_model
+        executor_args += ["--draft-model", args.draft_model]
+    spec = json.dumps(config)
     with service("executor_service", executor_args, args.log_dir, env={"OMP_NUM_THREADS": str(args.threads)},
                  name="executor") as executor:
         extra = args.scheduler_flags.split()

@@ -47,6 +47,11 @@ class BatchItem:
     sample: bool
     sampling: SamplingConfig
     draft_token_ids: Sequence[int] = ()
+    num_model_drafts: int = 0
+    """Speculative decoding with the backend's draft model: it proposes this many tokens after the last one (greedy,
+    into the lookahead slots of block_table) and verifies them as draft_token_ids; not with draft_token_ids."""
+    draft_start: int = 0
+    """The draft model's KV holds positions [0, draft_start) of this request (<= start): its pass catches up."""
     token_mask: np.ndarray | None = None
     """Structured outputs: the tokens it may sample here (token_masks.py's row: bit t of the bytes, least
     significant bit first, allows token t); None = any. An item with a mask carries no drafts."""
@@ -99,6 +104,8 @@ class BackendInfo:
     """Seconds of each start-up phase, in order."""
     max_num_draft_tokens: int = 0
     """Draft tokens it verifies per request and pass (speculative decoding); 0: it does not verify drafts."""
+    max_num_model_draft_tokens: int = 0
+    """Tokens its draft model proposes per request and pass (BatchItem.num_model_drafts); 0: no draft model."""
     architecture: str = ""
     """The Hugging Face architecture name served ("" for none, e.g. the simulated backend)."""
     sliding_windows: tuple[int, ...] = ()

@@ -27,6 +27,10 @@ class ExecutorConfig:
     model: str | None = field(default=None, metadata=flag(
         "Hugging Face model directory (default: embedded model)", exclusive="source"))
     simulated: bool = field(default=False, metadata=flag("model-free simulated executor", exclusive="source"))
+    draft_model: str | None = field(default=None, metadata=flag(
+        "speculative decoding: a draft model directory (the same tokenizer and vocabulary as the model) that "
+        "proposes tokens for the scheduler's --speculative-config '{\"method\": \"draft_model\", ...}'; it runs "
+        "here, beside the model, over its own KV cache of the same blocks (docs/speculative.md)"))
     device: str = field(default="auto", metadata=flag(choices=["auto", "cuda", "cpu"]))
     dtype: str = field(default="auto", metadata=flag(choices=["auto", "float32", "float16", "bfloat16"]))
     block_size: int = 16

@@ -39,7 +39,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window)
         limits = limits or StepLimits()  # drafts only as many as the backend verifies (none: refused)
-        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens))
+        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
+                              max_num_model_draft_tokens=min(limits.max_num_model_draft_tokens,
+                                                             info.max_num_model_draft_tokens))
         self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
@@ -65,6 +67,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
                 max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True,
                 max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
+                max_num_model_draft_tokens=limits.max_num_model_draft_tokens,
                 deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
@@ -138,7 +141,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self.backend.copy(block_maps(step.copy))
             t_swap = time.perf_counter_ns()
             states = self.table.states
-            items = [self.table.item(states[a.request_id], a.num_tokens, a.draft_token_ids) for a in plan.admitted]
+            items = [self.table.item(states[a.request_id], a.num_tokens, a.draft_token_ids, a.num_model_drafts)
+                     for a in plan.admitted]
             if masks:
                 for item in items:
                     item.token_mask = masks.get(item.request_id) if item.sample else None
@@ -182,9 +186,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 if sample is None:
                     continue
                 run = sample.run()
-                if len(run) > len(item.draft_token_ids) + 1:
-                    raise RuntimeError(f"backend answered {len(run)} tokens for {len(item.draft_token_ids)} drafts")
+                drafts = len(item.draft_token_ids) + item.num_model_drafts
+                if len(run) > drafts + 1:
+                    raise RuntimeError(f"backend answered {len(run)} tokens for {drafts} drafts")
                 state.num_computed += len(run) - 1  # the accepted drafts' KV is in the cache
+                if item.num_model_drafts:  # the draft model was fed up to the last token and all drafts but one
+                    fed = item.start + item.num_tokens + item.num_model_drafts - 1
+                    state.draft_computed = min(state.num_computed, fed)
                 state.token_ids.extend(s.token_id for s in run)
                 outputs.setdefault(item.request_id, []).extend(run)
                 if remaining and not item.draft_token_ids and self._fits_one_more(state):

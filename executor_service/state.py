@@ -24,6 +24,8 @@ class RequestState:
     sampling: SamplingConfig
     window_start: int = 0
     windows: list[list[int]] = field(default_factory=list)  # per window group: its blocks from window_start on
+    draft_computed: int = 0
+    """Speculative decoding with a draft model: its KV holds this request's positions [0, draft_computed)."""
 
     def held_blocks(self) -> list[int]:
         return [*(self.block_table or ()), *(b for group in self.windows for b in group)]
@@ -45,6 +47,7 @@ class AdmittedRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     window_start: int = 0
     new_window_blocks: list[list[int]] = field(default_factory=list)  # per window group (whole when new or resumed)
+    num_model_drafts: int = 0
 
     def new_blocks(self) -> list[int]:
         return [*self.new_block_ids, *(b for group in self.new_window_blocks for b in group)]
@@ -161,12 +164,14 @@ class RequestTable:
         for block in admitted.new_blocks():
             self.device_owner.setdefault(block, set()).add(rid)
 
-    def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None) -> BatchItem:
+    def item(self, state: RequestState, num_tokens: int, draft_token_ids: list[int] | None = None,
+             num_model_drafts: int = 0) -> BatchItem:
         """The batch item of a request the validator admitted (or check_span accepted) for num_tokens, and the
-        drafts it verifies."""
+        drafts it verifies (given, or proposed by the backend's draft model)."""
         end = state.num_computed + num_tokens
         windows = [[0] * state.window_start + group for group in state.windows]  # positions before: never read
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
                          num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
-                         draft_token_ids or (), window_tables=windows)
+                         draft_token_ids or (), window_tables=windows, num_model_drafts=num_model_drafts,
+                         draft_start=min(state.draft_computed, state.num_computed))
 

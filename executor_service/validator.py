@@ -40,6 +40,7 @@ class RunningColumns:
     draft_token_ids: list[int]
     new_window_blocks: list[list[int]]  # per window group
     window_start: int
+    num_model_drafts: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +53,7 @@ class StepLimits:
     max_num_lookahead_slots: int = MAX_NUM_LOOKAHEAD_SLOTS
     max_num_steps: int = MAX_NUM_STEPS
     max_num_draft_tokens: int = MAX_NUM_DRAFT_TOKENS
+    max_num_model_draft_tokens: int = MAX_NUM_DRAFT_TOKENS
 
 
 def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
@@ -59,7 +61,7 @@ def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
     if step.num_steps > limits.max_num_steps:
         raise StepRefused(f"num_steps {step.num_steps} exceeds max_num_steps {limits.max_num_steps} "
                           "(Describe.capabilities)")
-    if step.running.draft_token_ids and step.num_steps > 1:
+    if (step.running.draft_token_ids or any(step.running.num_model_draft_tokens)) and step.num_steps > 1:
         raise StepRefused("draft tokens need num_steps 1 (a verified step is not a multi-step decode)")
     if step.num_lookahead_slots > limits.max_num_lookahead_slots:
         raise StepRefused(f"num_lookahead_slots {step.num_lookahead_slots} exceeds max_num_lookahead_slots "
@@ -69,7 +71,7 @@ def check_step_size(step: executor_pb2.StepRequest, limits: StepLimits) -> None:
         raise StepRefused(f"the step schedules {seqs} requests, more than max_num_seqs {limits.max_num_seqs} "
                           "(Describe.capabilities)")
     tokens = (sum(n.num_scheduled_tokens for n in step.new_requests) + sum(step.running.num_scheduled_tokens)
-              + len(step.running.draft_token_ids))
+              + len(step.running.draft_token_ids) + sum(step.running.num_model_draft_tokens))
     if tokens > limits.max_num_batched_tokens:
         raise StepRefused(f"the step schedules {tokens} tokens, more than max_num_batched_tokens "
                           f"{limits.max_num_batched_tokens} (Describe.capabilities)")
@@ -116,7 +118,7 @@ def running_columns(run: executor_pb2.RunningRequests, window_groups: int = 0) -
     blocks = split_columns(run.new_block_ids, counts) if any(counts) else [[] for _ in ids]
     windows, starts = window_columns(run, len(ids), window_groups)
     return [RunningColumns(*row) for row in zip(ids, blocks, nums, resumed, draft_columns(run, len(ids)), windows,
-                                                 starts, strict=True)]
+                                                 starts, model_draft_column(run, len(ids)), strict=True)]
 
 
 def window_columns(run: executor_pb2.RunningRequests, num_requests: int,
@@ -137,6 +139,17 @@ def window_columns(run: executor_pb2.RunningRequests, num_requests: int,
     runs = split_columns(run.new_window_block_ids, [n * window_groups for n in counts])
     return [[blocks[g * n:(g + 1) * n] for g in range(window_groups)] for blocks, n in zip(runs, counts,
                                                                                           strict=True)], starts
+
+
+def model_draft_column(run: executor_pb2.RunningRequests, num_requests: int) -> list[int]:
+    """Each running request's count of draft-model tokens (0 when the column is empty); StepRefused if the column
+    is not one per request."""
+    counts = list(run.num_model_draft_tokens)
+    if not counts:
+        return [0] * num_requests
+    if len(counts) != num_requests:
+        raise StepRefused("running: num_model_draft_tokens must be a column of request_ids' length")
+    return counts
 
 
 def draft_columns(run: executor_pb2.RunningRequests, num_requests: int) -> list[list[int]]:
@@ -298,11 +311,26 @@ class StepValidator:
             raise RequestRefused("num_scheduled_tokens goes past the request's known tokens")
         if r.draft_token_ids:
             self._check_drafts(state, r)
-        self._check_span(state.num_computed, r.num_tokens + len(r.draft_token_ids), len(held) + len(r.new_block_ids))
+        if r.num_model_drafts:
+            self._check_model_drafts(state, r)
+        span = r.num_tokens + len(r.draft_token_ids) + r.num_model_drafts
+        self._check_span(state.num_computed, span, len(held) + len(r.new_block_ids))
         window_end += len(r.new_window_blocks[0]) if r.new_window_blocks else 0
-        self._check_window_span(state.num_computed, r.num_tokens + len(r.draft_token_ids), window_first, window_end)
+        self._check_window_span(state.num_computed, span, window_first, window_end)
         return AdmittedRequest(r.request_id, r.num_tokens, r.new_block_ids, r.resumed, None, r.draft_token_ids,
-                               r.window_start, r.new_window_blocks)
+                               r.window_start, r.new_window_blocks, r.num_model_drafts)
+
+    def _check_model_drafts(self, state: RequestState, r: RunningColumns) -> None:
+        """Draft-model tokens: an executor with a draft model, within its count, after the request's last token,
+        not with given drafts."""
+        most = self.limits.max_num_model_draft_tokens
+        if r.num_model_drafts > most:
+            raise RequestRefused(f"num_model_draft_tokens {r.num_model_drafts} exceeds max_num_model_draft_tokens "
+                                 f"{most} (Describe.capabilities; 0: no --draft-model)")
+        if r.draft_token_ids:
+            raise RequestRefused("a request carries draft_token_ids or num_model_draft_tokens, not both")
+        if state.num_computed + r.num_tokens != len(state.token_ids):
+            raise RequestRefused("num_model_draft_tokens needs num_scheduled_tokens to reach the request's last token")
 
     def _check_drafts(self, state: RequestState, r: RunningColumns) -> None:
         """Drafts follow the request's last token, within the advertised count and the vocabulary."""

@@ -28,6 +28,7 @@ from client.bench.openai_backend import OpenAIBenchClient
 from client.bench.plot import PlotPoint, plot_results
 from client.bench.report import format_table, rate_label, result_dict, write_json
 from client.bench.runner import RunConfig, run_benchmark
+from client.bench.spec_decode import MetricsError, format_spec_table, scrape_spec_counters, spec_summary
 from client.bench.stats import SLO, BenchMetrics, compute_metrics, parse_goodput
 from client.lib import PagedServeClient
 
@@ -147,7 +148,22 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="plot throughput and latency against request rate to FILE.png")
     out.add_argument("--disable-tqdm", "--no-progress", dest="progress", action="store_false",
                      help="no progress bar")
+    spec = b.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", action="store_true",
+                      help="report the server's speculative decoding during each run (acceptance rate, acceptance "
+                      "length, per-position acceptance), from its Prometheus counters before and after the run")
+    spec.add_argument("--metrics-url", default=None, metavar="URL",
+                      help="the server's Prometheus endpoint for --speculative (default: http://HOST:8000/metrics "
+                      "for --server HOST:PORT, BASE_URL/metrics for --backend openai)")
     return b
+
+
+def metrics_url(args: argparse.Namespace) -> str:
+    if args.metrics_url:
+        return str(args.metrics_url)
+    if args.backend == "openai":
+        return str(args.base_url).rstrip("/") + "/metrics"
+    return f"http://{str(args.server).rsplit(':', 1)[0]}:8000/metrics"
 
 
 def token_counter(args: argparse.Namespace) -> TokenCounter:
@@ -218,10 +234,20 @@ async def run_bench(args: argparse.Namespace) -> int:
         if not await (check_server(client, args.server) if isinstance(client, PagedServeClient) else client.check()):
             return 1
         for rate in args.request_rate:
-            result = await run_benchmark(client, requests, run_config(args, rate), desc=f"rate {rate_label(rate)}")
+            try:
+                before = scrape_spec_counters(metrics_url(args)) if args.speculative else None
+                result = await run_benchmark(client, requests, run_config(args, rate),
+                                             desc=f"rate {rate_label(rate)}")
+                spec = (spec_summary(scrape_spec_counters(metrics_url(args)).minus(before))
+                        if before is not None else {})
+            except MetricsError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             metrics: BenchMetrics = compute_metrics(result.traces, result.duration, args.percentiles, slo)
             print(format_table(result, metrics), flush=True)
-            runs.append(result_dict(result, metrics, run_meta(args)))
+            if spec:
+                print(format_spec_table(spec), flush=True)
+            runs.append(result_dict(result, metrics, {**run_meta(args), **spec}))
             points.append(PlotPoint(rate_label(rate), metrics))
     if args.result_json:
         write_json(args.result_json, runs)

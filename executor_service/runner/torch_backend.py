@@ -40,6 +40,7 @@ from executor_service.model.packed import Packing
 from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
+from executor_service.runner.draft_model import DraftModel, check_draft_vocabulary
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.sampler import Sampler, SampleRequest
@@ -101,6 +102,8 @@ class TorchBackend:
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
         self.calibration: Future[Packing] = finished(Packing(None, 0))
         """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
+        self.draft: DraftModel | None = None
+        """--draft-model: the model that proposes drafts for items with num_model_drafts (runner/draft_model.py)."""
 
     @classmethod
     def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
@@ -164,7 +167,11 @@ class TorchBackend:
         with phases.phase("warm-up"):
             backend.warm_up()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
-        backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts)
+        if config.draft_model:
+            with phases.phase("draft model"):
+                backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
+        backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts,
+                               max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
         if packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
                                                     startup_cache(config))
@@ -183,12 +190,18 @@ class TorchBackend:
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
+        if self.draft is not None:
+            self.draft.swap_out(mapping)
 
     def swap_in(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_in(mapping)
+        if self.draft is not None:
+            self.draft.swap_in(mapping)
 
     def copy(self, mapping: BlockMap) -> None:
         self.kv_cache.copy(mapping)
+        if self.draft is not None:
+            self.draft.copy(mapping)
 
     async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """On the forward thread, so that the event loop serves on during the pass; inline where the pass is a
@@ -200,14 +213,15 @@ class TorchBackend:
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
         return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
-                and all(item.num_tokens == 1 and not item.draft_token_ids and item.deferred_masks is None
+                and all(item.num_tokens == 1 and not item.draft_token_ids and not item.num_model_drafts
+                        and item.deferred_masks is None
                         for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """Run one forward pass over all items; one entry per item, None where item.sample is False."""
         if not items:
             return []
-        if any(item.draft_token_ids for item in items):
+        if any(item.draft_token_ids or item.num_model_drafts for item in items):
             return self.verify(items)
         t0 = time.perf_counter()
         batch = self.prepare(items)
@@ -219,7 +233,13 @@ class TorchBackend:
 
     def verify(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         """One forward pass that also computes the items' draft tokens and verifies them (runner/speculative.py):
-        each sampled item's run of accepted drafts and the model's token after them."""
+        each sampled item's run of accepted drafts and the model's token after them. Items with num_model_drafts
+        get theirs from the draft model first."""
+        if self.draft is not None:
+            for item in items:
+                validate_item(item, self.info)
+            with torch.inference_mode():
+                items = self.draft.propose(items)
         batch = self.prepare(expand_drafts(items))
         rows, _ = verify_rows(items, batch.sample_items)
         batch.output_rows = row_index(rows, self.device)
@@ -270,6 +290,29 @@ class TorchBackend:
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+
+
+def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, backend: TorchBackend,
+                     kv_cache: KVCache, ops: ModelOps, parallel: ParallelContext) -> DraftModel:
+    """--draft-model: the draft model on the model's device and dtype, checked to share its tokenizer, over a KV
+    cache of its own with the model's block size and block counts (a block id means the same in both)."""
+    if parallel.world_size > 1:
+        raise ValueError("--draft-model: not with tensor parallelism (its step channel carries no drafts)")
+    draft_dir = Path(str(config.draft_model))
+    try:
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--draft-model {draft_dir}: {e}") from None
+    check_draft_vocabulary(draft_dir, draft_cfg, model_dir, model_cfg)
+    dtype = kv_cache.shape.dtype
+    draft = load_model(draft_dir, device=backend.device, dtype=dtype, ops=ops)
+    shape = CacheShape(draft_cfg.num_layers, kv_cache.shape.block_size, draft.layout.num_kv_heads,
+                       draft_cfg.head_dim, dtype)
+    cache = KVCache(shape, num_device_blocks=kv_cache.num_device_blocks, num_swap_blocks=kv_cache.num_swap_blocks,
+                    device=backend.device)
+    log.info("draft model %s: %d layers, its own KV cache of %d device and %d swap blocks", draft_dir,
+             draft_cfg.num_layers, kv_cache.num_device_blocks, kv_cache.num_swap_blocks)
+    return DraftModel(draft, cache, lambda items: build_batch(items, backend.info, backend.device))
 
 
 def startup_cache(config: ExecutorConfig) -> MeasureCache:

@@ -53,7 +53,8 @@ class CoreConfig:
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = field(default=None, metadata=flag(
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": N, '
-        '"prompt_lookup_max": M} (also disable_by_batch_size, min_acceptance_rate); off by default',
+        '"prompt_lookup_max": M} (also disable_by_batch_size, min_acceptance_rate), or {"method": "draft_model", '
+        '"num_speculative_tokens": K} with an executor started with --draft-model DIR; off by default',
         parse=speculative_flag))
 
 
@@ -67,3 +68,4 @@ class ExecutorLimits:
     max_num_draft_tokens: int = 0  # draft tokens the executor verifies per request and step (0: none)
     num_window_groups: int = 0  # sliding-window KV cache groups the executor keeps tables for (0: one table)
     window: int = 0  # the keys a query of those groups reads (Describe.capabilities.kv_window)
+    max_num_model_draft_tokens: int = 0  # tokens the executor's draft model proposes per request and step (0: none)

@@ -30,6 +30,7 @@ class RunningRequestData:
     num_scheduled_tokens: int
     resumed: bool = False
     draft_token_ids: tuple[int, ...] = ()
+    num_model_drafts: int = 0
 
 
 @dataclass(slots=True)
@@ -37,7 +38,8 @@ class ScheduledWork:
     """One request's part of a step. Read-only to consumers: the scheduler hands out the same object
     (and its empty new_block_ids) for a request's plain decodes step after step. draft_token_ids: proposed
     tokens the executor verifies after the request's last token (speculative decoding; their slots are in
-    new_block_ids' tables, and they are charged to the token budget beside num_tokens)."""
+    new_block_ids' tables, and they are charged to the token budget beside num_tokens). num_model_drafts: as
+    many tokens the executor's draft model proposes there instead (method draft_model)."""
 
     request: Request
     num_tokens: int
@@ -45,6 +47,12 @@ class ScheduledWork:
     is_new: bool = False
     resumed: bool = False
     draft_token_ids: tuple[int, ...] = ()
+    num_model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens verified after the request's last token: given, or proposed by the draft model."""
+        return len(self.draft_token_ids) + self.num_model_drafts
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +104,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(w.num_tokens + len(w.draft_token_ids) for w in self.scheduled)
+        return sum(w.num_tokens + w.num_drafts for w in self.scheduled)
 
     @property
     def needs_executor(self) -> bool:
@@ -115,7 +123,8 @@ class SchedulerOutput:
 
     def running_requests(self) -> list[RunningRequestData]:
         return [
-            RunningRequestData(w.request.request_id, w.new_block_ids, w.num_tokens, w.resumed, w.draft_token_ids)
+            RunningRequestData(w.request.request_id, w.new_block_ids, w.num_tokens, w.resumed, w.draft_token_ids,
+                               w.num_model_drafts)
             for w in self.scheduled if not w.is_new
         ]
 

@@ -31,7 +31,7 @@ from scheduler_service.core.outputs import (
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
-from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, propose_ngram
+from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, SpecMethod, propose_ngram
 from scheduler_service.core.stop_rules import StopTable, stop_reason
 from scheduler_service.core.window_groups import WindowBlocks
 
@@ -279,7 +279,7 @@ class Scheduler:
         """Async scheduling: a step with drafts is still running. The step after it waits for its answer (it is
         empty): every request then knows its tokens and may draft again, and all of them step together (a
         request that waited alone would fall out of step with the batch and halve it)."""
-        return any(w.draft_token_ids for out in self._unupdated for w in out.explicit_works())
+        return any(w.num_drafts for out in self._unupdated for w in out.explicit_works())
 
     def _count_in_flight(self, out: SchedulerOutput, change: int) -> None:
         """Async scheduling: each running request's number of steps scheduled but not yet updated."""
@@ -390,10 +390,16 @@ class Scheduler:
         marked drafting. Async scheduling: a request whose last token is still being sampled (a step in flight)
         cannot be drafted for; if its known tokens predict a draft, it waits for that step (an empty proposal)
         instead of decoding ahead, and is drafted for at the next step. A structured-output request does not
-        speculate: the executor gets the mask of its next position only."""
+        speculate: the executor gets the mask of its next position only. Method draft_model: the executor's
+        draft model proposes, so a proposal is k placeholder tokens (k slots), and a request with a step in flight
+        always waits for it."""
         spec = self.config.speculative_config
-        k_max = min(spec.num_speculative_tokens, self.limits.max_num_draft_tokens) if spec else 0
-        if spec is None or k_max < 1 or len(self.running) > spec.disable_by_batch_size:
+        if spec is None or len(self.running) > spec.disable_by_batch_size:
+            return {}
+        model_drafts = spec.method is SpecMethod.DRAFT_MODEL
+        most = self.limits.max_num_model_draft_tokens if model_drafts else self.limits.max_num_draft_tokens
+        k_max = min(spec.num_speculative_tokens, most)
+        if k_max < 1:
             return {}
         rs = self.rs
         proposals: dict[str, list[int]] = {}
@@ -409,7 +415,13 @@ class Scheduler:
             tokens = request.all_token_ids
             if record is not None and record.guess is not None:
                 record.settle_guess(tokens, request.num_output_tokens, spec.min_acceptance_rate)
+            if record is not None:
+                k = min(k, record.draft_depth(k_max))
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
+                continue
+            if model_drafts:
+                proposals[request.request_id] = [] if ahead else [0] * k
+                rs.drafting[slot] = True
                 continue
             drafts = propose_ngram(tokens, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
@@ -429,7 +441,11 @@ class Scheduler:
         if k >= 1:
             new = self._grow(request, 1, extra + k)
             if new is not None:
-                scheduled[request.request_id] = ScheduledWork(request, 1, new, draft_token_ids=tuple(drafts[:k]))
+                spec = self.config.speculative_config
+                scheduled[request.request_id] = (
+                    ScheduledWork(request, 1, new, num_model_drafts=k)
+                    if spec is not None and spec.method is SpecMethod.DRAFT_MODEL
+                    else ScheduledWork(request, 1, new, draft_token_ids=tuple(drafts[:k])))
                 budget_left[0] -= 1 + k
                 return True
         self.rs.drafting[request.slot] = False
@@ -440,7 +456,7 @@ class Scheduler:
         for rid in self._proposals:
             request = self.requests.get(rid)
             work = scheduled.get(rid)
-            if request is not None and request.status is RUNNING and (work is None or not work.draft_token_ids):
+            if request is not None and request.status is RUNNING and (work is None or not work.num_drafts):
                 self.rs.drafting[request.slot] = False
         self._proposals = {}
 
@@ -450,17 +466,17 @@ class Scheduler:
         slots of rejected drafts are free again: the computed count stops at the accepted ones, so the next step
         writes those positions before anything attends to them (the blocks stay in the table, which the contract
         only grows, and are the next steps' room)."""
-        request, drafts = work.request, work.draft_token_ids
+        request, drafts, num_drafts = work.request, work.draft_token_ids, work.num_drafts
         self.rs.drafting[request.slot] = False
         accepted = len(tokens) - 1
-        if accepted > len(drafts) or list(drafts[:accepted]) != tokens[:accepted]:
-            return f"executor returned {len(tokens)} tokens that do not verify the {len(drafts)} drafts sent"
+        if accepted > num_drafts or (not work.num_model_drafts and list(drafts[:accepted]) != tokens[:accepted]):
+            return f"executor returned {len(tokens)} tokens that do not verify the {num_drafts} drafts sent"
         spec = self.config.speculative_config
         if request.drafts is None:
             request.drafts = DraftRecord()
-        request.drafts.record(len(drafts), accepted, request.num_output_tokens + len(tokens),
+        request.drafts.record(num_drafts, accepted, request.num_output_tokens + len(tokens),
                               spec.min_acceptance_rate if spec is not None else 0.0)
-        self.spec_stats.record(len(drafts), accepted)
+        self.spec_stats.record(num_drafts, accepted)
         return ""
 
     def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
@@ -545,7 +561,7 @@ class Scheduler:
         rid = request.request_id
         work = scheduled.pop(rid, None)
         if work is not None:
-            budget.tokens += work.num_tokens + len(work.draft_token_ids)
+            budget.tokens += work.num_tokens + work.num_drafts
             budget.seqs += 1
             if not (work.is_new or work.resumed):
                 self.kv.release_tail(rid, len(work.new_block_ids))
@@ -766,7 +782,7 @@ class Scheduler:
         if not tokens:
             self._fail(request, "executor returned no token for a completed step", others.append)
             return
-        error = self._settle_drafts(work, tokens) if work.draft_token_ids else ""
+        error = self._settle_drafts(work, tokens) if work.num_drafts else ""
         if error:
             self._fail(request, error, others.append)
             return

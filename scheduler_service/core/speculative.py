@@ -22,6 +22,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 class SpecMethod(enum.Enum):
     NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"  # proposed by the executor's draft model (executor --draft-model DIR)
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,10 +37,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = 0.2
+    model: str | None = None
+    """draft_model: the draft model directory as the executor's --draft-model names it (informational: the executor
+    loads it; the scheduler needs the executor's capability)."""
 
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-        "min_acceptance_rate")
+        "min_acceptance_rate", "model")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -57,11 +61,14 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
 
 
 def build_config(raw: dict[str, Any]) -> SpeculativeConfig:
-    method = raw.get("method")
-    if method == "draft_model":
-        raise ValueError("speculative-config.method: 'draft_model' is not implemented yet; use 'ngram'")
-    if method != "ngram":
-        raise ValueError(f"speculative-config.method: must be 'ngram', got {method!r}")
+    name = raw.get("method")
+    method = {m.value: m for m in SpecMethod}.get(name) if isinstance(name, str) else None
+    if method is None:
+        raise ValueError(f"speculative-config.method: must be 'ngram' or 'draft_model', got {name!r}")
+    model = raw.get("model")
+    if model is not None and (method is not SpecMethod.DRAFT_MODEL or not isinstance(model, str) or not model):
+        raise ValueError("speculative-config.model: a non-empty directory string, with method 'draft_model' only "
+                         f"(the executor loads it from its own --draft-model), got {model!r}")
     if "num_speculative_tokens" not in raw:
         raise ValueError("speculative-config.num_speculative_tokens: required")
     k = _int(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
@@ -71,7 +78,7 @@ def build_config(raw: dict[str, Any]) -> SpeculativeConfig:
     rate = raw.get("min_acceptance_rate", 0.2)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
         raise ValueError(f"speculative-config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
-    return SpeculativeConfig(SpecMethod.NGRAM, k, low, high, batch, float(rate))
+    return SpeculativeConfig(method, k, low, high, batch, float(rate), model)
 
 
 def _int(raw: dict[str, Any], key: str, low: int, high: int, default: int | None = None) -> int:
@@ -112,7 +119,10 @@ class DraftRecord:
     the metrics), and the back-off: a recent acceptance rate, and the output length before which it does not
     propose (paused after its rate fell below the floor), with the length of its last pause. guess: under async
     scheduling, the position and token its n-gram predicted for a token still being sampled (it waited for
-    that token to draft after it); a wrong guess counts as a rejected draft in the back-off."""
+    that token to draft after it); a wrong guess counts as a rejected draft in the back-off. depth: a recent
+    average of its accepted run (accepted drafts + 1), which caps how many drafts it gets (draft_depth): a request
+    whose first drafts are rejected drafts fewer, so a verification or a draft model's passes are not spent on
+    positions that are rarely accepted."""
 
     steps: int = 0
     drafted: int = 0
@@ -121,6 +131,11 @@ class DraftRecord:
     resume_at: int = 0
     pause: int = 0
     guess: tuple[int, int] | None = None
+    depth: float = float(MAX_SPECULATIVE_TOKENS + 1)
+
+    def draft_depth(self, k_max: int) -> int:
+        """Drafts to propose now: its recent accepted run (rounded), within [1, k_max]."""
+        return max(1, min(k_max, round(self.depth)))
 
     @property
     def mean_accepted_length(self) -> float:
@@ -131,6 +146,7 @@ class DraftRecord:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.depth = min(self.depth, drafted + 1.0) * 0.5 + (accepted + 1) * 0.5
         self.observe(accepted / drafted, num_output, floor)
 
     def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> None:

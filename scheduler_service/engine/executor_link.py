@@ -60,7 +60,7 @@ def step_proto(out: SchedulerOutput) -> executor_pb2.StepRequest:
         num_blocks.append(len(w.new_block_ids))
         blocks += w.new_block_ids
         resumed.append(w.resumed)
-        if w.draft_token_ids:
+        if w.num_drafts:
             drafted.append(w)
     running = step.running
     running.request_ids.extend(ids)
@@ -97,10 +97,13 @@ def _add_window_blocks(step: executor_pb2.StepRequest, out: SchedulerOutput) -> 
 
 def _add_drafts(running: executor_pb2.RunningRequests, out: SchedulerOutput) -> None:
     """The draft columns, aligned with the running requests (speculative decoding)."""
-    for w in out.scheduled:
-        if not w.is_new:
+    works = [w for w in out.scheduled if not w.is_new]
+    if any(w.draft_token_ids for w in works):
+        for w in works:
             running.num_draft_tokens.append(len(w.draft_token_ids))
             running.draft_token_ids.extend(w.draft_token_ids)
+    if any(w.num_model_drafts for w in works):
+        running.num_model_draft_tokens.extend(w.num_model_drafts for w in works)
 
 
 def _add_new(step: executor_pb2.StepRequest, w: ScheduledWork) -> None:

@@ -18,6 +18,7 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput, StepDeltas
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.speculative import SpecMethod
 from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
 from scheduler_service.engine.grammar import GrammarCompiler, RequestGrammar, step_bitmasks
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
@@ -46,7 +47,8 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
                        eos_token_ids=tuple(describe.eos_token_ids),
                        max_num_draft_tokens=describe.capabilities.max_num_draft_tokens,
                        num_window_groups=describe.capabilities.kv_window_groups,
-                       window=describe.capabilities.kv_window)
+                       window=describe.capabilities.kv_window,
+                       max_num_model_draft_tokens=describe.capabilities.max_num_model_draft_tokens)
 
 EXECUTOR_LOAD_WARN_S = 120.0
 """An executor that has not answered Describe for this long is warned about (before: it is loading, quietly)."""
@@ -135,6 +137,11 @@ class ExecutorLoop:
             log.error("--num-scheduler-steps %d exceeds the executor's max_num_steps %d: it will refuse every "
                       "multi-step decode", self.core_config.num_scheduler_steps, max_steps)
         limits = executor_limits(describe)
+        spec = self.core_config.speculative_config
+        if spec is not None and spec.method is SpecMethod.DRAFT_MODEL and not limits.max_num_model_draft_tokens:
+            log.error("--speculative-config.method 'draft_model' needs an executor with a draft model (executor "
+                      "--draft-model DIR: Describe.capabilities.max_num_model_draft_tokens > 0); %s has none, so it "
+                      "is sent plain steps without speculation", self.connection.address)
         config = step_budgets(self.core_config, describe)
         if self.scheduler is None:
             self.scheduler = Scheduler(config, limits)

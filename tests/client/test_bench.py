@@ -28,6 +28,7 @@ from client.bench.datasets import (
 from client.bench.progress import TextBar
 from client.bench.report import format_table, result_dict
 from client.bench.runner import RunConfig, RunResult, arrival_offsets
+from client.bench.spec_decode import MetricsError, SpecCounters, format_spec_table, parse_spec_counters, spec_summary
 from client.bench.stats import (
     SLO,
     RequestTrace,
@@ -317,3 +318,65 @@ def test_json_schema_bench_runs_constrained_requests(stack: Stack, tmp_path: Pat
     assert proc.returncode == 0, proc.stderr
     result = json.loads(result_json.read_text())
     assert (result["completed"], result["failed"]) == (8, 0)
+
+
+def spec_page(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float]) -> str:
+    lines = ["# TYPE vllm:spec_decode_num_drafts counter",
+             f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+             'vllm:spec_decode_num_drafts_created{model_name="m"} 1.7e9',
+             "# TYPE vllm:spec_decode_num_draft_tokens counter",
+             f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {draft_tokens}',
+             "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+             f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+             "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter"]
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {n}'
+              for i, n in per_pos.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_spec_decode_summary_uses_vllms_definitions() -> None:
+    """#31: acceptance rate = accepted / draft tokens, acceptance length = 1 + accepted / drafts, per position
+    accepted at that position / drafts; a page without the counters is an error naming the flag to set."""
+    before = parse_spec_counters(spec_page(4, 16, 10, {0: 4, 1: 3, 3: 1}))
+    after = parse_spec_counters(spec_page(10, 40, 25, {0: 9, 1: 7, 3: 4}))
+    assert after == SpecCounters(10.0, 40.0, 25.0, (9.0, 7.0, 0.0, 4.0))
+    summary = spec_summary(after.minus(before))   # 6 drafts, 24 draft tokens, 15 accepted
+    assert summary["spec_decode_acceptance_rate"] == pytest.approx(62.5)
+    assert summary["spec_decode_acceptance_length"] == pytest.approx(3.5)
+    assert summary["spec_decode_per_position_acceptance_rates"] == pytest.approx([500 / 6, 400 / 6, 0.0, 300 / 6])
+    table = format_spec_table(summary)
+    assert "Acceptance rate (%):" in table and "62.50" in table and "  Position 3:" in table
+    with pytest.raises(MetricsError, match="--speculative-config"):
+        parse_spec_counters("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n")
+
+
+def test_speculative_bench_reports_the_servers_acceptance(tmp_path: Path) -> None:
+    """#31: `bench --speculative` against a real torch executor behind a scheduler with n-gram speculation:
+    the JSON and the table carry the acceptance of exactly this run's requests."""
+    corpus = ROOT / "executor_service/default_model/data/generated_corpus.txt"
+    found = [p.strip() for p in corpus.read_text(encoding="utf-8").split("\n\n")
+             if 300 <= len(p.strip()) <= 600 and "User:" not in p][:4]
+    data = tmp_path / "copy.json"
+    data.write_text(json.dumps([{"prompt": p + "\n\n" + p[:len(p) // 3], "max_tokens": 24} for p in found]))
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}'
+    result_json = tmp_path / "spec.json"
+    with running_stack(tmp_path, [], ["--speculative-config", spec]) as s:
+        args = ("--server", s.address, "--dataset", str(data), "--ignore-eos", "--max-concurrency", "2",
+                "--disable-tqdm", "--speculative", "--metrics-url", f"http://127.0.0.1:{s.metrics_port}/metrics")
+        proc = bench(*args, "--result-json", str(result_json))
+    assert proc.returncode == 0, proc.stderr
+    assert "Speculative Decoding" in proc.stdout and "Acceptance length:" in proc.stdout
+    result = json.loads(result_json.read_text())
+    assert result["completed"] == 4 and result["spec_decode_num_drafts"] > 0
+    drafted, accepted = result["spec_decode_draft_tokens"], result["spec_decode_accepted_tokens"]
+    assert 0 < accepted <= drafted <= 3 * result["spec_decode_num_drafts"]
+    assert result["spec_decode_acceptance_rate"] == pytest.approx(100 * accepted / drafted)
+    rates = result["spec_decode_per_position_acceptance_rates"]
+    assert 1 <= len(rates) <= 3 and rates == sorted(rates, reverse=True)
+    assert sum(rates) * result["spec_decode_num_drafts"] / 100 == pytest.approx(accepted)
+
+
+def test_speculative_bench_without_a_metrics_endpoint_is_a_clear_error(stack: Stack) -> None:
+    proc = bench("--server", stack.address, "--num-prompts", "2", "--speculative", "--metrics-url",
+                 "http://127.0.0.1:1/metrics", "--disable-tqdm")
+    assert proc.returncode == 2 and "--metrics-url http://127.0.0.1:1/metrics" in proc.stderr

@@ -13,7 +13,12 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from scheduler_service.core.speculative import (
+    SpecMethod,
+    SpeculativeConfig,
+    parse_speculative_config,
+    propose_ngram,
+)
 from tests.support.core_helpers import (
     BLOCK,
     EOS,
@@ -46,14 +51,15 @@ def test_the_flag_reads_vllms_keys() -> None:
     ("not json", "not JSON"),
     ("[1]", "JSON object"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative-config.method"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', "not implemented"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "must be 'ngram' or 'draft_model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "d"}', "speculative-config.model"),
     ('{"method": "ngram"}', "speculative-config.num_speculative_tokens: required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative-config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": true}', "speculative-config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}',
      "speculative-config.prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}', "min_acceptance_rate"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}', "unknown key 'draft'"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(text: str, names: str) -> None:
     with pytest.raises(ValueError, match=names):
@@ -144,6 +150,21 @@ def test_a_stop_token_inside_an_accepted_run_cuts_it() -> None:
     assert s.kv.device.num_free == 64 - len(s.kv._tables)
 
 
+def test_a_request_whose_drafts_are_rejected_drafts_fewer_and_more_again_once_accepted() -> None:
+    """#31 adaptivity: the number of drafts follows the request's recent accepted run (accepted drafts + 1)."""
+    s = make_scheduler()
+    started(s, max_tokens=60)
+    out = s.schedule()
+    assert drafts_of(out) == {"r": (11, 12, 13)}
+    list(s.update(out, ExecutorResult(sampled={"r": [12]})))  # the first draft rejected: a run of 1
+    out = s.schedule()
+    assert len(drafts_of(out)["r"]) == 2
+    drafts = drafts_of(out)["r"]
+    list(s.update(out, ExecutorResult(sampled={"r": [*drafts, 10]})))  # all accepted: a run of 3
+    out = s.schedule()
+    assert len(drafts_of(out)["r"]) == 3
+
+
 def test_drafts_never_run_past_max_tokens() -> None:
     s = make_scheduler()
     request = started(s, max_tokens=3)  # one token out: two more, the last one the model's own
@@ -157,6 +178,43 @@ def test_an_executor_without_verification_gets_plain_steps() -> None:
     s = make_scheduler(max_drafts=0)
     started(s, max_tokens=50)
     assert drafts_of(s.schedule()) == {}
+
+
+DRAFT_MODEL_SPEC = SpeculativeConfig(SpecMethod.DRAFT_MODEL, num_speculative_tokens=3, disable_by_batch_size=64)
+
+
+def model_drafting_scheduler(max_model_drafts: int) -> Scheduler:
+    cfg = CoreConfig(watermark=0.0, speculative_config=DRAFT_MODEL_SPEC)
+    limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=64, num_swap_blocks=0, max_model_len=256,
+                            eos_token_ids=(EOS,), max_num_draft_tokens=16, max_num_model_draft_tokens=max_model_drafts)
+    return Scheduler(cfg, limits, clock=FakeClock())
+
+
+def test_draft_model_slots_are_reserved_and_any_answer_of_at_most_k_plus_one_tokens_is_accepted() -> None:
+    """#31, method draft_model: the scheduler reserves k slots and budget for the executor's draft model (the
+    step carries no tokens, only the count) and accepts the run it answers; more than k + 1 tokens fail."""
+    s = model_drafting_scheduler(4)
+    request = started(s, prompt=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=50)  # nothing repeats: no n-gram would draft
+    out = s.schedule()
+    work = out.scheduled[0]
+    assert (work.num_model_drafts, work.draft_token_ids, out.total_num_scheduled_tokens) == (3, (), 4)
+    assert out.running_requests()[0].num_model_drafts == 3
+    assert len(s.kv.block_table("r")) * BLOCK >= request.num_tokens + 3
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [40, 41, 42]})))
+    assert deltas[0].new_token_ids == [40, 41, 42] and request.num_computed_tokens == 8 + 1 + 2
+    assert (s.spec_stats.num_draft_tokens, s.spec_stats.num_accepted_tokens) == (3, 2)
+    out = s.schedule()
+    assert out.scheduled[0].num_model_drafts == 3
+    deltas = list(s.update(out, ExecutorResult(sampled={"r": [1, 2, 3, 4, 5]})))
+    assert deltas[0].finish_reason is FinishReason.ERROR and "do not verify the 3 drafts" in deltas[0].error
+    assert s.kv.device.num_free == 64
+
+
+def test_draft_model_without_the_executors_capability_gets_plain_steps() -> None:
+    s = model_drafting_scheduler(0)  # the executor verifies n-gram drafts but has no draft model
+    started(s, max_tokens=50)
+    out = s.schedule()
+    assert [(w.num_model_drafts, w.draft_token_ids) for w in out.scheduled] == [(0, ())]
 
 
 @pytest.mark.parametrize(("batch_size", "drafted"), [(1, set()), (2, {"a", "b"})])

@@ -122,3 +122,78 @@ def test_speculation_keeps_every_output(tmp_path: Path) -> None:
     finally:
         for proc in executors:
             stop(proc)
+
+
+DRAFT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
+# Fewer blocks than EXECUTOR_ARGS: a drafted step never preempts (drafts fall back to a plain decode when the
+# pool is short), so only plain growth does, and 16 blocks (one of the longest requests and a little) make it.
+DRAFT_EXECUTOR_ARGS = ["--num-gpu-blocks", "16", "--num-cpu-blocks", "64", "--block-size", "16"]
+DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "model": "'
+              + str(DRAFT_MODEL) + '"}')
+
+
+def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
+    """#31, method draft_model with the default model as its own draft: an executor without --draft-model is sent
+    plain steps (and the scheduler says why); one with it gives every output of the plain run under swap
+    preemption with async scheduling and an executor SIGKILL, and under recompute preemption; every greedy draft
+    is accepted (the draft is the model), so acceptance is 1.0 on a greedy-only run."""
+    address = f"127.0.0.1:{free_port()}"
+    plain_exec = start("executor_service", ["--listen", address, *DRAFT_EXECUTOR_ARGS],
+                       tmp_path / "executor-plain.log")
+    try:
+        wait_healthy(address, plain_exec)
+        plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
+        refused, m = scheduler_run(tmp_path, address, "no-capability", ["--speculative-config", DRAFT_SPEC])
+        assert refused == plain and m.get("vllm:spec_decode_num_drafts_total", 0.0) == 0
+        log = (tmp_path / "scheduler-no-capability.log").read_text()
+        assert "needs an executor with a draft model" in log and "--draft-model" in log
+    finally:
+        stop(plain_exec)
+    args = ["--listen", address, *DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
+    executors = [start("executor_service", args, tmp_path / "executor.log")]
+
+    def restart(kill: threading.Event) -> None:
+        assert kill.wait(120), "the run never got a quarter of its tokens out"
+        stop(executors[-1], signal.SIGKILL)
+        executors.append(start("executor_service", args, tmp_path / "executor-2.log"))
+        wait_healthy(address, executors[-1])
+
+    try:
+        wait_healthy(address, executors[0])
+        chunks = ["--speculative-config", DRAFT_SPEC, "--max-num-batched-tokens", "32"]  # more requests in flight
+        runs = {
+            "draft-swap-async-sigkill": ([*chunks, "--preemption-mode", "swap"], restart),
+            "draft-recompute-sync": ([*chunks, "--preemption-mode", "recompute", "--no-async-scheduling"], None),
+        }
+        for name, (flags, killer) in runs.items():
+            outputs, m = scheduler_run(tmp_path, address, name, flags, killer)
+            for key, expected in plain.items():
+                assert outputs[key] == expected, f"{name}: {key}"
+            assert m["vllm:spec_decode_num_drafts_total"] > 0, name
+            assert m.get("vllm:num_preemptions_total", 0.0) > 0, f"{name}: the small KV cache made requests preempt"
+        assert len(executors) == 2, "the executor was killed and restarted mid-run"
+        greedy = asyncio.run(greedy_acceptance(tmp_path, address))
+        assert greedy["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert greedy["vllm:spec_decode_num_accepted_tokens_total"] == greedy["vllm:spec_decode_num_draft_tokens_total"]
+    finally:
+        for proc in executors:
+            stop(proc)
+
+
+async def greedy_acceptance(tmp_path: Path, executor: str) -> dict[str, float]:
+    """The spec-decode metrics of greedy requests only, through a scheduler with the draft model."""
+    port, metrics = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    proc = start("scheduler_service", ["--listen", address, "--executor", executor, "--metrics-port", str(metrics),
+                                       "--api-server-count", "0", "--speculative-config", DRAFT_SPEC],
+                 tmp_path / "scheduler-greedy.log")
+    try:
+        await asyncio.to_thread(wait_healthy, address, proc)
+        async with PagedServeClient(address) as client:
+            for prompt in copy_prompts(3):
+                async for r in client.generate(prompt=prompt, max_tokens=24, temperature=0.0, ignore_eos=True):
+                    assert not r.error, r.error
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        return parse_metrics(text)
+    finally:
+        stop(proc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,6 +176,21 @@ async def test_bad_drafts_fail_their_request(running: executor_pb2.RunningReques
     assert not result.error and message in result.errors[0].message
 
 
+async def test_model_drafts_for_an_executor_without_a_draft_model_fail_their_request() -> None:
+    """#31: the simulated executor has no draft model: it advertises max_num_model_draft_tokens 0 and refuses a
+    request that asks for draft-model tokens (a malformed column refuses the step)."""
+    s = servicer()
+    await started(s)
+    described = await s.Describe(executor_pb2.DescribeRequest(), None)
+    assert described.capabilities.max_num_model_draft_tokens == 0
+    asked = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0],
+                                         num_model_draft_tokens=[2])
+    result = await s.run_step(executor_pb2.StepRequest(step_id=2, running=asked))
+    assert not result.error and "exceeds max_num_model_draft_tokens 0" in result.errors[0].message
+    asked.num_model_draft_tokens[:] = [2, 2]
+    assert "num_model_draft_tokens" in (await s.run_step(executor_pb2.StepRequest(step_id=3, running=asked))).error
+
+
 async def test_malformed_draft_columns_or_multi_step_refuse_the_step() -> None:
     s = servicer()
     await started(s)
@@ -183,3 +199,82 @@ async def test_malformed_draft_columns_or_multi_step_refuse_the_step() -> None:
     assert "num_draft_tokens" in (await s.run_step(executor_pb2.StepRequest(step_id=2, running=bad))).error
     multi = executor_pb2.StepRequest(step_id=3, running=drafted([1]), num_steps=2)
     assert "num_steps 1" in (await s.run_step(multi)).error
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory: pytest.TempPathFactory) -> TorchBackend:
+    """A backend whose --draft-model is the model itself: every greedy draft must be accepted."""
+    model = make_model(tmp_path_factory.mktemp("d") / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                       vocab_size=VOCAB, init_std=0.2)
+    return TorchBackend.create(ExecutorConfig(model=str(model), draft_model=str(model), device="cpu", block_size=4,
+                                              num_gpu_blocks=64, num_cpu_blocks=32))
+
+
+class ModelDrafting:
+    """Requests stepped as the server steps them with k draft-model tokens each (after the prefill), keeping
+    the draft model's computed count as server.py does; records every run's length."""
+
+    def __init__(self, backend: TorchBackend, prompts: Sequence[list[int]], k: int) -> None:
+        self.backend, self.prompts, self.k = backend, [list(p) for p in prompts], k
+        self.tokens = [list(p) for p in prompts]
+        self.computed = [0] * len(prompts)
+        self.draft_computed = [0] * len(prompts)
+        self.tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+        self.runs: list[int] = []
+
+    def step(self) -> None:
+        items = [BatchItem(str(i), t, len(self.prompts[i]), self.computed[i], len(t) - self.computed[i],
+                           self.tables[i], True, GREEDY, num_model_drafts=self.k if self.computed[i] else 0,
+                           draft_start=min(self.draft_computed[i], self.computed[i]))
+                 for i, t in enumerate(self.tokens)]
+        for i, sample in enumerate(self.backend.execute(items)):
+            assert sample is not None
+            run = sample.run()
+            item = items[i]
+            self.computed[i] = item.start + item.num_tokens + len(run) - 1
+            if item.num_model_drafts:
+                self.runs.append(len(run))
+                fed = item.start + item.num_tokens + item.num_model_drafts - 1
+                self.draft_computed[i] = min(self.computed[i], fed)
+            self.tokens[i] += [s.token_id for s in run]
+
+    def outputs(self, n: int) -> list[list[int]]:
+        return [t[len(p):len(p) + n] for t, p in zip(self.tokens, self.prompts, strict=True)]
+
+
+def test_the_model_as_its_own_draft_gives_plain_tokens_with_every_draft_accepted(drafting: TorchBackend) -> None:
+    assert drafting.info.max_num_model_draft_tokens > 0 and drafting.draft is not None
+    plain = decode(drafting, PROMPTS, 20, GREEDY)
+    run = ModelDrafting(drafting, PROMPTS, 3)
+    while min(len(t) - len(p) for t, p in zip(run.tokens, PROMPTS, strict=True)) < 20:
+        run.step()
+    assert run.outputs(20) == plain
+    assert run.runs and all(n == 4 for n in run.runs), run.runs  # k drafts accepted and the model's own token
+
+
+def test_the_draft_kv_follows_a_swap(drafting: TorchBackend) -> None:
+    """Swapped out, the blocks overwritten by another request, swapped back in elsewhere: the draft model's KV
+    came along, so its drafts are still the model's tokens (without the draft KV's swap they are not)."""
+    plain = decode(drafting, PROMPTS[:1], 24, GREEDY)
+    run = ModelDrafting(drafting, PROMPTS[:1], 3)
+    for _ in range(3):
+        run.step()
+    used = run.tables[0][:-(-run.computed[0] // 4)]
+    drafting.swap_out([(b, s) for s, b in enumerate(used)])
+    decode(drafting, [[13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]], 4, GREEDY)  # blocks 0-15
+    moved = list(range(40, 40 + len(used)))
+    drafting.swap_in([(s, b) for s, b in enumerate(moved)])
+    run.tables[0] = moved + list(range(40 + len(used), 56))
+    accepted_before = len(run.runs)
+    while len(run.tokens[0]) - len(PROMPTS[0]) < 24:
+        run.step()
+    assert run.outputs(24) == plain
+    assert all(n == 4 for n in run.runs[accepted_before:]), run.runs
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
+    target = make_model(tmp_path / "t", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=VOCAB)
+    draft = make_model(tmp_path / "d", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=VOCAB * 2)
+    with pytest.raises(ValueError, match=f"--draft-model {draft}: vocab_size {2 * VOCAB} differs"):
+        TorchBackend.create(ExecutorConfig(model=str(target), draft_model=str(draft), device="cpu", block_size=4,
+                                           num_gpu_blocks=16))

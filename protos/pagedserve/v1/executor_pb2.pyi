@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "max_num_model_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Capabilities(_message.Message):
     MAX_NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_MODEL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -38,10 +39,11 @@ class Capabilities(_message.Message):
     max_num_lookahead_slots: int
     token_bitmask: bool
     max_num_draft_tokens: int
+    max_num_model_draft_tokens: int
     deferred_token_bitmask: bool
     kv_window_groups: int
     kv_window: int
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., max_num_model_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases", "architecture", "sliding_windows")
@@ -115,7 +117,7 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., window_block_ids: _Optional[_Iterable[int]] = ..., window_block_start: _Optional[int] = ...) -> None: ...
 
 class RunningRequests(_message.Message):
-    __slots__ = ("request_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "resumed", "num_draft_tokens", "draft_token_ids", "num_new_window_blocks", "new_window_block_ids", "window_block_start")
+    __slots__ = ("request_ids", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "resumed", "num_draft_tokens", "draft_token_ids", "num_new_window_blocks", "new_window_block_ids", "window_block_start", "num_model_draft_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class RunningRequests(_message.Message):
     NUM_NEW_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_WINDOW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_BLOCK_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_MODEL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -136,7 +139,8 @@ class RunningRequests(_message.Message):
     num_new_window_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_window_block_ids: _containers.RepeatedScalarFieldContainer[int]
     window_block_start: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_new_window_blocks: _Optional[_Iterable[int]] = ..., new_window_block_ids: _Optional[_Iterable[int]] = ..., window_block_start: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_model_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., resumed: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_new_window_blocks: _Optional[_Iterable[int]] = ..., new_window_block_ids: _Optional[_Iterable[int]] = ..., window_block_start: _Optional[_Iterable[int]] = ..., num_model_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockMapping(_message.Message):
     __slots__ = ("src", "dst")

@@ -1,0 +1,105 @@
+"""Does the model copy its prompt? The best case of n-gram speculation on copy-style prompts, load-independent.
+
+    python benchmarks/copy_probe.py [--prompts 16] [--output-len 128] [--iterations 6] [--k 4]
+
+Starts one torch executor (the embedded default model) and a scheduler without speculation, and asks greedy
+continuations of prompts built from the model's own corpus and its own outputs:
+
+- para+third: a corpus paragraph, a blank line, its first third again (benchmarks/speculative.py's copy set);
+- para2x+third: the paragraph twice, then its first third;
+- own+seed: a seed sentence, the model's own greedy continuation of it, a blank line, the seed again (the answer
+  would quote the prompt if the model's continuation did not depend on what came before the seed);
+- fixed point: own+seed iterated, each time with the passage replaced by the last answer; a prompt converges when
+  the answer equals the passage in its prompt (then the whole answer is a quote).
+
+For each set it prints the output tokens per step that n-gram speculation (k drafts, prompt_lookup 2-5) would
+reach if it drafted at every step and a verification cost nothing more than a decode (the upper bound of its
+speed-up at concurrency 1), and for the fixed point how many answer tokens equal the passage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs
+from client.lib import PagedServeClient
+from client.local import service
+from scheduler_service.core.speculative import propose_ngram
+
+
+async def greedy(address: str, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    async with PagedServeClient(address) as client:
+        async def one(ids: list[int]) -> list[int]:
+            out: list[int] = []
+            async for r in client.generate(None, ids, max_tokens=output_len, temperature=0.0, ignore_eos=True):
+                out += list(r.token_ids)
+            return out
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def tokens_per_step(prompt: list[int], output: list[int], k: int) -> float:
+    """Output tokens per step with n-gram drafts at every step (the proposer of the scheduler)."""
+    known, done, steps = list(prompt), 0, 0
+    while done < len(output):
+        drafts = propose_ngram(known, k, 2, 5)
+        accepted = 0
+        while accepted < len(drafts) and done + accepted < len(output) and drafts[accepted] == output[done + accepted]:
+            accepted += 1
+        take = min(accepted + 1, len(output) - done)
+        known += output[done:done + take]
+        done, steps = done + take, steps + 1
+    return len(output) / steps
+
+
+def mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--k", type=int, default=4)
+    args = p.parse_args()
+    tok = Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
+
+    def enc(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False).ids)
+    sep, found = enc("\n\n"), paragraphs(args.prompts)
+    paras, seeds = [enc(x) for x in found], [enc(free_prompt(x)) for x in found]
+    record: dict[str, object] = {"benchmark": "copy_probe", "k": args.k, "output_len": args.output_len}
+    with service("executor_service", ["--device", "cpu", "--num-gpu-blocks", "4096"], name="executor") as ex, \
+            service("scheduler_service", ["--executor", ex.address, "--api-server-count", "0"], name="sched") as s:
+        own = asyncio.run(greedy(s.address, seeds, args.output_len))
+        sets = {"para+third": [x + sep + x[:len(x) // 3] for x in paras],
+                "para2x+third": [x + sep + x + sep + x[:len(x) // 3] for x in paras],
+                "own+seed": [sd + o + sep + sd for sd, o in zip(seeds, own, strict=True)]}
+        for name, prompts in sets.items():
+            outputs = asyncio.run(greedy(s.address, prompts, args.output_len))
+            record[name] = mean([tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
+            print(f"{name:>14}: n-gram best case {record[name]} output tokens per step", file=sys.stderr)
+        passage = own
+        for it in range(args.iterations):
+            prompts = [sd + x + sep + sd for sd, x in zip(seeds, passage, strict=True)]
+            outputs = asyncio.run(greedy(s.address, prompts, args.output_len))
+            same = [sum(a == b for a, b in zip(x, o, strict=True)) for x, o in zip(passage, outputs, strict=True)]
+            converged = sum(n == args.output_len for n in same)
+            best = mean([tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
+            record[f"fixed_point_{it}"] = {"converged": converged, "mean_equal_tokens": mean([float(n) for n in same]),
+                                           "tokens_per_step": best}
+            print(f"fixed point {it}: {converged}/{len(prompts)} answers equal their passage, "
+                  f"{mean([float(n) for n in same])} of {args.output_len} tokens equal on average, n-gram best case "
+                  f"{best} tokens per step", file=sys.stderr)
+            passage = outputs
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
