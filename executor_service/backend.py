@@ -8,10 +8,10 @@ from typing import Protocol
 
 import numpy as np
 
-from protos.contract import BlockMap, SamplingConfig
+from protos.contract import BlockMap, SamplingConfig, prompt_logprob_positions
 
-__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig",
-           "attended_keys"]
+__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "PromptLogprobs", "SampleOutput",
+           "SamplingConfig", "attended_keys", "prompt_logprob_positions"]
 
 
 class BackendLost(RuntimeError):
@@ -53,6 +53,15 @@ class BatchItem:
     deferred_masks: DeferredRows | None = None
     """Masks that follow the step: a backend that overlaps them (Backend.overlaps_token_masks) waits for them after
     the forward pass, before sampling, on its forward thread (token_masks.resolve_masks)."""
+    prompt_out: PromptLogprobs | None = None
+    """The backend's answer for an item whose sampling asks prompt_logprobs: the logprobs of the prompt positions
+    this pass yields (prompt_logprob_positions), set by execute(); None where it yields none."""
+
+    def prompt_positions(self) -> range:
+        """The prompt positions whose logprobs this pass must answer (empty unless the request asks for them)."""
+        if self.sampling.prompt_logprobs is None:
+            return range(0)
+        return prompt_logprob_positions(self.start, self.num_tokens, self.num_prompt_tokens)
 
 
 class DeferredRows(Protocol):
@@ -72,6 +81,15 @@ class SampleOutput:
     def run(self) -> list[SampleOutput]:
         """This token and the ones after it from verified drafts."""
         return [self, *self.extra] if self.extra else [self]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of consecutive prompt positions: tokens[i] is position first_position + i's token, its logprob
+    given the tokens before it and the top alternatives there."""
+
+    first_position: int
+    tokens: list[SampleOutput]
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +118,8 @@ class BackendInfo:
     """The Hugging Face architecture name served ("" for none, e.g. the simulated backend)."""
     sliding_windows: tuple[int, ...] = ()
     """Per layer: the sliding window (keys a query sees), 0 for full attention; () for none."""
+    prompt_logprobs: bool = True
+    """It fills BatchItem.prompt_out (Describe.capabilities.prompt_logprobs)."""
 
 
 class Backend(Protocol):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pagedserve.v1 import common_pb2 as protos_dot_pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a!protos/pagedserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xb5\x02\n\x0c\x43\x61pabilities\x12\x0c\n\x04swap\x18\x01 \x01(\x08\x12\x0c\n\x04\x63opy\x18\x02 \x01(\x08\x12\x17\n\x0f\x63hunked_prefill\x18\x03 \x01(\x08\x12\x15\n\rmax_num_steps\x18\x04 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\r\x12\x17\n\x0fseeded_sampling\x18\x06 \x01(\x08\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1f\n\x17max_num_lookahead_slots\x18\t \x01(\r\x12\x15\n\rtoken_bitmask\x18\x1e \x01(\x08\x12\x1c\n\x14max_num_draft_tokens\x18( \x01(\r\x12\x1e\n\x16\x64\x65\x66\x65rred_token_bitmask\x18\x1f \x01(\x08\"\xc0\x04\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x31\n\x0c\x63\x61pabilities\x18\n \x01(\x0b\x32\x1b.pagedserve.v1.Capabilities\x12\x16\n\x0etokenizer_json\x18\x0b \x01(\t\x12\x18\n\x10\x65xecutor_version\x18\x0c \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\r \x01(\r\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08\x12\x15\n\rchat_template\x18\x0f \x01(\t\x12\x17\n\x0fstartup_seconds\x18\x10 \x01(\x01\x12J\n\x0estartup_phases\x18\x11 \x03(\x0b\x32\x32.pagedserve.v1.DescribeResponse.StartupPhasesEntry\x12\x14\n\x0c\x61rchitecture\x18\x32 \x01(\t\x12\x17\n\x0fsliding_windows\x18\x33 \x03(\r\x1a\x34\n\x12StartupPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"\xb7\x01\n\x0fRunningRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0f\n\x07resumed\x18\x05 \x03(\x08\x12\x18\n\x10num_draft_tokens\x18( \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18) \x03(\r\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc2\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12/\n\x07running\x18\x0b \x01(\x0b\x32\x1e.pagedserve.v1.RunningRequests\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x17\n\x0fswapped_out_ids\x18\x05 \x03(\t\x12-\n\x08swap_out\x18\x06 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12,\n\x07swap_in\x18\x07 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12)\n\x04\x63opy\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x1b\n\x13num_lookahead_slots\x18\n \x01(\r\x12\x34\n\x0etoken_bitmasks\x18\x1e \x01(\x0b\x32\x1c.pagedserve.v1.TokenBitmasks\x12\x1d\n\x15token_bitmasks_follow\x18\x1f \x01(\x08J\x04\x08\x03\x10\x04\"L\n\rTokenBitmasks\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x15\n\rwords_per_row\x18\x02 \x01(\r\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\"K\n\rSampledTokens\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"S\n\x0fRequestLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06tokens\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"3\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"k\n\x0bStepTimings\x12\x0f\n\x07swap_ns\x18\x01 \x01(\x04\x12\x12\n\nprepare_ns\x18\x02 \x01(\x04\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tsample_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\"\xed\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x06 \x01(\x0b\x32\x1c.pagedserve.v1.SampledTokens\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.pagedserve.v1.RequestLogprobs\x12+\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.RequestError\x12+\n\x07timings\x18\x04 \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\x12\r\n\x05\x65rror\x18\x05 \x01(\tJ\x04\x08\x02\x10\x03\x32\x9d\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x44\n\x07\x45xecute\x12\x1a.pagedserve.v1.StepRequest\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a!protos/pagedserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xce\x02\n\x0c\x43\x61pabilities\x12\x0c\n\x04swap\x18\x01 \x01(\x08\x12\x0c\n\x04\x63opy\x18\x02 \x01(\x08\x12\x17\n\x0f\x63hunked_prefill\x18\x03 \x01(\x08\x12\x15\n\rmax_num_steps\x18\x04 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\r\x12\x17\n\x0fseeded_sampling\x18\x06 \x01(\x08\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x1f\n\x17max_num_lookahead_slots\x18\t \x01(\r\x12\x15\n\rtoken_bitmask\x18\x1e \x01(\x08\x12\x1c\n\x14max_num_draft_tokens\x18( \x01(\r\x12\x1e\n\x16\x64\x65\x66\x65rred_token_bitmask\x18\x1f \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18  \x01(\x08\"\xc0\x04\n\x10\x44\x65scribeResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x31\n\x0c\x63\x61pabilities\x18\n \x01(\x0b\x32\x1b.pagedserve.v1.Capabilities\x12\x16\n\x0etokenizer_json\x18\x0b \x01(\t\x12\x18\n\x10\x65xecutor_version\x18\x0c \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\r \x01(\r\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08\x12\x15\n\rchat_template\x18\x0f \x01(\t\x12\x17\n\x0fstartup_seconds\x18\x10 \x01(\x01\x12J\n\x0estartup_phases\x18\x11 \x03(\x0b\x32\x32.pagedserve.v1.DescribeResponse.StartupPhasesEntry\x12\x14\n\x0c\x61rchitecture\x18\x32 \x01(\t\x12\x17\n\x0fsliding_windows\x18\x33 \x03(\r\x1a\x34\n\x12StartupPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\"\xb7\x01\n\x0fRunningRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x03 \x03(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\x12\x0f\n\x07resumed\x18\x05 \x03(\x08\x12\x18\n\x10num_draft_tokens\x18( \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18) \x03(\r\"(\n\x0c\x42lockMapping\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xc2\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12/\n\x07running\x18\x0b \x01(\x0b\x32\x1e.pagedserve.v1.RunningRequests\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x17\n\x0fswapped_out_ids\x18\x05 \x03(\t\x12-\n\x08swap_out\x18\x06 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12,\n\x07swap_in\x18\x07 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12)\n\x04\x63opy\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.BlockMapping\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x1b\n\x13num_lookahead_slots\x18\n \x01(\r\x12\x34\n\x0etoken_bitmasks\x18\x1e \x01(\x0b\x32\x1c.pagedserve.v1.TokenBitmasks\x12\x1d\n\x15token_bitmasks_follow\x18\x1f \x01(\x08J\x04\x08\x03\x10\x04\"L\n\rTokenBitmasks\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x15\n\rwords_per_row\x18\x02 \x01(\r\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\"K\n\rSampledTokens\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"S\n\x0fRequestLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06tokens\x18\x02 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"j\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12,\n\x06tokens\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"3\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"k\n\x0bStepTimings\x12\x0f\n\x07swap_ns\x18\x01 \x01(\x04\x12\x12\n\nprepare_ns\x18\x02 \x01(\x04\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tsample_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\"\xa5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x07sampled\x18\x06 \x01(\x0b\x32\x1c.pagedserve.v1.SampledTokens\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.pagedserve.v1.RequestLogprobs\x12+\n\x06\x65rrors\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.RequestError\x12+\n\x07timings\x18\x04 \x01(\x0b\x32\x1a.pagedserve.v1.StepTimings\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x36\n\x0fprompt_logprobs\x18  \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobsJ\x04\x08\x02\x10\x03\x32\x9d\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x44\n\x07\x45xecute\x12\x1a.pagedserve.v1.StepRequest\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=89
   _globals['_DESCRIBEREQUEST']._serialized_end=106
   _globals['_CAPABILITIES']._serialized_start=109
-  _globals['_CAPABILITIES']._serialized_end=418
-  _globals['_DESCRIBERESPONSE']._serialized_start=421
-  _globals['_DESCRIBERESPONSE']._serialized_end=997
-  _globals['_DESCRIBERESPONSE_STARTUPPHASESENTRY']._serialized_start=945
-  _globals['_DESCRIBERESPONSE_STARTUPPHASESENTRY']._serialized_end=997
-  _globals['_NEWREQUEST']._serialized_start=1000
-  _globals['_NEWREQUEST']._serialized_end=1205
-  _globals['_RUNNINGREQUESTS']._serialized_start=1208
-  _globals['_RUNNINGREQUESTS']._serialized_end=1391
-  _globals['_BLOCKMAPPING']._serialized_start=1393
-  _globals['_BLOCKMAPPING']._serialized_end=1433
-  _globals['_STEPREQUEST']._serialized_start=1436
-  _globals['_STEPREQUEST']._serialized_end=1886
-  _globals['_TOKENBITMASKS']._serialized_start=1888
-  _globals['_TOKENBITMASKS']._serialized_end=1964
-  _globals['_SAMPLEDTOKENS']._serialized_start=1966
-  _globals['_SAMPLEDTOKENS']._serialized_end=2041
-  _globals['_REQUESTLOGPROBS']._serialized_start=2043
-  _globals['_REQUESTLOGPROBS']._serialized_end=2126
-  _globals['_REQUESTERROR']._serialized_start=2128
-  _globals['_REQUESTERROR']._serialized_end=2179
-  _globals['_STEPTIMINGS']._serialized_start=2181
-  _globals['_STEPTIMINGS']._serialized_end=2288
-  _globals['_STEPRESULT']._serialized_start=2291
-  _globals['_STEPRESULT']._serialized_end=2528
-  _globals['_EXECUTOR']._serialized_start=2531
-  _globals['_EXECUTOR']._serialized_end=2688
+  _globals['_CAPABILITIES']._serialized_end=443
+  _globals['_DESCRIBERESPONSE']._serialized_start=446
+  _globals['_DESCRIBERESPONSE']._serialized_end=1022
+  _globals['_DESCRIBERESPONSE_STARTUPPHASESENTRY']._serialized_start=970
+  _globals['_DESCRIBERESPONSE_STARTUPPHASESENTRY']._serialized_end=1022
+  _globals['_NEWREQUEST']._serialized_start=1025
+  _globals['_NEWREQUEST']._serialized_end=1230
+  _globals['_RUNNINGREQUESTS']._serialized_start=1233
+  _globals['_RUNNINGREQUESTS']._serialized_end=1416
+  _globals['_BLOCKMAPPING']._serialized_start=1418
+  _globals['_BLOCKMAPPING']._serialized_end=1458
+  _globals['_STEPREQUEST']._serialized_start=1461
+  _globals['_STEPREQUEST']._serialized_end=1911
+  _globals['_TOKENBITMASKS']._serialized_start=1913
+  _globals['_TOKENBITMASKS']._serialized_end=1989
+  _globals['_SAMPLEDTOKENS']._serialized_start=1991
+  _globals['_SAMPLEDTOKENS']._serialized_end=2066
+  _globals['_REQUESTLOGPROBS']._serialized_start=2068
+  _globals['_REQUESTLOGPROBS']._serialized_end=2151
+  _globals['_PROMPTLOGPROBS']._serialized_start=2153
+  _globals['_PROMPTLOGPROBS']._serialized_end=2259
+  _globals['_REQUESTERROR']._serialized_start=2261
+  _globals['_REQUESTERROR']._serialized_end=2312
+  _globals['_STEPTIMINGS']._serialized_start=2314
+  _globals['_STEPTIMINGS']._serialized_end=2421
+  _globals['_STEPRESULT']._serialized_start=2424
+  _globals['_STEPRESULT']._serialized_end=2717
+  _globals['_EXECUTOR']._serialized_start=2720
+  _globals['_EXECUTOR']._serialized_end=2877
 # @@protoc_insertion_point(module_scope)
