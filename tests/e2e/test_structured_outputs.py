@@ -306,6 +306,4 @@ async def test_echo_puts_the_prompt_before_each_choice_streamed_and_not(client: 
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
                                              stream=True)
     assert "".join([c.choices[0].text async for c in stream if c.choices]) == prompt + plain.choices[0].text
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
-    assert caught.value.body["param"] == "echo"
+    # echo with logprobs (the prompt tokens' logprobs first): tests/e2e/test_prompt_logprobs.py
