@@ -61,7 +61,7 @@ class ToolStream:
         self.pending = ""
         self.raw = ""  # llama3_json: everything fed, for an answer that turns out to be content
         self.block_raw = ""  # hermes: the current tag's text
-        self.tracked: dict[int, Tracked] = {}  # id(ScannedCall) -> its call
+        self.tracked: list[Tracked | None] = []  # the current scanner's calls (by position): sent ones
         self.num_calls = 0
 
     def _new_scanner(self) -> CallScanner:
@@ -81,7 +81,7 @@ class ToolStream:
         rest, self.pending = self.pending, ""
         if self.hermes and self.mode is Mode.CALLS and not self._block_announced():
             return OPEN + self.block_raw + rest
-        if self.mode is Mode.UNDECIDED or (self.mode is Mode.CALLS and not self.hermes and not self.tracked):
+        if self.mode is Mode.UNDECIDED or (self.mode is Mode.CALLS and not self.hermes and not self.num_calls):
             return self.raw  # llama3_json: no call came of it: the answer is text
         return rest if self.mode is not Mode.CALLS else ""
 
@@ -89,12 +89,13 @@ class ToolStream:
 
     def _progress(self) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = []
-        for scanned in self.scanner.calls:
-            tracked = self.tracked.get(id(scanned))
+        self.tracked += [None] * (len(self.scanner.calls) - len(self.tracked))
+        for i, scanned in enumerate(self.scanner.calls):
+            tracked = self.tracked[i]
             if tracked is None:
                 if scanned.name is None or scanned.name not in self.names:
                     continue
-                tracked = self._announce(scanned, parts)
+                tracked = self.tracked[i] = self._announce(scanned, parts)
             text = self.scanner.arguments(scanned) if scanned.ended else self.scanner.available(scanned)
             fragment = text[tracked.emitted:]
             if not fragment:
@@ -108,7 +109,7 @@ class ToolStream:
 
     def _announce(self, scanned: ScannedCall, parts: list[dict[str, Any]]) -> Tracked:
         call = ToolCall(scanned.name or "", "")
-        tracked = self.tracked[id(scanned)] = Tracked(call, self.num_calls)
+        tracked = Tracked(call, self.num_calls)
         self.num_calls += 1
         parts.append({"index": tracked.index, "id": call.id, "type": "function",
                       "function": {"name": call.name, "arguments": ""}})
@@ -119,7 +120,7 @@ class ToolStream:
         return any(not c.valid_name or (c.name is not None and c.name not in self.names) for c in self.scanner.calls)
 
     def _block_announced(self) -> bool:
-        return any(id(c) in self.tracked for c in self.scanner.calls)
+        return any(t is not None for t in self.tracked)
 
     # ---- hermes ----------------------------------------------------------------------------------
 
@@ -147,7 +148,7 @@ class ToolStream:
             return False
         self.pending = self.pending[len(tag):]
         if self.mode is Mode.CONTENT:
-            self.mode, self.scanner, self.block_raw = Mode.CALLS, self._new_scanner(), ""
+            self.mode, self.scanner, self.block_raw, self.tracked = Mode.CALLS, self._new_scanner(), "", []
         else:
             if self.mode is Mode.CALLS and not self._block_announced():
                 content.append(OPEN + self.block_raw + CLOSE)  # no call in it: text
@@ -179,7 +180,7 @@ class ToolStream:
             self.mode = Mode.CALLS
             text = start.removeprefix(PYTHON_TAG)
         self.scanner.feed(text)
-        if self._refused_name() and not self.tracked:
+        if self._refused_name() and not self.num_calls:
             self.mode = Mode.CONTENT
             return self.raw, []
         return "", self._progress()
