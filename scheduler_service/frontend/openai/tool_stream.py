@@ -6,7 +6,8 @@ fragments concatenate to exactly the non-streamed `arguments`); parallel calls g
 
 - `required`: the answer is a JSON array of `{"name", "parameters"}` objects (the constraint makes it so).
 - `auto` with hermes: text outside `<tool_call>...</tool_call>` streams as content (a possible start of the tag at
-  the end of what came is held back); inside a tag the call object is read. A block whose name is not an offered
+  the end of what came is held back; after a call, whitespace only with other text); inside a tag the call object
+  is read. A block whose name is not an offered
   function, or that holds no call, is sent as content, as the non-streamed reading keeps it as text.
 - `auto` with llama3_json: an answer that starts with `{` or `<|python_tag|>` is read as `;`-joined call objects,
   any other as content. A call to a function not offered before any call was sent turns the answer into content
@@ -61,6 +62,7 @@ class ToolStream:
         self.pending = ""
         self.raw = ""  # llama3_json: everything fed, for an answer that turns out to be content
         self.block_raw = ""  # hermes: the current tag's text
+        self.gap = ""  # hermes: whitespace after a call, sent only if other text follows
         self.tracked: list[Tracked | None] = []  # the current scanner's calls (by position): sent ones
         self.num_calls = 0
 
@@ -79,6 +81,8 @@ class ToolStream:
     def finish(self) -> str:
         """The content held back, at the end of the answer."""
         rest, self.pending = self.pending, ""
+        if self.hermes and self.mode is Mode.CONTENT and self.num_calls:
+            rest = self._content_after_calls(rest)
         if self.hermes and self.mode is Mode.CALLS and not self._block_announced():
             return OPEN + self.block_raw + rest
         if self.mode is Mode.UNDECIDED or (self.mode is Mode.CALLS and not self.hermes and not self.num_calls):
@@ -139,7 +143,7 @@ class ToolStream:
         end = at if at >= 0 else len(self.pending) - held_back(self.pending, tag)
         piece, self.pending = self.pending[:end], self.pending[end:]
         if self.mode is Mode.CONTENT:
-            content.append(piece)
+            content.append(self._content_after_calls(piece) if self.num_calls else piece)
         elif self.mode is Mode.BAD_BLOCK:
             content.append(piece + (CLOSE if at >= 0 else ""))
         else:
@@ -154,6 +158,14 @@ class ToolStream:
                 content.append(OPEN + self.block_raw + CLOSE)  # no call in it: text
             self.mode = Mode.CONTENT
         return True
+
+    def _content_after_calls(self, piece: str) -> str:
+        """Text after a call: whitespace (between calls, after the last) is held until other text follows it."""
+        self.gap += piece
+        if not self.gap.strip():
+            return ""
+        out, self.gap = self.gap, ""
+        return out
 
     def _read_block(self, piece: str, content: list[str], parts: list[dict[str, Any]]) -> None:
         self.block_raw += piece
