@@ -288,7 +288,9 @@ async def test_forced_tool_calls_stream_as_tool_call_deltas(client: Any, choice:
 async def stream_with_helper(client: Any, **body: Any) -> tuple[str, dict[int, tuple[str, str]], str]:
     """A chat answer through the openai client's streaming helper: its content, each call's (name, arguments as the
     concatenated argument deltas), in index order as the events came, and the finish reason."""
-    content, names, arguments, order = "", {}, {}, []
+    content, order = "", []
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
     async with client.chat.completions.stream(model=MODEL, messages=CONVERSATION, **body) as stream:
         async for event in stream:
             if event.type == "content.delta":
@@ -300,7 +302,7 @@ async def stream_with_helper(client: Any, **body: Any) -> tuple[str, dict[int, t
                 order.append(event.index)
         final = await stream.get_final_completion()
     assert order == sorted(order), "calls come one after another, indexes increasing"
-    for call, (i, args) in zip(final.choices[0].message.tool_calls or [], sorted(arguments.items()), strict=True):
+    for call, (_, args) in zip(final.choices[0].message.tool_calls or [], sorted(arguments.items()), strict=True):
         assert call.function.arguments == args and call.id  # the helper's own assembly of the deltas
     return content, {i: (names[i], arguments[i]) for i in sorted(arguments)}, final.choices[0].finish_reason
 

@@ -150,7 +150,8 @@ def pieces(text: str, seed: int) -> list[str]:
 
 def stream_all(answers: ToolAnswers, text: str, seed: int) -> tuple[str, dict[int, dict[str, str]], list[Any], str]:
     """Content, calls by index (id, name, arguments concatenated), every tool-call part, the last finish reason."""
-    content, calls, parts, reason = "", {}, [], None
+    content, parts, reason = "", [], None
+    calls: dict[int, dict[str, str]] = {}
     chunks = pieces(text, seed)
     for i, piece in enumerate(chunks):
         choice = answers.chunk_choice(0, piece, "stop" if i == len(chunks) - 1 else None)
