@@ -60,6 +60,8 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: penalise tokens by how often they appeared")
     g.add_argument("--repetition-penalty", type=float, help="in (0, 2]; > 1 discourages repeating prompt or output")
     g.add_argument("--logprobs", type=int, help="return the logprob of each token and this many alternatives")
+    g.add_argument("--prompt-logprobs", type=int,
+                   help="return the logprob of each prompt token after the first and this many alternatives")
     g.add_argument("--n", type=int, help="number of sequences to generate for the prompt")
     g.add_argument("--priority", type=int, help="lower runs first under the scheduler's --policy priority")
     g.add_argument("--output-len-hint", type=int, help="expected output length, for the scheduler's --policy sjf")
@@ -80,7 +82,7 @@ def build_parser(prog: str = "python -m client") -> argparse.ArgumentParser:
 
 SAMPLING_ARGS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logprobs", "n", "priority")
+                 "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "n", "priority")
 
 
 def response_json(r: generation_pb2.GenerateResponse) -> str:
@@ -94,9 +96,11 @@ def response_json(r: generation_pb2.GenerateResponse) -> str:
         obj["stop_reason"] = getattr(r, which)
     if r.finish_reason:
         obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
-    if r.logprobs:
-        obj["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                            "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in r.logprobs]
+    for name in ("logprobs", "prompt_logprobs"):
+        entries = getattr(r, name)
+        if entries:
+            obj[name] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                          "top": [[t.token_id, t.logprob] for t in lp.top]} for lp in entries]
     return json.dumps(obj, ensure_ascii=False)
 
 

@@ -8,10 +8,10 @@ from typing import Protocol
 
 import numpy as np
 
-from protos.contract import BlockMap, SamplingConfig
+from protos.contract import BlockMap, SamplingConfig, prompt_logprob_positions
 
-__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "SampleOutput", "SamplingConfig",
-           "attended_keys"]
+__all__ = ["Backend", "BackendInfo", "BackendLost", "BatchItem", "BlockMap", "PromptLogprobs", "SampleOutput",
+           "SamplingConfig", "attended_keys", "prompt_logprob_positions"]
 
 
 class BackendLost(RuntimeError):
@@ -61,6 +61,15 @@ class BatchItem:
     window_tables: Sequence[list[int]] = ()
     """KV cache groups (BackendInfo.kv_window_groups): each window group's table by position like block_table, 0 in
     the positions before the window, whose blocks were released and are never read."""
+    prompt_out: PromptLogprobs | None = None
+    """The backend's answer for an item whose sampling asks prompt_logprobs: the logprobs of the prompt positions
+    this pass yields (prompt_logprob_positions), set by execute(); None where it yields none."""
+
+    def prompt_positions(self) -> range:
+        """The prompt positions whose logprobs this pass must answer (empty unless the request asks for them)."""
+        if self.sampling.prompt_logprobs is None:
+            return range(0)
+        return prompt_logprob_positions(self.start, self.num_tokens, self.num_prompt_tokens)
 
 
 class DeferredRows(Protocol):
@@ -80,6 +89,15 @@ class SampleOutput:
     def run(self) -> list[SampleOutput]:
         """This token and the ones after it from verified drafts."""
         return [self, *self.extra] if self.extra else [self]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of consecutive prompt positions: tokens[i] is position first_position + i's token, its logprob
+    given the tokens before it and the top alternatives there."""
+
+    first_position: int
+    tokens: list[SampleOutput]
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +132,8 @@ class BackendInfo:
     """Sliding-window KV cache groups it keeps a table each for (Capabilities.kv_window_groups); 0: one table."""
     kv_window: int = 0
     """The most keys a query of those groups reads (Capabilities.kv_window)."""
+    prompt_logprobs: bool = True
+    """It fills BatchItem.prompt_out (Describe.capabilities.prompt_logprobs)."""
 
 
 class Backend(Protocol):

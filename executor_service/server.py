@@ -68,7 +68,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_num_lookahead_slots=limits.max_num_lookahead_slots, token_bitmask=True,
                 max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
                 max_num_model_draft_tokens=limits.max_num_model_draft_tokens,
-                deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window))
+                deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window,
+                prompt_logprobs=info.prompt_logprobs))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
@@ -162,6 +163,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         for admitted in plan.admitted:
             self.table.release_out_of_window(admitted.request_id)
         _fill_sampled(result, outputs)
+        _fill_prompt_logprobs(result, items)
         result.timings.swap_ns = t_swap - t0
         result.timings.prepare_ns = t_prep - t_swap
         result.timings.forward_ns = t_fwd - t_prep
@@ -294,6 +296,15 @@ def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[Sampl
     for rid, samples in outputs.items():
         if samples[0].logprob is not None:
             result.logprobs.add(request_id=rid, tokens=[_token_logprobs(s) for s in samples])
+
+
+def _fill_prompt_logprobs(result: executor_pb2.StepResult, items: list[BatchItem]) -> None:
+    """The prompt logprobs the step's (first) pass answered, for the requests that asked."""
+    for item in items:
+        out = item.prompt_out
+        if out is not None:
+            result.prompt_logprobs.add(request_id=item.request_id, first_position=out.first_position,
+                                       tokens=[_token_logprobs(s) for s in out.tokens])
 
 
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,

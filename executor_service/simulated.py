@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from executor_service.backend import BackendInfo, BatchItem, SampleOutput
+from executor_service.backend import BackendInfo, BatchItem, PromptLogprobs, SampleOutput
 from executor_service.config import ExecutorConfig
 from executor_service.seeding import splitmix64
 from executor_service.token_masks import allowed_ids
@@ -15,6 +15,8 @@ from executor_service.validator import MAX_NUM_DRAFT_TOKENS
 from protos.contract import BlockMap
 
 PRINTABLE_LOW, PRINTABLE_HIGH = 32, 127
+PROMPT_LOGPROB_STEPS = 2000
+"""A simulated prompt logprob is one of these steps of 1/200 below 0: in (-10, 0]."""
 
 
 class SimulatedBackend:
@@ -65,7 +67,22 @@ class SimulatedBackend:
         return next(t for t in range(self.info.vocab_size) if t not in masked)
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
+        for item in items:
+            positions = item.prompt_positions()
+            if positions:
+                item.prompt_out = PromptLogprobs(positions.start, [self.prompt_logprob(item, p) for p in positions])
         return [self.sample(i) if i.sample else None for i in items]
+
+    @staticmethod
+    def prompt_logprob(item: BatchItem, position: int) -> SampleOutput:
+        """A prompt token's simulated logprob: a function of the token, the one before it and the position only
+        (the same for every request with that prompt, chunked or not), in (-10, 0]; its only alternative is
+        itself."""
+        token = item.token_ids[position]
+        h = splitmix64(item.token_ids[position - 1] << 32 | token, position)
+        logprob = -(h % PROMPT_LOGPROB_STEPS) / 200
+        top = [(token, logprob)] if item.sampling.prompt_logprobs else []
+        return SampleOutput(token, logprob, top)
 
     async def execute_async(self, items: list[BatchItem]) -> list[SampleOutput | None]:
         samples = self.execute(items)

@@ -11,7 +11,8 @@ from executor_service.backend import BatchItem, SamplingConfig
 from protos.contract import released_before
 from protos.pagedserve.v1 import common_pb2
 
-OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs")
+OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs",
+                            "prompt_logprobs")
 
 
 @dataclass(slots=True)

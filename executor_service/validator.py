@@ -82,14 +82,15 @@ SAMPLING_NAMES = tuple(f.name for f in fields(SamplingTable))
 
 def check_sampling(p: common_pb2.SamplingParams, max_logprobs: int) -> None:
     """Every sampling value against its range in the contract's SAMPLING table (the scheduler's validation reads
-    the same table); a float must also be finite, and logprobs at most the executor's max_logprobs."""
+    the same table); a float must also be finite, and logprobs and prompt_logprobs at most the executor's
+    max_logprobs."""
     by_name = p.DESCRIPTOR.fields_by_name
     for name in SAMPLING_NAMES:
         field = by_name.get(name)
         if field is None or (field.has_presence and not p.HasField(name)):
             continue
         param: SamplingParam[Any] = getattr(SAMPLING, name)
-        high = max_logprobs if name == "logprobs" else None
+        high = max_logprobs if name in ("logprobs", "prompt_logprobs") else None
         is_map = field.message_type is not None and field.message_type.GetOptions().map_entry
         for value in getattr(p, name).values() if is_map else (getattr(p, name),):  # a map: each of its values
             finite = not isinstance(value, float) or math.isfinite(value)

@@ -70,6 +70,7 @@ class SamplingTable:
     frequency_penalty: SamplingParam[float] = SamplingParam(0.0, low=-2, high=2)
     repetition_penalty: SamplingParam[float] = SamplingParam(1.0, low=0, high=2, low_open=True)
     logprobs: SamplingParam[int | None] = SamplingParam(None, low=0)  # high: the server's --max-logprobs
+    prompt_logprobs: SamplingParam[int | None] = SamplingParam(None, low=0)  # high: as logprobs
     n: SamplingParam[int] = SamplingParam(1, low=1, high=16)
     seed: SamplingParam[int | None] = SamplingParam(None)
     priority: SamplingParam[int] = SamplingParam(0)
@@ -99,6 +100,7 @@ class SamplingConfig:
     min_tokens: int = SAMPLING.min_tokens.default
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits after the penalties
+    prompt_logprobs: int | None = SAMPLING.prompt_logprobs.default  # top alternatives per prompt position; None: none
 
     def masked_ids(self, num_output: int, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The token ids a request may not sample after num_output tokens of its own: its stop tokens and the
@@ -106,3 +108,10 @@ class SamplingConfig:
         if num_output >= self.min_tokens:
             return ()
         return (*eos_token_ids, *self.stop_token_ids)
+
+
+def prompt_logprob_positions(start: int, num_tokens: int, num_prompt_tokens: int) -> range:
+    """The prompt positions whose logprobs a pass computing positions [start, start + num_tokens) yields: the
+    row of position p predicts token p + 1, so p + 1 in [start + 1, min(start + num_tokens, num_prompt_tokens - 1)]
+    (position 0 has none; the row of the prompt's last token predicts the first output, not a prompt token)."""
+    return range(start + 1, min(start + num_tokens, num_prompt_tokens - 1) + 1)

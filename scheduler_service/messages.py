@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from scheduler_service.core.outputs import RequestDelta
+from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -83,6 +83,7 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     error: str = ""
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # TokenLogprob as (id, logprob, top)
     unavailable: bool = False  # ended because no executor came back within --executor-wait-timeout
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # once: prompt positions 1 ..
 
 
 class Refused(msgspec.Struct, array_like=True, gc=False):
@@ -117,10 +118,15 @@ def new_request(request: Request, stop_strings: bool = False, resume: bool = Fal
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:
+    prompt = None if d.prompt_logprobs is None else logprobs_to_wire(d.prompt_logprobs)
     if not d.logprobs:
-        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable)
-    return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error,
-                 [(lp.token_id, lp.logprob, list(lp.top)) for lp in d.logprobs], unavailable)
+        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable, prompt)
+    return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, logprobs_to_wire(d.logprobs), unavailable,
+                 prompt)
+
+
+def logprobs_to_wire(logprobs: list[TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    return [(lp.token_id, lp.logprob, list(lp.top)) for lp in logprobs]
 
 
 def ipc_address(name: str) -> str:

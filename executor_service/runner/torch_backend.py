@@ -8,7 +8,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.draft_model import DraftModel, check_draft_vocabulary
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.kv_groups import KVLayout, plan_layout
+from executor_service.runner.prompt_logprobs import fill_prompt_logprobs, prompt_rows
 from executor_service.runner.sampler import Sampler, SampleRequest
 from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
@@ -68,6 +69,9 @@ class Batch:
     output_rows: Tensor
     sample_items: list[int]
     decode_only: bool
+    prompt_rows: list[int] = field(default_factory=list)
+    """Rows whose logits follow the sampled rows' for prompt logprobs (runner/prompt_logprobs.py); output_rows
+    ends with them."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,13 +246,16 @@ class TorchBackend:
                 items = self.draft.propose(items)
         batch = self.prepare(expand_drafts(items))
         rows, _ = verify_rows(items, batch.sample_items)
-        batch.output_rows = row_index(rows, self.device)
+        batch.output_rows = row_index(rows + batch.prompt_rows, self.device)
         with torch.inference_mode():
             logits = self.run_batch(batch)
             samples = []
             if logits is not None:
+                if batch.prompt_rows:
+                    fill_prompt_logprobs(logits[len(rows):], items)
+                    logits = logits[:len(rows)]
                 resolve_masks(items)  # (constrained items of the step, which carry no drafts)
-                samples = self.sampler.sample(logits, verify_rows(items, batch.sample_items)[1])
+                samples = self.sampler.sample(logits, verify_rows(items, batch.sample_items)[1]) if rows else []
         return accept_runs(items, batch.sample_items, samples)
 
     def prepare(self, items: list[BatchItem]) -> Batch:
@@ -258,6 +265,11 @@ class TorchBackend:
         batch = build_batch(items, self.info, self.device)
         if self.layout.num_window_groups:
             batch.meta.layer_metas = window_group_metas(items, batch.meta, self.layout, self.info, self.device)
+        if any(item.sampling.prompt_logprobs is not None for item in items):
+            batch.prompt_rows = prompt_rows(items)
+            if batch.prompt_rows:
+                extra = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
+                batch.output_rows = torch.cat([batch.output_rows, extra])
         return batch
 
     def run_batch(self, batch: Batch) -> Tensor | None:
@@ -265,12 +277,18 @@ class TorchBackend:
         every rank runs this on the same batch, in step."""
         with inference_mode():
             hidden = self.forward(batch)
-            return self.model.compute_logits(hidden) if batch.sample_items else None
+            return self.model.compute_logits(hidden) if batch.sample_items or batch.prompt_rows else None
 
     def sample(self, items: list[BatchItem], batch: Batch, logits: Tensor | None) -> list[SampleOutput | None]:
         results: list[SampleOutput | None] = [None] * len(items)
         if logits is None:
             return results
+        num_sampled = len(batch.sample_items)
+        if batch.prompt_rows:
+            fill_prompt_logprobs(logits[num_sampled:], items)
+            if not num_sampled:
+                return results
+            logits = logits[:num_sampled]
         resolve_masks(items)  # masks that follow the step: the forward pass ran while they came
         with inference_mode():
             samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])

@@ -154,7 +154,7 @@ def count_in_flight(rs: RunningSet, plain: PlainRows | None, change: int) -> Non
 def plain_tokens(plain: PlainRows, result: ExecutorResult) -> list[int] | None:
     """The one token each plain decode sampled, aligned with plain.ids; None when the answer says more
     than that (errors, logprobs, several tokens, one missing)."""
-    if result.errors or result.logprobs:
+    if result.errors or result.logprobs or result.prompt_logprobs:
         return None
     ids = plain.ids
     if result.ids:

@@ -116,8 +116,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest run of cached full blocks starting the request's tokens, leaving at least its
-        last token to compute (its logits are needed)."""
-        if not self.enable_caching:
+        last token to compute (its logits are needed). None for a request that wants prompt logprobs: they come
+        from computing the prompt (vLLM also skips the cache hit for it)."""
+        if not self.enable_caching or request.wants_prompt_logprobs:
             return PrefixHit()
         max_blocks = (request.num_tokens - 1) // self.block_size
         tokens = extend_blocks(self._blocks.setdefault(request.request_id, []), request, max_blocks,

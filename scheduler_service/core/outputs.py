@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protos.contract import BlockMap
+from scheduler_service.core.prompt_logprobs import PromptChunk
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.window_groups import WindowBlocks
 
@@ -71,6 +72,8 @@ class RequestDelta:
     finish_reason: FinishReason | None = None
     error: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Once per request that asked: its prompt positions 1 .. P-1 (core/prompt_logprobs.py)."""
 
 
 @dataclass(slots=True)
@@ -137,6 +140,7 @@ class ExecutorResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptChunk] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     _index: dict[str, int] | None = field(default=None, init=False, repr=False)

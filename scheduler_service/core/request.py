@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protos.contract import SAMPLING, SamplingConfig
+from scheduler_service.core.prompt_logprobs import PromptLogprobsRecord
 from scheduler_service.core.speculative import DraftRecord
 
 
@@ -83,9 +84,17 @@ class Request:
     cache_salt: str | None = None
     tenant: str = ""
     drafts: DraftRecord | None = None  # its speculative decoding so far (None: never proposed for)
+    prompt_logprobs: PromptLogprobsRecord | None = field(init=False)  # None: it does not ask for them
 
     def __post_init__(self) -> None:
         self.num_uncomputed_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        asked = self.sampling.prompt_logprobs is not None
+        self.prompt_logprobs = PromptLogprobsRecord(max(0, len(self.prompt_token_ids) - 1)) if asked else None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not had them: its prompt must be computed, not found cached."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.delivered
 
     @property
     def num_computed_tokens(self) -> int:

@@ -29,6 +29,7 @@ from scheduler_service.core.outputs import (
     StepDeltas,
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
+from scheduler_service.core.prompt_logprobs import collect_prompt_logprobs
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
 from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, SpecMethod, propose_ngram
@@ -656,7 +657,7 @@ class Scheduler:
     def _prefix_hit(self, request: Request) -> PrefixHit:
         cached = self.kv.get_computed_blocks(request)
         source = self.requests.get(request.share_prompt_with or "")
-        if source is None or source.status is not RUNNING or request.output_token_ids \
+        if source is None or source.status is not RUNNING or request.output_token_ids or request.wants_prompt_logprobs \
                 or source.num_computed_tokens < request.num_prompt_tokens \
                 or any(w.request is source for w in self._entered_running):
             return cached  # (a source that entered RUNNING this step: the executor gets its blocks only now)
@@ -775,8 +776,16 @@ class Scheduler:
         block_size = self.limits.block_size
         if before < request.num_prompt_tokens and (before + work.num_tokens) // block_size != before // block_size:
             self.kv.cache_blocks(request)  # prompt blocks at once; the others when the request leaves the device
+        prompt = None
+        if request.prompt_logprobs is not None:
+            error, prompt = collect_prompt_logprobs(request, result.prompt_logprobs.get(rid))
+            if error:
+                self._fail(request, error, others.append)
+                return
         if request.num_uncomputed_tokens > 0:
             self.rs.sync(request)
+            if prompt is not None:
+                others.append(RequestDelta(rid, [], prompt_logprobs=prompt))
             return
         tokens = result.tokens_of(rid)
         if not tokens:
@@ -793,7 +802,7 @@ class Scheduler:
         if request.status is RUNNING:
             self.rs.sync(request)
         logprobs = result.logprobs.get(rid, [])[:len(tokens)] if result.logprobs else []
-        others.append(RequestDelta(rid, tokens, reason, "", logprobs))
+        others.append(RequestDelta(rid, tokens, reason, "", logprobs, prompt))
 
     def _completed(self, ids: list[str]) -> None:
         """These requests computed all their known tokens: the thrash guard lets them go, and their held

@@ -108,10 +108,13 @@ def _add_drafts(running: executor_pb2.RunningRequests, out: SchedulerOutput) -> 
 
 def _add_new(step: executor_pb2.StepRequest, w: ScheduledWork) -> None:
     r = w.request
+    sampling = sampling_proto(r.sampling)
+    if r.wants_prompt_logprobs and r.sampling.prompt_logprobs is not None:  # not once delivered (a recompute)
+        sampling.prompt_logprobs = r.sampling.prompt_logprobs
     step.new_requests.add(
         request_id=r.request_id, token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
         num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=w.num_tokens, block_ids=w.new_block_ids,
-        sampling=sampling_proto(r.sampling))
+        sampling=sampling)
 
 
 def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> ExecutorResult:
@@ -130,6 +133,8 @@ def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> Exe
         result.sampled = dict(zip(ids, split_columns(tokens, counts), strict=True))
     for lp in msg.logprobs:
         result.logprobs[lp.request_id] = [token_logprob(t) for t in lp.tokens]
+    for p in msg.prompt_logprobs:  # checked against the request's positions by the core (core/prompt_logprobs.py)
+        result.prompt_logprobs[p.request_id] = (p.first_position, [token_logprob(t) for t in p.tokens])
     result.errors = {e.request_id: e.message for e in msg.errors}
     return result
 

@@ -209,6 +209,12 @@ class ExecutorLoop:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         stream = RequestStream(request, queue, stop_strings=stop_strings)
         self.streams[request.request_id] = stream
+        if request.wants_prompt_logprobs and self._lacks_prompt_logprobs():
+            message = ("sampling.prompt_logprobs: this executor does not compute prompt logprobs "
+                       "(Describe.capabilities.prompt_logprobs)")
+            asyncio.get_running_loop().call_soon(self._route, [RequestDelta(request.request_id, [],
+                                                                            FinishReason.ERROR, message)])
+            return stream
         if request.sampling.constraint is not None:
             self._compile_then_add(stream)
             return stream
@@ -216,6 +222,10 @@ class ExecutorLoop:
         self.became_idle.clear()
         self._wake.set()
         return stream
+
+    def _lacks_prompt_logprobs(self) -> bool:
+        """The connected executor does not compute prompt logprobs (none connected yet: not known to lack them)."""
+        return self.describe is not None and not self.describe.capabilities.prompt_logprobs
 
     def adopt(self, stream: RequestStream, front: bool = False) -> None:
         """Take over a request another executor's scheduler released (no queue limit: it was admitted)."""

@@ -7,6 +7,7 @@ and re-submits every open request there as a continuation once the core is ready
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -253,6 +254,8 @@ class CoreClient:
                 continue
             else:
                 stream.delivered += d.token_ids
+            if d.prompt_logprobs is not None and stream.new is not None:  # a re-submission (#28) asks no more
+                stream.new.sampling = dataclasses.replace(stream.new.sampling, prompt_logprobs=None)
             queue.put_nowait(as_delta(d))
 
     def _overflow(self, request_id: str, queue: asyncio.Queue[Any]) -> None:
@@ -266,8 +269,13 @@ class CoreClient:
 
 
 def as_delta(d: Delta) -> RequestDelta:
-    logprobs = [TokenLogprob(t, v, tuple((i, x) for i, x in top)) for t, v, top in d.logprobs] if d.logprobs else []
-    return RequestDelta(d.request_id, d.token_ids, d.finish_reason, d.error, logprobs)
+    logprobs = logprobs_from_wire(d.logprobs) if d.logprobs else []
+    prompt = None if d.prompt_logprobs is None else logprobs_from_wire(d.prompt_logprobs)
+    return RequestDelta(d.request_id, d.token_ids, d.finish_reason, d.error, logprobs, prompt)
+
+
+def logprobs_from_wire(logprobs: list[tuple[int, float, list[tuple[int, float]]]]) -> list[TokenLogprob]:
+    return [TokenLogprob(t, v, tuple((i, x) for i, x in top)) for t, v, top in logprobs]
 
 
 def set_readiness(event: asyncio.Event, ready: bool, on_change: Callable[[bool], object] | None) -> None:

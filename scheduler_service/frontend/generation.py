@@ -189,7 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         cap = d.capabilities.max_logprobs  # the executor refuses more (0: not advertised)
         max_logprobs = min(self.max_logprobs, cap) if cap else self.max_logprobs
         return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=max_logprobs,
-                             max_prompt_bytes=prompt_bytes)
+                             max_prompt_bytes=prompt_bytes, prompt_logprobs=d.capabilities.prompt_logprobs)
 
     def tenant_of(self, key: str) -> str:
         """The prefix-cache tenant of a caller presenting this API key ("" when the cache is shared)."""
@@ -297,6 +297,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         requests: list[Request] = []
         for i in range(n):
             sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
+            if i and sub.prompt_logprobs is not None:  # one prompt, computed and answered once: by sequence 0
+                sub = replace(sub, prompt_logprobs=None)
             sub_id = rid if n == 1 else f"{rid}#{i}"
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
                                     share_prompt_with=requests[0].request_id if requests else None,
@@ -342,7 +344,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     continue
                 if streams[delta.request_id].executor_unavailable and delta.finish_reason is not None:
                     raise self.refuse(grpc.StatusCode.UNAVAILABLE, delta.error)
-                response = self._respond(delta, seq, rid, len(prompt_ids))
+                response = self._respond(delta, seq, rid, prompt_ids)
                 if seq.done:
                     remaining -= 1
                     answered.add(delta.request_id)
@@ -356,7 +358,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise self.refuse(item.code, item.message)
         return items  # type: ignore[return-value]
 
-    def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_len: int
+    def _respond(self, delta: RequestDelta, seq: SequenceOutput, rid: str, prompt_ids: list[int]
                  ) -> generation_pb2.GenerateResponse | None:
         token_ids, logprobs = delta.new_token_ids, delta.logprobs
         reason = delta.finish_reason
@@ -373,6 +375,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         response = generation_pb2.GenerateResponse(request_id=rid, index=seq.index, token_ids=token_ids, text=text)
         if logprobs:
             response.logprobs.extend(token_logprobs_proto(lp) for lp in logprobs)
+        if delta.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(token_logprobs_proto(lp) for lp in delta.prompt_logprobs)
+            response.prompt_token_ids.extend(prompt_ids)
         if keep is not None:
             response.stop_str = seq.stops.matched or ""
         elif stop_token and token_ids[-1] not in seq.eos_token_ids:
@@ -381,9 +386,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             seq.done = True
             response.finish_reason = FINISH_REASONS[reason]
             response.error = delta.error
-            response.usage.prompt_tokens = prompt_len
+            response.usage.prompt_tokens = len(prompt_ids)
             response.usage.completion_tokens = seq.num_tokens
-        if not (response.token_ids or response.text or seq.done):
+        if not (response.token_ids or response.text or seq.done or delta.prompt_logprobs is not None):
             return None
         return response
 
@@ -410,9 +415,11 @@ def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
         into = merged.get(d.request_id)
         if into is None:
             merged[d.request_id] = RequestDelta(d.request_id, list(d.new_token_ids), d.finish_reason, d.error,
-                                                list(d.logprobs))
+                                                list(d.logprobs), d.prompt_logprobs)
             continue
         into.new_token_ids += d.new_token_ids
         into.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            into.prompt_logprobs = d.prompt_logprobs
         into.finish_reason, into.error = d.finish_reason, d.error
     return list(merged.values())

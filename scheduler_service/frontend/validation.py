@@ -33,6 +33,7 @@ class RequestLimits:
     max_model_len: int
     max_logprobs: int
     max_prompt_bytes: int
+    prompt_logprobs: bool = True  # the executor computes them (Describe.capabilities.prompt_logprobs)
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -109,6 +110,11 @@ def sampling_options(req: generation_pb2.GenerateRequest, limits: RequestLimits,
     logprobs = _given(p, "logprobs")
     if logprobs is not None:
         _in_range("logprobs", logprobs, limits.max_logprobs)
+    prompt_logprobs = _given(p, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        _in_range("prompt_logprobs", prompt_logprobs, limits.max_logprobs)
+        _check(limits.prompt_logprobs, "sampling.prompt_logprobs",
+               "this executor does not compute prompt logprobs (Describe.capabilities.prompt_logprobs)")
     _in_range("n", _given(p, "n"))
     _check(len(p.stop) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for i, s in enumerate(p.stop):
@@ -124,7 +130,8 @@ def sampling_options(req: generation_pb2.GenerateRequest, limits: RequestLimits,
         max_tokens=max_tokens, min_tokens=p.min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=p.min_p, seed=_given(p, "seed"), stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=repetition, logprobs=logprobs, priority=p.priority, logit_bias=logit_bias)
+        repetition_penalty=repetition, logprobs=logprobs, priority=p.priority, logit_bias=logit_bias,
+        prompt_logprobs=prompt_logprobs)
 
 
 def checked_logit_bias(p: common_pb2.SamplingParams, limits: RequestLimits) -> tuple[tuple[int, float], ...]:

@@ -42,3 +42,13 @@ def test_generate_sends_include_stop_str_in_output_and_json_shows_the_stop_reaso
                                            stop_token_id=7)
     assert json.loads(response_json(last))["stop_reason"] == 7
     assert "stop_reason" not in json.loads(response_json(generation_pb2.GenerateResponse(token_ids=[5])))
+
+
+def test_generate_sends_prompt_logprobs_and_json_shows_them() -> None:
+    args = build_parser().parse_args(["generate", "--prompt-logprobs", "2", "hi"])
+    sampling = {k: getattr(args, k) for k in SAMPLING_ARGS if getattr(args, k) is not None}
+    assert build_request(args.prompt, **sampling).sampling.prompt_logprobs == 2
+    first = generation_pb2.GenerateResponse(token_ids=[5])
+    first.prompt_logprobs.add(token_id=9, logprob=-1.5).top.add(token_id=9, logprob=-1.5)
+    assert json.loads(response_json(first))["prompt_logprobs"] == [
+        {"token_id": 9, "logprob": -1.5, "top": [[9, -1.5]]}]

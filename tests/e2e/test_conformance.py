@@ -559,7 +559,7 @@ async def test_more_lookahead_slots_than_advertised_is_refused_whole(session: Se
 
 @pytest.mark.parametrize(("field", "value"), [
     ("temperature", float("nan")), ("top_p", -1.0), ("logprobs", 2**31), ("n", 2**31), ("top_k", -7),
-    ("repetition_penalty", float("inf")),
+    ("repetition_penalty", float("inf")), ("prompt_logprobs", 2**31),
 ])
 async def test_a_sampling_value_outside_the_contract_is_refused_alone(session: Session, field: str,
                                                                       value: float) -> None:
@@ -603,6 +603,47 @@ async def test_window_tables_to_an_executor_without_window_groups_are_refused(se
     assert "kv_window_groups" in result.error and not sampled_tokens(result)
     await session.decode([a], 2)
     assert len(a.outputs) == 4
+
+
+# ---- prompt logprobs (#30) ------------------------------------------------------------------------------------
+
+
+def prompt_logprobs_of(result: executor_pb2.StepResult, rid: str) -> dict[int, common_pb2.TokenLogprobs]:
+    """Position -> the executor's prompt logprob entry, for one request of one step."""
+    found = [p for p in result.prompt_logprobs if p.request_id == rid]
+    assert len(found) <= 1, f"{rid}: more than one PromptLogprobs in one step"
+    return {found[0].first_position + i: t for i, t in enumerate(found[0].tokens)} if found else {}
+
+
+async def test_prompt_logprobs_cover_every_prompt_position_once_across_chunks(session: Session) -> None:
+    if not session.describe.capabilities.prompt_logprobs:
+        pytest.skip("executor does not compute prompt logprobs")
+    length, k = 2 * session.block_size + 7, 3
+    sampling = common_pb2.SamplingParams(temperature=0.0, seed=SEED, ignore_eos=True, prompt_logprobs=k)
+    whole, chunked, plain = (session.seq(rid, length, seed=40) for rid in ("whole", "chunked", "plain"))
+    whole.sampling = chunked.sampling = sampling
+    first = await session.run([(whole, length), (chunked, 1), (plain, length)])
+    assert prompt_logprobs_of(first, "plain") == {}, "a request that did not ask gets none"
+    seen = prompt_logprobs_of(first, "chunked")
+    assert sorted(seen) == [1], "the row of position 0 answers position 1"
+    by_position = prompt_logprobs_of(first, "whole")
+    assert sorted(by_position) == list(range(1, length)), "positions 1 .. P-1, each once"
+    for n in (session.block_size, 5, length - 1 - session.block_size - 5):
+        result = await session.run([(chunked, n)])
+        got = prompt_logprobs_of(result, "chunked")
+        start = chunked.computed - n
+        assert sorted(got) == list(range(start + 1, min(chunked.computed, length - 1) + 1))
+        seen.update(got)
+    assert sorted(seen) == list(range(1, length))
+    later = await session.run([(whole, 1), (chunked, 1)])
+    assert not later.prompt_logprobs, "decode steps answer no prompt logprobs"
+    for position, entry in by_position.items():
+        other = seen[position]
+        assert entry.token_id == other.token_id == whole.tokens[position]
+        assert entry.logprob <= 0 and abs(entry.logprob - other.logprob) < 1e-4
+        top = [t.logprob for t in entry.top]
+        assert len(top) <= k and top == sorted(top, reverse=True)
+        assert not top or entry.logprob <= top[0] + 1e-5
 
 
 # ---- structured outputs: the token mask (#30) ----------------------------------------------------------------

@@ -227,7 +227,17 @@ TOOLS: list[dict[str, Any]] = [
                                          "b": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["a", "b"], "additionalProperties": False}}},
 ]
-SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+BOOK: dict[str, Any] = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {
+        "guest": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                   "vip": {"type": "boolean"}},
+                  "required": ["name", "vip"], "additionalProperties": False},
+        "nights": {"type": "array", "items": {"type": "string", "enum": ["mon", "tue", "wed"]}, "minItems": 1,
+                   "maxItems": 3}},
+    "required": ["guest", "nights"], "additionalProperties": False}}}
+# a third schema (nested object, array of enums) for the streamed calls; strict, as the client's helpers want them
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in [*TOOLS, BOOK]]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, BOOK]}
 CONVERSATION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
@@ -275,6 +285,66 @@ async def test_forced_tool_calls_stream_as_tool_call_deltas(client: Any, choice:
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMA_OF[calls[0]["name"]])
 
 
+async def stream_with_helper(client: Any, **body: Any) -> tuple[str, dict[int, tuple[str, str]], str]:
+    """A chat answer through the openai client's streaming helper: its content, each call's (name, arguments as the
+    concatenated argument deltas), in index order as the events came, and the finish reason."""
+    content, order = "", []
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    async with client.chat.completions.stream(model=MODEL, messages=CONVERSATION, **body) as stream:
+        async for event in stream:
+            if event.type == "content.delta":
+                assert not names, "content after a call started"
+                content += event.delta
+            elif event.type == "tool_calls.function.arguments.delta":
+                names[event.index] = event.name
+                arguments[event.index] = arguments.get(event.index, "") + event.arguments_delta
+                order.append(event.index)
+        final = await stream.get_final_completion()
+    assert order == sorted(order), "calls come one after another, indexes increasing"
+    for call, (_, args) in zip(final.choices[0].message.tool_calls or [], sorted(arguments.items()), strict=True):
+        assert call.function.arguments == args and call.id  # the helper's own assembly of the deltas
+    return content, {i: (names[i], arguments[i]) for i in sorted(arguments)}, final.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(("choice", "parallel", "seed", "num_tools"), [
+    ("required", True, 2, 2),  # eight parallel calls of two functions
+    ("required", False, 1, 3),
+    ("book", False, 0, 3),  # a named function with a nested schema
+])
+async def test_tool_calls_stream_the_non_streamed_arguments_exactly(client: Any, choice: str, parallel: bool,
+                                                                    seed: int, num_tools: int) -> None:
+    """Seeded sampling makes the streamed answer the same tokens as the whole one."""
+    tool_choice: Any = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    body = {"tool_choice": tool_choice, "seed": seed, "temperature": 0.8, "max_tokens": 400 if num_tools == 2 else 200,
+            "parallel_tool_calls": parallel, "tools": STRICT_TOOLS[:num_tools]}
+    whole = await client.chat.completions.create(model=MODEL, messages=CONVERSATION, **body)
+    calls = whole.choices[0].message.tool_calls
+    check_calls(calls)
+    assert len(calls) == (8 if parallel else 1)
+    assert len({c.function.name for c in calls}) == (2 if parallel else 1), "the calls cover both schemas"
+    expected = {i: (c.function.name, c.function.arguments) for i, c in enumerate(calls)}
+    streamed = await stream_with_helper(client, **body)
+    assert streamed == ("", expected, "tool_calls" if choice == "required" else "stop")
+
+
+async def test_auto_streams_text_as_content_then_each_call_as_generated(client: Any) -> None:
+    """A hermes-format answer forced by a regex (the small model writes none of its own): text, then two calls."""
+    call = (r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call> '
+            r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,5}", "unit": "c"\}\}'
+            r'</tool_call>')
+    body = {"tool_choice": "auto", "temperature": 0, "max_tokens": 200, "tools": STRICT_TOOLS,
+            "extra_body": {"structured_outputs": {"regex": r"Sure\. " + call}}}
+    whole = await client.chat.completions.create(model=MODEL, messages=CONVERSATION, **body)
+    message = whole.choices[0].message
+    assert message.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
+    check_calls(message.tool_calls)
+    content, calls, reason = await stream_with_helper(client, **body)
+    assert content == "Sure. " and reason == "tool_calls"
+    assert calls == {i: (c.function.name, c.function.arguments) for i, c in enumerate(message.tool_calls)}
+    assert [name for name, _ in calls.values()] == ["add", "get_weather"]
+
+
 async def test_tool_messages_and_auto_are_accepted(client: Any) -> None:
     history = [*CONVERSATION,
                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -306,6 +376,4 @@ async def test_echo_puts_the_prompt_before_each_choice_streamed_and_not(client: 
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
                                              stream=True)
     assert "".join([c.choices[0].text async for c in stream if c.choices]) == prompt + plain.choices[0].text
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
-    assert caught.value.body["param"] == "echo"
+    # echo with logprobs (the prompt tokens' logprobs first): tests/e2e/test_prompt_logprobs.py

@@ -36,7 +36,7 @@ def test_prompt_forms(prompt: object, expected: list[object]) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"), ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
-    ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "a", "stop": [1]}, "stop"), ({"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"), ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "logit_bias": {"1": "2"}}, "logit_bias"), ({"prompt": "a", "suffix": "b"}, "suffix"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import jsonschema
@@ -123,3 +124,114 @@ def test_tool_messages_are_rendered_as_text_for_a_template_without_tools() -> No
     assert "<tool_call>" in out[1]["content"] and out[2] == {"role": "user",
                                                             "content": "<tool_response>\nsunny\n</tool_response>"}
     assert tool_messages(messages, "{% for m in messages %}{{ m.tool_calls }}{% endfor %}") == messages
+
+
+# ---- streamed calls for required and auto (tool_stream.py) ----------------------------------------------------
+
+ARGUMENTS = [
+    '{"city": "Oslo", "unit": "c"}',
+    '{ "city" : "a \\"quoted\\" {brace} [x], y" ,\n  "unit": "f" }',
+    '{"zone": "UTC", "nested": {"list": [1, {"deep": [true, null]}], "s": "\\u00e9\\\\"}}',
+    '{"zone":"Ω unicode 日本"}',
+    '{}',
+]
+
+
+def pieces(text: str, seed: int) -> list[str]:
+    """The text cut at random places (seed 0: one character at a time)."""
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        n = 1 if seed == 0 else rng.randint(1, 7)
+        out.append(text[i:i + n])
+        i += n
+    return out
+
+
+def stream_all(answers: ToolAnswers, text: str, seed: int) -> tuple[str, dict[int, dict[str, str]], list[Any], str]:
+    """Content, calls by index (id, name, arguments concatenated), every tool-call part, the last finish reason."""
+    content, parts, reason = "", [], None
+    calls: dict[int, dict[str, str]] = {}
+    chunks = pieces(text, seed)
+    for i, piece in enumerate(chunks):
+        choice = answers.chunk_choice(0, piece, "stop" if i == len(chunks) - 1 else None)
+        if choice is None:
+            continue
+        reason = choice["finish_reason"]
+        content += choice["delta"].get("content", "")
+        for part in choice["delta"].get("tool_calls", []):
+            parts.append(part)
+            call = calls.setdefault(part["index"], {"id": "", "name": "", "arguments": ""})
+            call["id"] += part.get("id", "")
+            call["name"] += part.get("function", {}).get("name", "")
+            call["arguments"] += part["function"]["arguments"]
+    return content, calls, parts, reason or ""
+
+
+def whole(answers: ToolAnswers, text: str) -> dict[str, Any]:
+    return answers.message({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"})
+
+
+def check_stream_equals_whole(choice: Any, parser: ToolCallParser, text: str, names: list[str]) -> str:
+    """Streamed in several ways, the calls are the non-streamed ones, argument text for argument text; the first
+    part of each call carries its index, id, type and name, and indexes increase. Returns the streamed content."""
+    api = chat(tool_choice=choice)
+    message = whole(ToolAnswers(api.tools, parser), text)["message"]
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert [name for name, _ in expected] == names
+    contents = set()
+    for seed in range(4):
+        content, calls, parts, reason = stream_all(ToolAnswers(api.tools, parser), text, seed)
+        assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+        assert sorted(calls) == list(range(len(names)))
+        firsts = [p for p in parts if "id" in p]
+        assert [p["index"] for p in firsts] == list(range(len(names)))
+        assert all(p["type"] == "function" and p["function"]["name"] and p["id"].startswith("call_") for p in firsts)
+        assert all(parts.index(f) == min(i for i, p in enumerate(parts) if p["index"] == f["index"]) for f in firsts)
+        assert reason == "tool_calls"
+        contents.add(content)
+    assert len(contents) == 1
+    return contents.pop()
+
+
+@pytest.mark.parametrize("arguments", ARGUMENTS)
+def test_required_calls_stream_their_arguments_as_generated(arguments: str) -> None:
+    text = f'[{{"name": "get_weather", "parameters": {arguments}}}, {{"parameters": {arguments}, "name": "get_time"}}]'
+    assert check_stream_equals_whole("required", ToolCallParser.HERMES, text, ["get_weather", "get_time"]) == ""
+    for piece_count in (3, 20):  # arguments arrive while they are generated, not when the call is complete
+        api = chat(tool_choice="required")
+        answers = ToolAnswers(api.tools, ToolCallParser.HERMES)
+        cut = text.index(arguments) + len(arguments) * piece_count // 40 + 1
+        first = answers.chunk_choice(0, text[:cut], None)
+        assert first is not None and first["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert arguments.startswith(first["delta"]["tool_calls"][0]["function"]["arguments"])
+
+
+@pytest.mark.parametrize("arguments", ARGUMENTS)
+def test_hermes_auto_streams_content_then_calls(arguments: str) -> None:
+    text = (f'Let me check <b>that</b>.\n<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n'
+            f'</tool_call>\n<tool_call>{{"name": "get_time", "arguments": {arguments}}}</tool_call>')
+    content = check_stream_equals_whole("auto", ToolCallParser.HERMES, text, ["get_weather", "get_time"])
+    assert content == "Let me check <b>that</b>.\n"  # the whitespace between and after the calls is not sent
+
+
+def test_hermes_auto_sends_a_call_to_an_unknown_function_as_content() -> None:
+    text = 'a <tool_call>{"name": "rm", "arguments": {}}</tool_call> <tool_call>{"name": "get_time", ' \
+           '"arguments": {"zone": "UTC"}}</tool_call>'
+    content = check_stream_equals_whole("auto", ToolCallParser.HERMES, text, ["get_time"])
+    assert content == 'a <tool_call>{"name": "rm", "arguments": {}}</tool_call> '
+
+
+@pytest.mark.parametrize("arguments", ARGUMENTS)
+def test_llama3_json_auto_streams_calls(arguments: str) -> None:
+    text = f'<|python_tag|>{{"name": "get_time", "parameters": {arguments}}}; {{"name": "get_weather", ' \
+           f'"parameters": {arguments}}}'
+    assert check_stream_equals_whole("auto", ToolCallParser.LLAMA3_JSON, text, ["get_time", "get_weather"]) == ""
+
+
+def test_llama3_json_auto_text_streams_as_content() -> None:
+    api = chat(tool_choice="auto")
+    for text in ("Just an answer {not a call}", '{"name": "rm", "parameters": {}}', "  <|pyt"):
+        content, calls, _, reason = stream_all(ToolAnswers(api.tools, ToolCallParser.LLAMA3_JSON), text, 0)
+        assert (content, calls, reason) == (text, {}, "stop")
+        assert whole(ToolAnswers(api.tools, ToolCallParser.LLAMA3_JSON), text)["message"]["content"] == text

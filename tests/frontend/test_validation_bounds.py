@@ -3,6 +3,7 @@ and the request-level checks that run before any tokenization."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,7 +36,7 @@ ACCEPTED = [
     ("repetition_penalty", 1e-6), ("repetition_penalty", 1.0), ("repetition_penalty", 2.0),
     ("temperature", 0.0), ("temperature", 100.0),
     ("priority", -(2**31)), ("priority", 0), ("priority", 2**31 - 1),
-    ("logprobs", 0), ("logprobs", 5),
+    ("logprobs", 0), ("logprobs", 5), ("prompt_logprobs", 0), ("prompt_logprobs", 5),
     ("n", 1), ("n", 16),
     ("max_tokens", 1), ("max_tokens", 98),
 ]
@@ -55,6 +56,7 @@ REFUSED = [
     ("temperature", -0.5, "sampling.temperature: must be >= 0, got -0.5"),
     ("temperature", float("inf"), "sampling.temperature: must be a finite number, got inf"),
     ("logprobs", 6, "sampling.logprobs: must be in [0, 5], got 6"),
+    ("prompt_logprobs", 6, "sampling.prompt_logprobs: must be in [0, 5], got 6"),
     ("n", 0, "sampling.n: must be in [1, 16], got 0"),
     ("n", 17, "sampling.n: must be in [1, 16], got 17"),
     ("max_tokens", 0, "sampling.max_tokens: must be >= 1, got 0"),
@@ -75,6 +77,13 @@ def test_values_past_the_boundary_are_refused_with_the_documented_text(field: st
         options(**{field: value})
     assert str(refused.value) == message or _float32_close(str(refused.value), message)
     assert refused.value.field == f"sampling.{field}"
+
+
+def test_prompt_logprobs_are_refused_for_an_executor_that_does_not_compute_them() -> None:
+    req = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(prompt_logprobs=1))
+    with pytest.raises(InvalidArgument) as refused:
+        sampling_options(req, replace(LIMITS, prompt_logprobs=False), 2)
+    assert refused.value.field == "sampling.prompt_logprobs" and "Describe.capabilities" in str(refused.value)
 
 
 def _float32_close(got: str, want: str) -> bool:

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "max_num_model_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "max_num_model_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window", "prompt_logprobs")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class Capabilities(_message.Message):
     DEFERRED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     swap: bool
     copy: bool
     chunked_prefill: bool
@@ -43,7 +44,8 @@ class Capabilities(_message.Message):
     deferred_token_bitmask: bool
     kv_window_groups: int
     kv_window: int
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., max_num_model_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., max_num_model_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases", "architecture", "sliding_windows")
@@ -206,6 +208,16 @@ class RequestLogprobs(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("request_id", "first_position", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_position: int
+    tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_position: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class RequestError(_message.Message):
     __slots__ = ("request_id", "message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -229,17 +241,19 @@ class StepTimings(_message.Message):
     def __init__(self, swap_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "logprobs", "errors", "timings", "error")
+    __slots__ = ("step_id", "sampled", "logprobs", "errors", "timings", "error", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: SampledTokens
     logprobs: _containers.RepeatedCompositeFieldContainer[RequestLogprobs]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
     timings: StepTimings
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Union[SampledTokens, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Union[SampledTokens, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RequestLogprobs, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...

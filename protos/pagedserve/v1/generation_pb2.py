@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.pagedserve.v1 import common_pb2 as protos_dot_pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a!protos/pagedserve/v1/common.proto\"\x8a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1c\n\x0foutput_len_hint\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x12.\n\x06resume\x18< \x03(\x0b\x32\x1e.pagedserve.v1.ResumedSequenceB\x12\n\x10_output_len_hintB\r\n\x0b_cache_salt\"E\n\x0fResumedSequence\x12\r\n\x05index\x18< \x01(\r\x12\x11\n\ttoken_ids\x18= \x03(\r\x12\x10\n\x08\x66inished\x18> \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12.\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x42\r\n\x0bstop_reason*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/pagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a!protos/pagedserve/v1/common.proto\"\x8a\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x1c\n\x0foutput_len_hint\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x12.\n\x06resume\x18< \x03(\x0b\x32\x1e.pagedserve.v1.ResumedSequenceB\x12\n\x10_output_len_hintB\r\n\x0b_cache_salt\"E\n\x0fResumedSequence\x12\r\n\x05index\x18< \x01(\r\x12\x11\n\ttoken_ids\x18= \x03(\r\x12\x10\n\x08\x66inished\x18> \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xfb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12.\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x35\n\x0fprompt_logprobs\x18  \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18! \x03(\rB\r\n\x0bstop_reason*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=792
-  _globals['_FINISHREASON']._serialized_end=937
+  _globals['_FINISHREASON']._serialized_start=873
+  _globals['_FINISHREASON']._serialized_end=1018
   _globals['_GENERATEREQUEST']._serialized_start=92
   _globals['_GENERATEREQUEST']._serialized_end=358
   _globals['_RESUMEDSEQUENCE']._serialized_start=360
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=431
   _globals['_USAGE']._serialized_end=488
   _globals['_GENERATERESPONSE']._serialized_start=491
-  _globals['_GENERATERESPONSE']._serialized_end=789
-  _globals['_GENERATION']._serialized_start=939
-  _globals['_GENERATION']._serialized_end=1030
+  _globals['_GENERATERESPONSE']._serialized_end=870
+  _globals['_GENERATION']._serialized_start=1020
+  _globals['_GENERATION']._serialized_end=1111
 # @@protoc_insertion_point(module_scope)

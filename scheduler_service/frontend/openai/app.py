@@ -41,6 +41,7 @@ from scheduler_service.frontend.openai.protocol import (
 from scheduler_service.frontend.openai.responses import (
     Choice,
     LogprobFormatter,
+    PromptLogprobs,
     Usage,
     chat_choice,
     completion_choice,
@@ -277,8 +278,12 @@ class OpenAIApi:
                 first = await anext(responses, None)
             except RequestError as e:
                 raise named_for_http(from_status(e.code, e.message), api) from None
-            formatter = LogprobFormatter(self.generation.tokenizer()) if api.logprobs is not None else None
+            wants = api.logprobs is not None or api.sampling.HasField("prompt_logprobs")
+            formatter = LogprobFormatter(self.generation.tokenizer()) if wants else None
             stream = Stream(call_id, self.model_name() or "", endpoint, n, formatter, api.include_usage)
+            stream.completion_logprobs = api.logprobs is not None
+            stream.echo_logprobs = api.logprobs if api.echo else None
+            stream.vllm_prompt_logprobs = api.prompt_logprobs
             if endpoint.chat and api.tools is not None and api.tools.choice is not ToolChoice.NONE:
                 stream.tools = ToolAnswers(api.tools, self.tool_parser)
             stream.prompt_index = {r.request_id: i for i, r in enumerate(requests)}
@@ -305,6 +310,11 @@ class Stream:
         self.tools: ToolAnswers | None = None
         self.echo: dict[int, str] = {}  # prompt index -> its text, for echo (each choice's first text starts with it)
         self._echoed: set[int] = set()
+        self.completion_logprobs = True  # the choices carry logprobs (the formatter may be there for prompt ones)
+        self.echo_logprobs: int | None = None  # echo with logprobs k: the prompt's logprobs lead the choice's
+        self.vllm_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k: each choice carries them
+        self.prompts: dict[int, PromptLogprobs] = {}  # prompt index -> its logprobs (sequence 0 brings them)
+        self._prompt_sent: set[int] = set()
 
     async def collect(self, first: generation_pb2.GenerateResponse | None,
                       rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
@@ -313,15 +323,32 @@ class Stream:
             self._gather(first, choices)
             async for response in rest:
                 self._gather(response, choices)
-        build = chat_choice if self.endpoint.chat else completion_choice
-        built = [build(choices[i], self.formatter) for i in sorted(choices)]
+        if self.endpoint.chat:
+            built = [chat_choice(choices[i], self.formatter) for i in sorted(choices)]
+        else:
+            built = [self._completion_choice(choices[i]) for i in sorted(choices)]
         if self.tools is not None:
             built = [self.tools.message(b) for b in built]
         return {"id": self.call_id, "object": self.endpoint.object, "created": self.created, "model": self.model,
                 "choices": built, "usage": self.usage.body()}
 
+    def _completion_choice(self, choice: Choice) -> dict[str, Any]:
+        """A whole completion choice, with the prompt's logprobs where asked (they are every choice's of a prompt;
+        sequence 0 brought them)."""
+        built = completion_choice(choice, self.formatter if self.completion_logprobs else None)
+        prompt = self.prompts.get(choice.index // self.n)
+        f = self.formatter
+        if prompt is not None and f is not None:
+            if self.echo_logprobs is not None and built["logprobs"] is not None:
+                built["logprobs"] = f.echoed(prompt, self.echo_logprobs, built["logprobs"])
+            if self.vllm_prompt_logprobs is not None:
+                built["prompt_logprobs"] = f.prompt_logprobs(prompt, self.vllm_prompt_logprobs)
+        return built
+
     def _gather(self, response: generation_pb2.GenerateResponse, choices: dict[int, Choice]) -> None:
         prompt_index = self.prompt_index.get(response.request_id, 0)
+        if response.prompt_logprobs or response.prompt_token_ids:
+            self.prompts[prompt_index] = PromptLogprobs.of(response)
         index = prompt_index * self.n + response.index
         choice = choices.setdefault(index, Choice(index))
         choice.text.append(self._echo(prompt_index, index))
@@ -362,6 +389,28 @@ class Stream:
             extra = {"usage": None} if self.include_usage else {}
             await out.write(self._event({**self._head(), "choices": [choice], **extra}))
 
+    def _completion_chunk(self, response: generation_pb2.GenerateResponse, prompt_index: int, index: int,
+                          reason: str | None) -> dict[str, Any]:
+        """A completion choice's chunk: a choice's first leads with the echoed prompt and, where asked, its logprobs
+        (OpenAI's echo) and vLLM's prompt_logprobs."""
+        if response.prompt_logprobs or response.prompt_token_ids:
+            self.prompts[prompt_index] = PromptLogprobs.of(response)
+        echo = self._echo(prompt_index, index)
+        f = self.formatter
+        prompt = self.prompts.get(prompt_index)
+        first = index not in self._prompt_sent
+        self._prompt_sent.add(index)
+        logprobs = None
+        if f is not None and self.completion_logprobs:
+            logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
+            if first and self.echo_logprobs is not None and prompt is not None:
+                logprobs = f.echoed(prompt, self.echo_logprobs, logprobs)
+            self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": index, "text": echo + response.text, "logprobs": logprobs, "finish_reason": reason}
+        if first and f is not None and prompt is not None and self.vllm_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = f.prompt_logprobs(prompt, self.vllm_prompt_logprobs)
+        return choice
+
     def _echo(self, prompt_index: int, index: int) -> str:
         """The prompt's text the first time choice `index` answers, with echo; "" otherwise."""
         if not self.echo or index in self._echoed:
@@ -392,12 +441,7 @@ class Stream:
             logprobs = f.chat(list(response.logprobs)) if f is not None else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            logprobs = None
-            if f is not None:
-                logprobs = f.completion(list(response.logprobs), self.offsets.get(index, 0))
-                self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": index, "text": self._echo(prompt_index, index) + response.text, "logprobs": logprobs,
-                      "finish_reason": reason}
+            choice = self._completion_chunk(response, prompt_index, index, reason)
         if reason is not None:
             choice["stop_reason"] = stop_reason(response)
         return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}

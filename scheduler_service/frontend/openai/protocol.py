@@ -19,7 +19,7 @@ DEFAULT_ONLY: dict[str, Any] = {
     # vLLM's extensions this server does not implement: taken at their default (or null), refused otherwise rather
     # than ignored, since each changes what comes back.
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
-    "continue_final_message": False, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+    "continue_final_message": False, "truncate_prompt_tokens": None,
     "allowed_token_ids": None, "bad_words": [], "logprob_token_ids": None,
 }
 # vLLM's structured_outputs keys -> StructuredOutputs fields; its older guided_* parameters say the same
@@ -47,6 +47,7 @@ class ApiRequest:
     cache_salt: str | None = None
     tools: ToolRequest | None = None
     echo: bool = False  # /v1/completions: each choice's text starts with its prompt
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (/v1/completions): each choice carries them
     constraint_param: str | None = None  # the body parameter that gave sampling.structured_outputs
 
 
@@ -59,9 +60,11 @@ def parse_completion(body: Any) -> ApiRequest:
         request.logprobs = read_uint(body, "logprobs")
         request.sampling.logprobs = request.logprobs
     request.echo = read_bool(body, "echo")
-    if request.echo and request.logprobs is not None:
-        raise bad_param("echo", "echo with logprobs would need the prompt tokens' logprobs, which this server does "
-                                "not compute; ask for one or the other")
+    if body.get("prompt_logprobs") is not None:
+        request.prompt_logprobs = read_uint(body, "prompt_logprobs")
+    wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+    if wanted:  # echo with logprobs: the prompt's tokens lead each choice's logprobs (OpenAI's legacy format)
+        request.sampling.prompt_logprobs = max(wanted)
     best_of = body.get("best_of")
     if best_of is not None and best_of != (request.sampling.n if request.sampling.HasField("n") else 1):
         raise bad_param("best_of", "only best_of equal to n is supported")
@@ -75,6 +78,8 @@ def parse_chat(body: Any, tool_parser: ToolCallParser = ToolCallParser.NONE
     request = parse_common(body, ("max_completion_tokens", "max_tokens"))
     if body.get("echo"):
         raise bad_param("echo", "echo is supported on /v1/completions only")
+    if body.get("prompt_logprobs") is not None:
+        raise bad_param("prompt_logprobs", "prompt_logprobs is supported on /v1/completions only")
     request.tools = read_tools(body, tool_parser)
     schema = request.tools.constraint_schema() if request.tools is not None else None
     if schema is not None:

@@ -56,6 +56,18 @@ class Choice:
     stop_reason: str | int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """A prompt's token ids and the logprob entries of its positions 1 .. (GenerateResponse.prompt_logprobs)."""
+
+    token_ids: list[int]
+    entries: list[common_pb2.TokenLogprobs]
+
+    @classmethod
+    def of(cls, response: generation_pb2.GenerateResponse) -> PromptLogprobs:
+        return cls(list(response.prompt_token_ids), list(response.prompt_logprobs))
+
+
 class LogprobFormatter:
     """Token strings for logprobs, in the completions and the chat shapes."""
 
@@ -78,12 +90,42 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [self._top(lp) for lp in logprobs], "text_offset": offsets}
 
-    def _top(self, lp: common_pb2.TokenLogprobs) -> dict[str, float]:
-        """The top alternatives and, as OpenAI and vLLM always give it, the sampled token (so logprobs: k has up
-        to k + 1 entries, and 0 has the sampled one)."""
-        top = {self.token(t.token_id): t.logprob for t in lp.top}
+    def _top(self, lp: common_pb2.TokenLogprobs, limit: int | None = None) -> dict[str, float]:
+        """The top alternatives (the first `limit` of them) and, as OpenAI and vLLM always give it, the sampled
+        token (so logprobs: k has up to k + 1 entries, and 0 has the sampled one)."""
+        top = {self.token(t.token_id): t.logprob for t in lp.top[:limit]}
         top.setdefault(self.token(lp.token_id), lp.logprob)
         return top
+
+    def echoed(self, prompt: PromptLogprobs, k: int, completion: dict[str, Any]) -> dict[str, Any]:
+        """Completion logprobs (completion()'s shape) led by the prompt's, as OpenAI's legacy echo gives them: the
+        prompt's tokens first, the first with logprob and top_logprobs null, text offsets running on through the
+        completion's."""
+        tokens = [self.token(t) for t in prompt.token_ids]
+        offsets = []
+        offset = 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens + completion["tokens"],
+                "token_logprobs": [None, *(e.logprob for e in prompt.entries), *completion["token_logprobs"]],
+                "top_logprobs": [None, *(self._top(e, k) for e in prompt.entries), *completion["top_logprobs"]],
+                "text_offset": offsets + [offset + o for o in completion["text_offset"]]}
+
+    def prompt_logprobs(self, prompt: PromptLogprobs, k: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs of a choice: None for the first token, then per position the prompt token and the
+        top k alternatives by token id, each with its logprob, rank (1 = most likely; null where the token is not
+        among the alternatives the executor gave) and decoded text."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for e in prompt.entries:
+            ranks = {t.token_id: r for r, t in enumerate(e.top, 1)}
+            entry = {str(t.token_id): self._vllm_entry(t.token_id, t.logprob, ranks) for t in e.top[:k]}
+            entry.setdefault(str(e.token_id), self._vllm_entry(e.token_id, e.logprob, ranks))
+            out.append(entry)
+        return out
+
+    def _vllm_entry(self, token_id: int, logprob: float, ranks: dict[int, int]) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": ranks.get(token_id), "decoded_token": self.token(token_id)}
 
     def chat(self, logprobs: list[common_pb2.TokenLogprobs]) -> dict[str, Any]:
         return {"content": [{**self._entry(lp.token_id, lp.logprob),

@@ -1,11 +1,12 @@
 """A chat call's answers under tools (tools.py): whole messages carrying `tool_calls`, or stream chunks as OpenAI's
-tool_call deltas. A named function streams its arguments as they come; `required` and `auto` answers are read
-when they are complete (a call cannot be told from text before), then sent as one delta."""
+tool_call deltas. A named function streams its arguments as they come; `required` and `auto` answers stream their
+calls as they are read (tool_stream.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from scheduler_service.frontend.openai.tool_stream import ToolStream
 from scheduler_service.frontend.openai.tools import ToolCall, ToolCallParser, ToolChoice, ToolRequest, calls_from_output
 
 
@@ -13,7 +14,7 @@ class ToolAnswers:
     def __init__(self, tools: ToolRequest, parser: ToolCallParser) -> None:
         self.tools = tools
         self.parser = parser
-        self._buffers: dict[int, list[str]] = {}
+        self._streams: dict[int, ToolStream] = {}
         self._named: dict[int, ToolCall] = {}
 
     def read(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
@@ -33,17 +34,23 @@ class ToolAnswers:
         return {**choice, "message": message, "finish_reason": reason}
 
     def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any] | None:
-        """The stream choice for this response of choice `index`, None while an answer is still being read."""
+        """The stream choice for this response of choice `index`; None when it has nothing to send yet."""
         if self.tools.choice is ToolChoice.NAMED:
             return self._named_chunk(index, text, finish_reason)
-        self._buffers.setdefault(index, []).append(text)
-        if finish_reason is None:
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = ToolStream(self.tools, self.parser)
+        content, parts = stream.feed(text)
+        if finish_reason is not None:
+            content += stream.finish()
+            if stream.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if parts:
+            delta["tool_calls"] = parts
+        if not delta and finish_reason is None:
             return None
-        content, calls, reason = self.read("".join(self._buffers.pop(index)), finish_reason)
-        delta: dict[str, Any] = {"tool_calls": [c.body(i) for i, c in enumerate(calls)]} if calls else {}
-        if content or not calls:
-            delta["content"] = content or ""
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def _named_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         call = self._named.get(index)

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler_service.frontend.openai.call_scanner import CallScanner
 from scheduler_service.frontend.openai.errors import ApiError, bad_param
 
 MAX_PARALLEL_CALLS = 8
@@ -137,11 +138,15 @@ def calls_from_output(text: str, tools: ToolRequest, parser: ToolCallParser) -> 
 
 
 def required_calls(text: str) -> list[ToolCall]:
+    """The calls of a `required` answer; each one's arguments are its `parameters` as the model wrote them (the
+    text the stream sends in fragments: call_scanner.py)."""
     try:
-        items = json.loads(text)
+        json.loads(text)
     except ValueError:
         raise ApiError(500, "the constrained tool-call output is not JSON (cut by max_tokens?)") from None
-    return [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    scanner = CallScanner(2, ("parameters",))
+    scanner.feed(text)
+    return [ToolCall(c.name, scanner.arguments(c)) for c in scanner.calls if c.name is not None]
 
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -151,7 +156,9 @@ def parse_calls(text: str, parser: ToolCallParser, names: set[str]) -> tuple[str
     """The calls the parser finds (to functions that exist) and the text around them; no call: the text."""
     if parser is ToolCallParser.HERMES:
         calls = [call for m in HERMES.finditer(text) if (call := json_call(m.group(1), "arguments", names))]
-        rest = HERMES.sub("", text).strip() if calls else text
+        if not calls:
+            return text, []
+        rest = HERMES.sub(lambda m: "" if json_call(m.group(1), "arguments", names) else m.group(0), text).strip()
         return (rest or None), calls
     body = text.strip().removeprefix("<|python_tag|>").strip()
     calls = [call for part in body.split(";") if (call := json_call(part, "parameters", names))]
@@ -167,8 +174,9 @@ def json_call(text: str, arguments_key: str, names: set[str]) -> ToolCall | None
         return None
     if not isinstance(item, dict) or item.get("name") not in names:
         return None
-    arguments = item.get(arguments_key, item.get("arguments", {}))
-    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+    scanner = CallScanner(1, tuple(dict.fromkeys((arguments_key, "arguments"))))  # the model's own text of them
+    scanner.feed(text)
+    return ToolCall(item["name"], scanner.arguments(scanner.calls[0]))
 
 
 def tool_messages(messages: list[dict[str, Any]], template_source: str) -> list[dict[str, Any]]:
