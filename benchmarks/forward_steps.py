@@ -12,8 +12,10 @@ must move (weights once + K/V read and written) per second as a % of the measure
 One thread (torch.set_num_threads(1)), unless --threads (#29): then each of THREAD_SHAPES is timed in wall-clock
 time at each thread count, the counts interleaved round by round, with the speedup over the first count and the
 serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), and the speedups that fraction
-predicts at 16 and 64 threads. --attention times several attention implementations side by side (one
-backend each, their timings interleaved round by round) and prints each one's speedup over the last named.
+predicts at 16 and 64 threads, under --omp-wait-policy (default auto: the executor's default, passive here; the
+benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
+--attention times several attention implementations side by side (one backend each, their timings interleaved
+round by round) and prints each one's speedup over the last named.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
 from executor_service.attention import ENV_VAR
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
+from executor_service.placement import choose_wait_policy
 from executor_service.runner.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
@@ -156,6 +160,23 @@ def run_threads(model: Path, threads: list[int], repeats: int) -> list[dict[str,
     return rows
 
 
+REEXEC_ENV = "PAGEDSERVE_FORWARD_STEPS_REEXEC"
+
+
+def apply_wait_policy(requested: str) -> str:
+    """Run this benchmark under the executor's OMP_WAIT_POLICY for `requested` ('default': libgomp's own): re-execute
+    the process with it set where it differs, since this process's libgomp has read it already. Returns it."""
+    wanted = ""
+    if requested != "default":
+        wanted = choose_wait_policy(requested, "").upper() or os.environ.get("OMP_WAIT_POLICY", "")
+    if os.environ.get("OMP_WAIT_POLICY", "") != wanted and not os.environ.get(REEXEC_ENV):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {REEXEC_ENV: "1"}
+        if wanted:
+            env["OMP_WAIT_POLICY"] = wanted
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.forward_steps", *sys.argv[1:]], env)
+    return os.environ.get("OMP_WAIT_POLICY", "") or "libgomp default"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
@@ -166,11 +187,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--threads", default="", help="comma-separated thread counts (e.g. 1,2): time THREAD_SHAPES in "
                    "wall-clock time at each, interleaved, and print the speedup and Amdahl's serial fraction")
+    p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "active", "passive", "default"],
+                   help="as the executor's --cpu-omp-wait-policy (auto: passive, or OMP_WAIT_POLICY if set); "
+                   "default: libgomp's own (spin ~3 ms after each region)")
     args = p.parse_args(argv)
     model = ensure_model(args.model)
     if args.threads:
-        print(json.dumps({"bench": "forward_steps_threads",
-                          "rows": run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats)}))
+        policy = apply_wait_policy(args.omp_wait_policy)
+        load = os.getloadavg()
+        print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
+        rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats)
+        print(json.dumps({"bench": "forward_steps_threads", "omp_wait_policy": policy, "rows": rows,
+                          "load_before": [round(x, 2) for x in load],
+                          "load_after": [round(x, 2) for x in os.getloadavg()]}))
         return
     torch.set_num_threads(1)
     shape = ModelShape.from_dir(model)

@@ -16,7 +16,7 @@ import uvloop
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
-from executor_service.placement import set_wait_policy
+from executor_service.placement import choose_wait_policy, set_wait_policy
 from executor_service.server import serve
 from executor_service.startup import process_start_time
 from executor_service.validator import StepLimits
@@ -72,7 +72,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
-    set_wait_policy(config.cpu_omp_wait_policy)  # before anything loads torch (and its libgomp)
+    set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from executor_service.parallel.launch import launch

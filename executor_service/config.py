@@ -54,11 +54,12 @@ class ExecutorConfig:
         "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"
         " cores between ranks instead"))
-    cpu_omp_wait_policy: str = field(default="", metadata=flag(
+    cpu_omp_wait_policy: str = field(default="auto", metadata=flag(
         "CPU: OpenMP's OMP_WAIT_POLICY for the forward pool, set before torch loads: passive (idle threads sleep at"
         " once: far better where the cores are shared with other busy processes, BENCHMARKS.md section 17), active"
-        " (they spin: lowest latency on dedicated cores); default: the environment's, else libgomp's (spin a while)",
-        choices=["", "active", "passive"]))
+        " (they spin: lowest latency on dedicated cores), auto (passive unless --cpu-cores gives the executor cores"
+        " of its own or OMP_WAIT_POLICY is set; with --cpu-cores, libgomp's default: spin ~3 ms, then sleep)",
+        choices=["auto", "active", "passive"]))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

@@ -48,6 +48,20 @@ def cgroup_quota() -> float | None:
     return None
 
 
+def choose_wait_policy(requested: str, cpu_cores: str) -> str:
+    """The OMP_WAIT_POLICY to set for --cpu-omp-wait-policy `requested` ('' = leave libgomp's default). auto:
+    passive where the executor's cores are shared (no --cpu-cores: the scheduler side, other services and its own
+    event loop run on them), unless the environment already says; with --cpu-cores (cores the operator gave it
+    alone) libgomp's default, which spins ~300,000 times (about 3 ms) before it sleeps. A spinning OpenMP thread
+    holds a core that another runnable thread wants; on a loaded 2-core box each parallel region then waited
+    milliseconds for the team (BENCHMARKS.md section 17), where a sleeping one costs a futex wake (25 - 75 us)."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("OMP_WAIT_POLICY") or cpu_cores:
+        return ""
+    return "passive"
+
+
 def set_wait_policy(policy: str) -> bool:
     """OMP_WAIT_POLICY=policy for the OpenMP runtime torch loads; False (and a warning) if torch is loaded already,
     since libgomp reads it once, when it starts."""

@@ -56,7 +56,9 @@ PROFILE_SAMPLE_ROWS = 256
 WARM_UP_ROWS = 2
 INLINE_STEP_S = 0.02
 """A decode step expected to take less than this runs on the event loop's thread: the hop to the forward thread
-and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it)."""
+and back costs 0.1 - 0.2 ms a step, and the loop can wait this long (a swap already runs on it). Only with one
+forward thread: libgomp gives each thread that opens a parallel region its own pool, so multi-threaded passes on two
+threads mean two pools, more OpenMP threads than cores, and libgomp's throttled waiting (#29)."""
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -168,8 +170,8 @@ class TorchBackend:
             compiled = CompiledForward(model, kv_cache.layers, config.compile_sizes)
         backend = cls(info=info, model=model, kv_cache=kv_cache, sampler=sampler, device=device, graphs=graphs,
                       compiled=compiled, layout=layout)
-        with phases.phase("warm-up"):
-            backend.warm_up()
+        with phases.phase("warm-up"):  # on the forward thread: its OpenMP pool is the one the passes use
+            backend._forward_thread.submit(backend.warm_up).result()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
         if config.draft_model:
             with phases.phase("draft model"):
@@ -216,7 +218,8 @@ class TorchBackend:
         return await asyncio.wrap_future(self._on_thread)
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
-        return (self._last_decode.expected_s(len(items)) < INLINE_STEP_S and self._on_thread.done()
+        return (torch.get_num_threads() == 1 and self._last_decode.expected_s(len(items)) < INLINE_STEP_S
+                and self._on_thread.done()
                 and all(item.num_tokens == 1 and not item.draft_token_ids and not item.num_model_drafts
                         and item.deferred_masks is None
                         for item in items))

@@ -75,3 +75,54 @@ def test_the_wait_policy_is_set_before_torch_loads_and_refused_after(monkeypatch
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.split() == ["True", "PASSIVE", "False"]
     assert ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive"]).cpu_omp_wait_policy == "passive"
+
+
+def test_auto_is_passive_on_shared_cores_and_leaves_dedicated_ones_and_the_environment_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert placement.choose_wait_policy("auto", "") == "passive"
+    assert placement.choose_wait_policy("auto", "0-3") == ""
+    assert placement.choose_wait_policy("active", "") == "active"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert placement.choose_wait_policy("auto", "") == ""
+    assert ExecutorConfig.from_args([]).cpu_omp_wait_policy == "auto"
+
+
+IDLE_SPIN = """
+import os, sys, threading, time
+from executor_service import placement
+placement.set_wait_policy(placement.choose_wait_policy(sys.argv[1], ""))
+import torch
+torch.set_num_threads(2)
+x = torch.ones(1 << 22)
+
+def others_ns():
+    main = threading.get_native_id()
+    return sum(int(open(f"/proc/self/task/{t}/schedstat").read().split()[0])
+               for t in os.listdir("/proc/self/task") if int(t) != main)
+
+idle = []
+for _ in range(7):
+    x.add_(1.0)  # a parallel region on both threads
+    before = others_ns()
+    time.sleep(0.05)
+    idle.append(others_ns() - before)
+print(sorted(idle)[3] / 1e6)
+"""
+
+
+def idle_ms(policy: str) -> float:
+    """Median CPU ms the process's other threads (the OpenMP worker) use in 50 ms after a parallel region."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-c", IDLE_SPIN, policy], capture_output=True, text=True, check=True,
+                         env=env)
+    return float(out.stdout.split()[-1])
+
+
+def test_by_default_idle_forward_threads_sleep_instead_of_spinning_on_shared_cores() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    # libgomp's own default (the executor's before auto): the worker spins on after each region
+    assert idle_ms("") > 0.5
+    assert idle_ms("auto") < 0.3

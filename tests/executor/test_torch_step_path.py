@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,19 @@ def test_decode_time_scales_with_the_batch() -> None:
     assert DecodeTime(0.004, 8).expected_s(32) == pytest.approx(0.016)
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path: Path) -> None:
+    """At one forward thread there is no OpenMP pool to keep to one thread."""
     model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
     backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
     threads: list[str] = []
@@ -128,3 +141,44 @@ def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path
 
     asyncio.run(steps())
     assert threads == ["forward_0", "forward_0", "MainThread", "forward_0", "forward_0"]
+
+
+def test_with_two_forward_threads_every_pass_runs_on_the_forward_thread(tmp_path: Path) -> None:
+    """One OpenMP pool (#29): libgomp gives every thread that opens a parallel region a pool of its own, so passes
+    inline on the loop's thread beside passes on the forward thread would mean two pools and more OpenMP threads
+    than cores; warm-up included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+        threads: list[str] = []
+        warm_up = TorchBackend.warm_up
+
+        def recorded_warm_up(self: TorchBackend) -> None:
+            threads.append(threading.current_thread().name)
+            warm_up(self)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(TorchBackend, "warm_up", recorded_warm_up)
+            backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4,
+                                                         num_gpu_blocks=32))
+        execute = backend.execute
+
+        def recorded(items: list[BatchItem]) -> list[SampleOutput | None]:
+            threads.append(threading.current_thread().name)
+            return execute(items)
+
+        backend.execute = recorded  # type: ignore[method-assign]
+        prefill = BatchItem("a", [5, 6, 7, 8, 9], 5, 0, 5, [0, 1], True, SamplingConfig(temperature=0.0))
+        decode = replace(prefill, start=4, num_tokens=1)
+
+        async def steps() -> None:
+            await backend.execute_async([prefill])
+            await backend.execute_async([decode])
+            assert backend._last_decode.expected_s(1) < INLINE_STEP_S  # short: inline at one thread
+            await backend.execute_async([decode])
+
+        asyncio.run(steps())
+    finally:
+        torch.set_num_threads(before)
+    assert threads == ["forward_0"] * 4

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -54,6 +55,14 @@ void check_weight(const at::Tensor& weight) {
                   weight.is_contiguous(), "weight must be a contiguous float32 CPU vector");
 }
 
+// Rows per parallel chunk: at least kChunkElems elements, so that a chunk's work (~10 ns per 16 elements) outweighs
+// waking a team thread for it (25 - 75 us with sleeping OpenMP threads, #29); a decode step's few rows stay on one
+// thread and skip the parallel region altogether.
+constexpr int64_t kChunkElems = 1 << 16;
+int64_t chunk_rows(int64_t row_elems) {
+  return std::max<int64_t>(16, kChunkElems / std::max<int64_t>(1, row_elems));
+}
+
 // The norm of each row of x [T, H]: a new contiguous [T, H].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_weight(weight);
@@ -63,7 +72,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) norm_row(xp + t * ldx, wp, static_cast<float>(eps), op + t * H, H);
   });
   return out;
@@ -80,7 +89,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldr = residual.stride(0);
-  at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       add_row(xp + t * ldx, rp + t * ldr, H);
       norm_row(rp + t * ldr, wp, static_cast<float>(eps), op + t * H, H);
