@@ -270,8 +270,8 @@ class OpenAIApi:
         call_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         requests = [generate_request(f"{call_id}-{i}", prompt, api) for i, prompt in enumerate(api.prompts)]
         n = api.sampling.n if api.sampling.HasField("n") else 1
-        tenant = self.generation.tenant_of(presented_key(request))
-        responses = merged([self.generation.generate(r, tenant) for r in requests])
+        caller = self.generation.caller_of(presented_key(request))
+        responses = merged([self.generation.generate(r, caller) for r in requests])
         async with contextlib.aclosing(responses):  # type: ignore[type-var]
             try:
                 first = await anext(responses, None)
