@@ -82,6 +82,7 @@ class Request:
     slot: int = -1
     cache_salt: str | None = None
     tenant: str = ""
+    owner: str = ""  # who sent it (its API key's digest; "" without keys): whose turn its grammar compile takes
     drafts: DraftRecord | None = None  # its speculative decoding so far (None: never proposed for)
 
     def __post_init__(self) -> None:

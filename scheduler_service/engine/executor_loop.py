@@ -247,7 +247,7 @@ class ExecutorLoop:
             constraints = [s.request.sampling.constraint for s in batch]
             wanted = [functools.partial(self._still_open, s) for s in batch]
             results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None],
-                                                           wanted)
+                                                           wanted, [s.request.owner for s in batch])
         for stream, result in zip(batch, results, strict=True):
             rid = stream.request.request_id
             if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled

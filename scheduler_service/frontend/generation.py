@@ -307,7 +307,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sub_id = caller.scoped_id(rid if n == 1 else f"{rid}#{i}")
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
                                     share_prompt_with=requests[0].request_id if requests else None,
-                                    cache_salt=salt, tenant=caller.tenant))
+                                    cache_salt=salt, tenant=caller.tenant, owner=caller.owner))
         return rid, prompt_ids, resumed_requests(requests, point), point
 
     def _check_constrainable(self, p: common_pb2.SamplingParams) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,4 +221,46 @@ async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkey
         assert [c.spec for c in compiler._compiled] == ["[g-i]{5}"]
         assert compiler._compiler is not None and compiler._compiler.get_cache_size_bytes() == 0
     finally:
+        await engine.stop()
+
+
+async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
+    """One caller's queued specs hold another caller's constrained request for at most the compile already
+    running (found by an attack: six costly specs of one API key held another key's small request 21 s)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    compiled: list[str] = []
+    running, go_on = threading.Event(), threading.Event()
+    real_compile = engine.grammar_compiler._compile
+
+    def spy(describe: Any, constraint: Constraint) -> Any:
+        compiled.append(constraint.spec)
+        running.set()
+        go_on.wait(30)  # the first compile lasts until the other caller's request is queued
+        return real_compile(describe, constraint)
+
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "a2": "[g-i]{3}", "b0": "[p-r]{3}"}
+    queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
+
+    def add(rid: str) -> None:
+        engine.add(Request(rid, [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, patterns[rid])), 0.0, owner=rid[0]),
+            queues[rid])
+
+    try:
+        for rid in ("a0", "a1", "a2"):
+            add(rid)
+        await asyncio.to_thread(running.wait, 30)
+        add("b0")
+        while len(engine.grammar_compiler._queue) < 3:  # a1, a2 and b0 queued behind a0's running compile
+            await asyncio.sleep(0)
+        go_on.set()
+        for rid, queue in queues.items():
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(patterns[rid], bytes(tokens[:-1])
+                                                                               .decode()), (rid, tokens)
+        assert compiled == [patterns[r] for r in ("a0", "b0", "a1", "a2")]
+    finally:
+        go_on.set()
         await engine.stop()
