@@ -27,7 +27,7 @@ def _serve(argv: list[str]) -> int:
 
 def _scheduler(argv: list[str]) -> int:
     from scheduler_service.launch import run
-    return run(argv)
+    return run(argv, prog=f"{PROG} scheduler")
 
 
 def _frontend(argv: list[str]) -> int:

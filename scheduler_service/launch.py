@@ -8,7 +8,7 @@ import logging
 
 import uvloop
 
-from scheduler_service.config import SchedulerServiceConfig, parse_config
+from scheduler_service.config import SchedulerServiceConfig, build_parser, parse_config
 from scheduler_service.engine.core_process import (
     make_pool,
     run_engine_core,
@@ -52,8 +52,8 @@ async def run_single_process(config: SchedulerServiceConfig) -> None:
         await metrics_server.close()
 
 
-def run(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None, prog: str = "python -m scheduler_service") -> int:
     configure_logging()
-    config = parse_config(argv)
+    config = parse_config(argv, build_parser(prog))
     raise_open_file_limit()
     return uvloop.run(main(config))

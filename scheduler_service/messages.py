@@ -56,6 +56,7 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False):
     tenant: str = ""  # the api server's keyed digest of the caller's API key (never the key), or ""
     output_token_ids: list[int] = []  # a resumed request: the tokens its client has already had (#28)
     resume: bool = False  # a continuation: it supersedes a request of the same id and tenant still in the core
+    owner: str = ""  # the api server's keyed digest of the caller's API key, also with a shared prefix cache
 
 
 class Ended(msgspec.Struct, array_like=True, gc=False):
@@ -108,13 +109,15 @@ def request_from(msg: NewRequest, clock_offset: float = 0.0) -> Request:
     """clock_offset: the core's monotonic clock minus the sender's, so arrival times compare across hosts."""
     return Request(msg.request_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time + clock_offset,
                    output_len_hint=msg.output_len_hint, output_token_ids=list(msg.output_token_ids),
-                   share_prompt_with=msg.share_prompt_with, cache_salt=msg.cache_salt, tenant=msg.tenant)
+                   share_prompt_with=msg.share_prompt_with, cache_salt=msg.cache_salt, tenant=msg.tenant,
+                   owner=msg.owner)
 
 
 def new_request(request: Request, stop_strings: bool = False, resume: bool = False) -> NewRequest:
     return NewRequest(request.request_id, request.prompt_token_ids, request.sampling, request.arrival_time,
                       request.output_len_hint, stop_strings, request.share_prompt_with, request.cache_salt,
-                      request.tenant, list(request.output_token_ids), resume or bool(request.output_token_ids))
+                      request.tenant, list(request.output_token_ids), resume or bool(request.output_token_ids),
+                      request.owner)
 
 
 def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:

@@ -83,6 +83,7 @@ class Request:
     slot: int = -1
     cache_salt: str | None = None
     tenant: str = ""
+    owner: str = ""  # who sent it (its API key's digest; "" without keys): whose turn its grammar compile takes
     drafts: DraftRecord | None = None  # its speculative decoding so far (None: never proposed for)
     prompt_logprobs: PromptLogprobsRecord | None = field(init=False)  # None: it does not ask for them
 

@@ -67,6 +67,16 @@ def step_budgets(config: CoreConfig, describe: executor_pb2.DescribeResponse) ->
     return replace(config, **budgets) if budgets else config
 
 
+def calls(batch: list[RequestStream]) -> list[list[RequestStream]]:
+    """The streams grouped by the call they belong to (an n > 1 call's sequences share the prompt of its first),
+    in the order the calls came."""
+    groups: dict[str, list[RequestStream]] = {}
+    for stream in batch:
+        request = stream.request
+        groups.setdefault(request.share_prompt_with or request.request_id, []).append(stream)
+    return list(groups.values())
+
+
 class ExecutorLoop:
     """One executor's step loop and its own Scheduler (one block domain). ExecutorPool drives several."""
 
@@ -244,17 +254,20 @@ class ExecutorLoop:
 
     def _compile_then_add(self, stream: RequestStream) -> None:
         """A constrained request joins the scheduler once its grammar is compiled (off the event loop). The
-        requests added in one turn of the event loop compile together and join together, so the sequences of an
-        n > 1 request arrive in the scheduler as one group, as unconstrained ones do."""
+        sequences of an n > 1 request added in one turn of the event loop compile together and join together, so
+        they arrive in the scheduler as one group, as unconstrained ones do."""
         self._to_compile.append(stream)
         if len(self._to_compile) == 1:
             asyncio.get_running_loop().call_soon(self._compile_batch)
 
     def _compile_batch(self) -> None:
+        """One task per call: a call's sequences join together once their grammars compiled, without waiting for
+        the other calls' of the turn (another caller's costly specs, in the same message from a front-end)."""
         batch, self._to_compile = self._to_compile, []
-        task = asyncio.get_running_loop().create_task(self._add_compiled(batch), name="grammar-compile")
-        self._compiling.add(task)
-        task.add_done_callback(self._compiling.discard)
+        for call in calls(batch):
+            task = asyncio.get_running_loop().create_task(self._add_compiled(call), name="grammar-compile")
+            self._compiling.add(task)
+            task.add_done_callback(self._compiling.discard)
 
     async def _add_compiled(self, batch: list[RequestStream]) -> None:
         results: list[RequestGrammar | str]
@@ -266,7 +279,7 @@ class ExecutorLoop:
             constraints = [s.request.sampling.constraint for s in batch]
             wanted = [functools.partial(self._still_open, s) for s in batch]
             results = await self.grammar_compiler.matchers(self.describe, [c for c in constraints if c is not None],
-                                                           wanted)
+                                                           wanted, [s.request.owner for s in batch])
         for stream, result in zip(batch, results, strict=True):
             rid = stream.request.request_id
             if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled

@@ -14,12 +14,14 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
+from scheduler_service.engine.fair_queue import FairQueue
 from scheduler_service.structured import InvalidConstraint, clean_message, to_grammar
 
 if TYPE_CHECKING:
@@ -76,38 +78,65 @@ def vocab_kind(spec: dict[str, object]) -> str:
     return "BYTE_FALLBACK" if '"ByteFallback"' in text else "RAW"
 
 
+@dataclass(slots=True)
+class CompileJob:
+    describe: executor_pb2.DescribeResponse
+    constraint: Constraint
+    wanted: Callable[[], bool] | None
+    done: asyncio.Future[RequestGrammar | str]
+
+
 class GrammarCompiler:
-    """Compiles constraints for one executor's tokenizer on its own thread; the compiled grammars are kept by
-    (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES."""
+    """Compiles constraints for one executor's tokenizer on its own thread, one at a time, taking turns between
+    the callers that sent them (a caller's many costly specs hold another's for at most one compile); the
+    compiled grammars are kept by (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them within
+    COMPILED_CACHE_BYTES."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._queue: FairQueue[CompileJob] = FairQueue()
+        self._draining: asyncio.Task[None] | None = None
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
         self._compiled_bytes = 0
 
     async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
-                       wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
+                       wanted: Sequence[Callable[[], bool]] | None = None, owners: Sequence[str] | None = None
+                       ) -> list[RequestGrammar | str]:
         """A fresh matcher of each constraint, or why it does not compile. `wanted[i]()`, read on the compile
         thread just before constraint i compiles, says whether its request still wants it: the compiles of
         requests that ended while they queued (a client that gave up) are skipped, so that they do not hold
-        every later constrained request up behind them."""
+        every later constrained request up behind them. owners[i]: who sent constraint i (its API key's
+        digest; "" for every anonymous caller), whose turn it waits for."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._new_matchers, describe, constraints, wanted)
+        jobs = [CompileJob(describe, c, wanted[i] if wanted else None, loop.create_future())
+                for i, c in enumerate(constraints)]
+        for i, job in enumerate(jobs):
+            self._queue.push(owners[i] if owners else "", job)
+        if self._draining is None or self._draining.done():
+            self._draining = loop.create_task(self._drain(), name="grammar-compile")
+        return list(await asyncio.gather(*(job.done for job in jobs)))
 
-    def _new_matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
-                      wanted: Sequence[Callable[[], bool]] | None = None) -> list[RequestGrammar | str]:
-        out: list[RequestGrammar | str] = []
-        for i, constraint in enumerate(constraints):
-            if wanted is not None and not wanted[i]():
-                out.append("structured_outputs: the request ended before its grammar compiled")
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (job := self._queue.pop()) is not None:
+            if job.done.done():  # its caller stopped waiting
                 continue
             try:
-                out.append(self._new_matcher(describe, constraint))
-            except InvalidConstraint as e:
-                out.append(f"structured_outputs: {e}")
-        return out
+                result = await loop.run_in_executor(self._pool, self._new_matcher_or_reason, job)
+            except Exception as e:  # xgrammar's own failure ends its request, not the queue
+                result = f"structured_outputs: {clean_message(str(e))}"
+            if not job.done.done():
+                job.done.set_result(result)
+
+    def _new_matcher_or_reason(self, job: CompileJob) -> RequestGrammar | str:
+        if job.wanted is not None and not job.wanted():
+            return "structured_outputs: the request ended before its grammar compiled"
+        try:
+            return self._new_matcher(job.describe, job.constraint)
+        except InvalidConstraint as e:
+            return f"structured_outputs: {e}"
 
     def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> RequestGrammar:
         import xgrammar
@@ -151,6 +180,8 @@ class GrammarCompiler:
         return self._compiler
 
     def close(self) -> None:
+        if self._draining is not None:
+            self._draining.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         handler = await continuation(details)
         return None if handler is None else unauthenticated(handler, REFUSAL)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the engine core may know it. owner: its API key's digest ("" without keys), which
+    scopes its request ids, so two keys never see or replace each other's requests; tenant: its prefix-cache
+    scope (the same digest, or "" when the cache is shared across keys)."""
+
+    owner: str = ""
+    tenant: str = ""
+
+    def scoped_id(self, request_id: str) -> str:
+        """The id the engine core knows this caller's request_id by (the caller's id itself without keys)."""
+        return f"{self.owner[:16]}:{request_id}" if self.owner else request_id
+
+
+ANONYMOUS = Caller()
 
 
 class TenantScope:

@@ -27,6 +27,18 @@ schema is text, and deeper ones recursed out of json.loads (an UNKNOWN status) o
 the levels a required tool choice wraps around a parameters schema that the body limit let through."""
 
 
+MAX_PATTERN_REPEATS = 512
+"""How many times, in all, a JSON schema's regular expressions (pattern, patternProperties) may repeat a character
+class or '.': a product of the repetition bounds around each, summed. xgrammar expands a schema's pattern
+repetitions where its regex and grammar kinds do not (on the default model's 2k vocabulary `[a-z]{1,10000}` took
+47 s to compile as a pattern and 0.08 s as a regex; `.{1,3000}` as propertyNames 18 s to check in the api server
+and 17 s more to compile on the engine core's one compile thread). 512 allows `([a-z0-9-]{1,63}\\.){1,8}`."""
+MAX_PATTERN_NESTING = 2
+"""Bounded repetitions nested in a pattern: each level multiplies the ways to match, and the compile time with them
+(`((.{1,8}){1,8}){1,8}`, 512 repeats three deep: 32 s; `(.{1,8}){1,64}`, two deep: 5 s)."""
+CLASS_ESCAPES = frozenset("dDwWsSpP")
+
+
 def constraint_from(p: common_pb2.SamplingParams) -> Constraint | None:
     """The constraint the request's sampling.structured_outputs states, None without one."""
     if not p.HasField("structured_outputs"):
@@ -68,7 +80,101 @@ def parsed_schema(text: str, field: str) -> object:
         raise InvalidArgument(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
     if depth_exceeds(schema, MAX_SCHEMA_DEPTH):
         raise InvalidArgument(field, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    check_patterns(schema_patterns(schema), field)
     return schema
+
+
+def check_patterns(patterns: list[str], field: str) -> None:
+    """A schema's patterns within MAX_PATTERN_REPEATS and MAX_PATTERN_NESTING (InvalidArgument naming the field)."""
+    measured = [pattern_repeats(p) for p in patterns]
+    repeats = sum(count for count, _ in measured)
+    if repeats > MAX_PATTERN_REPEATS:
+        raise InvalidArgument(field, f"its patterns repeat character classes {repeats} times in all (the product of "
+                              f"the repetition bounds around each, summed); at most {MAX_PATTERN_REPEATS}")
+    for pattern, (_, depth) in zip(patterns, measured, strict=True):
+        if depth > MAX_PATTERN_NESTING:
+            raise InvalidArgument(field, f"pattern {pattern[:64]!r} nests bounded repetitions {depth} deep; at most "
+                                  f"{MAX_PATTERN_NESTING}")
+
+
+def schema_patterns(schema: object) -> list[str]:
+    """Every regular expression of a JSON schema: the values of `pattern`, the keys of `patternProperties`."""
+    found: list[str] = []
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if isinstance(item.get("pattern"), str):
+                found.append(item["pattern"])
+            if isinstance(item.get("patternProperties"), dict):
+                found.extend(item["patternProperties"])
+            stack.extend(item.values())
+    return found
+
+
+def pattern_repeats(pattern: str) -> tuple[int, int]:
+    """The character classes and '.' of a regular expression, each counted as many times as the bounded
+    repetitions around it allow (`{m,n}` counts n, `{m,}` m; `*`, `+` and `?` count once): what xgrammar expands;
+    and how deep bounded repetitions of them nest."""
+    groups = [[0, 0]]  # inside each open group: the count so far, the deepest nesting
+    last, depth = 0, 0  # the count and nesting of the atom a quantifier would repeat
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "{" and (bound := repetition_bound(pattern, i)) is not None:
+            groups[-1][0] += last * (bound[0] - 1)
+            if last and bound[0] > 1:
+                depth += 1
+                groups[-1][1] = max(groups[-1][1], depth)
+            last *= bound[0]
+            i = bound[1]
+            continue
+        if c == "(":
+            groups.append([0, 0])
+            last, depth = 0, 0
+            i += 3 if pattern.startswith("?:", i + 1) else 1
+            continue
+        if c == ")" and len(groups) > 1:
+            last, depth = groups.pop()
+            groups[-1][0] += last
+            groups[-1][1] = max(groups[-1][1], depth)
+            i += 1
+            continue
+        if c == "\\":
+            last = 1 if pattern[i + 1:i + 2] in CLASS_ESCAPES else 0
+            i += 1
+        elif c == "[":
+            last, i = 1, class_end(pattern, i)
+        else:
+            last = 1 if c == "." else 0
+        depth = 0
+        groups[-1][0] += last
+        i += 1
+    return sum(g[0] for g in groups), max(g[1] for g in groups)
+
+
+def repetition_bound(pattern: str, start: int) -> tuple[int, int] | None:
+    """At a `{`: the count a `{m}`, `{m,}`, `{,n}` or `{m,n}` quantifier repeats its atom (n, else m) and the index
+    after it; None where the brace is a literal."""
+    end = pattern.find("}", start)
+    low, _, high = pattern[start + 1:end].partition(",") if end > 0 else ("", "", "")
+    if not (low or high) or not all(part.isascii() and part.isdigit() for part in (low, high) if part):
+        return None
+    return max(int(low or 0), int(high or 0), 1), end + 1
+
+
+def class_end(pattern: str, start: int) -> int:
+    """The index of the `]` closing the character class opened at `start` (the end of the pattern if none)."""
+    i = start + 1
+    if pattern.startswith("^", i):
+        i += 1
+    if pattern.startswith("]", i):
+        i += 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i
 
 
 def depth_exceeds(value: object, limit: int) -> bool:

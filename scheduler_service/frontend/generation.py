@@ -20,7 +20,7 @@ from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, gener
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.outputs import RequestDelta, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request
-from scheduler_service.frontend.auth import TenantScope, presented_key
+from scheduler_service.frontend.auth import ANONYMOUS, Caller, TenantScope, presented_key
 from scheduler_service.frontend.constraints import FIELD, check_grammar, constraint_from
 from scheduler_service.frontend.resume import ResumePoint, resume_point, resumed_requests
 from scheduler_service.frontend.stop_strings import StopMatcher
@@ -155,8 +155,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.serving = serving or ServingLimits()
         self.shutting_down = False
         self.server_index: int | None = None
-        # with API keys, each key's requests have a prefix cache of their own (None: one cache for all callers)
-        self.tenants: TenantScope | None = None
+        # with API keys: each key's request ids are its own, and its requests have a prefix cache of their own
+        # unless share_prefix_cache (None: no keys, one namespace and one cache for all callers)
+        self.keys: TenantScope | None = None
+        self.share_prefix_cache = False
         self.open_calls = 0
         self.refusals = RefusalCounter(lambda: engine.metrics_model_name or
                                        (engine.describe.model_id if engine.describe else ""))
@@ -191,25 +193,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return RequestLimits(vocab_size=d.vocab_size, max_model_len=d.max_model_len, max_logprobs=max_logprobs,
                              max_prompt_bytes=prompt_bytes, prompt_logprobs=d.capabilities.prompt_logprobs)
 
-    def tenant_of(self, key: str) -> str:
-        """The prefix-cache tenant of a caller presenting this API key ("" when the cache is shared)."""
-        return self.tenants.of(key) if self.tenants is not None else ""
+    def caller_of(self, key: str) -> Caller:
+        """The caller presenting this API key: its request-id owner and its prefix-cache tenant."""
+        if self.keys is None:
+            return ANONYMOUS
+        owner = self.keys.of(key)
+        return Caller(owner, "" if self.share_prefix_cache else owner)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         if self.server_index is not None:
             await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
-        tenant = self.tenant_of(presented_key(context.invocation_metadata())) if self.tenants is not None else ""
+        caller = self.caller_of(presented_key(context.invocation_metadata()))
         try:
-            async for response in self.generate(request, tenant):
+            async for response in self.generate(request, caller):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message)
 
-    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest, tenant: str = ""
+    async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest, caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure. tenant:
-        the caller's prefix-cache scope (tenant_of its API key)."""
+        """The public Generate, transport-neutral: responses out, RequestError for a refusal or a failure. caller:
+        who sent it (caller_of its API key)."""
         if isinstance(request, MalformedRequest):
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(request.error))
         if self.open_calls >= self.serving.max_open_calls:
@@ -217,18 +222,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               f"too many open calls ({self.serving.max_open_calls}); retry later")
         self.open_calls += 1
         try:
-            async for response in self._generate(request, tenant):
+            async for response in self._generate(request, caller):
                 yield response
         finally:
             self.open_calls -= 1
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, tenant: str
+    async def _generate(self, request: generation_pb2.GenerateRequest, caller: Caller
                         ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_shutting_down()
         await self._wait_for_executor()
         self._refuse_if_shutting_down()
         try:
-            rid, prompt_ids, by_index, point = await self._build(request, tenant)
+            rid, prompt_ids, by_index, point = await self._build(request, caller)
         except InvalidArgument as e:
             raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         requests = list(by_index.values())
@@ -241,8 +246,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (QueueFull, ValueError) as e:
             for sub_id in streams:
                 self.engine.abort(sub_id)
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else grpc.StatusCode.ALREADY_EXISTS
-            raise self.refuse(code, str(e)) from None
+            if isinstance(e, QueueFull):
+                raise self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise self.refuse(grpc.StatusCode.ALREADY_EXISTS,
+                              f"duplicate request_id {rid!r}: a call of yours with this id is still open") from None
         answered: set[str] = set()
         try:
             seqs = self._sequences(request, prompt_ids, by_index, point)
@@ -273,7 +280,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                               f"no executor connected within --executor-wait-timeout {timeout}s; retry later"
                               ) from None
 
-    async def _build(self, request: generation_pb2.GenerateRequest, tenant: str = ""
+    async def _build(self, request: generation_pb2.GenerateRequest, caller: Caller = ANONYMOUS
                      ) -> tuple[str, list[int], dict[int, Request], ResumePoint | None]:
         """The call's id, prompt, requests by sequence index (those a resume point leaves to run), the point."""
         limits = self.request_limits()
@@ -299,10 +306,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sub = sampling if n == 1 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
             if i and sub.prompt_logprobs is not None:  # one prompt, computed and answered once: by sequence 0
                 sub = replace(sub, prompt_logprobs=None)
-            sub_id = rid if n == 1 else f"{rid}#{i}"
+            sub_id = caller.scoped_id(rid if n == 1 else f"{rid}#{i}")
             requests.append(Request(sub_id, list(prompt_ids), sub, now, output_len_hint=hint,
                                     share_prompt_with=requests[0].request_id if requests else None,
-                                    cache_salt=salt, tenant=tenant))
+                                    cache_salt=salt, tenant=caller.tenant, owner=caller.owner))
         return rid, prompt_ids, resumed_requests(requests, point), point
 
     def _check_constrainable(self, p: common_pb2.SamplingParams) -> None:

@@ -48,8 +48,9 @@ async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokeniz
     options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
-    if api_keys and not share_prefix_cache:
-        generation.tenants = TenantScope(tenant_secret)
+    if api_keys:
+        generation.keys = TenantScope(tenant_secret)
+        generation.share_prefix_cache = share_prefix_cache
     add_generation_servicer(generation, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

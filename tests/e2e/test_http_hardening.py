@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import itertools
 import json
 import os
@@ -413,6 +414,25 @@ async def test_a_declared_length_past_the_limit_is_413_before_the_body(chat_stac
     answer = await raw_exchange(chat_stack.http_port, head, b'{"prompt": "', wait=10)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_compressed_body_inflating_past_the_limit_is_413_and_the_rest_is_not_inflated(
+        chat_stack: HttpStack) -> None:
+    """A gzip bomb (1 MB inflating to 2 GiB): once 64 MiB are in, the answer is a 413 and the server ends the
+    connection at once. It used to keep it for aiohttp's 10 s drain, inflating what the client had sent, which held
+    its api server's event loop: another client's request took 15 s instead of 10 ms."""
+    bomb = gzip.compress(b'{"prompt": "' + b"a" * (2 << 30) + b'"}', 9)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: {len(bomb)}\r\n\r\n"
+            ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", chat_stack.http_port)
+    try:
+        writer.write(head + bomb)
+        answer = await asyncio.wait_for(reader.read(), 30)  # the whole answer, to the server's end of the stream
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"Connection: close" in answer
+    finally:
+        writer.close()
 
 
 async def test_a_corrupt_gzip_body_is_400(chat_stack: HttpStack, session: aiohttp.ClientSession) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,5 +220,110 @@ async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkey
         compiler = engine.grammar_compiler
         assert [c.spec for c in compiler._compiled] == ["[g-i]{5}"]
         assert compiler._compiler is not None and compiler._compiler.get_cache_size_bytes() == 0
+    finally:
+        await engine.stop()
+
+
+async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
+    """One caller's queued specs hold another caller's constrained request for at most the compile already
+    running (found by an attack: six costly specs of one API key held another key's small request 21 s)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    compiled: list[str] = []
+    running, go_on = threading.Event(), threading.Event()
+    real_compile = engine.grammar_compiler._compile
+
+    def spy(describe: Any, constraint: Constraint) -> Any:
+        compiled.append(constraint.spec)
+        running.set()
+        go_on.wait(30)  # the first compile lasts until the other caller's request is queued
+        return real_compile(describe, constraint)
+
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "a2": "[g-i]{3}", "b0": "[p-r]{3}"}
+    queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
+
+    def add(rid: str) -> None:
+        engine.add(Request(rid, [65] * 3, SamplingOptions(
+            max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, patterns[rid])), 0.0, owner=rid[0]),
+            queues[rid])
+
+    try:
+        for rid in ("a0", "a1", "a2"):
+            add(rid)
+        await asyncio.to_thread(running.wait, 30)
+        add("b0")
+        while len(engine.grammar_compiler._queue) < 3:  # a1, a2 and b0 queued behind a0's running compile
+            await asyncio.sleep(0)
+        go_on.set()
+        for rid, queue in queues.items():
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(patterns[rid], bytes(tokens[:-1])
+                                                                               .decode()), (rid, tokens)
+        assert compiled == [patterns[r] for r in ("a0", "b0", "a1", "a2")]
+    finally:
+        go_on.set()
+        await engine.stop()
+
+
+async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_the_others_compiles(
+        executor: str) -> None:
+    """A front-end sends the requests it took in one turn of its event loop as one message, and the engine core adds
+    them in one turn: a constrained request of one caller must join the scheduler once its own grammar compiled,
+    not once every grammar added with it did (found by an attack: key A's costly specs, sent with key B's small
+    one, held B's request for all of A's compiles, whatever the order the compile thread served them in)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    go_on = threading.Event()
+    real_compile = engine.grammar_compiler._compile
+    patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "b0": "[p-r]{3}"}
+
+    def spy(describe: Any, constraint: Constraint) -> Any:
+        if constraint.spec == patterns["a1"]:
+            go_on.wait(30)  # A's second compile lasts until B's request has finished
+        return real_compile(describe, constraint)
+
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
+    try:
+        for rid in ("a0", "a1", "b0"):  # one turn: one compile batch
+            engine.add(Request(rid, [65] * 3, SamplingOptions(
+                max_tokens=10, constraint=Constraint(ConstraintKind.REGEX, patterns[rid])), 0.0, owner=rid[0]),
+                queues[rid])
+        tokens, last = await asyncio.wait_for(collect(queues["b0"]), 20)
+        assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(patterns["b0"], bytes(tokens[:-1]).decode())
+        assert not go_on.is_set()
+        go_on.set()
+        for rid in ("a0", "a1"):
+            tokens, last = await asyncio.wait_for(collect(queues[rid]), 60)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(patterns[rid], bytes(tokens[:-1])
+                                                                               .decode()), (rid, tokens)
+    finally:
+        go_on.set()
+        await engine.stop()
+
+
+async def test_the_sequences_of_one_call_join_the_scheduler_together(executor: str) -> None:
+    """Compiled per call, the n > 1 sequences of one call (share_prompt_with its first) still join as one group."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    joined: dict[asyncio.Task[Any] | None, list[str]] = {}  # by the task that added them
+    real_add = engine._sched().add_request
+
+    def spy(request: Request, front: bool = False) -> None:
+        joined.setdefault(asyncio.current_task(), []).append(request.request_id)
+        real_add(request, front)
+
+    engine._sched().add_request = spy  # type: ignore[method-assign]
+    options = SamplingOptions(max_tokens=10, seed=1, constraint=Constraint(ConstraintKind.REGEX, "[a-c]{3}"))
+    queues = {rid: asyncio.Queue[RequestDelta]() for rid in ("x#0", "x#1", "x#2", "y")}
+    try:
+        for rid, queue in queues.items():
+            share = "x#0" if rid in ("x#1", "x#2") else None
+            engine.add(Request(rid, [65] * 3, options, 0.0, share_prompt_with=share, owner=rid[0]), queue)
+        for queue in queues.values():
+            _, last = await asyncio.wait_for(collect(queue), 60)
+            assert last.finish_reason is FinishReason.STOPPED
+        assert ["x#0", "x#1", "x#2"] in joined.values()
     finally:
         await engine.stop()

@@ -139,7 +139,7 @@ class Connection(asyncio.Protocol):
 class BodyUnread(enum.Enum):
     """Why a request's body was not read whole; the connection is not kept alive after its answer."""
 
-    TOO_LARGE = enum.auto()  # its Content-Length is over the limit
+    TOO_LARGE = enum.auto()  # its Content-Length, or the body it decompresses to, is over the limit
     BROKEN = enum.auto()  # it could not be read (corrupt encoding, connection lost)
 
 
@@ -215,6 +215,9 @@ class ConnectionGuard:
                     await response.write_eof()
             if response.status == 408:  # the rest of the body is not worth reading
                 conn.finish()
+            elif unread is BodyUnread.TOO_LARGE:  # nor inflating: aiohttp's drain would decompress a bomb for 10 s
+                conn.finish()
+                request.content.feed_eof()
             elif unread is BodyUnread.BROKEN:  # aiohttp would read it again after the answer, and log the error
                 request.content.feed_eof()
             return response
@@ -231,6 +234,9 @@ class ConnectionGuard:
             raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes")
         try:
             await asyncio.wait_for(request.read(), self.limits.body_timeout)
+        except web.HTTPRequestEntityTooLarge:  # decompressed past the limit: the rest is not worth inflating
+            request[BODY_UNREAD] = BodyUnread.TOO_LARGE
+            raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes") from None
         except TimeoutError:
             self.count("body")
             raise ApiError(408, f"the request body did not arrive within --http-body-timeout "

@@ -298,11 +298,17 @@ def read_logit_bias(value: Any, sampling: common_pb2.SamplingParams) -> None:
     if not isinstance(value, dict):
         raise bad_param("logit_bias", "must be an object mapping token ids to biases")
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < UINT32):
-            raise bad_param("logit_bias", f"key {key!r} is not a token id")
+        if not is_token_id_key(key):
+            raise bad_param("logit_bias", f"key {key[:32]!r} is not a token id")
         if isinstance(bias, bool) or not isinstance(bias, int | float):
             raise bad_param("logit_bias", f"the bias of token {key} must be a number, got {bias!r}")
         sampling.logit_bias[int(key)] = float(bias)
+
+
+def is_token_id_key(key: str) -> bool:
+    """Whether a JSON object key is a token id: ASCII digits below 2**32 (str.isdigit also takes digits such as
+    '²' that int() refuses, and int() refuses more than 4300 digits: both were a 500)."""
+    return key.isascii() and key.isdigit() and len(key) <= len(str(UINT32)) and int(key) < UINT32
 
 
 def read_bool(body: dict[str, Any], name: str) -> bool:
