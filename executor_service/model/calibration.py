@@ -114,16 +114,24 @@ def calibrate(linears: Sequence[Linear], requested: str, skinny_rows: int, cache
     return packing
 
 
-def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
-                   measure_later: bool) -> Packing:
-    """Pack the linears: as the cache says, else (measure_later) by the rule, to be calibrated later, else as
-    measured now (and cached)."""
+def planned_choice(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
+                   measure_later: bool) -> Packing | None:
+    """The choice without timing anything: the cache's, the forced settings', else (measure_later) the rule's;
+    None where it must be measured now."""
     key = packing_key_of(linears, requested, skinny_rows)
     choice = stored_choice(cache, key, skinny_rows)
     if choice is None and key is None:
         choice = Packing(choose_gemm([], requested), skinny_rows if skinny_available() else 0)
     if choice is None and measure_later:
         choice = provisional_choice(linears, requested, skinny_rows)
+    return choice
+
+
+def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
+                   measure_later: bool) -> Packing:
+    """Pack the linears: as the cache says, else (measure_later) by the rule, to be calibrated later, else as
+    measured now (and cached)."""
+    choice = planned_choice(linears, requested, skinny_rows, cache, measure_later)
     if choice is None:
         return calibrate(linears, requested, skinny_rows, cache)
     apply_choice(linears, choice)

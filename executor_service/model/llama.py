@@ -15,7 +15,7 @@ from torch.nn.functional import gelu, rms_norm, silu
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.attention.reference import Extras, Scratch
 from executor_service.attention.reference import paged_attention as reference_attention
-from executor_service.model.calibration import calibrate, choose_packing
+from executor_service.model.calibration import apply_choice, calibrate, choose_packing, planned_choice
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
 from executor_service.model.moe import OaiMoE, SparseMoE
@@ -278,6 +278,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, cfg.features.gemma_norm)
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Module.to_empty(device=device) for a module built on the meta device: every parameter and buffer an
+    uninitialised tensor on `device` (shared ones stay shared). torch.empty directly: to_empty's empty_like from
+    meta goes through torch's Python references, whose first call imports sympy (0.6 - 1.7 s of a start, #33)."""
+    made: dict[int, Tensor] = {}
+
+    def fresh(t: Tensor) -> Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return made[id(t)]
+
+    for sub in module.modules():
+        for group in (sub._parameters, sub._buffers):
+            for name, tensor in group.items():
+                if tensor is not None:
+                    group[name] = fresh(tensor)  # type: ignore[assignment]
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameters are created uninitialised on `device`; fill them with the loader.
 
@@ -297,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = LlamaModel(cfg, self.layout, ops, dtype, parallel)
             self.lm_head = ParallelLMHead(self.layout, cfg.hidden_size, dtype, parallel)
-        self.to_empty(device=device)
+        materialize(self, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTables.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
@@ -338,6 +357,18 @@ class LlamaForCausalLM(nn.Module):
         if not linears:
             return Packing(None, 0)
         return choose_packing(linears, requested, skinny_rows, cache, measure_later)
+
+    def plan_packing(self, requested: str = "auto", skinny_rows: int = -1,
+                     cache: MeasureCache | None = None) -> Packing:
+        """What pack_weights(..., measure_later=True) would pack for, without packing anything (apply_packing packs)."""
+        linears = self.packable_linears()
+        choice = planned_choice(linears, requested, skinny_rows, cache, True) if linears else None
+        return choice or Packing(None, 0)
+
+    def apply_packing(self, packing: Packing) -> None:
+        """Pack every linear weight for `packing` (one attribute assignment per linear: a pass running meanwhile
+        uses F.linear or the pack for each, equal up to rounding)."""
+        apply_choice(self.packable_linears(), packing)
 
     def calibrate_packing(self, requested: str = "auto", skinny_rows: int = -1,
                           cache: MeasureCache | None = None) -> Packing:

@@ -37,7 +37,7 @@ from executor_service.model import (
 )
 from executor_service.model.files import read_tokenizer_files
 from executor_service.model.packed import Packing
-from executor_service.runner.calibration import finished, start_calibration
+from executor_service.runner.calibration import finished, start_packing
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
@@ -97,8 +97,10 @@ class TorchBackend:
         self.compiled = compiled
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
+        self.packed: Future[Packing] = finished(Packing(None, 0))
+        """The linear weights' packing, done after ready in the background (runner/calibration.py)."""
         self.calibration: Future[Packing] = finished(Packing(None, 0))
-        """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
+        """All of that background work: the packing, and a cold start's measurement of its choice after it."""
 
     @classmethod
     def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
@@ -124,10 +126,7 @@ class TorchBackend:
                      "linear, and a background measurement would swap packs under its graphs)")
         elif config.cpu_weight_prepack:
             with phases.phase("pack"):
-                packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
-                                             measure_later=parallel.world_size == 1)
-            log.info("linear weights packed for %s; skinny kernel up to %d rows%s",
-                     packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
+                packing = choose_packing(config, model, parallel)
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
@@ -159,9 +158,9 @@ class TorchBackend:
             backend.warm_up()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts)
-        if packing.provisional:
-            backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
-                                                    startup_cache(config))
+        if packing.gemm is not None and parallel.world_size == 1:
+            backend.packed, backend.calibration = start_packing(model, packing, config.cpu_gemm,
+                                                                config.cpu_skinny_rows, startup_cache(config))
         return backend
 
     def warm_up(self) -> None:
@@ -272,6 +271,21 @@ def startup_cache(config: ExecutorConfig) -> MeasureCache:
 def inference_mode() -> AbstractContextManager[object]:
     """torch.inference_mode(), or nothing where it is on already."""
     return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: ParallelContext) -> Packing:
+    """One rank: the packing to do after ready (start_packing), serving on F.linear until then; under tensor
+    parallelism: packed now, as the start-up cache says or as measured now."""
+    cache = startup_cache(config)
+    if parallel.world_size == 1:
+        packing = model.plan_packing(config.cpu_gemm, config.cpu_skinny_rows, cache)
+        log.info("linear weights to be packed after ready for %s; skinny kernel up to %d rows%s",
+                 packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
+        return packing
+    packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, cache, measure_later=False)
+    log.info("linear weights packed for %s; skinny kernel up to %d rows%s", packing.gemm or "nothing (F.linear)",
+             packing.skinny_rows, packing_origin(packing))
+    return packing
 
 
 def packing_origin(packing: Packing) -> str:
