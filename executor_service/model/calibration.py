@@ -17,11 +17,13 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from executor_service.model.packed import (
     GEMMS,
+    PACK_THREADS,
     Gemm,
     Packing,
     available,
@@ -136,6 +138,43 @@ def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, 
         return calibrate(linears, requested, skinny_rows, cache)
     apply_choice(linears, choice)
     return choice
+
+
+class PackWhileReading:
+    """The loader's on_file hook: packs each linear once the loader has filled its weight, on PACK_THREADS threads
+    beside the reading (#33), for the choice planned_choice makes (the cache's, the forced settings', else the
+    rule's). finish() waits for them, packs what is left and sets the skinny kernel's rows."""
+
+    def __init__(self, requested: str, skinny_rows: int, cache: MeasureCache | None) -> None:
+        self.requested, self.skinny_rows, self.cache = requested, skinny_rows, cache
+        self.packing: Packing | None = None
+        self.pool = ThreadPoolExecutor(max_workers=min(PACK_THREADS, os.cpu_count() or 1), thread_name_prefix="pack")
+        self.submitted: dict[int, Future[None]] = {}
+
+    def __call__(self, model: Any, filled: set[str]) -> None:
+        linears = model.packable_linears()
+        if self.packing is None:
+            self.packing = planned_choice(linears, self.requested, self.skinny_rows, self.cache, True)
+        gemm = self.packing.gemm if self.packing is not None else None
+        if gemm is None:
+            return
+        names = {id(p): name for name, p in model.named_parameters()}
+        for module in linears:
+            if id(module) not in self.submitted and names.get(id(module.weight)) in filled:
+                self.submitted[id(module)] = self.pool.submit(module.pack_weight, gemm)
+
+    def finish(self, linears: Sequence[Linear]) -> Packing:
+        """Wait for the packs (raising a pack's error), then pack the rest and set the skinny rows."""
+        try:
+            for future in self.submitted.values():
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        packing = self.packing or planned_choice(linears, self.requested, self.skinny_rows, self.cache, True)
+        if packing is None:  # (planned_choice with measure_later always chooses)
+            return Packing(None, 0)
+        apply_choice(linears, packing)
+        return packing
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from torch.nn.functional import gelu, rms_norm, silu
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.attention.reference import Extras, Scratch
 from executor_service.attention.reference import paged_attention as reference_attention
-from executor_service.model.calibration import apply_choice, calibrate, choose_packing, planned_choice
+from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
 from executor_service.model.moe import OaiMoE, SparseMoE
@@ -357,18 +357,6 @@ class LlamaForCausalLM(nn.Module):
         if not linears:
             return Packing(None, 0)
         return choose_packing(linears, requested, skinny_rows, cache, measure_later)
-
-    def plan_packing(self, requested: str = "auto", skinny_rows: int = -1,
-                     cache: MeasureCache | None = None) -> Packing:
-        """What pack_weights(..., measure_later=True) would pack for, without packing anything (apply_packing packs)."""
-        linears = self.packable_linears()
-        choice = planned_choice(linears, requested, skinny_rows, cache, True) if linears else None
-        return choice or Packing(None, 0)
-
-    def apply_packing(self, packing: Packing) -> None:
-        """Pack every linear weight for `packing` (one attribute assignment per linear: a pass running meanwhile
-        uses F.linear or the pack for each, equal up to rounding)."""
-        apply_choice(self.packable_linears(), packing)
 
     def calibrate_packing(self, requested: str = "auto", skinny_rows: int = -1,
                           cache: MeasureCache | None = None) -> Packing:

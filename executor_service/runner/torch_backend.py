@@ -35,9 +35,10 @@ from executor_service.model import (
     cpu_ops,
     load_model,
 )
+from executor_service.model.calibration import PackWhileReading
 from executor_service.model.files import read_tokenizer_files
 from executor_service.model.packed import Packing
-from executor_service.runner.calibration import finished, start_packing
+from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.kv_cache import CacheShape, KVCache
@@ -97,10 +98,8 @@ class TorchBackend:
         self.compiled = compiled
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
-        self.packed: Future[Packing] = finished(Packing(None, 0))
-        """The linear weights' packing, done after ready in the background (runner/calibration.py)."""
         self.calibration: Future[Packing] = finished(Packing(None, 0))
-        """All of that background work: the packing, and a cold start's measurement of its choice after it."""
+        """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
 
     @classmethod
     def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
@@ -117,16 +116,19 @@ class TorchBackend:
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
         with phases.phase("kernels"):  # load (a build only where none is cached: the Docker image prebuilds them)
             ops = model_ops(device, dtype)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
-        packing = Packing(None, 0)
         compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
             and model_cfg.features.graphable
+        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config)) \
+            if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
+        model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
+                           on_file=pipeline)
+        packing = Packing(None, 0)
         if config.cpu_weight_prepack and compiles:
             log.info("--compile-sizes: linear weights are left to torch.compile (it cannot lower a packed oneDNN "
                      "linear, and a background measurement would swap packs under its graphs)")
         elif config.cpu_weight_prepack:
-            with phases.phase("pack"):
-                packing = choose_packing(config, model, parallel)
+            with phases.phase("pack"):  # what the reading left to pack: packed beside it (PackWhileReading)
+                packing = choose_packing(config, model, parallel, pipeline)
         parallel.wait_for_all()
         shape = CacheShape(model_cfg.num_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
@@ -158,9 +160,9 @@ class TorchBackend:
             backend.warm_up()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts)
-        if packing.gemm is not None and parallel.world_size == 1:
-            backend.packed, backend.calibration = start_packing(model, packing, config.cpu_gemm,
-                                                                config.cpu_skinny_rows, startup_cache(config))
+        if packing.provisional:
+            backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
+                                                    startup_cache(config))
         return backend
 
     def warm_up(self) -> None:
@@ -273,16 +275,15 @@ def inference_mode() -> AbstractContextManager[object]:
     return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 
-def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: ParallelContext) -> Packing:
-    """One rank: the packing to do after ready (start_packing), serving on F.linear until then; under tensor
-    parallelism: packed now, as the start-up cache says or as measured now."""
-    cache = startup_cache(config)
-    if parallel.world_size == 1:
-        packing = model.plan_packing(config.cpu_gemm, config.cpu_skinny_rows, cache)
-        log.info("linear weights to be packed after ready for %s; skinny kernel up to %d rows%s",
-                 packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
-        return packing
-    packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, cache, measure_later=False)
+def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: ParallelContext,
+                   pipeline: PackWhileReading | None) -> Packing:
+    """One rank: the packs made while reading, finished (the cache's choice, else the rule's, measured after ready);
+    under tensor parallelism: packed now, as the start-up cache says or as measured now."""
+    if pipeline is not None:
+        packing = pipeline.finish(model.packable_linears())
+    else:
+        packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+                                     measure_later=parallel.world_size == 1)
     log.info("linear weights packed for %s; skinny kernel up to %d rows%s", packing.gemm or "nothing (F.linear)",
              packing.skinny_rows, packing_origin(packing))
     return packing

@@ -15,13 +15,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.forward_steps import step_items
+from benchmarks.startup import make_sharded_model
 from executor_service.config import ExecutorConfig
-from executor_service.default_model.model import make_model
+from executor_service.default_model.model import ModelSpec, make_model
+from executor_service.model import LlamaForCausalLM, load_model
 from executor_service.model import calibration, packed
 from executor_service.model.loader import MappedSafetensors
 from executor_service.model.parallel import Linear
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
-from executor_service.runner.torch_backend import TorchBackend
+from executor_service.runner.torch_backend import TorchBackend, model_ops
 from executor_service.startup import MeasureCache, Phases, cpu_identity, fingerprint, process_start_time
 
 
@@ -130,7 +132,7 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
     assert calls == ["gemm"] and path.is_file()
     stored = json.loads(path.read_text())["value"]
     second = backend(model, tmp_path / "cache")
-    assert second.calibration.result(timeout=120) == second.packed.result()  # packed after ready, not measured
+    assert second.calibration.done()  # nothing measured after ready
     assert calls == ["gemm"]  # not measured again
     linear = second.model.get_submodule("model.layers.0.mlp.gate_up_proj")
     assert isinstance(linear, Linear)
@@ -155,7 +157,6 @@ def test_logits_are_the_same_with_the_choice_from_the_cache(tmp_path: Path) -> N
     measured = backend(model, tmp_path / "cache")
     measured.calibration.result(timeout=120)
     cached = backend(model, tmp_path / "cache")
-    cached.packed.result(timeout=120)
     for kind, n, length in (("prefill", 3, 9), ("decode", 4, 12), ("decode", 1, 5)):
         items = step_items(kind, n, length, 512, 2)
         logits = [b.run_batch(b.prepare(items)) for b in (measured, cached)]
@@ -209,7 +210,6 @@ def test_a_cold_start_packs_by_the_rule_serves_and_swaps_in_what_it_measures(
 
     monkeypatch.setattr("executor_service.model.calibration.choose_gemm", held)
     cold = backend(model, tmp_path / "cache")
-    cold.packed.result(timeout=120)
     linear = cold.model.get_submodule("model.layers.0.mlp.gate_up_proj")
     assert isinstance(linear, Linear) and linear.packed is not None and linear.packed.gemm == rule
     items = step_items("decode", 4, 12, 512, 2)
@@ -239,34 +239,25 @@ def test_the_provisional_rule_takes_forced_settings_and_sizes_the_skinny_rows_by
     assert forced == ("onednn" if packed.available("onednn") else None)
 
 
-def test_a_start_serves_on_f_linear_until_the_packs_arrive_after_ready(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
-    pack_all = calibration.pack_all
-    go, half_packed, rest = threading.Event(), threading.Event(), threading.Event()
+def test_linears_are_packed_beside_the_reading_of_the_next_file(tmp_path: Path) -> None:
+    spec = ModelSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                     vocab_size=512, init_std=0.2)
+    model_dir = make_sharded_model(tmp_path / "m", spec, "float32", num_shards=2)
+    pipeline = calibration.PackWhileReading("mkl", 0, None)
+    submitted: list[int] = []
 
-    def held(linears: list[Linear], gemm: packed.Gemm) -> None:  # pack half, wait, pack the other half
-        assert go.wait(timeout=120)
-        pack_all(linears[: len(linears) // 2], gemm)
-        half_packed.set()
-        assert rest.wait(timeout=120)
-        pack_all(linears[len(linears) // 2 :], gemm)
+    def on_file(model: LlamaForCausalLM, filled: set[str]) -> None:
+        pipeline(model, filled)
+        submitted.append(len(pipeline.submitted))
 
-    monkeypatch.setattr(calibration, "pack_all", held)
-    b = backend(model, tmp_path / "cache")  # ready while the packing waits
-    linears = b.model.packable_linears()
-    assert not b.packed.done() and all(m.packed is None for m in linears)
-    steps = [step_items(kind, n, length, 512, 2) for kind, n, length in (("prefill", 3, 9), ("decode", 4, 12))]
-    unpacked = [b.run_batch(b.prepare(step)) for step in steps]
-    go.set()
-    assert half_packed.wait(timeout=120)
-    assert any(m.packed is not None for m in linears) and any(m.packed is None for m in linears)
-    partly = [b.run_batch(b.prepare(step)) for step in steps]
-    rest.set()
-    choice = b.packed.result(timeout=120)
-    assert choice.gemm is not None and all(m.packed is not None and m.packed.gemm == choice.gemm for m in linears)
-    packed_logits = [b.run_batch(b.prepare(step)) for step in steps]
-    for before, middle, after in zip(unpacked, partly, packed_logits, strict=True):
-        assert before is not None and middle is not None and after is not None
-        torch.testing.assert_close(before, after, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(middle, after, rtol=1e-4, atol=1e-4)
+    ops = model_ops(torch.device("cpu"), torch.float32)
+    model = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32, ops=ops, on_file=on_file)
+    linears = model.packable_linears()
+    assert 0 < submitted[0] < len(linears)  # the first file's linears were packing while the second was read
+    assert pipeline.finish(linears) == packed.Packing("mkl", 0)
+    assert all(m.packed is not None and m.packed.gemm == "mkl" for m in linears)
+    after = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32, ops=ops)
+    after.pack_weights("mkl", 0)  # packed after the whole read, as before: the same packs
+    for m, n in zip(linears, after.packable_linears(), strict=True):
+        x = torch.randn(4, m.weight.shape[1])
+        assert torch.equal(packed.dense(x, m.weight, m.bias, m.packed), packed.dense(x, n.weight, n.bias, n.packed))
