@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("pagedserve.executor")
@@ -42,11 +43,13 @@ def prefetch_weights(model_dir: str | None) -> threading.Thread | None:
 
 
 def read_files(files: list[Path]) -> None:
+    t0 = time.perf_counter()
     with contextlib.suppress(OSError, ValueError, BufferError):
         libc = ctypes.CDLL(None, use_errno=True)
         for path in files:
             if not populate_file(libc, path):
                 read_file(path)
+        log.info("weight files in the page cache %.2f s after the prefetch started", time.perf_counter() - t0)
 
 
 def populate_file(libc: ctypes.CDLL, path: Path) -> bool:

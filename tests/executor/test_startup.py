@@ -4,8 +4,11 @@ entry is measured again and rewritten), and the start's phases are timed."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -15,11 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.forward_steps import step_items
-from benchmarks.startup import make_sharded_model
+from benchmarks.startup import evict, make_sharded_model
+from executor_service import prefetch
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import ModelSpec, make_model
-from executor_service.model import LlamaForCausalLM, load_model
-from executor_service.model import calibration, packed
+from executor_service.model import LlamaForCausalLM, calibration, load_model, packed
 from executor_service.model.loader import MappedSafetensors
 from executor_service.model.parallel import Linear
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
@@ -261,3 +264,33 @@ def test_linears_are_packed_beside_the_reading_of_the_next_file(tmp_path: Path) 
     for m, n in zip(linears, after.packable_linears(), strict=True):
         x = torch.randn(4, m.weight.shape[1])
         assert torch.equal(packed.dense(x, m.weight, m.bias, m.packed), packed.dense(x, n.weight, n.bias, n.packed))
+
+
+def resident_share(path: Path) -> float:
+    """The share of the file's pages in the page cache (mincore over a map of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
+        pages = -(-len(buffer) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        start = ctypes.c_char.from_buffer(buffer)
+        try:
+            assert libc.mincore(ctypes.byref(start), ctypes.c_size_t(len(buffer)), vec) == 0
+        finally:
+            del start
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_the_prefetch_reads_the_weight_files_into_the_page_cache(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(os.urandom(8 << 20))
+    evict([weights])
+    assert resident_share(weights) < 0.5
+    thread = prefetch.prefetch_weights(str(tmp_path))
+    assert thread is not None
+    thread.join(timeout=60)
+    assert resident_share(weights) == 1.0
+    assert prefetch.prefetch_weights(str(tmp_path / "missing")) is None
+    assert prefetch.prefetch_weights("") is None
+    monkeypatch.setattr(prefetch, "available_bytes", lambda: 8 << 20)  # more than half the memory: left alone
+    assert prefetch.prefetch_weights(str(tmp_path)) is None
