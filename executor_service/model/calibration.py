@@ -154,7 +154,7 @@ class PackWhileReading:
     def __call__(self, model: Any, filled: set[str]) -> None:
         linears = model.packable_linears()
         if self.packing is None:
-            self.packing = planned_choice(linears, self.requested, self.skinny_rows, self.cache, True)
+            self.packing = self.plan(linears)
         gemm = self.packing.gemm if self.packing is not None else None
         if gemm is None:
             return
@@ -170,11 +170,14 @@ class PackWhileReading:
                 future.result()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
-        packing = self.packing or planned_choice(linears, self.requested, self.skinny_rows, self.cache, True)
-        if packing is None:  # (planned_choice with measure_later always chooses)
-            return Packing(None, 0)
+        packing = self.packing or self.plan(linears)
         apply_choice(linears, packing)
         return packing
+
+    def plan(self, linears: Sequence[Linear]) -> Packing:
+        """planned_choice (which always chooses with measure_later); nothing to pack where no linear can be."""
+        choice = planned_choice(linears, self.requested, self.skinny_rows, self.cache, True) if linears else None
+        return choice or Packing(None, 0)
 
 
 @functools.cache
