@@ -141,14 +141,16 @@ def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, 
 
 
 class PackWhileReading:
-    """The loader's on_file hook: packs each linear once the loader has filled its weight, on PACK_THREADS threads
-    beside the reading (#33), for the choice planned_choice makes (the cache's, the forced settings', else the
-    rule's). finish() waits for them, packs what is left and sets the skinny kernel's rows."""
+    """The loader's on_file hook: packs each linear once the loader has filled its weight, on threads beside the
+    reading (one core fewer than the machine has, so the reading keeps one; #33), for the choice planned_choice
+    makes (the cache's, the forced settings', else the rule's). finish() waits for the packs under way, packs what
+    is left and sets the skinny kernel's rows."""
 
     def __init__(self, requested: str, skinny_rows: int, cache: MeasureCache | None) -> None:
         self.requested, self.skinny_rows, self.cache = requested, skinny_rows, cache
         self.packing: Packing | None = None
-        self.pool = ThreadPoolExecutor(max_workers=min(PACK_THREADS, os.cpu_count() or 1), thread_name_prefix="pack")
+        beside = max(1, min(PACK_THREADS, (os.cpu_count() or 1) - 1))  # a core is left to the reading
+        self.pool = ThreadPoolExecutor(max_workers=beside, thread_name_prefix="pack")
         self.submitted: dict[int, Future[None]] = {}
 
     def __call__(self, model: Any, filled: set[str]) -> None:
@@ -164,10 +166,12 @@ class PackWhileReading:
                 self.submitted[id(module)] = self.pool.submit(module.pack_weight, gemm)
 
     def finish(self, linears: Sequence[Linear]) -> Packing:
-        """Wait for the packs (raising a pack's error), then pack the rest and set the skinny rows."""
+        """Wait for the packs under way (raising a pack's error), then pack the rest on all of pack_all's threads
+        (the reading is over) and set the skinny rows."""
         try:
             for future in self.submitted.values():
-                future.result()
+                if not future.cancel():
+                    future.result()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
         packing = self.packing or self.plan(linears)
