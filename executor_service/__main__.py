@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 
 import uvloop
@@ -16,8 +18,9 @@ import uvloop
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
-from executor_service.placement import choose_wait_policy, set_wait_policy
-from executor_service.server import serve
+from executor_service.placement import bind_cores, choose_wait_policy, set_wait_policy
+from executor_service.prefetch import prefetch_weights
+from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
 from executor_service.validator import StepLimits
 from protos.wire import server_credentials
@@ -37,41 +40,75 @@ def build_backend(config: ExecutorConfig) -> Backend:
 
 
 async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
-    """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism."""
-    backend = backend or build_backend(config)
-    started = process_start_time()
-    info = backend.info = replace(backend.info, startup_seconds=round(max(0.0, time.time() - started), 3))
+    """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism. Without one,
+    the port is open (Describe waits, health NOT_SERVING) while the model loads on another thread."""
     credentials = None
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+    bind_cores(config.cpu_cores)  # before the server's and the loader's threads start: they inherit it
     stop = asyncio.Event()
     step_log = open(config.step_log, "a", buffering=1, encoding="utf-8") if config.step_log else None  # noqa: SIM115
     limits = StepLimits(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
-    server, port = await serve(backend, config.listen, credentials, load_or_create_secret(config.executor_secret_file),
-                               stop, step_log, limits)
+    serving = await start_serving(config.listen, credentials, load_or_create_secret(config.executor_secret_file),
+                                  stop, step_log, limits)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        backend = backend or await load_until_stopped(config, stop)
+        if backend is not None:
+            await ready(config, backend, serving)
+            await stop.wait()
+        else:
+            log.info("executor stopped while loading its model")
+    finally:  # a load error too: the port is closed before it is reported
+        await serving.server.stop(grace=2.0)
+        if step_log is not None:
+            step_log.close()
+    log.info("executor stopped")
+
+
+async def load_until_stopped(config: ExecutorConfig, stop: asyncio.Event) -> Backend | None:
+    """build_backend on a daemon thread (the event loop serves meanwhile); None if `stop` comes first. A load
+    error is raised here."""
+    loaded: Future[Backend] = Future()
+
+    def load() -> None:
+        try:
+            loaded.set_result(build_backend(config))
+        except BaseException as exc:  # handed to the event loop's thread, which raises it
+            loaded.set_exception(exc)
+
+    threading.Thread(target=load, name="load", daemon=True).start()
+    loading, stopping = asyncio.wrap_future(loaded), asyncio.ensure_future(stop.wait())
+    await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return loading.result() if loading.done() else None
+
+
+async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> None:
+    """Report ready: the seconds since the process started in Describe and the log, then serve `backend`."""
+    started = process_start_time()
+    info = backend.info = replace(backend.info, startup_seconds=round(max(0.0, time.time() - started), 3))
+    await serving.attach(backend)
+    limits = serving.servicer.limits
     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in info.startup_phases) or "none"
     log.info("startup phases: %s; ready %.2f s after the process started", phases, info.startup_seconds)
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d; per step at "
-             "most %d tokens, %d requests", config.listen, port, info.model_id, info.device, info.dtype,
+             "most %d tokens, %d requests", config.listen, serving.port, info.model_id, info.device, info.dtype,
              info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 1000)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=2.0)
-    if step_log is not None:
-        step_log.close()
-    log.info("executor stopped")
 
 
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
+    if not config.simulated:
+        prefetch_weights(config.model)  # the disk reads them while torch imports
     set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:

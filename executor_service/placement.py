@@ -76,6 +76,12 @@ def set_wait_policy(policy: str) -> bool:
     return True
 
 
+def bind_cores(cpu_cores: str) -> None:
+    """Bind the calling thread (and the threads it starts from now on) to `cpu_cores` ('' : leave it as it is)."""
+    if cpu_cores:
+        os.sched_setaffinity(0, parse_cores(cpu_cores))
+
+
 def place(cpu_threads: int, cpu_cores: str) -> int:
     """Bind this process (and the threads it starts from now on) to `cpu_cores` if given, then size torch's pool to
     `cpu_threads` (0: usable_cores()); returns the thread count. Call before the first forward pass."""
@@ -83,9 +89,7 @@ def place(cpu_threads: int, cpu_cores: str) -> int:
 
     if cpu_threads < 0:
         raise ValueError(f"--cpu-threads must be >= 0, got {cpu_threads}")
-    if cpu_cores:
-        cores = parse_cores(cpu_cores)
-        os.sched_setaffinity(0, cores)
+    bind_cores(cpu_cores)
     threads = cpu_threads or usable_cores()
     torch.set_num_threads(threads)
     log.info("CPU placement: %d forward threads%s", threads, f" on cores {cpu_cores}" if cpu_cores else "")

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 import grpc
@@ -26,31 +26,65 @@ from protos.wire import EXECUTOR_LINK_OPTIONS, add_port
 
 log = logging.getLogger("pagedserve.executor")
 EXECUTOR_VERSION = "pagedserve-executor/0.1"
+EXECUTOR_SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 HANDOVER_WAIT_S = 1.0  # how long a new stream waits for the previous one to end before it is refused
+LOADING_WAIT_S = 30.0  # the longest a call waits for a loading backend before it is answered UNAVAILABLE
+LOADING_ANSWER_S = 0.2  # a waiting call is answered this long before its deadline, so the caller hears "loading"
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, backend: Backend, stopping: asyncio.Event | None = None,
+    """The Executor API over `backend`; with backend None it serves while the backend loads (attach() gives it):
+    a Describe or Execute call waits for it up to its deadline (at most LOADING_WAIT_S), then ends UNAVAILABLE
+    ("loading"), so a scheduler that asks while the executor loads hears of ready at once, without polling."""
+
+    backend: Backend
+    table: RequestTable
+    limits: StepLimits
+    validator: StepValidator
+
+    def __init__(self, backend: Backend | None, stopping: asyncio.Event | None = None,
                  step_log: TextIO | None = None, limits: StepLimits | None = None) -> None:
-        self.backend = backend
         self.stopping = stopping or asyncio.Event()
         self.step_log = step_log
-        info = backend.info
-        self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
-                                  info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window)
-        limits = limits or StepLimits()  # drafts only as many as the backend verifies (none: refused)
-        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
-                              max_num_model_draft_tokens=min(limits.max_num_model_draft_tokens,
-                                                             info.max_num_model_draft_tokens))
-        self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
+        self.requested_limits = limits or StepLimits()
+        self.loaded = asyncio.Event()
+        self.loading_since = time.monotonic()
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
         self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
+        if backend is not None:
+            self.attach(backend)
+
+    def attach(self, backend: Backend) -> None:
+        """Serve `backend` from now on (the calls waiting for it go on)."""
+        self.backend = backend
+        info = backend.info
+        self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
+                                  info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window)
+        limits = self.requested_limits  # drafts only as many as the backend verifies (none: refused)
+        self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
+                              max_num_model_draft_tokens=min(limits.max_num_model_draft_tokens,
+                                                             info.max_num_model_draft_tokens))
+        self.validator = StepValidator(self.table, self.limits, info.max_logprobs)
+        self.loaded.set()
+
+    async def _until_loaded(self, context: grpc.aio.ServicerContext) -> None:
+        """Return once the backend is attached; end the call UNAVAILABLE if it is not by the call's deadline."""
+        if self.loaded.is_set():
+            return
+        remaining = context.time_remaining()
+        wait = LOADING_WAIT_S if remaining is None else min(LOADING_WAIT_S, remaining - LOADING_ANSWER_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.loaded.wait(), max(0.0, wait))
+        if not self.loaded.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor loading its model "
+                                f"({time.monotonic() - self.loading_since:.1f} s so far)")
 
     async def Describe(self, request: executor_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> executor_pb2.DescribeResponse:
+        await self._until_loaded(context)
         info, limits = self.backend.info, self.limits
         return executor_pb2.DescribeResponse(
             model_id=info.model_id, vocab_size=info.vocab_size, eos_token_ids=list(info.eos_token_ids),
@@ -307,21 +341,45 @@ def _fill_prompt_logprobs(result: executor_pb2.StepResult, items: list[BatchItem
                                        tokens=[_token_logprobs(s) for s in out.tokens])
 
 
+@dataclass(slots=True)
+class Serving:
+    """A started Executor server; attach() gives it its backend when that has loaded."""
+
+    server: grpc.aio.Server
+    port: int
+    servicer: ExecutorServicer
+    health: health.aio.HealthServicer
+
+    async def attach(self, backend: Backend) -> None:
+        self.servicer.attach(backend)
+        for name in ("", EXECUTOR_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
 async def serve(backend: Backend, listen: str, credentials: grpc.ServerCredentials | None = None,
                 secret: str | None = None, stopping: asyncio.Event | None = None,
                 step_log: TextIO | None = None, limits: StepLimits | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start the Executor API. Once `stopping` is set, an open Execute stream ends UNAVAILABLE at its next
-    step instead of serving on through the shutdown's grace period. `limits`: what one step may carry."""
+    """Start the Executor API over a loaded backend (start_serving, then attach)."""
+    serving = await start_serving(listen, credentials, secret, stopping, step_log, limits)
+    await serving.attach(backend)
+    return serving.server, serving.port
+
+
+async def start_serving(listen: str, credentials: grpc.ServerCredentials | None = None,
+                        secret: str | None = None, stopping: asyncio.Event | None = None,
+                        step_log: TextIO | None = None, limits: StepLimits | None = None) -> Serving:
+    """Start the Executor API before its backend has loaded: health says NOT_SERVING and calls wait until
+    Serving.attach(). Once `stopping` is set, an open Execute stream ends UNAVAILABLE at its next step instead of
+    serving on through the shutdown's grace period. `limits`: what one step may carry."""
     interceptors = [SecretInterceptor(secret)] if secret else []
     server = grpc.aio.server(options=EXECUTOR_LINK_OPTIONS, interceptors=interceptors)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(backend, stopping, step_log, limits), server)
+    servicer = ExecutorServicer(None, stopping, step_log, limits)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name, health.SERVICE_NAME,
-             reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    reflection.enable_server_reflection((EXECUTOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for name in ("", EXECUTOR_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = add_port(server, listen, credentials)
     await server.start()
-    for name in ("", names[0]):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return Serving(server, port, servicer, health_servicer)

@@ -17,11 +17,13 @@ import functools
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from executor_service.model.packed import (
     GEMMS,
+    PACK_THREADS,
     Gemm,
     Packing,
     available,
@@ -114,20 +116,72 @@ def calibrate(linears: Sequence[Linear], requested: str, skinny_rows: int, cache
     return packing
 
 
-def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
-                   measure_later: bool) -> Packing:
-    """Pack the linears: as the cache says, else (measure_later) by the rule, to be calibrated later, else as
-    measured now (and cached)."""
+def planned_choice(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
+                   measure_later: bool) -> Packing | None:
+    """The choice without timing anything: the cache's, the forced settings', else (measure_later) the rule's;
+    None where it must be measured now."""
     key = packing_key_of(linears, requested, skinny_rows)
     choice = stored_choice(cache, key, skinny_rows)
     if choice is None and key is None:
         choice = Packing(choose_gemm([], requested), skinny_rows if skinny_available() else 0)
     if choice is None and measure_later:
         choice = provisional_choice(linears, requested, skinny_rows)
+    return choice
+
+
+def choose_packing(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,
+                   measure_later: bool) -> Packing:
+    """Pack the linears: as the cache says, else (measure_later) by the rule, to be calibrated later, else as
+    measured now (and cached)."""
+    choice = planned_choice(linears, requested, skinny_rows, cache, measure_later)
     if choice is None:
         return calibrate(linears, requested, skinny_rows, cache)
     apply_choice(linears, choice)
     return choice
+
+
+class PackWhileReading:
+    """The loader's on_file hook: packs each linear once the loader has filled its weight, on threads beside the
+    reading (one core fewer than the machine has, so the reading keeps one; #33), for the choice planned_choice
+    makes (the cache's, the forced settings', else the rule's). finish() waits for the packs under way, packs what
+    is left and sets the skinny kernel's rows."""
+
+    def __init__(self, requested: str, skinny_rows: int, cache: MeasureCache | None) -> None:
+        self.requested, self.skinny_rows, self.cache = requested, skinny_rows, cache
+        self.packing: Packing | None = None
+        beside = max(1, min(PACK_THREADS, (os.cpu_count() or 1) - 1))  # a core is left to the reading
+        self.pool = ThreadPoolExecutor(max_workers=beside, thread_name_prefix="pack")
+        self.submitted: dict[int, Future[None]] = {}
+
+    def __call__(self, model: Any, filled: set[str]) -> None:
+        linears = model.packable_linears()
+        if self.packing is None:
+            self.packing = self.plan(linears)
+        gemm = self.packing.gemm if self.packing is not None else None
+        if gemm is None:
+            return
+        names = {id(p): name for name, p in model.named_parameters()}
+        for module in linears:
+            if id(module) not in self.submitted and names.get(id(module.weight)) in filled:
+                self.submitted[id(module)] = self.pool.submit(module.pack_weight, gemm)
+
+    def finish(self, linears: Sequence[Linear]) -> Packing:
+        """Wait for the packs under way (raising a pack's error), then pack the rest on all of pack_all's threads
+        (the reading is over) and set the skinny rows."""
+        try:
+            for future in self.submitted.values():
+                if not future.cancel():
+                    future.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        packing = self.packing or self.plan(linears)
+        apply_choice(linears, packing)
+        return packing
+
+    def plan(self, linears: Sequence[Linear]) -> Packing:
+        """planned_choice (which always chooses with measure_later); nothing to pack where no linear can be."""
+        choice = planned_choice(linears, self.requested, self.skinny_rows, self.cache, True) if linears else None
+        return choice or Packing(None, 0)
 
 
 @functools.cache

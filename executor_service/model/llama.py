@@ -280,6 +280,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, cfg.features.gemma_norm)
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Module.to_empty(device=device) for a module built on the meta device: every parameter and buffer an
+    uninitialised tensor on `device` (shared ones stay shared). torch.empty directly: to_empty's empty_like from
+    meta goes through torch's Python references, whose first call imports sympy (0.6 - 1.7 s of a start, #33)."""
+    made: dict[int, Tensor] = {}
+
+    def fresh(t: Tensor) -> Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return made[id(t)]
+
+    for sub in module.modules():
+        for group in (sub._parameters, sub._buffers):
+            for name, tensor in group.items():
+                if tensor is not None:
+                    group[name] = fresh(tensor)  # type: ignore[assignment]
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameters are created uninitialised on `device`; fill them with the loader.
 
@@ -299,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             self.model = LlamaModel(cfg, self.layout, ops, dtype, parallel)
             self.lm_head = ParallelLMHead(self.layout, cfg.hidden_size, dtype, parallel)
-        self.to_empty(device=device)
+        materialize(self, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RopeTables.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)

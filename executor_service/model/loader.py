@@ -15,6 +15,7 @@ import os
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 MIXTRAL_PARTS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+FileHook = Callable[[LlamaForCausalLM, set[str]], None]
 ALIAS_ALIGNMENT = 64
 MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module does not name it
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,10 +74,12 @@ class Target:
 
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
-               ops: ModelOps, parallel: ParallelContext = SINGLE, phases: Phases | None = None) -> LlamaForCausalLM:
+               ops: ModelOps, parallel: ParallelContext = SINGLE, phases: Phases | None = None,
+               on_file: FileHook | None = None) -> LlamaForCausalLM:
     """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter; `phases` gets
     the seconds of "read" (copying the weights out of the files into the parameters; "read+convert" where the
-    checkpoint's dtype differs, converted on the way in the same pass)."""
+    checkpoint's dtype differs, converted on the way in the same pass). `on_file(model, names)` is called after
+    each file with the names of the parameters filled whole so far (the packing starts on them meanwhile)."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
@@ -86,7 +90,7 @@ def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtyp
         model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype, parallel=parallel)
     converts = DTYPE_NAMES.get(cfg.dtype, dtype) != dtype
     with phases.phase(f"read+convert {cfg.dtype}->{str(dtype).removeprefix('torch.')}" if converts else "read"):
-        load_weights(model, files)
+        load_weights(model, files, on_file)
     return model.eval()
 
 
@@ -113,7 +117,7 @@ def files_from_index(index: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook | None = None) -> None:
     """Fill every parameter from the checkpoint: on the CPU a whole tensor already in the parameter's dtype becomes
     the parameter itself, a view of the file's private memory map (no copy; pages come from the page cache as they
     are touched, shared with other processes that map the file); others are copied straight out of the map (one
@@ -145,7 +149,18 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
             raise
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
             raise ModelLoadError(f"{path}: cannot read weights: {exc}") from exc
+        if on_file is not None:
+            on_file(model, filled_params(loaded))
     check_complete(params, loaded, files[0].parent)
+
+
+def filled_params(loaded: set[tuple[str, int | None]]) -> set[str]:
+    """The parameters filled whole: loaded at once, or every part of a fused one (q, k, v; gate, up)."""
+    parts: dict[str, set[int | None]] = {}
+    for param, shard in loaded:
+        parts.setdefault(param, set()).add(shard)
+    fused = {param: len(SHARDS.get(param.rsplit(".", 2)[-2] if param.count(".") >= 2 else "", ())) for param in parts}
+    return {param for param, shards in parts.items() if None in shards or len(shards) == fused[param]}
 
 
 class MappedSafetensors:

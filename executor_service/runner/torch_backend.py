@@ -35,6 +35,7 @@ from executor_service.model import (
     cpu_ops,
     load_model,
 )
+from executor_service.model.calibration import PackWhileReading
 from executor_service.model.files import read_tokenizer_files
 from executor_service.model.packed import Packing
 from executor_service.runner.calibration import finished, start_calibration
@@ -126,19 +127,19 @@ class TorchBackend:
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
         with phases.phase("kernels"):  # load (a build only where none is cached: the Docker image prebuilds them)
             ops = model_ops(device, dtype)
-        model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases)
-        packing = Packing(None, 0)
         compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
             and model_cfg.features.graphable
+        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config)) \
+            if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
+        model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
+                           on_file=pipeline)
+        packing = Packing(None, 0)
         if config.cpu_weight_prepack and compiles:
             log.info("--compile-sizes: linear weights are left to torch.compile (it cannot lower a packed oneDNN "
                      "linear, and a background measurement would swap packs under its graphs)")
         elif config.cpu_weight_prepack:
-            with phases.phase("pack"):
-                packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
-                                             measure_later=parallel.world_size == 1)
-            log.info("linear weights packed for %s; skinny kernel up to %d rows%s",
-                     packing.gemm or "nothing (F.linear)", packing.skinny_rows, packing_origin(packing))
+            with phases.phase("pack"):  # what the reading left to pack: packed beside it (PackWhileReading)
+                packing = choose_packing(config, model, parallel, pipeline)
         parallel.wait_for_all()
         # TP ranks send a batch's metadata over their step channel, which carries one table set: one group there
         layout = plan_layout(model_cfg.layer_windows, config.kv_window_release and parallel.world_size == 1)
@@ -347,6 +348,20 @@ def startup_cache(config: ExecutorConfig) -> MeasureCache:
 def inference_mode() -> AbstractContextManager[object]:
     """torch.inference_mode(), or nothing where it is on already."""
     return nullcontext() if torch.is_inference_mode_enabled() else torch.inference_mode()
+
+
+def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: ParallelContext,
+                   pipeline: PackWhileReading | None) -> Packing:
+    """One rank: the packs made while reading, finished (the cache's choice, else the rule's, measured after ready);
+    under tensor parallelism: packed now, as the start-up cache says or as measured now."""
+    if pipeline is not None:
+        packing = pipeline.finish(model.packable_linears())
+    else:
+        packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+                                     measure_later=parallel.world_size == 1)
+    log.info("linear weights packed for %s; skinny kernel up to %d rows%s", packing.gemm or "nothing (F.linear)",
+             packing.skinny_rows, packing_origin(packing))
+    return packing
 
 
 def packing_origin(packing: Packing) -> str:

@@ -179,6 +179,7 @@ class ExecutorLoop:
         delay, attempts, late, since = 0.05, 0, 0, time.monotonic()
         while True:
             self._fail_if_lost_too_long()
+            asked = time.monotonic()
             try:
                 describe = await self.connection.describe(timeout=self._patience(5.0))
                 if attempts:
@@ -193,16 +194,16 @@ class ExecutorLoop:
             except grpc.aio.AioRpcError as e:
                 waited = time.monotonic() - since
                 if attempts == 0:
-                    log.info("executor %s loading, %.1f s (not answering Describe yet: %s); waiting, with a "
-                             "warning after %.0f s", self.connection.address, waited, e.code().name,
+                    log.info("executor %s loading, %.1f s (not answering Describe yet: %s %s); waiting, with a "
+                             "warning after %.0f s", self.connection.address, waited, e.code().name, e.details(),
                              self.load_warn_s)
                 elif waited >= self.load_warn_s:
                     if late % 10 == 0:
                         log.warning("executor %s not answering Describe for %.0f s (%s: %s); retrying with "
                                     "backoff", self.connection.address, waited, e.code().name, e.details())
                     late += 1
-                attempts += 1
-                await asyncio.sleep(self._patience(delay))
+                attempts += 1  # a loading executor holds the call until ready or near its deadline: ask again
+                await asyncio.sleep(self._patience(max(0.0, delay - (time.monotonic() - asked))))  # at once then
                 delay = min(delay * 2, 2.0)
 
     async def stop(self) -> None:

@@ -138,8 +138,11 @@ def test_choose_skinny_rows_takes_a_forced_count_and_refuses_a_bad_one() -> None
 
 
 def backend(model: Path, prepack: bool, gemm: str = "mkl", skinny_rows: int = 0) -> TorchBackend:
-    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
-                                              cpu_weight_prepack=prepack, cpu_gemm=gemm, cpu_skinny_rows=skinny_rows))
+    """A backend with its linears packed (a start packs them after ready, in the background)."""
+    b = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=64,
+                                           cpu_weight_prepack=prepack, cpu_gemm=gemm, cpu_skinny_rows=skinny_rows))
+    b.calibration.result(timeout=120)
+    return b
 
 
 def test_model_logits_equal_with_and_without_packed_weights(tmp_path: Path) -> None:

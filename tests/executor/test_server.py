@@ -6,10 +6,11 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor_service.backend import BackendLost, BatchItem, SampleOutput, SamplingConfig
 from executor_service.config import ExecutorConfig
-from executor_service.server import ExecutorServicer, serve
+from executor_service.server import ExecutorServicer, serve, start_serving
 from executor_service.simulated import SimulatedBackend
 from executor_service.validator import StepLimits
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc
@@ -295,3 +296,30 @@ def test_the_simulated_backend_keeps_nothing_per_request() -> None:
                if s.traceback[0].filename.endswith("simulated.py"))
     assert kept < 5000 * 8, f"{kept} bytes kept for 5,000 sampled requests"
     assert backend.sample(first).token_id == token
+
+
+async def test_while_loading_describe_waits_for_the_backend_and_health_says_not_serving() -> None:
+    """The port is open while the model loads: Describe is held until the backend is attached (so a scheduler hears
+    of ready at once), or answered UNAVAILABLE ("loading") just before its deadline; health is NOT_SERVING."""
+    serving = await start_serving("127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            checked = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert checked.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as loading:
+                await stub.Describe(executor_pb2.DescribeRequest(), timeout=0.5)
+            assert loading.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in (loading.value.details() or "")
+            waiting = asyncio.ensure_future(stub.Describe(executor_pb2.DescribeRequest(), timeout=30))
+            done, _ = await asyncio.wait({waiting}, timeout=0.5)
+            assert not done  # held: answered only once the backend is there
+            config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+            await serving.attach(SimulatedBackend(config))
+            described = await waiting
+            assert described.num_device_blocks == 16 and described.block_size == 4
+            checked = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await serving.server.stop(None)

@@ -4,8 +4,11 @@ entry is measured again and rewritten), and the start's phases are timed."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -15,13 +18,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.forward_steps import step_items
+from benchmarks.startup import evict, make_sharded_model
+from executor_service import prefetch
 from executor_service.config import ExecutorConfig
-from executor_service.default_model.model import make_model
-from executor_service.model import calibration, packed
+from executor_service.default_model.model import ModelSpec, make_model
+from executor_service.model import LlamaForCausalLM, calibration, load_model, packed
 from executor_service.model.loader import MappedSafetensors
 from executor_service.model.parallel import Linear
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
-from executor_service.runner.torch_backend import TorchBackend
+from executor_service.runner.torch_backend import TorchBackend, model_ops
 from executor_service.startup import MeasureCache, Phases, cpu_identity, fingerprint, process_start_time
 
 
@@ -130,6 +135,7 @@ def test_a_restart_takes_the_packing_choice_from_the_cache_and_a_stale_one_is_me
     assert calls == ["gemm"] and path.is_file()
     stored = json.loads(path.read_text())["value"]
     second = backend(model, tmp_path / "cache")
+    assert second.calibration.done()  # nothing measured after ready
     assert calls == ["gemm"]  # not measured again
     linear = second.model.get_submodule("model.layers.0.mlp.gate_up_proj")
     assert isinstance(linear, Linear)
@@ -234,3 +240,57 @@ def test_the_provisional_rule_takes_forced_settings_and_sizes_the_skinny_rows_by
     assert calibration.provisional_choice(linears, "auto", 8).skinny_rows == (8 if skinny else 0)
     forced = calibration.provisional_choice(linears, "onednn", -1).gemm
     assert forced == ("onednn" if packed.available("onednn") else None)
+
+
+def test_linears_are_packed_beside_the_reading_of_the_next_file(tmp_path: Path) -> None:
+    spec = ModelSpec(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                     vocab_size=512, init_std=0.2)
+    model_dir = make_sharded_model(tmp_path / "m", spec, "float32", num_shards=2)
+    pipeline = calibration.PackWhileReading("mkl", 0, None)
+    submitted: list[int] = []
+
+    def on_file(model: LlamaForCausalLM, filled: set[str]) -> None:
+        pipeline(model, filled)
+        submitted.append(len(pipeline.submitted))
+
+    ops = model_ops(torch.device("cpu"), torch.float32)
+    model = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32, ops=ops, on_file=on_file)
+    linears = model.packable_linears()
+    assert 0 < submitted[0] < len(linears)  # the first file's linears were packing while the second was read
+    assert pipeline.finish(linears) == packed.Packing("mkl", 0)
+    assert all(m.packed is not None and m.packed.gemm == "mkl" for m in linears)
+    after = load_model(model_dir, device=torch.device("cpu"), dtype=torch.float32, ops=ops)
+    after.pack_weights("mkl", 0)  # packed after the whole read, as before: the same packs
+    for m, n in zip(linears, after.packable_linears(), strict=True):
+        x = torch.randn(4, m.weight.shape[1])
+        assert torch.equal(packed.dense(x, m.weight, m.bias, m.packed), packed.dense(x, n.weight, n.bias, n.packed))
+
+
+def resident_share(path: Path) -> float:
+    """The share of the file's pages in the page cache (mincore over a map of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
+        pages = -(-len(buffer) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        start = ctypes.c_char.from_buffer(buffer)
+        try:
+            assert libc.mincore(ctypes.byref(start), ctypes.c_size_t(len(buffer)), vec) == 0
+        finally:
+            del start
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_the_prefetch_reads_the_weight_files_into_the_page_cache(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(os.urandom(8 << 20))
+    evict([weights])
+    assert resident_share(weights) < 0.5
+    thread = prefetch.prefetch_weights(str(tmp_path))
+    assert thread is not None
+    thread.join(timeout=60)
+    assert resident_share(weights) == 1.0
+    assert prefetch.prefetch_weights(str(tmp_path / "missing")) is None
+    assert prefetch.prefetch_weights("") is None
+    monkeypatch.setattr(prefetch, "available_bytes", lambda: 8 << 20)  # more than half the memory: left alone
+    assert prefetch.prefetch_weights(str(tmp_path)) is None
