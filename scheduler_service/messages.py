@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from scheduler_service.core.outputs import RequestDelta, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 
 log = logging.getLogger("pagedserve.scheduler")

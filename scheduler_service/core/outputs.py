@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protos.contract import BlockMap
-from scheduler_service.core.prompt_logprobs import PromptChunk
+from scheduler_service.core.logprobs import PromptChunk, TokenLogprob
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.window_groups import WindowBlocks
 
@@ -54,15 +54,6 @@ class ScheduledWork:
     def num_drafts(self) -> int:
         """Draft tokens verified after the request's last token: given, or proposed by the draft model."""
         return len(self.draft_token_ids) + self.num_model_drafts
-
-
-@dataclass(slots=True, frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability and the top alternatives (token id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)

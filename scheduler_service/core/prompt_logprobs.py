@@ -10,14 +10,8 @@ request no longer asks (executor_link sends it without prompt_logprobs) and may 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler_service.core.outputs import TokenLogprob
-    from scheduler_service.core.request import Request
-
-PromptChunk = tuple[int, list["TokenLogprob"]]
-"""(first position, entries) of one step's answer for one request."""
+from scheduler_service.core.logprobs import PromptChunk, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -48,18 +42,18 @@ class PromptLogprobsRecord:
         return out
 
 
-def collect_prompt_logprobs(request: Request, chunk: PromptChunk | None) -> tuple[str, list[TokenLogprob] | None]:
-    """After a step computed part of a request that wants prompt logprobs: (error, the complete list if it is
-    complete now). An executor that computed the whole prompt without answering every position is an error."""
-    record = request.prompt_logprobs
-    if record is None or record.delivered:
+    def collect(self, chunk: PromptChunk | None, prompt_computed: bool) -> tuple[str, list[TokenLogprob] | None]:
+        """After a step computed part of its request's prompt (all of it: prompt_computed): (error, the complete
+        list if it is complete now). An executor that computed the whole prompt without answering every position
+        is an error."""
+        if self.delivered:
+            return "", None
+        error = self.add(chunk) if chunk is not None else ""
+        if error:
+            return error, None
+        if self.complete:
+            return "", self.deliver()
+        if prompt_computed:
+            return (f"the executor answered prompt logprobs for {len(self.collected)} of the prompt's "
+                    f"{self.num_positions} positions"), None
         return "", None
-    error = record.add(chunk) if chunk is not None else ""
-    if error:
-        return error, None
-    if record.complete:
-        return "", record.deliver()
-    if request.num_computed_tokens >= request.num_prompt_tokens:
-        return (f"the executor answered prompt logprobs for {len(record.collected)} of the prompt's "
-                f"{record.num_positions} positions"), None
-    return "", None

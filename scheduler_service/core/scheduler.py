@@ -29,7 +29,6 @@ from scheduler_service.core.outputs import (
     StepDeltas,
 )
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
-from scheduler_service.core.prompt_logprobs import collect_prompt_logprobs
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
 from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, SpecMethod, propose_ngram
@@ -778,7 +777,8 @@ class Scheduler:
             self.kv.cache_blocks(request)  # prompt blocks at once; the others when the request leaves the device
         prompt = None
         if request.prompt_logprobs is not None:
-            error, prompt = collect_prompt_logprobs(request, result.prompt_logprobs.get(rid))
+            error, prompt = request.prompt_logprobs.collect(result.prompt_logprobs.get(rid),
+                                                            request.num_computed_tokens >= request.num_prompt_tokens)
             if error:
                 self._fail(request, error, others.append)
                 return

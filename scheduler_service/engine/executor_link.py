@@ -9,7 +9,8 @@ import grpc
 from protos.contract import split_columns
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from protos.wire import EXECUTOR_LINK_OPTIONS, EXECUTOR_SECRET_METADATA_KEY, open_channel
-from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import ExecutorResult, ScheduledWork, SchedulerOutput
 from scheduler_service.core.request import SamplingOptions
 
 LOST_STATES = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE,

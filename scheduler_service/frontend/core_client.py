@@ -18,7 +18,8 @@ import grpc
 from msgspec.structs import replace
 
 from protos.pagedserve.v1 import executor_pb2
-from scheduler_service.core.outputs import RequestDelta, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.core_session import CoreSession
 from scheduler_service.frontend.generation import RequestError

@@ -18,7 +18,8 @@ import grpc
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
-from scheduler_service.core.outputs import RequestDelta, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.auth import ANONYMOUS, Caller, TenantScope, presented_key
 from scheduler_service.frontend.constraints import FIELD, check_grammar, constraint_from

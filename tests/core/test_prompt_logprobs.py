@@ -5,7 +5,8 @@ fails the request."""
 from __future__ import annotations
 
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
-from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import ExecutorResult, RequestDelta, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.core_helpers import FakeClock, run_step

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.config import CoreConfig
-from scheduler_service.core.outputs import ExecutorResult, TokenLogprob
+from scheduler_service.core.logprobs import TokenLogprob
+from scheduler_service.core.outputs import ExecutorResult
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.core_helpers import (
