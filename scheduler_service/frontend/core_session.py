@@ -119,11 +119,18 @@ class CoreSession:
         return "the CURVE handshake failed (is --engine-core-secret-file the core's?)"
 
     def _receive(self, payload: bytes) -> str:
+        """Why the session is lost after this message ("" while it is not). A message that does not decode, or
+        whose handling fails, ends the session as a lost core does (logged): its open requests are resumed on the
+        next session, where before the failure stopped this session's reading and every stream on it hung."""
         self.last_heard = time.monotonic()
-        msg = to_frontend_decoder.decode(payload)
-        if msg.status is not None and msg.status.unknown:
-            return "it does not know this session (it restarted, or dropped this front-end)"
-        self._on_message(msg)
+        try:
+            msg = to_frontend_decoder.decode(payload)
+            if msg.status is not None and msg.status.unknown:
+                return "it does not know this session (it restarted, or dropped this front-end)"
+            self._on_message(msg)
+        except Exception:
+            log.exception("engine core %s: a message failed to decode or to be handled", self.address)
+            return "a message from it failed (logged above)"
         return ""
 
     async def _beat(self) -> None:

@@ -191,3 +191,17 @@ async def test_a_retired_core_gets_no_new_request_and_hands_its_requests_to_a_co
         assert cores.clients == [new] and not cores.retired
     finally:
         await cores.close()  # the sweep closed the retired one
+
+
+async def test_a_message_that_fails_ends_the_session_as_a_lost_core_instead_of_its_reading(
+        client: Callable[[int], CoreClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler that raises (or a payload that does not decode) used to end the session's read loop silently:
+    every open stream hung. Now the session reports itself lost, so its open requests are resumed."""
+    session = client(3)._session
+
+    def broken(msg: ToFrontend) -> None:
+        raise RuntimeError("a bug in handling")
+
+    monkeypatch.setattr(session, "_on_message", broken)
+    assert "failed" in session._receive(encoder.encode(ToFrontend([Delta("r", [1])])))
+    assert "failed" in session._receive(b"\xc1 not msgpack")
