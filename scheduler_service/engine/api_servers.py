@@ -70,7 +70,7 @@ class ApiServers:
         identity = api_server_identity(index, generation)
         process = self._ctx.Process(target=run_api_server, name=f"pagedserve-api-{index}", daemon=True,
                                     args=(self.config, index, identity, self.core_address, self.listen,
-                                          self._tenant_secret))
+                                          self._tenant_secret, os.getpid()))
         process.start()
         server = ApiServerProcess(index, generation, process, time.monotonic(), quick_deaths)
         asyncio.get_running_loop().add_reader(server.process.sentinel, self._ended, server)

@@ -130,14 +130,17 @@ async def drain(config: SchedulerServiceConfig, api: ApiServer, engine: EngineHa
 
 
 def run_api_server(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-                   listen: str, tenant_secret: bytes | None = None) -> None:
+                   listen: str, tenant_secret: bytes | None = None, core_pid: int | None = None) -> None:
     """Entry point of an api server process (started by the engine core with multiprocessing spawn, which hands
-    it the service's tenant_secret through its pipe, not its command line or environment)."""
+    it the service's tenant_secret through its pipe, not its command line or environment). core_pid: the engine
+    core's pid as the core saw it (os.getppid() here would be the new parent's if the core died while this
+    process started, and the api server would then never notice it gone)."""
     configure_logging(f"[api-server {index}]")
     raise_open_file_limit()  # inherited from the engine core already: this logs it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the core decides
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # meant for the core (re-read its executors)
-    uvloop.run(serve_engine_core(config, index, identity, core_address, listen, tenant_secret))
+    parent = core_pid if core_pid is not None else os.getppid()
+    uvloop.run(serve_engine_core(config, index, identity, core_address, listen, tenant_secret, parent))
 
 
 def core_client(config: SchedulerServiceConfig, identity: bytes, core_address: str) -> CoreClient:
@@ -147,7 +150,8 @@ def core_client(config: SchedulerServiceConfig, identity: bytes, core_address: s
 
 
 async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity: bytes, core_address: str,
-                            listen: str, tenant_secret: bytes | None = None) -> None:
+                            listen: str, tenant_secret: bytes | None = None, core_pid: int | None = None
+                            ) -> None:
     core = core_client(config, identity, core_address)
     await core.start()
     api = await open_api_server(config, core, listen, reuse_port=True, tenant_secret=tenant_secret)
@@ -156,7 +160,7 @@ async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity
     await follow_readiness(api, core)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    watcher = asyncio.create_task(watch_parent(os.getppid(), stop))
+    watcher = asyncio.create_task(watch_parent(core_pid if core_pid is not None else os.getppid(), stop))
     freeze_startup_objects()
     log.info("api server %d (pid %d) serving %s", index, os.getpid(), listen)
     await stop.wait()
