@@ -24,7 +24,11 @@ from tests.support.procs import ROOT, free_port, parse_metrics, start, stop, wai
 CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
 MAX_TOKENS = 40
-EXECUTOR_ARGS = ["--num-gpu-blocks", "40", "--num-cpu-blocks", "64", "--block-size", "16"]
+# 24 blocks of 16: prompts take 8 blocks (three of them) or 11 (six) and each grows by 3 over MAX_TOKENS. Two
+# 11-block prompts fit at once, so FCFS admission runs one beside another request, and any such pair (but one
+# with the stop request, which ends early) outgrows the pool: a preemption whatever order the requests arrive
+# and finish in. (With 40 blocks, some orders never preempted; CI met one.)
+EXECUTOR_ARGS = ["--num-gpu-blocks", "24", "--num-cpu-blocks", "64", "--block-size", "16"]
 Outputs = dict[str, tuple[tuple[int, ...], str, int]]
 
 
