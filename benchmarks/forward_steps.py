@@ -12,8 +12,9 @@ must move (weights once + K/V read and written) per second as a % of the measure
 One thread (torch.set_num_threads(1)), unless --threads (#29): then each of THREAD_SHAPES is timed in wall-clock
 time at each thread count, the counts interleaved round by round, with the speedup over the first count and the
 serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), and the speedups that fraction
-predicts at 16 and 64 threads, under --omp-wait-policy (default auto: the executor's default, passive here; the
-benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
+predicts at 16 and 64 threads (two controls first: a torch GEMM, what a second thread adds to compute, and a
+256 MB read, what it adds to memory bandwidth), under --omp-wait-policy (default auto: the executor's default,
+passive here; the benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
 round by round) and prints each one's speedup over the last named.
 """
@@ -127,6 +128,25 @@ def time_control(threads: list[int], repeats: int) -> dict[int, float]:
     return best
 
 
+READ_BYTES = 256 << 20
+
+
+def time_read_control(threads: list[int], repeats: int) -> dict[int, float]:
+    """Best wall-clock seconds of one read of READ_BYTES from memory (a torch sum, too large for the caches) at each
+    thread count, interleaved: the memory bandwidth a second thread adds on this machine, the ceiling of a step that
+    streams its weights and K/V from memory (decode at few rows)."""
+    values = torch.ones(READ_BYTES // 4)
+    best = dict.fromkeys(threads, float("inf"))
+    for round_ in range(repeats + 1):
+        for n in threads:
+            torch.set_num_threads(n)
+            start = time.perf_counter()
+            values.sum()
+            if round_:
+                best[n] = min(best[n], time.perf_counter() - start)
+    return best
+
+
 def serial_fraction(threads: int, speedup: float) -> float:
     """Amdahl's serial fraction s for `speedup` at `threads` threads: speedup = 1 / (s + (1 - s) / threads)."""
     return max(0.0, min(1.0, (threads / speedup - 1) / (threads - 1)))
@@ -141,13 +161,14 @@ def run_threads(model: Path, threads: list[int], repeats: int) -> list[dict[str,
     backend = make_backends(model, [""])["default"]
     blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
     rows: list[dict[str, object]] = []
-    for kind, n, length in [("control", 0, 0), *THREAD_SHAPES]:
-        if kind == "control":
-            best = time_control(threads, repeats)
+    controls = {"control: torch GEMM": time_control, f"control: read {READ_BYTES >> 20} MB": time_read_control}
+    for kind, n, length in [*((name, 0, 0) for name in controls), *THREAD_SHAPES]:
+        if kind in controls:
+            best = controls[kind](threads, repeats)
         else:
             items = step_items(kind, n, length, shape.vocab, blocks_each)
             best = time_threads(backend, kind, items, length, threads, repeats)
-        row: dict[str, object] = {"step": "control: torch GEMM" if kind == "control" else f"{kind} {n} x {length}",
+        row: dict[str, object] = {"step": kind if kind in controls else f"{kind} {n} x {length}",
                                   **{f"ms_{t}t": round(s * 1e3, 2) for t, s in best.items()}}
         top = threads[-1]
         if top > threads[0]:
