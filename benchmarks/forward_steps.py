@@ -1,6 +1,7 @@
 """The torch executor's forward steps in process, against the roofline, in CPU time (robust on a shared machine).
 
     python -m benchmarks.forward_steps [--model DIR] [--repeats 5] [--attention cpu,reference] [--json-out FILE]
+    python -m benchmarks.forward_steps --threads 1,2 [--split] [--omp-wait-policy auto]
 
 TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
 offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
@@ -15,6 +16,8 @@ serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), 
 predicts at 16 and 64 threads (two controls first: a torch GEMM, what a second thread adds to compute, and a
 256 MB read, what it adds to memory bandwidth), under --omp-wait-policy (default auto: the executor's default,
 passive here; the benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
+--split adds, per step and thread count, the time inside the model's linears and its attention calls during the
+best execute and the rest (the serial part: Python between the kernels, serial kernels, batch building, sampler).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
 round by round) and prints each one's speedup over the last named.
 """
@@ -27,7 +30,10 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +42,8 @@ from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
 from executor_service.attention import ENV_VAR
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
+from executor_service.model import ModelOps
+from executor_service.model.parallel import Linear
 from executor_service.placement import choose_wait_policy
 from executor_service.runner.torch_backend import TorchBackend
 
@@ -94,8 +102,10 @@ def time_step(backends: dict[str, TorchBackend], kind: str, items: list[BatchIte
 
 
 def time_threads(backend: TorchBackend, kind: str, items: list[BatchItem], length: int, threads: list[int],
-                 repeats: int) -> dict[int, float]:
-    """Best wall-clock seconds of one execute at each thread count, the counts interleaved round by round."""
+                 repeats: int, spent: dict[str, float] | None = None,
+                 parts: dict[int, dict[str, float]] | None = None) -> dict[int, float]:
+    """Best wall-clock seconds of one execute at each thread count, the counts interleaved round by round. With
+    `spent` (time_parts' timers) `parts` gets, per count, the seconds in each part during its best execute."""
     if kind == "decode":
         backend.execute([BatchItem(i.request_id, i.token_ids, length, 0, length, i.block_table, False, GREEDY)
                          for i in items])
@@ -103,11 +113,40 @@ def time_threads(backend: TorchBackend, kind: str, items: list[BatchItem], lengt
     for round_ in range(repeats + 1):  # the first round warms up
         for n in threads:
             torch.set_num_threads(n)
+            if spent is not None:
+                spent.update(dict.fromkeys(spent, 0.0))
             start = time.perf_counter()
             backend.execute(items)
-            if round_:
-                best[n] = min(best[n], time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if round_ and seconds < best[n]:
+                best[n] = seconds
+                if spent is not None and parts is not None:
+                    parts[n] = dict(spent)
     return best
+
+
+def time_parts(backend: TorchBackend) -> dict[str, float]:
+    """--split: timers around the model's linears (LM head included) and its attention calls, from now on; returns
+    the seconds each has spent (time_threads resets them before each execute). The rest of a step is the serial part:
+    the Python between the kernels, the kernels run serially at decode sizes, batch building and the sampler."""
+    spent = {"linears": 0.0, "attention": 0.0}
+
+    def timed(part: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return timed_run
+
+    for module in backend.model.modules():
+        if isinstance(module, Linear):
+            module.forward = timed("linears", module.forward)  # type: ignore[method-assign]
+        ops = getattr(module, "ops", None)
+        if isinstance(ops, ModelOps):
+            setattr(module, "ops", replace(ops, paged_attention=timed("attention", ops.paged_attention)))  # noqa: B010
+    return spent
 
 
 def time_control(threads: list[int], repeats: int) -> dict[int, float]:
@@ -156,20 +195,25 @@ def amdahl(fraction: float, threads: int) -> float:
     return 1 / (fraction + (1 - fraction) / threads)
 
 
-def run_threads(model: Path, threads: list[int], repeats: int) -> list[dict[str, object]]:
+def run_threads(model: Path, threads: list[int], repeats: int, split: bool = False) -> list[dict[str, object]]:
     shape = ModelShape.from_dir(model)
     backend = make_backends(model, [""])["default"]
+    spent = time_parts(backend) if split else None
     blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
     rows: list[dict[str, object]] = []
     controls = {"control: torch GEMM": time_control, f"control: read {READ_BYTES >> 20} MB": time_read_control}
     for kind, n, length in [*((name, 0, 0) for name in controls), *THREAD_SHAPES]:
+        parts: dict[int, dict[str, float]] = {}
         if kind in controls:
             best = controls[kind](threads, repeats)
         else:
             items = step_items(kind, n, length, shape.vocab, blocks_each)
-            best = time_threads(backend, kind, items, length, threads, repeats)
+            best = time_threads(backend, kind, items, length, threads, repeats, spent, parts)
         row: dict[str, object] = {"step": kind if kind in controls else f"{kind} {n} x {length}",
                                   **{f"ms_{t}t": round(s * 1e3, 2) for t, s in best.items()}}
+        for t, spent_in in parts.items():
+            rest = best[t] - sum(spent_in.values())
+            row |= {f"{part}_ms_{t}t": round(v * 1e3, 2) for part, v in [*spent_in.items(), ("rest", rest)]}
         top = threads[-1]
         if top > threads[0]:
             speedup = best[threads[0]] / best[top]
@@ -208,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--threads", default="", help="comma-separated thread counts (e.g. 1,2): time THREAD_SHAPES in "
                    "wall-clock time at each, interleaved, and print the speedup and Amdahl's serial fraction")
+    p.add_argument("--split", action="store_true", help="with --threads: also time the model's linears and attention "
+                   "calls inside each best step (timers around them) and print them and the rest (the serial part)")
     p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "active", "passive", "default"],
                    help="as the executor's --cpu-omp-wait-policy (auto: passive, or OMP_WAIT_POLICY if set); "
                    "default: libgomp's own (spin ~3 ms after each region)")
@@ -217,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         policy = apply_wait_policy(args.omp_wait_policy)
         load = os.getloadavg()
         print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
-        rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats)
+        rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats, args.split)
         print(json.dumps({"bench": "forward_steps_threads", "omp_wait_policy": policy, "rows": rows,
                           "load_before": [round(x, 2) for x in load],
                           "load_after": [round(x, 2) for x in os.getloadavg()]}))
