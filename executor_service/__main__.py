@@ -117,7 +117,7 @@ def run(argv: list[str] | None = None) -> int:
     config = ExecutorConfig.from_args(argv)
     converted = conversion_for(config)
     if not config.simulated:
-        prefetch_weights(config.model, converted)  # the disk reads them (and widens 16-bit ones) while torch imports
+        prefetch_weights(config.model, converted)  # the disk reads them (and widens bfloat16 ones) while torch imports
     set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -3,7 +3,7 @@ that maps the model's safetensors files and populates the maps (MADV_POPULATE_RE
 lets go of the GIL while the kernel reads: the imports go on), then drops them, so that the files are in the page
 cache by the time the loader maps them. posix_fadvise(WILLNEED) would not do: Linux reads only the readahead
 window (128 KiB by default) of each file for it. Given a ConvertedWeights, the same thread also widens each file's
-16-bit float tensors to float32 (converted.py) while the imports hold the other core. Imports nothing heavy (numpy
+bfloat16 tensors to float32 (converted.py) while the imports hold the other core. Imports nothing heavy (numpy
 only where it converts)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def prefetch_weights(model_dir: str | None, converted: ConvertedWeights | None =
 
 
 def conversion_for(config: ExecutorConfig) -> ConvertedWeights | None:
-    """A ConvertedWeights where the executor will compute in float32 on the CPU in one process (a 16-bit checkpoint
+    """A ConvertedWeights where the executor will compute in float32 on the CPU in one process (a bfloat16 checkpoint
     is then widened while torch imports); None elsewhere. A CUDA machine is recognised by its driver's /proc
     entry, since torch is not imported yet: on one with --device auto nothing is converted."""
     one_process = config.tensor_parallel_size == 1 and config.nnodes == 1 and os.environ.get("WORLD_SIZE", "1") == "1"
@@ -86,7 +86,7 @@ def read_files(files: list[Path], converted: ConvertedWeights | None = None) -> 
 
 
 def widen_file(libc: ctypes.CDLL, path: Path, converted: ConvertedWeights) -> None:
-    """Map the file, fault it in (populate), widen its 16-bit tensors into `converted`; a failure leaves the file
+    """Map the file, fault it in (populate), widen its bfloat16 tensors into `converted`; a failure leaves the file
     to the loader (logged)."""
     from executor_service.converted import convert_file, read_header
     result = None

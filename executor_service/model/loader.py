@@ -69,7 +69,7 @@ def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtyp
     the seconds of "read" (copying the weights out of the files into the parameters; "read+convert" where the
     checkpoint's dtype differs, converted on the way in the same pass). `on_file(model, names)` is called after
     each file with the names of the parameters filled whole so far (the packing starts on them meanwhile).
-    `converted`: the files' 16-bit tensors already widened to float32 (converted.py), taken where they fit."""
+    `converted`: the files' bfloat16 tensors already widened to float32 (converted.py), taken where they fit."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
@@ -123,7 +123,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook |
     for path in files:
         try:
             one_rank = model.layout.world_size == 1
-            widened = ConvertedViews.of(converted.file(path)) if converted is not None and one_rank else None
+            widened = ConvertedViews.of(converted.take(path)) if converted is not None and one_rank else None
             mapped = MappedSafetensors.open(path) if one_rank else None
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118

@@ -118,7 +118,7 @@ class TorchBackend:
                converted: ConvertedWeights | None = None) -> TorchBackend:
         """Load the model (config.model, or the embedded default), size and allocate the KV cache.
         Under tensor parallelism every rank calls this together and holds its shard of both. `converted`: the
-        checkpoint's 16-bit tensors widened to float32 while torch imported (prefetch.py), used where they fit."""
+        checkpoint's bfloat16 tensors widened to float32 while torch imported (prefetch.py), used where they fit."""
         if config.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
         phases = Phases()
