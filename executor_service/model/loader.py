@@ -124,26 +124,18 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook |
         try:
             one_rank = model.layout.world_size == 1
             widened = ConvertedViews.of(converted.take(path)) if converted is not None and one_rank else None
-            mapped = MappedSafetensors.open(path) if one_rank else None
+            source = FileTensors(path, widened) if one_rank else None
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118
                     target = map_name(name, params, model.config, model.layout)
                     if target is not None:
-                        view = widened.tensor(name) if widened is not None else None
-                        if view is None and mapped is not None and target.split is None:
-                            view = mapped.tensor(name)
-                        param = params[target.param]
+                        view = source.tensor(name) if source is not None and target.split is None else None
                         if widened is not None and target.shard is not None:
-                            alias_span(param, target.param, widened, slices)
-                        if target.unfuse:
-                            copy_fused_parts(param, reader.get_tensor(name), name, model)
-                        elif view is not None and can_alias(param, target, view, target.param in linear_weights):
-                            param.data = view  # no copy: the parameter is the file's pages
-                        else:
-                            tensor = view if view is not None else read_tensor(reader, name, target)
-                            copy_weight(param, target, slices, tensor, name)
+                            alias_span(params[target.param], target.param, widened, slices)
+                        fill(params[target.param], target, view, reader, name, model, slices,
+                             target.param in linear_weights)
                         loaded.add((target.param, target.shard))
-            del mapped, widened
+            del source, widened
         except ModelLoadError:
             raise
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
@@ -151,6 +143,34 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook |
         if on_file is not None:
             on_file(model, filled_params(loaded))
     check_complete(params, loaded, files[0].parent)
+
+
+def fill(param: torch.nn.Parameter, target: Target, view: Tensor | None, reader: Any, name: str,
+         model: LlamaForCausalLM, slices: dict[str, list[tuple[int, int]]], linear: bool) -> None:
+    """Fill (this part of) the parameter from checkpoint tensor `name`: `view` itself where it can be the parameter,
+    else a copy of `view` or of what safetensors' reader reads."""
+    if target.unfuse:
+        copy_fused_parts(param, reader.get_tensor(name), name, model)
+    elif view is not None and can_alias(param, target, view, linear):
+        param.data = view  # no copy: the parameter is the file's pages (or the conversion's)
+    else:
+        copy_weight(param, target, slices, view if view is not None else read_tensor(reader, name, target), name)
+
+
+class FileTensors:
+    """A checkpoint file's whole tensors on one rank: the float32 conversion made while torch imported where there
+    is one, else views of the file's memory map (MappedSafetensors, opened at the first tensor it must serve)."""
+
+    def __init__(self, path: Path, widened: ConvertedViews | None) -> None:
+        self.path, self.widened = path, widened
+        self.mapped: MappedSafetensors | None = None
+        self.opened = False
+
+    def tensor(self, name: str) -> Tensor | None:
+        view = self.widened.tensor(name) if self.widened is not None else None
+        if view is None and not self.opened:
+            self.mapped, self.opened = MappedSafetensors.open(self.path), True
+        return view if view is not None or self.mapped is None else self.mapped.tensor(name)
 
 
 def filled_params(loaded: set[tuple[str, int | None]]) -> set[str]:
