@@ -90,13 +90,19 @@ class ConvertedWeights:
 
     def abandon(self) -> None:
         """Every file not converted yet will not be (the prefetch thread is ending)."""
-        for future in self._files.values():
+        for future in list(self._files.values()):  # a copy: the loader's take() forgets files meanwhile
             if not future.done():
                 future.set_result(None)
 
     def take(self, path: Path) -> ConvertedFile | None:
-        future = self._files.pop(key_of(path), None)
-        return None if future is None else future.result()
+        """Wait for the file's conversion, then forget it (only then: put() and abandon() find it until it is done)."""
+        key = key_of(path)
+        future = self._files.get(key)
+        if future is None:
+            return None
+        converted = future.result()
+        self._files.pop(key, None)
+        return converted
 
 
 def key_of(path: Path) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,15 @@ from safetensors.torch import save_file
 
 from executor_service import prefetch
 from executor_service.config import ExecutorConfig
-from executor_service.converted import ConvertedFile, ConvertedWeights, Entry, convert_file, plan_arena, read_header
+from executor_service.converted import (
+    ConvertedFile,
+    ConvertedWeights,
+    Entry,
+    convert_file,
+    key_of,
+    plan_arena,
+    read_header,
+)
 from executor_service.default_model.model import make_model
 from executor_service.model import LlamaForCausalLM, load_model
 from executor_service.runner.torch_backend import model_ops
@@ -182,3 +191,20 @@ async def test_an_executor_serving_a_sharded_bfloat16_checkpoint_gives_transform
     assert "converting them to float32" in log.read_text() and info.dtype == "float32"
     reference = hf_greedy(hf.float().eval(), prompt, len(tokens))
     assert_same_tokens(tokens, reference, (2,))
+
+
+def test_the_loader_waits_for_a_file_still_being_converted(tmp_path: Path) -> None:
+    """take() called before put() (the loader ahead of the prefetch thread on a cold start) gets the file."""
+    path = tmp_path / "w.safetensors"
+    converted = ConvertedWeights()
+    converted.expect([path])
+    got: list[ConvertedFile | None] = []
+    taker = threading.Thread(target=lambda: got.append(converted.take(path)), daemon=True)
+    taker.start()
+    future = converted._files[key_of(path)]
+    while taker.is_alive() and not future._condition._waiters:  # type: ignore[attr-defined]  # take() waits on it
+        taker.join(timeout=0.001)
+    made = ConvertedFile(mmap.mmap(-1, 64))
+    converted.put(path, made)
+    taker.join(timeout=60)
+    assert got == [made] and converted.take(path) is None
