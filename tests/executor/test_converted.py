@@ -98,7 +98,7 @@ def to_bfloat16(model_dir: Path, shards: list[list[str]] | None = None) -> Path:
         return model_dir
     path.unlink()
     rest = [n for n in tensors if not any(n in shard for shard in shards)]
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, names in enumerate([*shards, rest]):
         file = f"model-{i + 1:05d}.safetensors"
         save_file({n: tensors[n] for n in names}, str(model_dir / file))
