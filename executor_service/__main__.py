@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import uvloop
 
@@ -19,16 +20,20 @@ from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.placement import bind_cores, choose_wait_policy, set_wait_policy
-from executor_service.prefetch import prefetch_weights
+from executor_service.prefetch import conversion_for, prefetch_weights
 from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
 from executor_service.validator import StepLimits
 from protos.wire import server_credentials
 
+if TYPE_CHECKING:
+    from executor_service.converted import ConvertedWeights
+
 log = logging.getLogger("pagedserve.executor")
 
 
-def build_backend(config: ExecutorConfig) -> Backend:
+def build_backend(config: ExecutorConfig, converted: ConvertedWeights | None = None) -> Backend:
+    """The simulated or the torch backend; `converted`: the checkpoint's tensors widened while torch imported."""
     if config.simulated:
         from executor_service.simulated import SimulatedBackend
         return SimulatedBackend(config)
@@ -36,12 +41,14 @@ def build_backend(config: ExecutorConfig) -> Backend:
     from executor_service.runner.torch_backend import TorchBackend
     if config.device != "cuda":
         place(config.cpu_threads, config.cpu_cores)
-    return TorchBackend.create(config)
+    return TorchBackend.create(config, converted=converted)
 
 
-async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
+async def main(config: ExecutorConfig, backend: Backend | None = None,
+               converted: ConvertedWeights | None = None) -> None:
     """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism. Without one,
-    the port is open (Describe waits, health NOT_SERVING) while the model loads on another thread."""
+    the port is open (Describe waits, health NOT_SERVING) while the model loads on another thread (`converted`:
+    the prefetch thread's float32 tensors, for the loader)."""
     credentials = None
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
@@ -57,7 +64,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        backend = backend or await load_until_stopped(config, stop)
+        backend = backend or await load_until_stopped(config, stop, converted)
         if backend is not None:
             await ready(config, backend, serving)
             await stop.wait()
@@ -70,14 +77,15 @@ async def main(config: ExecutorConfig, backend: Backend | None = None) -> None:
     log.info("executor stopped")
 
 
-async def load_until_stopped(config: ExecutorConfig, stop: asyncio.Event) -> Backend | None:
+async def load_until_stopped(config: ExecutorConfig, stop: asyncio.Event,
+                             converted: ConvertedWeights | None = None) -> Backend | None:
     """build_backend on a daemon thread (the event loop serves meanwhile); None if `stop` comes first. A load
     error is raised here."""
     loaded: Future[Backend] = Future()
 
     def load() -> None:
         try:
-            loaded.set_result(build_backend(config))
+            loaded.set_result(build_backend(config, converted))
         except BaseException as exc:  # handed to the event loop's thread, which raises it
             loaded.set_exception(exc)
 
@@ -107,14 +115,15 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> N
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
+    converted = conversion_for(config)
     if not config.simulated:
-        prefetch_weights(config.model)  # the disk reads them while torch imports
+        prefetch_weights(config.model, converted)  # the disk reads them (and widens bfloat16 ones) while torch imports
     set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from executor_service.parallel.launch import launch
             return launch(config, lambda backend: uvloop.run(main(config, backend)))
-        uvloop.run(main(config))
+        uvloop.run(main(config, converted=converted))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
         log.info("executor interrupted while starting")
         return 130

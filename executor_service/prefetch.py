@@ -2,7 +2,9 @@
 that maps the model's safetensors files and populates the maps (MADV_POPULATE_READ, called through ctypes, which
 lets go of the GIL while the kernel reads: the imports go on), then drops them, so that the files are in the page
 cache by the time the loader maps them. posix_fadvise(WILLNEED) would not do: Linux reads only the readahead
-window (128 KiB by default) of each file for it. Imports nothing heavy."""
+window (128 KiB by default) of each file for it. Given a ConvertedWeights, the same thread also widens each file's
+bfloat16 tensors to float32 (converted.py) while the imports hold the other core. Imports nothing heavy (numpy
+only where it converts)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor_service.config import ExecutorConfig
+    from executor_service.converted import ConvertedWeights
 
 log = logging.getLogger("pagedserve.executor")
 MEMINFO = Path("/proc/meminfo")
@@ -21,11 +28,13 @@ MAX_SHARE_OF_AVAILABLE = 0.5
 """Files larger than this share of the available memory are left alone: read ahead, they would push each other out."""
 MADV_POPULATE_READ = 22  # linux/mman.h (Linux 5.14+)
 READ_CHUNK = 16 << 20
+NVIDIA_DRIVER = Path("/proc/driver/nvidia")
 
 
-def prefetch_weights(model_dir: str | None) -> threading.Thread | None:
-    """Start reading model_dir's *.safetensors into the page cache on a daemon thread; None where there is
-    nothing to do (no such directory, not Linux, or the files are too large for the memory available)."""
+def prefetch_weights(model_dir: str | None, converted: ConvertedWeights | None = None) -> threading.Thread | None:
+    """Start reading model_dir's *.safetensors into the page cache on a daemon thread (and converting them into
+    `converted`, where given and the memory allows); None where there is nothing to do (no such directory, not
+    Linux, or the files are too large for the memory available)."""
     if not model_dir or not hasattr(os, "sched_getaffinity"):
         return None
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -33,23 +42,65 @@ def prefetch_weights(model_dir: str | None) -> threading.Thread | None:
         total = sum(f.stat().st_size for f in files)
     except OSError:
         return None
-    if total == 0 or total > MAX_SHARE_OF_AVAILABLE * available_bytes():
+    available = available_bytes()
+    if total == 0 or total > MAX_SHARE_OF_AVAILABLE * available:
         return None
-    thread = threading.Thread(target=read_files, args=(files,), name="prefetch", daemon=True)
+    if converted is not None and 3 * total > MAX_SHARE_OF_AVAILABLE * available:  # the files and 2x them in float32
+        converted = None
+    if converted is not None:
+        converted.expect(files)
+    thread = threading.Thread(target=read_files, args=(files, converted), name="prefetch", daemon=True)
     thread.start()
-    log.info("reading %d weight files (%.2f GB) into the page cache while the executor starts", len(files),
-             total / 1e9)
+    log.info("reading %d weight files (%.2f GB) into the page cache%s while the executor starts", len(files),
+             total / 1e9, " and converting them to float32" if converted is not None else "")
     return thread
 
 
-def read_files(files: list[Path]) -> None:
+def conversion_for(config: ExecutorConfig) -> ConvertedWeights | None:
+    """A ConvertedWeights where the executor will compute in float32 on the CPU in one process (a bfloat16 checkpoint
+    is then widened while torch imports); None elsewhere. A CUDA machine is recognised by its driver's /proc
+    entry, since torch is not imported yet: on one with --device auto nothing is converted."""
+    one_process = config.tensor_parallel_size == 1 and config.nnodes == 1 and os.environ.get("WORLD_SIZE", "1") == "1"
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not NVIDIA_DRIVER.exists())
+    if config.simulated or not one_process or not on_cpu or config.dtype not in ("auto", "float32"):
+        return None
+    from executor_service.converted import ConvertedWeights
+    return ConvertedWeights()
+
+
+def read_files(files: list[Path], converted: ConvertedWeights | None = None) -> None:
     t0 = time.perf_counter()
-    with contextlib.suppress(OSError, ValueError, BufferError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        for path in files:
-            if not populate_file(libc, path):
-                read_file(path)
-        log.info("weight files in the page cache %.2f s after the prefetch started", time.perf_counter() - t0)
+    try:
+        with contextlib.suppress(OSError, ValueError, BufferError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            for path in files:
+                if converted is not None:
+                    widen_file(libc, path, converted)
+                elif not populate_file(libc, path):
+                    read_file(path)
+            log.info("weight files in the page cache%s %.2f s after the prefetch started",
+                     " and converted" if converted is not None else "", time.perf_counter() - t0)
+    finally:
+        if converted is not None:
+            converted.abandon()
+
+
+def widen_file(libc: ctypes.CDLL, path: Path, converted: ConvertedWeights) -> None:
+    """Map the file, fault it in (populate), widen its bfloat16 tensors into `converted`; a failure leaves the file
+    to the loader (logged)."""
+    from executor_service.converted import convert_file, read_header
+    result = None
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header = read_header(f, size)
+            if header is not None:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
+                    populate(libc, buffer)
+                    result = convert_file(buffer, *header)
+    except (OSError, ValueError, BufferError, MemoryError) as exc:
+        log.info("%s not converted while importing (the loader converts it): %s", path.name, exc)
+    converted.put(path, result)
 
 
 def populate_file(libc: ctypes.CDLL, path: Path) -> bool:
@@ -58,12 +109,15 @@ def populate_file(libc: ctypes.CDLL, path: Path) -> bool:
         if os.fstat(f.fileno()).st_size == 0:
             return True
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
-            start = ctypes.c_char.from_buffer(buffer)
-            try:
-                done = libc.madvise(ctypes.byref(start), ctypes.c_size_t(len(buffer)), MADV_POPULATE_READ) == 0
-            finally:
-                del start  # the map cannot close while a ctypes object holds its buffer
-    return bool(done)
+            return populate(libc, buffer)
+
+
+def populate(libc: ctypes.CDLL, buffer: mmap.mmap) -> bool:
+    start = ctypes.c_char.from_buffer(buffer)
+    try:
+        return bool(libc.madvise(ctypes.byref(start), ctypes.c_size_t(len(buffer)), MADV_POPULATE_READ) == 0)
+    finally:
+        del start  # the map cannot close while a ctypes object holds its buffer
 
 
 def read_file(path: Path) -> None:

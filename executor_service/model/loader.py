@@ -12,8 +12,6 @@ import json
 import math
 import mmap
 import os
-import re
-import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from executor_service.checkpoint_names import SHARDS, fused_part, parts_of, standard_name
+from executor_service.converted import ConvertedFile, ConvertedWeights, read_header
 from executor_service.model.config import ModelConfig, ModelLoadError
 from executor_service.model.families import QKNorm
 from executor_service.model.llama import LlamaForCausalLM, ModelOps
@@ -32,17 +32,6 @@ from executor_service.startup import Phases
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
-MIXTRAL_PARTS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 FileHook = Callable[[LlamaForCausalLM, set[str]], None]
@@ -75,11 +64,12 @@ class Target:
 
 def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtype,
                ops: ModelOps, parallel: ParallelContext = SINGLE, phases: Phases | None = None,
-               on_file: FileHook | None = None) -> LlamaForCausalLM:
+               on_file: FileHook | None = None, converted: ConvertedWeights | None = None) -> LlamaForCausalLM:
     """Build the model (this rank's shard of it) on `device` in `dtype` and fill every parameter; `phases` gets
     the seconds of "read" (copying the weights out of the files into the parameters; "read+convert" where the
     checkpoint's dtype differs, converted on the way in the same pass). `on_file(model, names)` is called after
-    each file with the names of the parameters filled whole so far (the packing starts on them meanwhile)."""
+    each file with the names of the parameters filled whole so far (the packing starts on them meanwhile).
+    `converted`: the files' bfloat16 tensors already widened to float32 (converted.py), taken where they fit."""
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
@@ -90,7 +80,7 @@ def load_model(model_dir: Path | str, *, device: torch.device, dtype: torch.dtyp
         model = LlamaForCausalLM(cfg, ops, device=device, dtype=dtype, parallel=parallel)
     converts = DTYPE_NAMES.get(cfg.dtype, dtype) != dtype
     with phases.phase(f"read+convert {cfg.dtype}->{str(dtype).removeprefix('torch.')}" if converts else "read"):
-        load_weights(model, files, on_file)
+        load_weights(model, files, on_file, converted if device.type == "cpu" and dtype == torch.float32 else None)
     return model.eval()
 
 
@@ -117,34 +107,35 @@ def files_from_index(index: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook | None = None) -> None:
+def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook | None = None,
+                 converted: ConvertedWeights | None = None) -> None:
     """Fill every parameter from the checkpoint: on the CPU a whole tensor already in the parameter's dtype becomes
     the parameter itself, a view of the file's private memory map (no copy; pages come from the page cache as they
-    are touched, shared with other processes that map the file); others are copied straight out of the map (one
-    copy, converted to the parameter's dtype on the way: the fused qkv/gate_up parts, other dtypes, CUDA), through
-    safetensors' reader where the map cannot serve (slices under tensor parallelism, an odd file)."""
+    are touched, shared with other processes that map the file) or of its float32 conversion made while torch
+    imported (`converted`, where a fused parameter's parts lie one after another there: the whole parameter);
+    others are copied straight out of the map (one copy, converted to the parameter's dtype on the way: the fused
+    qkv/gate_up parts, other dtypes, CUDA), through safetensors' reader where the map cannot serve (slices under
+    tensor parallelism, an odd file)."""
     params = dict(model.named_parameters())
     slices = shard_slices(model)
     linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[tuple[str, int | None]] = set()
     for path in files:
         try:
-            mapped = MappedSafetensors.open(path) if model.layout.world_size == 1 else None
+            one_rank = model.layout.world_size == 1
+            widened = ConvertedViews.of(converted.take(path)) if converted is not None and one_rank else None
+            source = FileTensors(path, widened) if one_rank else None
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118
                     target = map_name(name, params, model.config, model.layout)
                     if target is not None:
-                        view = mapped.tensor(name) if mapped is not None and target.split is None else None
-                        param = params[target.param]
-                        if target.unfuse:
-                            copy_fused_parts(param, reader.get_tensor(name), name, model)
-                        elif view is not None and can_alias(param, target, view, target.param in linear_weights):
-                            param.data = view  # no copy: the parameter is the file's pages
-                        else:
-                            tensor = view if view is not None else read_tensor(reader, name, target)
-                            copy_weight(param, target, slices, tensor, name)
+                        view = source.tensor(name) if source is not None and target.split is None else None
+                        if widened is not None and target.shard is not None:
+                            alias_span(params[target.param], target.param, widened, slices)
+                        fill(params[target.param], target, view, reader, name, model, slices,
+                             target.param in linear_weights)
                         loaded.add((target.param, target.shard))
-            del mapped
+            del source, widened
         except ModelLoadError:
             raise
         except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
@@ -154,12 +145,40 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], on_file: FileHook |
     check_complete(params, loaded, files[0].parent)
 
 
+def fill(param: torch.nn.Parameter, target: Target, view: Tensor | None, reader: Any, name: str,
+         model: LlamaForCausalLM, slices: dict[str, list[tuple[int, int]]], linear: bool) -> None:
+    """Fill (this part of) the parameter from checkpoint tensor `name`: `view` itself where it can be the parameter,
+    else a copy of `view` or of what safetensors' reader reads."""
+    if target.unfuse:
+        copy_fused_parts(param, reader.get_tensor(name), name, model)
+    elif view is not None and can_alias(param, target, view, linear):
+        param.data = view  # no copy: the parameter is the file's pages (or the conversion's)
+    else:
+        copy_weight(param, target, slices, view if view is not None else read_tensor(reader, name, target), name)
+
+
+class FileTensors:
+    """A checkpoint file's whole tensors on one rank: the float32 conversion made while torch imported where there
+    is one, else views of the file's memory map (MappedSafetensors, opened at the first tensor it must serve)."""
+
+    def __init__(self, path: Path, widened: ConvertedViews | None) -> None:
+        self.path, self.widened = path, widened
+        self.mapped: MappedSafetensors | None = None
+        self.opened = False
+
+    def tensor(self, name: str) -> Tensor | None:
+        view = self.widened.tensor(name) if self.widened is not None else None
+        if view is None and not self.opened:
+            self.mapped, self.opened = MappedSafetensors.open(self.path), True
+        return view if view is not None or self.mapped is None else self.mapped.tensor(name)
+
+
 def filled_params(loaded: set[tuple[str, int | None]]) -> set[str]:
     """The parameters filled whole: loaded at once, or every part of a fused one (q, k, v; gate, up)."""
     parts: dict[str, set[int | None]] = {}
     for param, shard in loaded:
         parts.setdefault(param, set()).add(shard)
-    fused = {param: len(SHARDS.get(param.rsplit(".", 2)[-2] if param.count(".") >= 2 else "", ())) for param in parts}
+    fused = {param: parts_of(param) for param in parts}
     return {param for param, shards in parts.items() if None in shards or len(shards) == fused[param]}
 
 
@@ -176,21 +195,12 @@ class MappedSafetensors:
     @classmethod
     def open(cls, path: Path) -> MappedSafetensors | None:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                return None
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
-                return None
-            try:
-                header = json.loads(f.read(length))
-            except ValueError:
-                return None
-            if not isinstance(header, dict):
+            found = read_header(f, os.fstat(f.fileno()).st_size)
+            if found is None:
                 return None
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         populate(buffer)
-        return cls(buffer, header, 8 + length)
+        return cls(buffer, *found)
 
     def tensor(self, name: str) -> Tensor | None:
         entry = self.header.get(name)
@@ -240,10 +250,9 @@ def map_name(name: str, params: dict[str, torch.nn.Parameter], cfg: ModelConfig,
         return None
     name = standard_name(name)
     split = checkpoint_split(name, cfg, layout)
-    match = FUSED_NAME.match(name)
-    if match:
-        fused, shard = FUSED[match.group(2)]
-        param = f"{match.group(1)}.{fused}.{match.group(3)}"
+    fused = fused_part(name)
+    if fused is not None:
+        param, shard = fused
         return Target(param, shard, split) if param in params else None
     padded = split is not None and name in ("model.embed_tokens.weight", "lm_head.weight")
     unfuse = layout.world_size > 1 and name.rsplit(".", 2)[-2] in SHARDS
@@ -266,13 +275,6 @@ def copy_fused_parts(param: torch.nn.Parameter, tensor: Tensor, name: str, model
         offset, out = offset + split.total, out + rows
     if offset != tensor.shape[0] or out != dest.shape[0]:
         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies another")
-
-
-def standard_name(name: str) -> str:
-    """Mixtral's names as the other families spell them: its sparse MLP is the layer's `mlp` and an expert's w1, w3,
-    w2 are gate_proj, up_proj, down_proj."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    return MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{MIXTRAL_PARTS[m.group(2)]}.", name)
 
 
 def checkpoint_split(name: str, cfg: ModelConfig, layout: ShardLayout) -> Split | None:
@@ -356,9 +358,7 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
                 tensor: Tensor, name: str) -> None:
     dest = param.data
     if target.shard is not None:
-        fused = target.param.rsplit(".", 2)[-2]
-        half = dest.shape[0] // 2
-        lo, hi = slices[fused][target.shard] if fused in slices else (target.shard * half, (target.shard + 1) * half)
+        lo, hi = part_rows(target.param, target.shard, dest.shape[0], slices)
         dest = dest[lo:hi]
     if target.padded and dest.shape[0] > tensor.shape[0]:
         dest[tensor.shape[0] :].zero_()
@@ -367,7 +367,63 @@ def copy_weight(param: torch.nn.Parameter, target: Target, slices: dict[str, lis
         raise ModelLoadError(
             f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
         )
-    dest.copy_(tensor)
+    if not is_same_memory(dest, tensor):  # a part of a fused parameter that is its converted span already
+        dest.copy_(tensor)
+
+
+def part_rows(param: str, shard: int, rows: int, slices: dict[str, list[tuple[int, int]]]) -> tuple[int, int]:
+    """The rows [lo, hi) of part `shard` in fused parameter `param` of `rows` rows: q, k, v as `slices` say, gate
+    and up its halves."""
+    fused = param.rsplit(".", 2)[-2]
+    half = rows // 2
+    return slices[fused][shard] if fused in slices else (shard * half, (shard + 1) * half)
+
+
+def is_same_memory(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.device == b.device
+            and tuple(a.shape) == tuple(b.shape) and a.stride() == b.stride())
+
+
+class ConvertedViews:
+    """A file's float32 conversion (converted.py) as tensors: views of its arena, which they keep alive."""
+
+    def __init__(self, converted: ConvertedFile) -> None:
+        self.converted = converted
+
+    @classmethod
+    def of(cls, converted: ConvertedFile | None) -> ConvertedViews | None:
+        return None if converted is None else cls(converted)
+
+    def tensor(self, name: str) -> Tensor | None:
+        placed = self.converted.tensors.get(name)
+        return None if placed is None else self.view(placed.offset, placed.shape)
+
+    def span(self, param: str) -> tuple[Tensor, tuple[int, ...]] | None:
+        """The fused parameter's parts converted one after another (a float32 tensor) and each part's rows."""
+        span = self.converted.spans.get(param)
+        return None if span is None else (self.view(span.offset, span.shape), span.rows)
+
+    def view(self, offset: int, shape: tuple[int, ...]) -> Tensor:
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=torch.float32)
+        return torch.frombuffer(self.converted.arena, dtype=torch.float32, count=count, offset=offset).view(shape)
+
+
+def alias_span(param: torch.nn.Parameter, name: str, widened: ConvertedViews,
+               slices: dict[str, list[tuple[int, int]]]) -> None:
+    """Make fused parameter `name` its converted span (no copy; its parts' copies then find themselves in place)
+    where the span has the parameter's shape and its parts lie in the rows the loader puts them in."""
+    found = widened.span(name)
+    if found is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        return
+    span, rows = found
+    if span.data_ptr() == param.data.data_ptr() or tuple(span.shape) != tuple(param.shape) \
+            or span.data_ptr() % ALIAS_ALIGNMENT:
+        return
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    if all(part_rows(name, i, span.shape[0], slices) == (starts[i], starts[i] + rows[i]) for i in range(len(rows))):
+        param.data = span
 
 
 def check_complete(params: dict[str, torch.nn.Parameter], loaded: set[tuple[str, int | None]],

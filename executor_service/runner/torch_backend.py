@@ -24,6 +24,7 @@ from executor_service.backend import (
     SamplingConfig,
 )
 from executor_service.config import ExecutorConfig
+from executor_service.converted import ConvertedWeights
 from executor_service.default_model.model import ensure_default_model
 from executor_service.model import (
     SINGLE,
@@ -113,9 +114,11 @@ class TorchBackend:
         """--draft-model: the model that proposes drafts for items with num_model_drafts (runner/draft_model.py)."""
 
     @classmethod
-    def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> TorchBackend:
+    def create(cls, config: ExecutorConfig, parallel: ParallelContext = SINGLE,
+               converted: ConvertedWeights | None = None) -> TorchBackend:
         """Load the model (config.model, or the embedded default), size and allocate the KV cache.
-        Under tensor parallelism every rank calls this together and holds its shard of both."""
+        Under tensor parallelism every rank calls this together and holds its shard of both. `converted`: the
+        checkpoint's bfloat16 tensors widened to float32 while torch imported (prefetch.py), used where they fit."""
         if config.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
         phases = Phases()
@@ -132,7 +135,7 @@ class TorchBackend:
         pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config)) \
             if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
-                           on_file=pipeline)
+                           on_file=pipeline, converted=converted)
         packing = Packing(None, 0)
         if config.cpu_weight_prepack and compiles:
             log.info("--compile-sizes: linear weights are left to torch.compile (it cannot lower a packed oneDNN "
