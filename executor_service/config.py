@@ -112,6 +112,9 @@ class ExecutorConfig:
         "simulated: advertise this many sliding-window KV cache groups (a hybrid model's window tables, checked and"
         " released as the torch executor does; 0 = one table)"))
     sim_kv_window: int = field(default=0, metadata=flag("simulated: the window of --sim-kv-window-groups, in tokens"))
+    sim_kv_window_ring: bool = field(default=False, metadata=flag(
+        "simulated: keep --sim-kv-window-groups' tables as rings of ceil(window / block size) + 1 blocks"
+        " (Capabilities.kv_window_ring), as the torch executor does; off: tables released block by block"))
     tls_cert: str | None = field(default=None, metadata=flag("PEM certificate: serve the Executor API over TLS"))
     tls_key: str | None = field(default=None, metadata=flag("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=flag(
