@@ -243,7 +243,7 @@ def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[in
         else:
             bias = bias.view(n, 1, 1, kv_len)
     row0 = torch.tensor([starts[s] for s in chunk])  # each sequence's first packed row
-    fresh_at, fresh_rows = _fresh_keys(key_pos, seq_kv - seq_q, seq_kv, row0) if fresh else (None, None)
+    fresh_at, fresh_rows = _fresh_keys(clamped, seq_kv - seq_q, row0) if fresh else (None, None)
     if whole:
         return Group(n, q_len, kv_len, slots.to(device), None, _to(bias, device), None, None,
                      _to(fresh_at, device), _to(fresh_rows, device))
@@ -255,11 +255,11 @@ def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[in
                  _to(fresh_at, device), _to(fresh_rows, device))
 
 
-def _fresh_keys(key_pos: Tensor, step_first: Tensor, seq_kv: Tensor, row0: Tensor) -> tuple[Tensor, Tensor]:
-    """The padded key rows holding positions of the step (from step_first on, before seq_kv) and the packed rows
-    whose keys they are."""
-    is_step = (key_pos >= step_first[:, None]) & (key_pos < seq_kv[:, None])
-    at = is_step.flatten().nonzero().flatten()
+def _fresh_keys(key_pos: Tensor, step_first: Tensor, row0: Tensor) -> tuple[Tensor, Tensor]:
+    """The padded key rows holding positions of the step (from step_first on; key_pos clamped to the sequence, so
+    padding repeats its last key, never a ring slot the step has not written yet) and the packed rows whose keys
+    they are."""
+    at = (key_pos >= step_first[:, None]).flatten().nonzero().flatten()
     rows = (row0[:, None] + key_pos - step_first[:, None]).flatten().index_select(0, at)
     return at, rows
 
