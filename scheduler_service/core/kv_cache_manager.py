@@ -7,7 +7,8 @@ frees it, until allocation evicts it.
 
 A hybrid model (sliding-window layers beside full-attention ones) has window groups (window_groups.py): their
 tables hold only the blocks the window still reads, allocated as the request's steps need them; a prefix hit
-counts for them only where every window group's blocks of the window before it are cached.
+counts for them only where every window group's blocks of the window before it are cached. With rings
+(Capabilities.kv_window_ring) the window tables are R blocks reused in place: never cached, so no hit at all.
 """
 
 from __future__ import annotations
