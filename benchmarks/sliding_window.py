@@ -4,12 +4,13 @@
 
 A random-weight Gemma 2 model (transformers writes it: alternating window and full-attention layers, small dims
 so it runs on a CPU) is served twice in this process, with the same KV memory: by the torch backend with window
-groups (--kv-window-release, the default) and without (one table for every layer). Each request (prompt of
+groups (--kv-window-release, the default: each window group's table a ring of ceil(W / block_size) + 1 blocks)
+and without (one table for every layer). Each request (prompt of
 --context minus --new-tokens tokens, then --new-tokens greedy tokens) goes through the real scheduler core, the
 Execute message, the executor's validator and the torch backend, as in tests/executor/test_kv_window_groups.py.
 
 Printed per request: the most blocks its window layers held at once (the window group's table; without the
-release, its whole table), against ceil(W / block_size) + 1 and against the most held during decode alone; the
+release, its whole table), in prefill-chunk steps and in decode steps, against ceil(W / block_size) + 1; the
 most blocks of the pool (in pages of the same bytes) it held; whether the greedy tokens are the same both ways;
 and how many such requests fit in the same KV memory with and without the release (the pool divided by one
 request's peak, in bytes).
@@ -47,6 +48,7 @@ class Peaks:
     every table it holds, in pages."""
 
     window: int = 0
+    window_prefill: int = 0
     window_decode: int = 0
     pages: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -92,6 +94,8 @@ def record(s: Scheduler, request: Request, peaks: Peaks) -> None:
     peaks.window = max(peaks.window, window)
     if request.num_computed_tokens >= request.num_prompt_tokens:
         peaks.window_decode = max(peaks.window_decode, window)
+    else:
+        peaks.window_prefill = max(peaks.window_prefill, window)
     peaks.pages = max(peaks.pages, s.kv.num_blocks_held(rid))
 
 
@@ -133,7 +137,8 @@ def report(args: argparse.Namespace, results: dict[bool, tuple[BackendInfo, dict
     for rid in on:
         emit({"bench": "sliding_window", "request": rid, "context": args.context, "window": args.window,
               "block_size": args.block_size, "chunk": args.chunk, "bound_ceil_w_over_bs_plus_1": bound,
-              "window_blocks_peak": on[rid].window, "window_blocks_peak_decode": on[rid].window_decode,
+              "window_blocks_peak": on[rid].window, "window_blocks_peak_prefill": on[rid].window_prefill,
+              "window_blocks_peak_decode": on[rid].window_decode, "within_bound": on[rid].window <= bound,
               "window_blocks_peak_release_off": off[rid].window,
               "pages_peak": on[rid].pages, "pages_peak_release_off": off[rid].pages,
               "same_greedy_tokens": on[rid].tokens == off[rid].tokens, "tokens": len(on[rid].tokens)})

@@ -60,7 +60,8 @@ class BatchItem:
     the forward pass, before sampling, on its forward thread (token_masks.resolve_masks)."""
     window_tables: Sequence[list[int]] = ()
     """KV cache groups (BackendInfo.kv_window_groups): each window group's table by position like block_table, 0 in
-    the positions before the window, whose blocks were released and are never read."""
+    the positions before the window, whose blocks were released and are never read (rings: block i is
+    ring[i % R], so the table repeats the ring)."""
     prompt_out: PromptLogprobs | None = None
     """The backend's answer for an item whose sampling asks prompt_logprobs: the logprobs of the prompt positions
     this pass yields (prompt_logprob_positions), set by execute(); None where it yields none."""
@@ -132,6 +133,10 @@ class BackendInfo:
     """Sliding-window KV cache groups it keeps a table each for (Capabilities.kv_window_groups); 0: one table."""
     kv_window: int = 0
     """The most keys a query of those groups reads (Capabilities.kv_window)."""
+    kv_window_ring: bool = False
+    """Its window tables are rings (Capabilities.kv_window_ring): BatchItem.window_tables come expanded by
+    position from the rings, and a window layer reads its step's own keys fresh, writing them into the ring after
+    its queries read it (only the step's last kv_window positions)."""
     prompt_logprobs: bool = True
     """It fills BatchItem.prompt_out (Describe.capabilities.prompt_logprobs)."""
 

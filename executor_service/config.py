@@ -77,8 +77,8 @@ class ExecutorConfig:
     seed: int = 0
     kv_window_release: bool = field(default=True, metadata=flag(
         "hybrid models (sliding-window layers beside full-attention ones: Gemma 2/3, GPT-OSS): the window layers'"
-        " KV sits in groups of their own tables, whose blocks the scheduler takes back once they fall out of the"
-        " window (vLLM's hybrid KV cache manager); off: one table for every layer, as for other models"))
+        " KV sits in groups of their own tables, each a ring of ceil(window / block size) + 1 blocks per request"
+        " that positions reuse; off: one table for every layer, as for other models"))
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))
@@ -112,6 +112,9 @@ class ExecutorConfig:
         "simulated: advertise this many sliding-window KV cache groups (a hybrid model's window tables, checked and"
         " released as the torch executor does; 0 = one table)"))
     sim_kv_window: int = field(default=0, metadata=flag("simulated: the window of --sim-kv-window-groups, in tokens"))
+    sim_kv_window_ring: bool = field(default=False, metadata=flag(
+        "simulated: keep --sim-kv-window-groups' tables as rings of ceil(window / block size) + 1 blocks"
+        " (Capabilities.kv_window_ring), as the torch executor does; off: tables released block by block"))
     tls_cert: str | None = field(default=None, metadata=flag("PEM certificate: serve the Executor API over TLS"))
     tls_key: str | None = field(default=None, metadata=flag("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=flag(

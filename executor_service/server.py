@@ -62,7 +62,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.backend = backend
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
-                                  info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window)
+                                  info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window,
+                                  info.kv_window_ring)
         limits = self.requested_limits  # drafts only as many as the backend verifies (none: refused)
         self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
                               max_num_model_draft_tokens=min(limits.max_num_model_draft_tokens,
@@ -103,6 +104,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
                 max_num_model_draft_tokens=limits.max_num_model_draft_tokens,
                 deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window,
+                kv_window_ring=info.kv_window_ring,
                 prompt_logprobs=info.prompt_logprobs))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
@@ -283,7 +285,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         try:
             check_span(state.num_computed, 1, len(state.block_table or ()), t.block_size, t.max_model_len)
             if state.windows:
-                check_span(state.num_computed, 1, state.window_end, t.block_size, t.max_model_len)
+                check_span(state.num_computed, 1, t.window_blocks_covered(state, state.num_computed + 1),
+                           t.block_size, t.max_model_len)
         except RequestRefused:
             return False
         return True

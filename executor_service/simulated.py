@@ -31,7 +31,8 @@ class SimulatedBackend:
             num_swap_blocks=config.num_cpu_blocks if config.num_cpu_blocks is not None else 4096,
             dtype="none", device="simulated", max_num_draft_tokens=MAX_NUM_DRAFT_TOKENS,
             kv_window_groups=config.sim_kv_window_groups if config.sim_kv_window > 0 else 0,
-            kv_window=config.sim_kv_window if config.sim_kv_window_groups > 0 else 0)
+            kv_window=config.sim_kv_window if config.sim_kv_window_groups > 0 else 0,
+            kv_window_ring=config.sim_kv_window_ring and config.sim_kv_window_groups > 0 and config.sim_kv_window > 0)
 
     def swap_out(self, mapping: BlockMap) -> None:
         pass

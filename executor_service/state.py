@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from executor_service.backend import BatchItem, SamplingConfig
-from protos.contract import released_before
+from protos.contract import released_before, ring_blocks, ring_table
 from protos.pagedserve.v1 import common_pb2
 
 OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs",
@@ -82,7 +82,7 @@ class RequestTable:
     or an n > 1 prompt) and which request owns each swap block; the validator reads it, commit() changes it."""
 
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
-                 max_model_len: int = 0, window_groups: int = 0, window: int = 0) -> None:
+                 max_model_len: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False) -> None:
         self.num_device_blocks = num_device_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
@@ -90,6 +90,8 @@ class RequestTable:
         self.max_model_len = max_model_len
         self.window_groups = window_groups
         self.window = window
+        self.window_ring = window_ring  # window tables are rings of ring_size blocks (Capabilities.kv_window_ring)
+        self.ring_size = ring_blocks(window, block_size) if window_ring else 0
         self.states: dict[str, RequestState] = {}
         self.device_owner: dict[int, set[str]] = {}
         self.swap_owner: dict[int, str] = {}
@@ -124,7 +126,7 @@ class RequestTable:
         """After a step: the request stops holding its window blocks that no query of it reads again
         (protos.contract.released_before); the scheduler may give them to others from the next step on."""
         state = self.states.get(request_id)
-        if state is None or not state.windows:
+        if state is None or not state.windows or self.window_ring:  # a ring is kept until the request ends
             return
         cut = min(released_before(state.num_computed, self.window, self.block_size), state.window_end)
         cut -= state.window_start
@@ -134,6 +136,13 @@ class RequestTable:
         for group in state.windows:
             del group[:cut]
         state.window_start += cut
+
+    def window_blocks_covered(self, state: RequestState, end: int) -> int:
+        """How many leading blocks of the request's positions its window tables hold, asked for positions up to
+        `end` (a full ring holds every block: that many)."""
+        if self.window_ring and state.windows and len(state.windows[0]) >= self.ring_size:
+            return -(-end // self.block_size)
+        return state.window_end
 
     def commit(self, plan: StepPlan) -> None:
         """Apply a checked step: swaps first, then refused and re-sent requests leave, then admitted ones
@@ -170,7 +179,11 @@ class RequestTable:
         """The batch item of a request the validator admitted (or check_span accepted) for num_tokens, and the
         drafts it verifies (given, or proposed by the backend's draft model)."""
         end = state.num_computed + num_tokens
-        windows = [[0] * state.window_start + group for group in state.windows]  # positions before: never read
+        if self.window_ring:
+            windows = [ring_table(group, end + len(draft_token_ids or ()) + num_model_drafts, self.block_size,
+                                  self.ring_size) for group in state.windows]
+        else:
+            windows = [[0] * state.window_start + group for group in state.windows]  # positions before: never read
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
                          num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
                          draft_token_ids or (), window_tables=windows, num_model_drafts=num_model_drafts,

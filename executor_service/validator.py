@@ -283,11 +283,29 @@ class StepValidator:
         if not self.table.window_groups:
             return
         t = self.table
+        if t.window_ring:
+            self._check_ring(start, num_tokens, first, end)
+            return
         needed = released_before(start, t.window, t.block_size)
         if first > needed:
             raise RequestRefused(f"window tables start at block {first}, but the step reads block {needed}")
         try:
             check_span(start, num_tokens, end, t.block_size, t.max_model_len)
+        except RequestRefused as e:
+            raise RequestRefused(f"window tables: {e}") from None
+
+    def _check_ring(self, start: int, num_tokens: int, first: int, length: int) -> None:
+        """Ring window tables (Capabilities.kv_window_ring): from block 0, at most R blocks, and as many as the
+        step's positions reach below R."""
+        t = self.table
+        if first:
+            raise RequestRefused(f"window_block_start {first}: window tables are rings (Capabilities."
+                                 "kv_window_ring), which start at 0")
+        if length > t.ring_size:
+            raise RequestRefused(f"window tables: a ring of {length} blocks, more than its {t.ring_size}")
+        covered = length if length < t.ring_size else -(-(start + num_tokens) // t.block_size)
+        try:
+            check_span(start, num_tokens, covered, t.block_size, t.max_model_len)
         except RequestRefused as e:
             raise RequestRefused(f"window tables: {e}") from None
 

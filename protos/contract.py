@@ -21,6 +21,18 @@ def released_before(num_computed: int, window: int, block_size: int) -> int:
     return max(0, num_computed - window + 1) // block_size
 
 
+def ring_blocks(window: int, block_size: int) -> int:
+    """Sliding-window KV cache groups kept as rings (Capabilities.kv_window_ring): the blocks of one request's
+    ring per window group, ceil(window / block_size) + 1: the window of any query and its block's start."""
+    return -(-window // block_size) + 1
+
+
+def ring_table(ring: Sequence[int], num_positions: int, block_size: int, ring_size: int) -> list[int]:
+    """A ring (up to ring_size blocks) as a table by position: block i of the sequence lives in
+    ring[i % ring_size]; covers positions [0, num_positions). The ring must hold every block it names."""
+    return [ring[i % ring_size] for i in range(-(-num_positions // block_size))]
+
+
 def split_columns(values: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
     """Cut a flat column into consecutive runs of counts[i] values (RunningRequests.new_block_ids by
     num_new_blocks, SampledTokens.token_ids by num_tokens). The counts must add up to len(values)."""

@@ -41,17 +41,22 @@ class Group:
     bias: Tensor | None  # [num_seqs, 1, group * q_len, kv_len] additive mask (0 / -inf); None: nothing masked
     real: Tensor | None  # positions of real query rows in the padded [num_seqs * q_len] order
     out_rows: Tensor | None  # the packed rows they go to
+    fresh_at: Tensor | None = None  # Extras.fresh: the padded key rows [n * kv_len] that are the step's own keys
+    fresh_rows: Tensor | None = None  # the packed rows of the step's keys they take
 
 
 @dataclass(slots=True, frozen=True)
 class Extras:
     """What some layers add to plain causal attention: a sliding window (keys visible to a query, itself included),
     soft-capping of the scores (Gemma 2) and attention sinks (GPT-OSS: a logit per query head [heads] that joins
-    every softmax's denominator and attends to nothing)."""
+    every softmax's denominator and attends to nothing). `fresh`: the step's own keys and values [num_tokens,
+    kv_heads, head_dim] in packed order, read from there instead of the cache (a ring of window blocks, which the
+    caller writes only after attending: the step's keys may overwrite keys its own queries read)."""
 
     window: int | None = None
     softcap: float | None = None
     sinks: Tensor | None = None
+    fresh: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -135,7 +140,9 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return torch.empty_like(query)
     window = None if extras is None else extras.window
-    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc, None, window)
+    fresh = extras is not None and extras.fresh is not None
+    build = functools.partial(build_plan, query, k_cache, block_tables, seq_lens, query_start_loc, None, window,
+                              fresh)
     plan = build() if scratch is None else scratch.plan((block_tables, seq_lens, query_start_loc), build)
     if len(plan.groups) == 1 and plan.groups[0].query_rows is None:
         return _attend(query, k_cache, v_cache, plan.groups[0], scale, scratch, extras).to(query.dtype)
@@ -158,9 +165,10 @@ def run_plan(plan: Plan, query: Tensor, k_cache: Tensor, v_cache: Tensor, scale:
 
 
 def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-               query_start_loc: Tensor, seqs: list[int] | None = None, window: int | None = None) -> Plan:
+               query_start_loc: Tensor, seqs: list[int] | None = None, window: int | None = None,
+               fresh: bool = False) -> Plan:
     """The groups of the named sequences (None: every sequence with query tokens); a query at position p sees
-    keys [p - window + 1, p] where `window` is set."""
+    keys [p - window + 1, p] where `window` is set; `fresh`: the step's own keys are read from Extras.fresh."""
     starts, lens = _host_metadata(query_start_loc, seq_lens)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
     order = sorted((s for s in (range(len(lens)) if seqs is None else seqs) if q_lens[s] > 0),
@@ -171,7 +179,7 @@ def build_plan(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: T
     whole = len(chunks) == 1 and len(order) == len(lens) == query.shape[0]  # one decode group: keep packed order
     if whole:
         chunks = [list(range(len(lens)))]
-    groups = [_group(chunk, starts, q_lens, lens, block_tables, k_cache.shape[1], group_size, whole, window)
+    groups = [_group(chunk, starts, q_lens, lens, block_tables, k_cache.shape[1], group_size, whole, window, fresh)
               for chunk in chunks]
     return Plan(groups, query.shape[0])
 
@@ -206,7 +214,7 @@ def _cut(order: list[int], q_lens: list[int], lens: list[int], max_tokens: int) 
 
 
 def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[int], block_tables: Tensor,
-           block_size: int, group_size: int, whole: bool, window: int | None = None) -> Group:
+           block_size: int, group_size: int, whole: bool, window: int | None = None, fresh: bool = False) -> Group:
     """Index tensors and mask of one group (built once per step on the host, then moved to the device). With a
     window, a sequence's keys start at the first one its first query sees: the blocks before are never read."""
     device = block_tables.device
@@ -234,14 +242,26 @@ def _group(chunk: list[int], starts: list[int], q_lens: list[int], lens: list[in
             bias = bias.expand(n, 1, group_size, q_len, kv_len).reshape(n, 1, group_size * q_len, kv_len)
         else:
             bias = bias.view(n, 1, 1, kv_len)
+    row0 = torch.tensor([starts[s] for s in chunk])  # each sequence's first packed row
+    fresh_at, fresh_rows = _fresh_keys(clamped, seq_kv - seq_q, row0) if fresh else (None, None)
     if whole:
-        return Group(n, q_len, kv_len, slots.to(device), None, _to(bias, device), None, None)
-    first = torch.tensor([starts[s] for s in chunk])
-    rows = first[:, None] + torch.minimum(q_idx[None, :], seq_q[:, None] - 1)
+        return Group(n, q_len, kv_len, slots.to(device), None, _to(bias, device), None, None,
+                     _to(fresh_at, device), _to(fresh_rows, device))
+    rows = row0[:, None] + torch.minimum(q_idx[None, :], seq_q[:, None] - 1)
     real = is_real.flatten().nonzero().flatten()
     all_real = real.numel() == n * q_len
     return Group(n, q_len, kv_len, slots.to(device), rows.flatten().to(device), _to(bias, device),
-                 None if all_real else real.to(device), rows.flatten()[real].to(device))
+                 None if all_real else real.to(device), rows.flatten()[real].to(device),
+                 _to(fresh_at, device), _to(fresh_rows, device))
+
+
+def _fresh_keys(key_pos: Tensor, step_first: Tensor, row0: Tensor) -> tuple[Tensor, Tensor]:
+    """The padded key rows holding positions of the step (from step_first on; key_pos clamped to the sequence, so
+    padding repeats its last key, never a ring slot the step has not written yet) and the packed rows whose keys
+    they are."""
+    at = (key_pos >= step_first[:, None]).flatten().nonzero().flatten()
+    rows = (row0[:, None] + key_pos - step_first[:, None]).flatten().index_select(0, at)
+    return at, rows
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
@@ -255,8 +275,12 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, group: Group, scale
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     size = num_heads // num_kv_heads
-    key = _gather(k_cache, group.slots, "k", scratch).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    value = _gather(v_cache, group.slots, "v", scratch).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    key_rows, value_rows = _gather(k_cache, group.slots, "k", scratch), _gather(v_cache, group.slots, "v", scratch)
+    if extras is not None and extras.fresh is not None and group.fresh_at is not None:
+        _take_fresh(key_rows, extras.fresh[0], group, k_cache.dtype)
+        _take_fresh(value_rows, extras.fresh[1], group, v_cache.dtype)
+    key = key_rows.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    value = value_rows.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
     grouped = query.float().view(n, q_len, num_kv_heads, size, head_dim)
     if q_len == 1:
         grouped = grouped.view(n, num_kv_heads, size, head_dim)
@@ -287,6 +311,14 @@ def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, group: Group,
     sinks = extras.sinks.float().view(kv_heads, -1, 1).expand(-1, -1, group.q_len).reshape(1, kv_heads, rows, 1)
     probs = torch.softmax(torch.cat([scores, sinks.expand(n, -1, -1, -1)], dim=-1), dim=-1)
     return torch.matmul(probs[..., :-1], value)
+
+
+def _take_fresh(rows: Tensor, fresh: Tensor, group: Group, cache_dtype: torch.dtype) -> None:
+    """Put the step's own keys (or values) into the gathered rows, rounded to the cache's dtype as a write and a
+    read of the cache would round them."""
+    assert group.fresh_at is not None and group.fresh_rows is not None  # checked by the caller
+    taken = fresh.reshape(fresh.shape[0], -1).index_select(0, group.fresh_rows)
+    rows.index_copy_(0, group.fresh_at, taken.to(cache_dtype).to(rows.dtype))
 
 
 def _gather(cache: Tensor, slots: Tensor, name: str, scratch: Scratch | None) -> Tensor:

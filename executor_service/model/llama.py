@@ -15,6 +15,7 @@ from torch.nn.functional import gelu, rms_norm, silu
 from executor_service.attention import PagedAttentionFn, WriteKVFn
 from executor_service.attention.reference import Extras, Scratch
 from executor_service.attention.reference import paged_attention as reference_attention
+from executor_service.attention.reference import write_kv as reference_write_kv
 from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
@@ -47,6 +48,9 @@ class AttentionMetadata:
     query_start_loc: Tensor
     layer_metas: list[AttentionMetadata] | None = None
     """KV cache groups: per layer, the metadata of its group's tables (runner/kv_groups.py); None: this one."""
+    read_fresh: bool = False
+    """Ring window tables (runner/kv_groups.py): the layers read the step's own keys as computed and write them
+    after attending, at slot_mapping (-1: not written)."""
 
 
 RopeWriteKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int], Tensor]
@@ -146,6 +150,8 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.norm_qk(self.qkv_proj(x))
         k_cache, v_cache = kv_cache
+        if meta.read_fresh:
+            return self.o_proj(self.attend_ring(qkv, cos, sin, k_cache, v_cache, meta).reshape(num_tokens, self.q_size))
         if self.ops.rope_write_kv is not None:
             q = self.ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                        self.num_kv_heads)
@@ -159,6 +165,17 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def attend_ring(self, qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttentionMetadata) -> Tensor:
+        """A window layer over ring tables: the queries attend the ring's keys before the step and the step's own
+        keys as computed; only then are the step's keys written (over ring blocks its queries may have read)."""
+        q, k, v = self.split_rope(qkv, cos, sin)
+        extras = Extras(self.window, self.softcap, self.sinks, (k, v))
+        out = reference_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, self.scale, self.scratch, extras)
+        reference_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return out
 
     def norm_qk(self, qkv: Tensor) -> Tensor:
         """qkv with its queries and keys RMS-normalised in place (per head or over all heads), where the family

@@ -3,7 +3,9 @@ own shape: the layers are cut into groups of equal size, one of the full-attenti
 / that size) of window layers (the last one padded), and a block of the one device pool is a page holding one
 group's layers: so a block id belongs to one group at a time, swaps and copies stay block-id mappings, and the
 scheduler sizes every group out of one pool. The full-attention group reads the request's block table, window
-group g its own table (NewRequest.window_block_ids), whose blocks before the window the scheduler takes back.
+group g its own table (NewRequest.window_block_ids): a ring of ceil(window / block_size) + 1 blocks that the
+request's positions reuse (Capabilities.kv_window_ring; block i in ring[i % R]), so it holds the window's blocks
+only, prefill chunks included.
 
 Each layer keeps its page slot (the position of its layer in its group) and its group; a model with no window
 layer, or only window layers, or the release turned off, is one group of every layer, as before."""

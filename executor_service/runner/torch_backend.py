@@ -9,7 +9,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from itertools import chain
+from itertools import chain, pairwise
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +158,8 @@ class TorchBackend:
         with phases.phase("tokenizer"):
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)
-            info = replace(info, kv_window_groups=layout.num_window_groups, kv_window=layout.window)
+            info = replace(info, kv_window_groups=layout.num_window_groups, kv_window=layout.window,
+                           kv_window_ring=layout.num_window_groups > 0)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         graphable = model_cfg.features.graphable
@@ -532,13 +533,31 @@ def validate_item(item: BatchItem, info: BackendInfo) -> None:
 def window_group_metas(items: list[BatchItem], meta: AttentionMetadata, layout: KVLayout, info: BackendInfo,
                        device: torch.device) -> list[AttentionMetadata]:
     """Per layer, the attention metadata of its group: the batch's own for the full-attention layers, one built
-    from each window group's tables (slots and block tables; the same lengths) for the window layers."""
+    from each window group's tables (slots and block tables; the same lengths) for the window layers. Rings: the
+    window layers read the step's keys fresh and write only each sequence's last `window` positions (the ones
+    before are never read again, and would share a ring slot with later ones)."""
     groups = [meta]
     for g in range(layout.num_window_groups):
         grouped = [replace(item, block_table=list(item.window_tables[g])) for item in items]
         group_meta = build_batch(grouped, info, device).meta
-        groups.append(replace(group_meta, seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc))
+        group_meta = replace(group_meta, seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc)
+        if info.kv_window_ring:
+            group_meta = replace(group_meta, read_fresh=True,
+                                 slot_mapping=ring_slots(group_meta.slot_mapping, meta.query_start_loc, layout.window))
+        groups.append(group_meta)
     return [groups[g] for g in layout.layer_groups]
+
+
+def ring_slots(slot_mapping: Tensor, query_start_loc: Tensor, window: int) -> Tensor:
+    """slot_mapping with -1 for the rows before each sequence's last `window` rows of the step."""
+    starts = query_start_loc.tolist()
+    skipped = [(a, b - window) for a, b in pairwise(starts) if b - a > window]
+    if not skipped:
+        return slot_mapping
+    masked = slot_mapping.clone()
+    for a, b in skipped:
+        masked[a:b] = -1
+    return masked
 
 
 def build_batch(items: list[BatchItem], info: BackendInfo, device: torch.device) -> Batch:

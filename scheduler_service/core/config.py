@@ -68,4 +68,5 @@ class ExecutorLimits:
     max_num_draft_tokens: int = 0  # draft tokens the executor verifies per request and step (0: none)
     num_window_groups: int = 0  # sliding-window KV cache groups the executor keeps tables for (0: one table)
     window: int = 0  # the keys a query of those groups reads (Describe.capabilities.kv_window)
+    window_ring: bool = False  # window tables are rings of ceil(window / block_size) + 1 blocks (kv_window_ring)
     max_num_model_draft_tokens: int = 0  # tokens the executor's draft model proposes per request and step (0: none)

@@ -7,7 +7,8 @@ frees it, until allocation evicts it.
 
 A hybrid model (sliding-window layers beside full-attention ones) has window groups (window_groups.py): their
 tables hold only the blocks the window still reads, allocated as the request's steps need them; a prefix hit
-counts for them only where every window group's blocks of the window before it are cached.
+counts for them only where every window group's blocks of the window before it are cached. With rings
+(Capabilities.kv_window_ring) the window tables are R blocks reused in place: never cached, so no hit at all.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_caching: bool = True, window_groups: int = 0, window: int = 0,
-                 max_step_tokens: int = 0) -> None:
+                 max_step_tokens: int = 0, window_ring: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.device = DevicePool(num_device_blocks)
         self.cpu = SwapPool(num_swap_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
-        self.windows = (WindowGroups(self.device, window_groups, window, block_size) if window_groups > 0 and window > 0
-                        else None)
+        self.windows = (WindowGroups(self.device, window_groups, window, block_size, window_ring)
+                        if window_groups > 0 and window > 0 else None)
         self.usable_blocks = self._usable_table_blocks(num_device_blocks - self.watermark_blocks, max_step_tokens)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
@@ -91,8 +92,8 @@ class KVCacheManager:
         """Token slots the request's device tables hold (every group's: a window group's end may come first)."""
         blocks = len(self._tables.get(request_id, ()))
         if self.windows is not None:
-            window = self.windows.tables.get(request_id)
-            blocks = min(blocks, window.end) if window is not None else 0
+            covered = self.windows.covered_end(request_id)
+            blocks = blocks if covered is None else min(blocks, covered)
         return blocks * self.block_size
 
     def block_table(self, request_id: str) -> list[int]:
@@ -119,6 +120,8 @@ class KVCacheManager:
         last token to compute (its logits are needed). None for a request that wants prompt logprobs: they come
         from computing the prompt (vLLM also skips the cache hit for it)."""
         if not self.enable_caching or request.wants_prompt_logprobs:
+            return PrefixHit()
+        if self.windows is not None and self.windows.ring:  # rings are overwritten in place: never cached
             return PrefixHit()
         max_blocks = (request.num_tokens - 1) // self.block_size
         tokens = extend_blocks(self._blocks.setdefault(request.request_id, []), request, max_blocks,
@@ -188,7 +191,8 @@ class KVCacheManager:
         if self.windows is not None:
             held = hit.window.flat() if hit.window is not None else []
             end = self.blocks_for(min(num_slots if chunk_end is None else chunk_end, num_slots))
-            need += self.windows.num_groups * max(0, end - len(hit.blocks)) + self.device.evictable(held)
+            need += self.windows.num_groups * self.windows.first_blocks(end, len(hit.blocks))
+            need += self.device.evictable(held)
         if self.device.num_free - need < self.watermark_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
@@ -216,7 +220,7 @@ class KVCacheManager:
         num_window = 0
         if self.windows is not None:
             end = self.blocks_for(min(num_slots if chunk_end is None else chunk_end, num_slots))
-            num_window = self.windows.num_groups * max(0, end - len(table))
+            num_window = self.windows.num_groups * self.windows.missing(rid, end, len(table))
         fresh = self.device.allocate(num_fresh + num_window)
         if fresh is None:
             raise RuntimeError(f"device pool short admitting {rid}: call can_admit first")
@@ -276,7 +280,7 @@ class KVCacheManager:
             return
         rid = request.request_id
         table = windows.tables.get(rid)
-        if table is None or windows.first_kept(request.num_computed_tokens) <= table.start:
+        if table is None or windows.ring or windows.first_kept(request.num_computed_tokens) <= table.start:
             return
         if self.enable_caching and rid in self._tables:
             self._cache_computed(request, self._tables[rid])
@@ -362,7 +366,7 @@ class KVCacheManager:
                 full = i
                 break
             device.cache(table[i], (parent, tokens[i]))
-            if window is not None and window.start <= i < window.end:
+            if window is not None and not self.windows.ring and window.start <= i < window.end:  # type: ignore[union-attr]
                 for g, group in enumerate(window.groups):
                     device.cache(group[i - window.start], (parent, tokens[i], g))
         self._num_cached[rid] = full
@@ -423,7 +427,8 @@ class KVCacheManager:
         else:
             num_full, start, length = layout
             assert self.windows is not None
-            need = len(cpu_ids) + max(0, end - num_full) + self.windows.num_groups * max(0, end - start - length)
+            grow = min(end, self.windows.ring_size) - length if self.windows.ring else end - start - length
+            need = len(cpu_ids) + max(0, end - num_full) + self.windows.num_groups * max(0, grow)
         return self.device.num_free - need >= self.watermark_blocks
 
     def swap_in(self, request: Request) -> BlockMap:

@@ -13,13 +13,19 @@ tokens its window blocks before position released_before(c) are never read again
 window group holds the same positions [start, end): blocks before `start` are released, blocks from `end` on
 are not allocated yet. Window blocks are allocated only up to what the step computes (never the whole prompt
 up front as the full group is), so a long request holds O(window + chunk) window blocks, not O(length).
+
+With an executor that keeps rings (Capabilities.kv_window_ring), a window group's table is instead a ring of
+R = ceil(window / block_size) + 1 blocks allocated as the request first reaches them and kept until it ends:
+block i lives in ring[i % R], the executor reads a step's window before writing the step's keys over it, so a
+request holds at most R blocks per window group, prefill chunks included. A ring's blocks are overwritten in
+place, so they are never registered in the prefix cache and a hybrid model then gets no prefix hits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protos.contract import released_before
+from protos.contract import released_before, ring_blocks
 from scheduler_service.core.block_pool import DevicePool
 
 
@@ -46,11 +52,13 @@ class WindowBlocks:
 class WindowGroups:
     """The window groups' tables of one KV-cache manager, and their growth in the current step."""
 
-    def __init__(self, device: DevicePool, num_groups: int, window: int, block_size: int) -> None:
+    def __init__(self, device: DevicePool, num_groups: int, window: int, block_size: int, ring: bool = False) -> None:
         self.device = device
         self.num_groups = num_groups
         self.window = window
         self.block_size = block_size
+        self.ring = ring
+        self.ring_size = ring_blocks(window, block_size)  # blocks of a full ring (ring mode)
         self.tables: dict[str, WindowBlocks] = {}
         self.grown: dict[str, list[list[int]]] = {}  # blocks appended this step, per group
 
@@ -63,14 +71,35 @@ class WindowGroups:
 
     def max_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
         """Most blocks per group a request of num_tokens tokens holds at once, when a step computes at most
-        max_step_tokens of its tokens (the window before the step's first query, and the step's own)."""
+        max_step_tokens of its tokens (the window before the step's first query, and the step's own; a ring: R)."""
+        if self.ring:
+            return min(-(-num_tokens // self.block_size), self.ring_size)
         return min(-(-num_tokens // self.block_size), -(-(self.window - 1 + max_step_tokens) // self.block_size) + 1)
 
     def missing(self, request_id: str, end: int, start: int) -> int:
-        """Blocks per group to allocate so that the request's tables reach position `end` (counted from `start`
-        for a request without tables yet)."""
+        """Blocks per group to allocate so that the request's tables reach block `end` (counted from `start`
+        for a request without tables yet; a ring grows to R blocks at most)."""
         table = self.tables.get(request_id)
-        return max(0, end - (table.end if table is not None else start))
+        if table is None:
+            return self.first_blocks(end, start)
+        if self.ring:
+            return max(0, min(end, self.ring_size) - table.length)
+        return max(0, end - table.end)
+
+    def first_blocks(self, end: int, hit_end: int) -> int:
+        """Blocks per group a new request's tables take to reach block `end`, a prefix hit giving up to
+        `hit_end` (a ring: no hit, R blocks at most)."""
+        return min(end, self.ring_size) if self.ring else max(0, end - hit_end)
+
+    def covered_end(self, request_id: str) -> int | None:
+        """The block index up to which the request's window tables hold its positions (None: every position, a
+        full ring; 0 without tables)."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return 0
+        if self.ring and table.length >= self.ring_size:
+            return None
+        return table.end
 
     def open(self, request_id: str, start: int, hit: list[list[int]]) -> None:
         """A request's tables from `start` on, beginning with cached blocks it holds (already touched)."""
@@ -91,9 +120,9 @@ class WindowGroups:
 
     def release_out_of_window(self, request_id: str, num_computed: int) -> list[int]:
         """Drop the blocks before the window of the next query (the caller registers them in the prefix
-        cache first); the released blocks, which the caller gives back to the pool."""
+        cache first); the released blocks, which the caller gives back to the pool. A ring releases nothing."""
         table = self.tables.get(request_id)
-        if table is None:
+        if table is None or self.ring:
             return []
         cut = min(self.first_kept(num_computed), table.end) - table.start
         if cut <= 0:

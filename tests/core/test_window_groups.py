@@ -10,7 +10,7 @@ import random
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protos.contract import released_before
+from protos.contract import released_before, ring_blocks
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
@@ -36,17 +36,18 @@ from tests.support.model_executor import ModelExecutor
 
 
 def hybrid_limits(device_blocks: int, cpu_blocks: int, groups: int, window: int,
-                  max_model_len: int = 96) -> ExecutorLimits:
+                  max_model_len: int = 96, ring: bool = False) -> ExecutorLimits:
     return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
-                          eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4, num_window_groups=groups, window=window)
+                          eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4, num_window_groups=groups, window=window,
+                          window_ring=ring)
 
 
-def run_alone(prompt_len: int, max_tokens: int, window: int, groups: int = 1,
+def run_alone(prompt_len: int, max_tokens: int, window: int, groups: int = 1, ring: bool = False,
               **cfg: object) -> tuple[Scheduler, list[int], int]:
     """One request through a hybrid scheduler and the executor model: the scheduler, its tokens, and the most
     blocks one window group held at once."""
-    s = Scheduler(CoreConfig(**cfg), hybrid_limits(200, 0, groups, window, 512))  # type: ignore[arg-type]
-    ex = ModelExecutor(200, 1, BLOCK, window_groups=groups, window=window)
+    s = Scheduler(CoreConfig(**cfg), hybrid_limits(200, 0, groups, window, 512, ring))  # type: ignore[arg-type]
+    ex = ModelExecutor(200, 1, BLOCK, window_groups=groups, window=window, window_ring=ring)
     r = Request("a", list(range(5, 5 + prompt_len)), SamplingOptions(max_tokens=max_tokens, ignore_eos=True), 0.0)
     s.add_request(r)
     tokens: list[int] = []
@@ -73,6 +74,33 @@ def test_decode_holds_at_most_ceil_window_over_block_plus_one() -> None:
     window = 9
     _, _, peak = run_alone(prompt_len=3, max_tokens=80, window=window)  # decode only, after a 3-token prefill
     assert peak <= -(-window // BLOCK) + 1
+
+
+def test_a_ring_holds_the_bound_while_prefill_chunks_run() -> None:
+    """Rings: chunks longer and shorter than the window, then decode; a window group never holds more than
+    ceil(window / block_size) + 1 blocks, and the executor model reads every window intact."""
+    window = 9
+    for chunk in (3, 8, 30):
+        s, tokens, peak = run_alone(prompt_len=70, max_tokens=40, window=window, ring=True,
+                                    max_num_batched_tokens=chunk)
+        assert len(tokens) == 40 and peak == ring_blocks(window, BLOCK) == 4
+        assert s.kv.device.num_free == 200
+    # tables released block by block hold the window and the chunk's blocks while a long chunk runs
+    _, _, released_peak = run_alone(prompt_len=70, max_tokens=40, window=window, max_num_batched_tokens=30)
+    assert released_peak > ring_blocks(window, BLOCK)
+
+
+def test_a_ring_model_gets_no_prefix_hits() -> None:
+    """A ring's blocks are overwritten in place: never cached, so no hit (the full group's alone is no use)."""
+    kv = KVCacheManager(64, 0, BLOCK, watermark=0.0, window_groups=1, window=6, window_ring=True)
+    a = Request("a", list(range(5, 29)), SamplingOptions(), 0.0)
+    kv.admit(a, PrefixHit(), a.num_tokens)
+    assert kv.window_table("a").length == ring_blocks(6, BLOCK) == 3  # type: ignore[union-attr]
+    a.num_computed_tokens = 24
+    kv.cache_blocks(a)
+    kv.free(a)
+    assert kv.get_computed_blocks(Request("b", [*range(5, 29), 99], SamplingOptions(), 0.0)).num_tokens == 0
+    assert kv.device.num_free == 64
 
 
 def test_full_group_keeps_every_block() -> None:
@@ -137,15 +165,18 @@ def test_swap_keeps_window_tables() -> None:
 @given(specs=st.lists(request_spec, min_size=1, max_size=12), cfg_kwargs=config_spec,
        device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), max_model_len=max_model_len_spec,
        groups=st.sampled_from([1, 2, 3]), window=st.sampled_from([1, 3, 5, 8, 13]),
-       seed=st.integers(0, 2**16), lose_at=st.sampled_from([0, 0, 3, 10, 25]))
+       seed=st.integers(0, 2**16), lose_at=st.sampled_from([0, 0, 3, 10, 25]), ring=st.booleans())
 def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                          device_blocks: int, cpu_blocks: int, max_model_len: int,
-                                                         groups: int, window: int, seed: int, lose_at: int) -> None:
+                                                         groups: int, window: int, seed: int, lose_at: int,
+                                                         ring: bool) -> None:
+    """Both kinds of window tables; with rings, no request's window group ever holds more than R blocks."""
     cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
-    limits = hybrid_limits(device_blocks, cpu_blocks, groups, window, max_model_len)
+    limits = hybrid_limits(device_blocks, cpu_blocks, groups, window, max_model_len, ring)
     clock = FakeClock()
     s = Scheduler(cfg, limits, clock=clock)
-    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window)
+    ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window,
+                       window_ring=ring)
     rng = random.Random(seed)
     requests: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}
@@ -167,11 +198,13 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
         executor_held = {b for rid, st_ in ex.states.items() if rid not in leaving for b in ex._blocks_of(st_)}
         assert all(s.kv.device.ref_count(b) > 0 for b in executor_held), "the executor still reads a released block"
         released += sum(t.start for t in s.kv.windows.tables.values()) if s.kv.windows else 0
+        if ring and s.kv.windows is not None:
+            assert max((t.length for t in s.kv.windows.tables.values()), default=0) <= ring_blocks(window, BLOCK)
         if step == lose_at:
             s.reset_executor()
             s.set_executor_limits(limits)
             ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups,
-                               window=window)
+                               window=window, window_ring=ring)
             for rejected in out.rejected:
                 reasons[rejected.request_id] = FinishReason.ERROR
             continue

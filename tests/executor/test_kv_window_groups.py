@@ -1,9 +1,11 @@
 """Hybrid models served with sliding-window KV cache groups, end to end in one process: the scheduler core plans
-the steps (window blocks released while a request runs), step_proto builds the Execute message, the executor's
-servicer validates and runs it on the torch backend (window layers read their groups' tables), result_from_proto
-brings the tokens back. Greedy tokens equal transformers' for prompts and outputs longer than the window, under
-swap and recompute preemption and with prefix-cache hits, while every block the scheduler holds free is poisoned
-with NaN before each step: a read of a released block would change the tokens."""
+the steps (each window group's table a ring of ceil(window / block_size) + 1 blocks), step_proto builds the
+Execute message, the executor's servicer validates and runs it on the torch backend (window layers read their
+rings and the step's own keys, then write), result_from_proto brings the tokens back. Greedy tokens equal
+transformers' for prompts and outputs longer than the window, with prefill chunks shorter and longer than the
+window, under swap and recompute preemption and with prefix caching on, while every block the scheduler holds
+free is poisoned with NaN before each step: a read of a block the request does not hold would change the
+tokens, and so would a step's write over ring keys its own queries still read."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import ExecutorServicer, serve
+from protos.contract import ring_blocks
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler_service.core.config import CoreConfig, PreemptionMode
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
@@ -119,50 +122,59 @@ def check_tokens(model: Hybrid, served: Served) -> None:
         assert_same_tokens(tokens, model.expected[n], model.backend.info.eos_token_ids)
 
 
+RING = ring_blocks(WINDOW, BLOCK)  # a window group's blocks per request, at most: ceil(16 / 8) + 1 = 3
+
+
+@pytest.mark.parametrize("chunk", [8, 32])  # prefill chunks shorter and longer than the window
 @pytest.mark.parametrize("name", HYBRID)
-def test_greedy_tokens_equal_transformers_with_released_blocks_poisoned(hybrid: Any, name: str) -> None:
+def test_greedy_tokens_equal_transformers_with_free_blocks_poisoned(hybrid: Any, name: str, chunk: int) -> None:
     model = hybrid(name)
-    cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=False)
+    cfg = CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False)
     served = asyncio.run(serve_requests(model.backend, request_prompts(), cfg, 400, poison_cached=True))
     check_tokens(model, served)
-    # a window group's table: at most the window's blocks before a step of 32 tokens, and the step's own
-    assert 0 < served.peak_window_blocks <= -(-(WINDOW - 1 + 32) // BLOCK) + 1
+    # a window group's ring: ceil(window / block_size) + 1 blocks at most, while prefill chunks run too
+    assert served.peak_window_blocks == RING
 
 
 @pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
 @pytest.mark.parametrize("name", HYBRID)
 def test_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMode) -> None:
     """A pool that holds about one and a half requests: the others are preempted (swapped out with their window
-    tables, or recomputed) and come back with transformers' tokens."""
+    rings, or recomputed) and come back with transformers' tokens."""
     model = hybrid(name)
     groups = model.backend.info.kv_window_groups
-    one = -(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * (-(-(WINDOW - 1 + 32) // BLOCK) + 1)
+    one = -(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * RING
     cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=False, preemption_mode=mode)
     served = asyncio.run(serve_requests(model.backend, request_prompts(2), cfg, one * 3 // 2, poison_cached=True))
     check_tokens(model, served)
     stats = served.scheduler.stats()
     assert (stats.num_preemptions_swap if mode is PreemptionMode.SWAP else stats.num_preemptions_recompute) > 0
+    assert served.peak_window_blocks == RING
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_prefix_cache_hits_keep_the_tokens(hybrid: Any, name: str) -> None:
-    """The same prompts again while cached: hits count only where the window's blocks are cached too."""
+def test_prefix_caching_on_keeps_the_tokens_without_window_hits(hybrid: Any, name: str) -> None:
+    """The same prompts again with prefix caching on: rings are overwritten in place, so they are never cached
+    and a hybrid model gets no hit (a full-attention hit alone would leave the window layers without their keys);
+    the tokens stay transformers'."""
     model = hybrid(name)
     cfg = CoreConfig(max_num_batched_tokens=32, enable_prefix_caching=True)
     served = asyncio.run(serve_requests(model.backend, request_prompts(3), cfg, 400, poison_cached=False))
     check_tokens(model, served)
-    assert served.scheduler.stats().prefix_cache_hits > 0
+    assert served.scheduler.stats().prefix_cache_hits == 0
 
 
-async def test_the_executor_checks_window_tables_and_releases_blocks_out_of_the_window(hybrid: Any) -> None:
-    """Over gRPC: a new request without its window tables, or a running one whose window columns disagree, is
-    refused; once a request has computed past the window, the executor no longer holds its window blocks before
-    it (a copy onto one is accepted, as it is not before)."""
+async def test_the_executor_checks_window_rings_and_keeps_them(hybrid: Any) -> None:
+    """Over gRPC: the torch executor says it keeps rings; a new request without its window tables, with a ring
+    longer than ceil(window / block_size) + 1, starting past block 0 or too short for its step is refused; a
+    request's ring stays held after it computed past the window (a copy onto it is refused)."""
     model = hybrid("gemma2")
     server, port = await serve(model.backend, "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            assert (await stub.Describe(executor_pb2.DescribeRequest())).capabilities.kv_window_ring
+            call = stub.Execute()
 
             async def step(step_id: int, **fields: Any) -> executor_pb2.StepResult:
                 await call.write(executor_pb2.StepRequest(step_id=step_id, **fields))
@@ -170,31 +182,32 @@ async def test_the_executor_checks_window_tables_and_releases_blocks_out_of_the_
 
             prompt = make_prompt(40, seed=5, vocab=VOCAB)
             sampling = common_pb2.SamplingParams(temperature=0.0)
-            bare = executor_pb2.NewRequest(request_id="bare", token_ids=prompt, num_prompt_tokens=40,
-                                           num_scheduled_tokens=40, block_ids=[0, 1, 2, 3, 4], sampling=sampling)
-            result = await step(1, new_requests=[bare])
-            assert [e.request_id for e in result.errors] == ["bare"] and "window tables" in result.errors[0].message
-            a = executor_pb2.NewRequest(request_id="a", token_ids=prompt, num_prompt_tokens=40, num_scheduled_tokens=16,
-                                        block_ids=[20, 21, 22, 23, 24], window_block_ids=[10, 11, 12, 13, 14],
-                                        sampling=sampling)
-            assert not (await step(2, new_requests=[a])).errors
-            early = [executor_pb2.BlockMapping(src=20, dst=10)]
-            assert "held by live request 'a'" in (await step(3, copy=early)).error  # its window block, still read
-            off = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[24], num_new_blocks=[0],
-                                               num_new_window_blocks=[1], new_window_block_ids=[15, 16],
-                                               window_block_start=[0])
-            assert "new_window_block_ids" in (await step(4, running=off)).error
+
+            def new(rid: str, num_tokens: int, blocks: list[int], ring: list[int], start: int = 0) -> Any:
+                return executor_pb2.NewRequest(request_id=rid, token_ids=prompt, num_prompt_tokens=40,
+                                               num_scheduled_tokens=num_tokens, block_ids=blocks,
+                                               window_block_ids=ring, window_block_start=start, sampling=sampling)
+
+            refused = {"bare": (new("bare", 40, [0, 1, 2, 3, 4], []), "window tables"),
+                       "long": (new("long", 16, [0, 1], [5, 6, 7, 8]), "more than its 3"),
+                       "late": (new("late", 16, [0, 1], [5, 6], start=1), "rings"),
+                       "short": (new("short", 40, [0, 1, 2, 3, 4], [5, 6]), "window tables")}
+            for rid, (request, reason) in refused.items():
+                result = await step(1, new_requests=[request])
+                assert [e.request_id for e in result.errors] == [rid] and reason in result.errors[0].message, rid
+            assert not (await step(2, new_requests=[new("a", 16, [20, 21, 22, 23, 24], [10, 11, 12])])).errors
             rest = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[24], num_new_blocks=[0])
-            result = await step(5, running=rest)
+            result = await step(3, running=rest)
             assert not result.error and not result.errors and list(result.sampled.request_ids) == ["a"]
-            # a has computed 40 tokens: its next query sees keys from 25 on, so window blocks 0..2 are released
-            assert not (await step(6, copy=[executor_pb2.BlockMapping(src=20, dst=b) for b in (10, 11, 12)])).error
-            assert "held by live request 'a'" in (await step(7, copy=[executor_pb2.BlockMapping(src=20, dst=13)])).error
-            moved = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[1],
+            # a has computed 40 tokens, past its window: its whole ring is still its own
+            for block in (10, 11, 12):
+                copy = [executor_pb2.BlockMapping(src=20, dst=block)]
+                assert "held by live request 'a'" in (await step(4 + block, copy=copy)).error
+            grown = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[1],
                                                  new_block_ids=[25], num_new_window_blocks=[1],
-                                                 new_window_block_ids=[15], window_block_start=[3])
-            result = await step(8, running=moved)
-            assert "window_block_start" in result.errors[0].message  # only a resumed request's table starts anew
+                                                 new_window_block_ids=[13], window_block_start=[0])
+            result = await step(20, running=grown)
+            assert "more than its 3" in result.errors[0].message
             await call.done_writing()
     finally:
         await server.stop(None)

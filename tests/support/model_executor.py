@@ -10,7 +10,10 @@ tokens the request never had, so any later read of it is caught as corruption.
 With window groups (a hybrid model's sliding-window layers) it keeps each request's window tables as the torch
 executor does: a record names its group too, the window layers read only the last `window` positions, through
 their own tables, and after each step it drops the blocks before the next query's window itself. A read of a
-position before its window table's start is corruption; held_blocks() is what the scheduler must still hold."""
+position before its window table's start is corruption; held_blocks() is what the scheduler must still hold.
+With window_ring (Capabilities.kv_window_ring) a window table is a ring: block i of the sequence is ring[i % R],
+R = ceil(window / block_size) + 1, a step reads its window before it writes, and nothing is dropped early; a read
+of a slot a later position overwrote is corruption too."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
+from protos.contract import ring_blocks
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 
 Slot = tuple[int, int, int] | None  # (group, position, digest of the tokens up to it)
@@ -62,10 +66,11 @@ class _State:
 
 class ModelExecutor:
     def __init__(self, num_device: int, num_cpu: int, block_size: int, eos: int | None = None,
-                 eos_every: int = 0, window_groups: int = 0, window: int = 0) -> None:
+                 eos_every: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False) -> None:
         self.bs = block_size
         self.window_groups = window_groups
         self.window = window
+        self.ring_size = ring_blocks(window, block_size) if window_ring else 0
         self.device: list[Slot] = [None] * (num_device * block_size)
         self.cpu: list[Slot] = [None] * (num_cpu * block_size)
         self.states: dict[str, _State] = {}
@@ -134,7 +139,7 @@ class ModelExecutor:
 
     def _drop_out_of_window(self, st: _State | None) -> None:
         """The executor's own rule: window blocks before the next query's window are dropped after a step."""
-        if st is None or not st.windows:
+        if st is None or not st.windows or self.ring_size:
             return
         cut = min(max(0, st.num_computed - self.window + 1) // self.bs - st.window_start, len(st.windows[0]))
         if cut > 0:
@@ -174,7 +179,11 @@ class ModelExecutor:
         table, index = st.table, p // self.bs
         if group:
             table, index = st.windows[group - 1], index - st.window_start
-            if index < 0:
+            if self.ring_size:
+                if len(table) > self.ring_size:
+                    raise CacheCorrupted(f"window group {group}: a ring of {len(table)} blocks, over {self.ring_size}")
+                index = (p // self.bs) % self.ring_size
+            elif index < 0:
                 raise CacheCorrupted(f"window group {group} reads position {p}, whose block it released")
         if index >= len(table):
             raise CacheCorrupted(f"position {p} beyond block table of {len(table)} blocks (group {group})")
