@@ -178,6 +178,8 @@ class TorchBackend:
         with phases.phase("warm-up"):  # on the forward thread: its OpenMP pool is the one the passes use
             backend._forward_thread.submit(backend.warm_up).result()
         drafts = MAX_NUM_DRAFT_TOKENS if parallel.world_size == 1 else 0  # the TP step channel carries none
+        if layout.num_window_groups:  # a rejected draft's ring write must not overwrite a key still in the window
+            drafts = min(drafts, config.block_size)
         if config.draft_model:
             with phases.phase("draft model"):
                 backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
