@@ -78,7 +78,8 @@ class ExecutorConfig:
     kv_window_release: bool = field(default=True, metadata=flag(
         "hybrid models (sliding-window layers beside full-attention ones: Gemma 2/3, GPT-OSS): the window layers'"
         " KV sits in groups of their own tables, each a ring of ceil(window / block size) + 1 blocks per request"
-        " that positions reuse; off: one table for every layer, as for other models"))
+        " that positions reuse (such a model gets no prefix-cache hits); off: one table for every layer, as for"
+        " other models, with prefix caching"))
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))
