@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,25 +13,8 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
+from tests.support.engine_loop import collect
 from tests.support.procs import free_port, start, stop, wait_healthy
-
-
-@pytest.fixture
-def executor(tmp_path: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address], tmp_path / "executor.log")
-    wait_healthy(address, proc)
-    yield address
-    stop(proc)
-
-
-async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
-    tokens: list[int] = []
-    while True:
-        delta = await queue.get()
-        tokens += delta.new_token_ids
-        if delta.finish_reason is not None:
-            return tokens, delta
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
