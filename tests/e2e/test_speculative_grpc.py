@@ -172,7 +172,10 @@ def test_speculation_keeps_every_output(tmp_path: Path) -> None:
 
 DRAFT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
 # Fewer blocks than EXECUTOR_ARGS: a drafted step never preempts (drafts fall back to a plain decode when the
-# pool is short), so only plain growth does, and 16 blocks (one of the longest requests and a little) make it.
+# pool is short), so only plain growth does. 16 blocks make it certain in any order: the n2 request's prompt (171
+# tokens) is 10 full blocks its two sequences share, and each grows to 4 blocks of its own past them (211 tokens):
+# 18 > 16. Its sibling joins the queue's front once the prompt is computed, so both run together unless others hold
+# the pool, and those (8 or 11 prompt blocks beside n2's 11) outgrow it themselves.
 DRAFT_EXECUTOR_ARGS = ["--num-gpu-blocks", "16", "--num-cpu-blocks", "64", "--block-size", "16"]
 DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "model": "'
               + str(DRAFT_MODEL) + '"}')
