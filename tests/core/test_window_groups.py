@@ -15,14 +15,12 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
-from tests.core.test_properties import expected_output, reshape
 from tests.support.core_helpers import (
     BLOCK,
     EOS,
     EOS2,
     FakeClock,
     TraceSpec,
-    add_trace_arrivals,
     check_columns,
     check_invariants,
     config_spec,
@@ -33,6 +31,7 @@ from tests.support.core_helpers import (
     update_and_record,
 )
 from tests.support.model_executor import ModelExecutor
+from tests.support.trace_outputs import TraceOutputs, check_trace_outputs, reshape
 
 
 def hybrid_limits(device_blocks: int, cpu_blocks: int, groups: int, window: int,
@@ -178,18 +177,12 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window,
                        window_ring=ring)
     rng = random.Random(seed)
-    requests: dict[str, Request] = {}
-    outputs: dict[str, list[int]] = {}
-    reasons: dict[str, FinishReason] = {}
-    stopped_outside: set[str] = set()
-    errors: dict[str, str] = {}
+    trace = TraceOutputs()
     released = 0
     for step in range(800):
         clock.now = step * 0.01
-        for request in add_trace_arrivals(s, specs, step, clock.now):
-            requests[request.request_id] = request
-            outputs[request.request_id] = []
-        end_trace_requests(s, specs, step, reasons, stopped_outside)
+        trace.add_arrivals(s, specs, step, clock.now)
+        end_trace_requests(s, specs, step, trace.reasons, trace.stopped_outside)
         before = held_tables(s)
         out = s.schedule()
         check_invariants(s, out, cfg, before)
@@ -206,22 +199,12 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
             ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups,
                                window=window, window_ring=ring)
             for rejected in out.rejected:
-                reasons[rejected.request_id] = FinishReason.ERROR
+                trace.reasons[rejected.request_id] = FinishReason.ERROR
             continue
-        result = reshape(ex.step(out), rng, errors)
-        update_and_record(s, out, result, outputs, reasons)
+        result = reshape(ex.step(out), rng, trace.errors)
+        update_and_record(s, out, result, trace.outputs, trace.reasons)
         if step > max(sp[0] for sp in specs) and not s.has_unfinished():
             break
-    assert not s.has_unfinished(), f"requests never finished: {list(s.requests)}"
     event(f"window blocks released while running: {released > 0}")
     event(f"prefix cache hits: {s.stats().prefix_cache_hits > 0}")
-    assert s.kv.device.num_free == device_blocks and s.kv.cpu.num_free == cpu_blocks
-    for rid, req in requests.items():
-        reason = reasons[rid]
-        expected = expected_output(req, limits.max_model_len)
-        if rid in stopped_outside or rid in errors:
-            assert outputs[rid] == expected[0][:len(outputs[rid])], rid
-            continue
-        if reason in (FinishReason.ABORTED, FinishReason.ERROR):
-            continue
-        assert (outputs[rid], reason) == expected, rid
+    check_trace_outputs(s, trace, limits)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from client.lib import build_request
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.wire import GRPC_OPTIONS
 from scheduler_service.frontend.generation import API_SERVER_HEADER
-from tests.support.procs import Stack, free_port, running_stack, wait_healthy, wait_until
+from tests.support.procs import ROOT, Stack, free_port, running_stack, wait_healthy, wait_until
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 EXECUTOR = ["--simulated", "--sim-step-latency-ms", "5"]
@@ -192,3 +195,75 @@ def test_the_http_api_listens_in_every_api_server(tmp_path: Path) -> None:
                 answers.append(json.loads(r.read())["choices"][0])
         assert all(a["finish_reason"] == "length" for a in answers)
         assert len({a["text"] for a in answers}) == 1, "seeded: the same text from either process"
+
+
+# A stand-in engine core: the real ApiServers starts one api server, prints its pid, and waits to be killed.
+STAND_IN_CORE = """
+import asyncio, sys
+from scheduler_service.config import parse_config
+from scheduler_service.engine.api_servers import ApiServers
+
+async def main() -> None:
+    config = parse_config(["--engine-core-secret-file", sys.argv[1], "--api-server-count", "1"])
+    servers = ApiServers(config, sys.argv[2], "127.0.0.1:0", lambda identity: 0)
+    servers.start()
+    print(servers.servers[0].process.pid, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def open_for_writing(fifo: Path) -> int | None:
+    """A descriptor writing to the FIFO once a reader has it open; None while none has."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            return None
+        raise
+
+
+def feed(fifo: Path, text: str, what: str) -> None:
+    """Write text to the next reader of the FIFO, once it has opened it."""
+    opened: list[int] = []
+
+    def reader_came() -> bool:
+        fd = open_for_writing(fifo)
+        opened.extend([] if fd is None else [fd])
+        return fd is not None
+
+    wait_until(reader_came, 60.0, what)
+    with os.fdopen(opened[0], "w") as f:
+        f.write(text)
+
+
+def process_gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_an_api_server_whose_core_died_while_it_started_exits(tmp_path: Path) -> None:
+    # Deterministic by construction: the api server's start-up blocks on reading the link secret from a FIFO,
+    # and the test writes it only after the core is dead and reaped; so the api server is already reparented
+    # when its watcher starts, the case where os.getppid() read then named the new parent and it never exited.
+    fifo, log_path = tmp_path / "secret", tmp_path / "core.log"
+    os.mkfifo(fifo)
+    with open(log_path, "wb") as log:
+        core = subprocess.Popen([sys.executable, "-c", STAND_IN_CORE, str(fifo), f"ipc://{tmp_path}/no-core"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log)
+    api_pid = 0
+    try:
+        feed(fifo, "link secret\n", "the core to read the secret")
+        assert core.stdout is not None
+        api_pid = int(core.stdout.readline())
+        wait_until(lambda: b"[api-server 0]" in log_path.read_bytes(), 60.0, "the api server to start")
+        core.kill()
+        core.wait(timeout=30)
+        feed(fifo, "link secret\n", "the api server to read the secret")
+        wait_until(lambda: process_gone(api_pid), 60.0, "the api server to exit")
+        assert f"engine core (pid {core.pid}) is gone; this api server exits" in log_path.read_text()
+    finally:
+        core.kill()
+        if api_pid and not process_gone(api_pid):
+            os.kill(api_pid, signal.SIGKILL)

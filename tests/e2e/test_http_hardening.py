@@ -248,7 +248,7 @@ async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(slow_st
 
 
 def test_no_traceback_after_the_slow_clients(slow_stack: HttpStack) -> None:
-    wait_until(lambda: "closed" in slow_stack.log() and "HTTP port, last 10 s" in slow_stack.log(), timeout=15,
+    wait_until(lambda: "closed" in slow_stack.log() and "HTTP port, last 10 s" in slow_stack.log(), timeout=30,
                what="the report of closed connections")
     log = slow_stack.log()
     assert "Traceback" not in log and " ERROR " not in log

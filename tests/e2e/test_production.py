@@ -94,6 +94,9 @@ async def test_n_sequences_stream_with_their_index(stack: Stack) -> None:
 
 
 def test_overload_gets_resource_exhausted_and_admitted_complete(tmp_path: Path) -> None:
+    # Full by construction, not by a burst that might not overlap on a loaded machine: two requests that cannot
+    # finish (8000 tokens at 20 ms a step) take both running slots, four wait in the queue, and only then come
+    # the calls that must be refused. The two are then cancelled, and the four run to the end.
     ex = ["--simulated", "--sim-step-latency-ms", "20"]
     sc = ["--max-queue-len", "4", "--max-num-seqs", "2"]
     with running_stack(tmp_path, ex, sc) as s:
@@ -106,12 +109,21 @@ def test_overload_gets_resource_exhausted_and_admitted_complete(tmp_path: Path) 
             assert reason == LENGTH and len(ids) == 10
             return "done"
 
-        async def main() -> list[str]:
+        async def main() -> tuple[list[str], list[str]]:
             async with PagedServeClient(s.address) as client:
-                return await asyncio.gather(*(attempt(client) for _ in range(30)))
+                hogs = [client.generate(prompt="x", max_tokens=8000, ignore_eos=True) for _ in range(2)]
+                for hog in hogs:
+                    await anext(hog)
+                queued = [asyncio.create_task(attempt(client)) for _ in range(4)]
+                await asyncio.to_thread(wait_until, lambda: s.metrics()["vllm:num_requests_waiting"] == 4, 30.0,
+                                        "four requests waiting behind the two running")
+                over = await asyncio.wait_for(asyncio.gather(*(attempt(client) for _ in range(5))), 30)
+                for hog in hogs:
+                    await hog.aclose()
+                return over, await asyncio.gather(*queued)
 
-        outcomes = asyncio.run(main())
-        assert outcomes.count("refused") > 0 and outcomes.count("done") >= 4
+        over, admitted = asyncio.run(main())
+        assert over == ["refused"] * 5 and admitted == ["done"] * 4
         wait_until(s.idle, what="drained after overload")
 
 

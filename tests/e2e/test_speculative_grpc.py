@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import threading
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +76,28 @@ async def generate(address: str, kill: threading.Event | None = None) -> Outputs
     return {k: v for r in results for k, v in r.items()}
 
 
-def scheduler_run(tmp_path: Path, executor: str, name: str, flags: list[str],
-                  restart: Any = None) -> tuple[Outputs, dict[str, float]]:
-    port, metrics = free_port(), free_port()
-    address = f"127.0.0.1:{port}"
+@contextmanager
+def running_scheduler(tmp_path: Path, executor: str, name: str, flags: list[str]) -> Iterator[tuple[str, int]]:
+    """A scheduler (no api server processes) over the executor; yields its address and metrics port."""
+    address, metrics = f"127.0.0.1:{free_port()}", free_port()
     proc = start("scheduler_service", ["--listen", address, "--executor", executor, "--metrics-port", str(metrics),
                                        "--api-server-count", "0", *flags], tmp_path / f"scheduler-{name}.log")
     try:
         wait_healthy(address, proc)
+        yield address, metrics
+    finally:
+        stop(proc)
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+
+
+def scheduler_run(tmp_path: Path, executor: str, name: str, flags: list[str],
+                  restart: Callable[[threading.Event], None] | None = None) -> tuple[Outputs, dict[str, float]]:
+    """The workload through a scheduler with flags; with restart, a thread that kills and restarts the executor
+    once a quarter of the tokens have streamed."""
+    with running_scheduler(tmp_path, executor, name, flags) as (address, metrics):
         kill = threading.Event() if restart is not None else None
         killer = threading.Thread(target=restart, args=(kill,)) if restart is not None else None
         if killer is not None:
@@ -87,50 +105,77 @@ def scheduler_run(tmp_path: Path, executor: str, name: str, flags: list[str],
         outputs = asyncio.run(generate(address, kill))
         if killer is not None:
             killer.join()
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
-        return outputs, parse_metrics(text)
+        return outputs, read_metrics(metrics)
+
+
+@dataclass
+class Executors:
+    """The executor processes of a test, one after another on one address: the first, and the one started in its
+    place when a run kills it."""
+    tmp_path: Path
+    name: str
+    address: str
+    args: list[str]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self) -> None:
+        log = self.tmp_path / f"executor-{self.name}-{len(self.procs)}.log"
+        self.procs.append(start("executor_service", ["--listen", self.address, *self.args], log))
+        wait_healthy(self.address, self.procs[-1])
+
+    def restart(self, kill: threading.Event) -> None:
+        """A run's killer thread: SIGKILL the executor once `kill` is set, and start another in its place."""
+        assert kill.wait(120), "the run never got a quarter of its tokens out"
+        stop(self.procs[-1], signal.SIGKILL)
+        self.start()
+
+
+@contextmanager
+def running_executors(tmp_path: Path, name: str, address: str, args: list[str]) -> Iterator[Executors]:
+    executors = Executors(tmp_path, name, address, args)
+    try:
+        executors.start()
+        yield executors
     finally:
-        stop(proc)
+        for proc in executors.procs:
+            stop(proc)
+
+
+def check_speculative_runs(tmp_path: Path, executors: Executors, plain: Outputs, name: str,
+                           flags: list[str]) -> list[dict[str, float]]:
+    """Speculation (flags) under swap preemption with async scheduling and an executor SIGKILL mid-run, then under
+    recompute preemption with synchronous scheduling: each run gives every output of the plain run, verifies
+    drafts and preempts. Returns the runs' metrics."""
+    runs = [(f"{name}-swap-async-sigkill", ["--preemption-mode", "swap"], executors.restart),
+            (f"{name}-recompute-sync", ["--preemption-mode", "recompute", "--no-async-scheduling"], None)]
+    found = []
+    for run_name, mode, killer in runs:
+        outputs, m = scheduler_run(tmp_path, executors.address, run_name, [*flags, *mode], killer)
+        for key, expected in plain.items():
+            assert outputs[key] == expected, f"{run_name}: {key}"
+        assert m["vllm:spec_decode_num_drafts_total"] > 0, run_name
+        assert m.get("vllm:num_preemptions_total", 0.0) > 0, f"{run_name}: the small KV cache made requests preempt"
+        found.append(m)
+    assert len(executors.procs) == 2, "the executor was killed and restarted mid-run"
+    return found
 
 
 def test_speculation_keeps_every_output(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    args = ["--listen", address, *EXECUTOR_ARGS]
-    executors = [start("executor_service", args, tmp_path / "executor.log")]
-
-    def restart(kill: threading.Event) -> None:
-        assert kill.wait(120), "the run never got a quarter of its tokens out"
-        stop(executors[-1], signal.SIGKILL)
-        executors.append(start("executor_service", args, tmp_path / "executor-2.log"))
-        wait_healthy(address, executors[-1])
-
-    try:
-        wait_healthy(address, executors[0])
-        plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
+    with running_executors(tmp_path, "ngram", f"127.0.0.1:{free_port()}", EXECUTOR_ARGS) as executors:
+        plain, _ = scheduler_run(tmp_path, executors.address, "plain", ["--preemption-mode", "swap"])
         assert len(plain) == len(workload()) + 1
         assert plain["stop.0"][2] != plain["copy0.0"][2], "the stop string ended its request early"
         assert plain["n2.0"] == plain["n2.1"], "greedy n = 2 gives two equal sequences"
-        runs = {
-            "spec-swap-async-sigkill": (["--speculative-config", SPEC, "--preemption-mode", "swap"], restart),
-            "spec-recompute-sync": (["--speculative-config", SPEC, "--preemption-mode", "recompute",
-                                     "--no-async-scheduling"], None),
-        }
-        for name, (flags, killer) in runs.items():
-            outputs, m = scheduler_run(tmp_path, address, name, flags, killer)
-            for key, expected in plain.items():
-                assert outputs[key] == expected, f"{name}: {key}"
-            assert m["vllm:spec_decode_num_drafts_total"] > 0, name
+        for m in check_speculative_runs(tmp_path, executors, plain, "spec", ["--speculative-config", SPEC]):
             assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
-            assert m.get("vllm:num_preemptions_total", 0.0) > 0, f"{name}: the small KV cache made requests preempt"
-        assert len(executors) == 2, "the executor was killed and restarted mid-run"
-    finally:
-        for proc in executors:
-            stop(proc)
 
 
 DRAFT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
 # Fewer blocks than EXECUTOR_ARGS: a drafted step never preempts (drafts fall back to a plain decode when the
-# pool is short), so only plain growth does, and 16 blocks (one of the longest requests and a little) make it.
+# pool is short), so only plain growth does. 16 blocks make it certain in any order: the n2 request's prompt (171
+# tokens) is 10 full blocks its two sequences share, and each grows to 4 blocks of its own past them (211 tokens):
+# 18 > 16. Its sibling joins the queue's front once the prompt is computed, so both run together unless others hold
+# the pool, and those (8 or 11 prompt blocks beside n2's 11) outgrow it themselves.
 DRAFT_EXECUTOR_ARGS = ["--num-gpu-blocks", "16", "--num-cpu-blocks", "64", "--block-size", "16"]
 DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "model": "'
               + str(DRAFT_MODEL) + '"}')
@@ -142,62 +187,29 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
     preemption with async scheduling and an executor SIGKILL, and under recompute preemption; every greedy draft
     is accepted (the draft is the model), so acceptance is 1.0 on a greedy-only run."""
     address = f"127.0.0.1:{free_port()}"
-    plain_exec = start("executor_service", ["--listen", address, *DRAFT_EXECUTOR_ARGS],
-                       tmp_path / "executor-plain.log")
-    try:
-        wait_healthy(address, plain_exec)
+    with running_executors(tmp_path, "plain", address, DRAFT_EXECUTOR_ARGS):
         plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
         refused, m = scheduler_run(tmp_path, address, "no-capability", ["--speculative-config", DRAFT_SPEC])
         assert refused == plain and m.get("vllm:spec_decode_num_drafts_total", 0.0) == 0
         log = (tmp_path / "scheduler-no-capability.log").read_text()
         assert "needs an executor with a draft model" in log and "--draft-model" in log
-    finally:
-        stop(plain_exec)
-    args = ["--listen", address, *DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
-    executors = [start("executor_service", args, tmp_path / "executor.log")]
-
-    def restart(kill: threading.Event) -> None:
-        assert kill.wait(120), "the run never got a quarter of its tokens out"
-        stop(executors[-1], signal.SIGKILL)
-        executors.append(start("executor_service", args, tmp_path / "executor-2.log"))
-        wait_healthy(address, executors[-1])
-
-    try:
-        wait_healthy(address, executors[0])
+    args = [*DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
+    with running_executors(tmp_path, "draft", address, args) as executors:
         chunks = ["--speculative-config", DRAFT_SPEC, "--max-num-batched-tokens", "32"]  # more requests in flight
-        runs = {
-            "draft-swap-async-sigkill": ([*chunks, "--preemption-mode", "swap"], restart),
-            "draft-recompute-sync": ([*chunks, "--preemption-mode", "recompute", "--no-async-scheduling"], None),
-        }
-        for name, (flags, killer) in runs.items():
-            outputs, m = scheduler_run(tmp_path, address, name, flags, killer)
-            for key, expected in plain.items():
-                assert outputs[key] == expected, f"{name}: {key}"
-            assert m["vllm:spec_decode_num_drafts_total"] > 0, name
-            assert m.get("vllm:num_preemptions_total", 0.0) > 0, f"{name}: the small KV cache made requests preempt"
-        assert len(executors) == 2, "the executor was killed and restarted mid-run"
-        greedy = asyncio.run(greedy_acceptance(tmp_path, address))
+        check_speculative_runs(tmp_path, executors, plain, "draft", chunks)
+        greedy = greedy_acceptance(tmp_path, address)
         assert greedy["vllm:spec_decode_num_draft_tokens_total"] > 0
         assert greedy["vllm:spec_decode_num_accepted_tokens_total"] == greedy["vllm:spec_decode_num_draft_tokens_total"]
-    finally:
-        for proc in executors:
-            stop(proc)
 
 
-async def greedy_acceptance(tmp_path: Path, executor: str) -> dict[str, float]:
+def greedy_acceptance(tmp_path: Path, executor: str) -> dict[str, float]:
     """The spec-decode metrics of greedy requests only, through a scheduler with the draft model."""
-    port, metrics = free_port(), free_port()
-    address = f"127.0.0.1:{port}"
-    proc = start("scheduler_service", ["--listen", address, "--executor", executor, "--metrics-port", str(metrics),
-                                       "--api-server-count", "0", "--speculative-config", DRAFT_SPEC],
-                 tmp_path / "scheduler-greedy.log")
-    try:
-        await asyncio.to_thread(wait_healthy, address, proc)
+    async def generate_greedy(address: str) -> None:
         async with PagedServeClient(address) as client:
             for prompt in copy_prompts(3):
                 async for r in client.generate(prompt=prompt, max_tokens=24, temperature=0.0, ignore_eos=True):
                     assert not r.error, r.error
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
-        return parse_metrics(text)
-    finally:
-        stop(proc)
+
+    with running_scheduler(tmp_path, executor, "greedy", ["--speculative-config", DRAFT_SPEC]) as (address, metrics):
+        asyncio.run(generate_greedy(address))
+        return read_metrics(metrics)

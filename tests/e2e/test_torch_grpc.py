@@ -200,7 +200,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         # The runs above use the default layout (engine core + api server process, async scheduling);
         # this one is synchronous, in one process, as before the split.
         runs["sync"] = serve(executor, ["--no-async-scheduling", "--api-server-count", "0"],
-                             root / "scheduler-sync.log", TIGHT_ROUNDS)
+                             root / "scheduler-sync.log", TIGHT_ROUNDS, "vllm:num_preemptions_total")
     return Case(name, reference, runs)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,25 +13,8 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
+from tests.support.engine_loop import collect
 from tests.support.procs import free_port, start, stop, wait_healthy
-
-
-@pytest.fixture
-def executor(tmp_path: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address], tmp_path / "executor.log")
-    wait_healthy(address, proc)
-    yield address
-    stop(proc)
-
-
-async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
-    tokens: list[int] = []
-    while True:
-        delta = await queue.get()
-        tokens += delta.new_token_ids
-        if delta.finish_reason is not None:
-            return tokens, delta
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
@@ -219,12 +201,15 @@ async def test_an_executor_silent_past_the_load_timeout_is_warned_about(caplog: 
     engine.connection.describe = lambda timeout=5.0: describe(timeout=0.2)  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, "pagedserve.engine"):
         starting = asyncio.create_task(engine.start())
-        await asyncio.sleep(1.5)
+        deadline = asyncio.get_running_loop().time() + 60  # the warning itself ends the wait, not a guess at its time
+        while not any("not answering Describe for" in r.getMessage() for r in caplog.records
+                      if r.levelno == logging.WARNING):
+            assert asyncio.get_running_loop().time() < deadline, "no warning about the silent executor"
+            await asyncio.sleep(0.02)
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         await engine.stop()
-    assert any("not answering Describe for" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 async def test_a_request_ended_and_added_again_under_its_id_gets_no_token_of_the_old_one(executor: str) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,20 +15,14 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
-from tests.engine.test_executor_loop import collect
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.engine_loop import collect
 
 PATTERN = "[a-c]{12}(x|yz)"
 
 
 @pytest.fixture
-def executor(tmp_path: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "2"],
-                 tmp_path / "executor.log")
-    wait_healthy(address, proc)
-    yield address
-    stop(proc)
+def executor_args() -> list[str]:
+    return ["--sim-step-latency-ms", "2"]
 
 
 def constrained(rid: str, seed: int) -> Request:

@@ -5,8 +5,6 @@ advertise them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -16,19 +14,13 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
-from tests.support.procs import free_port, start, stop, wait_healthy
 
 PROMPT = [40 + (i * 7) % 50 for i in range(37)]
 
 
 @pytest.fixture
-def executor(tmp_path: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "1"],
-                 tmp_path / "executor.log")
-    wait_healthy(address, proc)
-    yield address
-    stop(proc)
+def executor_args() -> list[str]:
+    return ["--sim-step-latency-ms", "1"]
 
 
 async def deltas_of(engine: ExecutorLoop, request: Request) -> list[RequestDelta]:

@@ -4,8 +4,6 @@ smaller of its own flags and the executor's, so that no step it sends is refused
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +12,6 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop, step_budgets
-from tests.support.procs import free_port, start, stop, wait_healthy
 
 
 def describe(tokens: int, seqs: int, lookahead: int) -> executor_pb2.DescribeResponse:
@@ -33,13 +30,8 @@ def test_budgets_are_the_smaller_of_the_flags_and_the_executors_limits() -> None
 
 
 @pytest.fixture
-def executor(tmp_path: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address, "--max-num-batched-tokens", "64",
-                                      "--max-num-seqs", "4"], tmp_path / "executor.log")
-    wait_healthy(address, proc)
-    yield address
-    stop(proc)
+def executor_args() -> list[str]:
+    return ["--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
 
 
 async def test_flags_above_the_executors_limits_schedule_steps_it_accepts(executor: str) -> None:

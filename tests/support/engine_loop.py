@@ -1,0 +1,34 @@
+"""For tests of the engine loop in-process against a real simulated executor process: the process, and the
+collection of one request's deltas."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from scheduler_service.core.outputs import RequestDelta
+from tests.support.procs import free_port, start, stop, wait_healthy
+
+
+@contextmanager
+def simulated_executor(log_path: Path, *args: str) -> Iterator[str]:
+    """A simulated executor process (`--simulated` and `args`) on 127.0.0.1, healthy; yields its address."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--simulated", "--listen", address, *args], log_path)
+    try:
+        wait_healthy(address, proc)
+        yield address
+    finally:
+        stop(proc)
+
+
+async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], RequestDelta]:
+    """One request's tokens and its last delta (the one with a finish reason)."""
+    tokens: list[int] = []
+    while True:
+        delta = await queue.get()
+        tokens += delta.new_token_ids
+        if delta.finish_reason is not None:
+            return tokens, delta
