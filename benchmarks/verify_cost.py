@@ -8,7 +8,7 @@ request carries --drafts draft tokens (verified in the same pass), timed round b
 thread's CPU time (time.thread_time: other processes on a shared machine do not count). Prints per batch size
 both medians, their ratio (the cost ratio the scheduler's adaptivity measures online), the marginal cost of one
 draft token as a fraction of a plain step, and the time of the verification's own bookkeeping outside the
-forward pass (expand_drafts, verify_rows, accept_runs).
+forward pass (expand_drafts, verify_rows, verify_requests, accept_runs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from executor_service.backend import BatchItem, SampleOutput, SamplingConfig
 from executor_service.config import ExecutorConfig
-from executor_service.runner.speculative import accept_runs, expand_drafts, verify_rows
+from executor_service.runner.speculative import accept_runs, expand_drafts, verify_requests, verify_rows
 from executor_service.runner.torch_backend import TorchBackend
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -57,6 +57,7 @@ def bookkeeping_s(items: list[BatchItem], repeat: int = 50) -> float:
     for _ in range(repeat):
         expand_drafts(items)
         verify_rows(items, sample_items)
+        verify_requests(items, sample_items)
         accept_runs(items, sample_items, outputs)
     return (time.thread_time() - t0) / repeat
 
@@ -70,7 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     per = -(-(args.context + args.drafts + 1) // 16)
-    backend = TorchBackend.create(ExecutorConfig(device="cpu", dtype="float32", num_gpu_blocks=max(args.batch) * per + 8,
+    blocks = max(args.batch) * per + 8
+    backend = TorchBackend.create(ExecutorConfig(device="cpu", dtype="float32", num_gpu_blocks=blocks,
                                                  num_cpu_blocks=0, cpu_threads=1))
     vocab, block = backend.info.vocab_size, backend.info.block_size
     print(f"load average {os.getloadavg()[0]:.1f}; decode steps, context {args.context}, {args.drafts} drafts per "

@@ -46,7 +46,7 @@ from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.prompt_logprobs import fill_prompt_logprobs, prompt_rows
 from executor_service.runner.sampler import Sampler, SampleRequest
-from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
+from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_requests, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
 from executor_service.token_masks import resolve_masks
 from executor_service.validator import MAX_NUM_DRAFT_TOKENS, RequestRefused, check_span
@@ -249,7 +249,7 @@ class TorchBackend:
             with torch.inference_mode():
                 items = self.draft.propose(items)
         batch = self.prepare(expand_drafts(items))
-        rows, _ = verify_rows(items, batch.sample_items)
+        rows = verify_rows(items, batch.sample_items)
         batch.output_rows = row_index(rows + batch.prompt_rows, self.device)
         with torch.inference_mode():
             logits = self.run_batch(batch)
@@ -259,7 +259,7 @@ class TorchBackend:
                     fill_prompt_logprobs(logits[len(rows):], items)
                     logits = logits[:len(rows)]
                 resolve_masks(items)  # (constrained items of the step, which carry no drafts)
-                samples = self.sampler.sample(logits, verify_rows(items, batch.sample_items)[1]) if rows else []
+                samples = self.sampler.sample(logits, verify_requests(items, batch.sample_items)) if rows else []
         return accept_runs(items, batch.sample_items, samples)
 
     def prepare(self, items: list[BatchItem]) -> Batch:

@@ -93,6 +93,30 @@ def test_a_continuation_that_reaches_the_end_repeats_itself() -> None:
     assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
 
 
+def reference_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The proposer's definition, spelled out: for n from n_max down, the latest window of n tokens ending before
+    the last token that equals the last n tokens; what followed it."""
+    if k < 1:
+        return []
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        ends = [i for i in range(n - 1, len(tokens) - 1) if tokens[i - n + 1:i + 1] == tail]
+        if ends:
+            start = ends[-1] + 1
+            out = tokens[start:start + k]
+            while len(out) < k:
+                out.append(out[len(out) - (len(tokens) - start)])
+            return out
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(0, 6), n_min=st.integers(1, 4),
+       extra=st.integers(0, 3))
+def test_the_proposer_equals_its_definition(tokens: list[int], k: int, n_min: int, extra: int) -> None:
+    assert propose_ngram(tokens, k, n_min, n_min + extra) == reference_ngram(tokens, k, n_min, n_min + extra)
+
+
 # ---- the scheduler -------------------------------------------------------------------------------------------
 
 def make_scheduler(spec: SpeculativeConfig | None = SPEC, max_drafts: int = 4, blocks: int = 64,
