@@ -219,10 +219,12 @@ class TorchBackend:
         return await asyncio.wrap_future(self._on_thread)
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
-        return (torch.get_num_threads() == 1 and self._last_decode.expected_s(len(items)) < INLINE_STEP_S
+        """A decode step (its items may carry n-gram drafts: a verification at a small batch costs about a decode,
+        and the thread hop is a share of it) expected to be short, counting every draft as a decode row."""
+        rows = len(items) + sum(len(item.draft_token_ids) for item in items)
+        return (torch.get_num_threads() == 1 and self._last_decode.expected_s(rows) < INLINE_STEP_S
                 and self._on_thread.done()
-                and all(item.num_tokens == 1 and not item.draft_token_ids and not item.num_model_drafts
-                        and item.deferred_masks is None
+                and all(item.num_tokens == 1 and not item.num_model_drafts and item.deferred_masks is None
                         for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
