@@ -13,8 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler_service.core.spec_cost import ema
+
 MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 1 << 20  # never, as vLLM's default: the measured costs decide (spec_cost.py)
 
 
 class SpecMethod(enum.Enum):
@@ -25,7 +27,8 @@ class SpecMethod(enum.Enum):
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative-config keys (method, num_speculative_tokens, prompt_lookup_min/max,
-    disable_by_batch_size) and our per-request back-off (min_acceptance_rate: a request whose recent drafts are
+    disable_by_batch_size: a hard cap above the measured decision of spec_cost.py) and our per-request back-off
+    (min_acceptance_rate: a request whose recent drafts are
     accepted less often than this pauses speculating for a while, longer each time)."""
 
     method: SpecMethod = SpecMethod.NGRAM
@@ -136,12 +139,14 @@ def continuation(tokens: list[int], start: int, k: int) -> list[int]:
 class DraftRecord:
     """One request's speculation so far: steps verified, draft tokens sent and accepted (for the request log and
     the metrics), and the back-off: a recent acceptance rate, and the output length before which it does not
-    propose (paused after its rate fell below the floor), with the length of its last pause. guess: under async
-    scheduling, the position and token its n-gram predicted for a token still being sampled (it waited for
-    that token to draft after it); a wrong guess counts as a rejected draft in the back-off. depth: a recent
-    average of its accepted run (accepted drafts + 1), which caps how many drafts it gets (draft_depth): a request
-    whose first drafts are rejected drafts fewer, so a verification or a draft model's passes are not spent on
-    positions that are rarely accepted."""
+    propose (paused after its rate fell below the floor), with the length of its last pause. guess: drafts proposed
+    but not verified, from a position on (an n-gram proposal while its step was in flight under async scheduling,
+    or one that did not pay its verification: a shadow), scored against the tokens that come as a verification
+    would have scored them. gain: a recent average of its accepted drafts per verification (shadows included),
+    which with the measured costs decides whether it speculates (spec_cost.py); on: its last decision (the
+    hysteresis). depth: a recent average of its accepted run (accepted drafts + 1), which caps how many drafts it
+    gets (draft_depth): a request whose first drafts are rejected drafts fewer, so a verification or a draft
+    model's passes are not spent on positions that are rarely accepted."""
 
     steps: int = 0
     drafted: int = 0
@@ -149,8 +154,10 @@ class DraftRecord:
     recent: float = 1.0
     resume_at: int = 0
     pause: int = 0
-    guess: tuple[int, int] | None = None
+    guess: tuple[int, tuple[int, ...]] | None = None
     depth: float = float(MAX_SPECULATIVE_TOKENS + 1)
+    gain: float | None = None
+    on: bool = True
 
     def draft_depth(self, k_max: int) -> int:
         """Drafts to propose now: its recent accepted run (rounded), within [1, k_max]."""
@@ -165,15 +172,27 @@ class DraftRecord:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.score(drafted, accepted, num_output, floor)
+
+    def score(self, drafted: int, accepted: int, num_output: int, floor: float) -> None:
+        """A verification's outcome (or a guess's) in the averages that decide its next drafts."""
         self.depth = min(self.depth, drafted + 1.0) * 0.5 + (accepted + 1) * 0.5
+        self.gain = ema(self.gain, float(accepted))
         self.observe(accepted / drafted, num_output, floor)
 
-    def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> None:
-        """The guessed token is known now: score the guess (a draft of one) in the back-off."""
-        if self.guess is not None and self.guess[0] < len(tokens):
-            position, token = self.guess
-            self.guess = None
-            self.observe(float(tokens[position] == token), num_output, floor)
+    def settle_guess(self, tokens: list[int], num_output: int, floor: float) -> int | None:
+        """Score the guessed drafts once the tokens at their positions are known (or one of them differs): the
+        number a verification would have accepted; None while undecided."""
+        if self.guess is None:
+            return None
+        position, drafts = self.guess
+        known = tokens[position:position + len(drafts)]
+        accepted = next((i for i, (a, b) in enumerate(zip(known, drafts, strict=False)) if a != b), len(known))
+        if accepted == len(known) < len(drafts):
+            return None
+        self.guess = None
+        self.score(len(drafts), accepted, num_output, floor)
+        return accepted
 
     def observe(self, rate: float, num_output: int, floor: float) -> None:
         self.recent = 0.6 * self.recent + 0.4 * rate
