@@ -445,6 +445,8 @@ class Scheduler:
             if record is not None:
                 if record.guess is not None:
                     self._settle_guess(record, request, spec)
+                    if record.guess is not None and not record.on:  # off, its last guess still open: no new one
+                        continue
                 k = min(k, record.draft_depth(k_max))
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
                 continue
