@@ -466,16 +466,18 @@ class Scheduler:
     def _choose_drafters(self, candidates: list[tuple[Request, list[int], int]], batch: int, probe: Probe,
                          k_max: int) -> set[str]:
         """The requests whose drafts go into this step: those whose expected accepted drafts are worth their
-        verification at this batch size (with hysteresis), if together they pay for the turnaround a verification
-        costs under async scheduling; none on a plain probe, the most promising one on a draft probe."""
+        verification at this batch size (with hysteresis; a request that must wait for its step in flight first
+        gives up that step's token), if together they pay for the turnaround a verification costs under async
+        scheduling; none on a plain probe, the most promising one on a draft probe."""
         if probe is Probe.PLAIN or not candidates:
             return set()
         costs = self.spec_costs
         prior = costs.mean_gain if costs.mean_gain is not None else k_max / 2
         valued: list[tuple[float, Request, bool]] = []
-        for request, drafts, _ in candidates:
+        for request, drafts, ahead in candidates:
             record = request.drafts
             gain = record.gain if record is not None and record.gain is not None else prior
+            gain -= 1 if ahead else 0  # it waits a step for its token in flight: that step's token is lost
             k = min(len(drafts), k_max)
             on = costs.clears(batch, gain, k, record is None or record.on)
             if record is not None:
