@@ -494,3 +494,20 @@ def test_async_drafts_that_save_less_than_the_turnaround_they_cost_are_not_sent(
         drafted.append(bool(drafts))
     assert s.spec_costs.turnaround_s == pytest.approx(0.049)
     assert sum(drafted[-40:]) <= 2  # 3 tokens of 1 ms each never pay 49 ms: only probes
+
+
+def test_async_a_request_waits_for_its_step_in_flight_only_if_its_drafts_pay_for_the_lost_step() -> None:
+    s = make_scheduler(async_scheduling=True)
+    s.spec_costs.observe_step(1, 0, 0.010)  # a row is worth 10 ms
+    s.spec_costs.observe_step(1, 3, 0.010 + 3 * 0.0075)  # a draft costs 7.5 ms
+    s.spec_costs.observe_gain(3)  # drafts here are accepted: 3 drafts save 30 ms, cost 22.5 ms
+    request = Request("r", list(PERIODIC), SamplingOptions(max_tokens=50), 0.0)
+    s.add_request(request)
+    prefill = s.schedule()
+    decode = s.schedule()
+    s.update(prefill, ExecutorResult(sampled={"r": [10]}))
+    ahead = s.schedule()  # waiting for the token in flight would give up 10 ms more: 30 < 22.5 + 10
+    assert [w.num_tokens for w in ahead.scheduled] == [1] and not drafts_of(ahead)
+    s.update(decode, ExecutorResult(sampled={"r": [11]}))
+    s.update(ahead, ExecutorResult(sampled={"r": [12]}))
+    assert drafts_of(s.schedule()) == {"r": (13, 10, 11)}  # nothing in flight: its drafts pay
