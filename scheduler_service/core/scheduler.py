@@ -486,7 +486,7 @@ class Scheduler:
         if probe is Probe.DRAFTS:
             return {max(valued, key=lambda v: v[0])[1].request_id}
         chosen = [(value, request) for value, request, on in valued if on]
-        turnaround = costs.turnaround_s if self.config.async_scheduling else 0.0
+        turnaround = costs.turnaround_s(batch) if self.config.async_scheduling else 0.0
         if not chosen or sum(value for value, _ in chosen) <= turnaround:
             return set()
         return {request.request_id for _, request in chosen}
@@ -803,7 +803,7 @@ class Scheduler:
         """Speculation's measured costs (spec_cost.py): a decode step's time by its batch size and drafts, and a
         lone step's turnaround."""
         if self._lone is not None and self._lone[0] == out.step_id:
-            self.spec_costs.observe_turnaround(self.clock() - self._lone[1], busy_s)
+            self.spec_costs.observe_turnaround(len(out.scheduled), self.clock() - self._lone[1], busy_s)
             self._lone = None
         if out.num_steps != 1 or out.swap_in or out.swap_out or out.copy:
             return

@@ -4,8 +4,8 @@ The executor reports its time in every step (ExecutorResult.busy_s). From decode
 batch size (exact up to 8, then per power of two), the seconds per row of a plain step (token_s: what one more
 output token is worth at that batch) and the marginal seconds of one draft token in a verification (draft_s: the
 verification's time beyond the plain step of its batch, per draft). Under async scheduling a verification also
-costs the scheduler's turnaround once (the step after it waits for its answer instead of overlapping): turnaround_s,
-measured as a lone step's round trip less the executor's time.
+costs the scheduler's turnaround once (the step after it waits for its answer instead of overlapping): turnaround_s
+per batch size, measured as a lone step's round trip less the executor's time.
 
 A request with k drafts whose verifications accept `gain` tokens on average adds gain * token_s - k * draft_s
 seconds of value to a step: its expected tokens per step (1 + gain) beat the cost ratio of its verification,
@@ -48,6 +48,7 @@ class BatchCost:
     draft_s: float | None = None
     since_plain: int = 0
     since_drafts: int = 0
+    turnaround_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -55,7 +56,6 @@ class StepCosts:
     """The measured costs (module docstring); fed by update(), read by _propose()."""
 
     batches: dict[int, BatchCost] = field(default_factory=dict)
-    turnaround_s: float = 0.0
     reporting: bool = False  # the executor reports its step times
     mean_gain: float | None = None  # accepted tokens per verification over all requests: a new request's prior
 
@@ -81,10 +81,16 @@ class StepCosts:
             cost.since_drafts = 0
             cost.since_plain += 1
 
-    def observe_turnaround(self, round_trip_s: float, busy_s: float) -> None:
-        """A step scheduled with nothing in flight came back after round_trip_s, busy_s of it in the executor."""
-        if busy_s > 0.0:
-            self.turnaround_s = ema(self.turnaround_s if self.reporting else None, max(0.0, round_trip_s - busy_s))
+    def observe_turnaround(self, batch: int, round_trip_s: float, busy_s: float) -> None:
+        """A step of `batch` requests scheduled with nothing in flight came back after round_trip_s, busy_s of it
+        in the executor (the scheduler's own share grows with the batch: one average per batch size)."""
+        if busy_s > 0.0 and batch >= 1:
+            cost = self.of(batch)
+            cost.turnaround_s = ema(cost.turnaround_s, max(0.0, round_trip_s - busy_s))
+
+    def turnaround_s(self, batch: int) -> float:
+        """The turnaround a verification adds under async scheduling at this batch size (0 until measured)."""
+        return self.of(batch).turnaround_s or 0.0
 
     def observe_gain(self, accepted: int) -> None:
         self.mean_gain = ema(self.mean_gain, float(accepted))
