@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram) on vs off, on the same executor in one run.
 
-    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--output-len 128]
-        [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
+    python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--min-requests 4]
+        [--output-len 128] [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
         [--scheduler-flags "--no-async-scheduling"] [--method ngram|draft_model] [--draft-model DIR]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
@@ -14,8 +14,8 @@ seeded generator):
   paragraph, a blank line, and the paragraph's first third again; greedy continuation copies much of the rest.
 - free: each prompt is the first sentence of a paragraph; the model writes on freely (no copying asked).
 
-At each concurrency level, max(level * requests_per_level, 4) requests go out with at most `level` in flight
-(greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
+At each concurrency level, max(level * requests_per_level, min_requests) requests go out with at most `level` in
+flight (greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
 and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
 executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
 (load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
@@ -143,6 +143,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--requests-per-level", type=int, default=1)
+    p.add_argument("--min-requests", type=int, default=4, help="at least this many requests at every level")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -156,7 +157,7 @@ def main() -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative-config.disable_by_batch_size (default: the scheduler's)")
     args = p.parse_args()
-    work = {(name, level): dataset(name, max(4, level * args.requests_per_level), args.output_len)
+    work = {(name, level): dataset(name, max(args.min_requests, level * args.requests_per_level), args.output_len)
             for name in args.datasets for level in args.concurrency}
     config: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.disable_by_batch_size is not None:

@@ -11,8 +11,9 @@ rejection sampler of speculative decoding for such drafts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -28,27 +29,67 @@ def expand_drafts(items: Sequence[BatchItem]) -> list[BatchItem]:
             if item.draft_token_ids else item for item in items]
 
 
-def verify_rows(items: Sequence[BatchItem], sample_items: Sequence[int]) -> tuple[list[int], list[SampleRequest]]:
-    """The pass's rows to sample (flat indices into its tokens) and what each samples: the last k + 1 rows of
-    every sampled item with k drafts, each at its own position with the drafts before it as context."""
+class DraftContext(Sequence[int]):
+    """A verified row's context without copying it: the item's known tokens, then its first `used` drafts (the
+    sampler reads it only for penalties; building k + 1 lists of a long context per item cost more than the
+    verification's sampling at batch 64)."""
+
+    __slots__ = ("drafts", "known", "used")
+
+    def __init__(self, known: Sequence[int], drafts: Sequence[int], used: int) -> None:
+        self.known, self.drafts, self.used = known, drafts, used
+
+    def __len__(self) -> int:
+        return len(self.known) + self.used
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        known = len(self.known)
+        return self.known[index] if index < known else self.drafts[index - known]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.known
+        yield from self.drafts[:self.used]
+
+
+def verify_rows(items: Sequence[BatchItem], sample_items: Sequence[int]) -> list[int]:
+    """The pass's rows to sample (flat indices into its tokens): the last k + 1 rows of every sampled item with
+    k drafts."""
     ends: list[int] = []
     total = 0
     for item in items:
         total += item.num_tokens + len(item.draft_token_ids)
         ends.append(total)
     rows: list[int] = []
+    for i in sample_items:
+        count = len(items[i].draft_token_ids) + 1
+        rows.extend(range(ends[i] - count, ends[i]))
+    return rows
+
+
+def verify_requests(items: Sequence[BatchItem], sample_items: Sequence[int]) -> list[SampleRequest]:
+    """What each of verify_rows' rows samples: each at its own position with the drafts before it as context
+    (built after resolve_masks: an item's mask may come after the pass)."""
     requests: list[SampleRequest] = []
     for i in sample_items:
         item = items[i]
-        drafts = list(item.draft_token_ids)
-        count = len(drafts) + 1
-        rows.extend(range(ends[i] - count, ends[i]))
-        known = len(item.token_ids)
-        for j in range(count):
-            context = [*item.token_ids, *drafts[:j]] if j else item.token_ids
-            mask = item.token_mask if j == 0 else None  # (a masked item has no drafts: the scheduler sends none)
-            requests.append(SampleRequest(item.sampling, context, item.num_prompt_tokens, known + j, mask))
-    return rows, requests
+        drafts, known = item.draft_token_ids, len(item.token_ids)
+        requests.append(SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, known, item.token_mask))
+        # (a masked item has no drafts: the scheduler sends none)
+        requests.extend(SampleRequest(item.sampling, DraftContext(item.token_ids, drafts, j), item.num_prompt_tokens,
+                                      known + j) for j in range(1, len(drafts) + 1))
+    return requests
 
 
 def accept_runs(items: Sequence[BatchItem], sample_items: Sequence[int],

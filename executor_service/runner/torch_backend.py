@@ -47,7 +47,7 @@ from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.kv_groups import KVLayout, plan_layout
 from executor_service.runner.prompt_logprobs import fill_prompt_logprobs, prompt_rows
 from executor_service.runner.sampler import Sampler, SampleRequest
-from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_rows
+from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_requests, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
 from executor_service.token_masks import resolve_masks
 from executor_service.validator import MAX_NUM_DRAFT_TOKENS, RequestRefused, check_span
@@ -225,10 +225,12 @@ class TorchBackend:
         return await asyncio.wrap_future(self._on_thread)
 
     def _runs_inline(self, items: list[BatchItem]) -> bool:
-        return (torch.get_num_threads() == 1 and self._last_decode.expected_s(len(items)) < INLINE_STEP_S
+        """A decode step (its items may carry n-gram drafts: a verification at a small batch costs about a decode,
+        and the thread hop is a share of it) expected to be short, counting every draft as a decode row."""
+        rows = len(items) + sum(len(item.draft_token_ids) for item in items)
+        return (torch.get_num_threads() == 1 and self._last_decode.expected_s(rows) < INLINE_STEP_S
                 and self._on_thread.done()
-                and all(item.num_tokens == 1 and not item.draft_token_ids and not item.num_model_drafts
-                        and item.deferred_masks is None
+                and all(item.num_tokens == 1 and not item.num_model_drafts and item.deferred_masks is None
                         for item in items))
 
     def execute(self, items: list[BatchItem]) -> list[SampleOutput | None]:
@@ -255,7 +257,7 @@ class TorchBackend:
             with torch.inference_mode():
                 items = self.draft.propose(items)
         batch = self.prepare(expand_drafts(items))
-        rows, _ = verify_rows(items, batch.sample_items)
+        rows = verify_rows(items, batch.sample_items)
         batch.output_rows = row_index(rows + batch.prompt_rows, self.device)
         with torch.inference_mode():
             logits = self.run_batch(batch)
@@ -265,7 +267,7 @@ class TorchBackend:
                     fill_prompt_logprobs(logits[len(rows):], items)
                     logits = logits[:len(rows)]
                 resolve_masks(items)  # (constrained items of the step, which carry no drafts)
-                samples = self.sampler.sample(logits, verify_rows(items, batch.sample_items)[1]) if rows else []
+                samples = self.sampler.sample(logits, verify_requests(items, batch.sample_items)) if rows else []
         return accept_runs(items, batch.sample_items, samples)
 
     def prepare(self, items: list[BatchItem]) -> Batch:

@@ -134,6 +134,7 @@ class ExecutorResult:
     prompt_logprobs: dict[str, PromptChunk] = field(default_factory=dict)
     ids: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    busy_s: float = 0.0  # the executor's own time in the step (StepResult.timings), 0 where not reported
     _index: dict[str, int] | None = field(default=None, init=False, repr=False)
 
     def tokens_of(self, request_id: str) -> list[int] | None:

@@ -31,7 +31,14 @@ from scheduler_service.core.outputs import (
 from scheduler_service.core.policy import Policy, WaitingQueue, sort_key
 from scheduler_service.core.request import FinishReason, Request, RequestStatus
 from scheduler_service.core.running import RunningSet
-from scheduler_service.core.speculative import DraftRecord, SpecDecodeStats, SpecMethod, propose_ngram
+from scheduler_service.core.spec_cost import Probe, StepCosts
+from scheduler_service.core.speculative import (
+    DraftRecord,
+    SpecDecodeStats,
+    SpecMethod,
+    SpeculativeConfig,
+    propose_ngram,
+)
 from scheduler_service.core.stop_rules import StopTable, stop_reason
 from scheduler_service.core.window_groups import WindowBlocks
 
@@ -100,6 +107,8 @@ class Scheduler:
         self._inflight: dict[str, tuple[ScheduledWork, int]] | None = None
         self._proposals: dict[str, list[int]] = {}  # this step's draft tokens, while schedule() runs
         self.spec_stats = SpecDecodeStats()
+        self.spec_costs = StepCosts()  # measured costs of speculation (spec_cost.py)
+        self._lone: tuple[int, float] | None = None  # a step scheduled with none in flight, and when
 
     @property
     def running(self) -> list[Request]:
@@ -245,6 +254,8 @@ class Scheduler:
                     work.request.first_scheduled_time = now
         self._entered_running.clear()
         out.finished_ids, self._to_drop = self._to_drop, []
+        if self.config.speculative_config is not None and out.scheduled and not self._unupdated:
+            self._lone = (out.step_id, now)
         if self.config.async_scheduling:
             self._unupdated.append(out)
             self._count_in_flight(out, 1)
@@ -386,24 +397,43 @@ class Scheduler:
     # ---- speculative decoding -----------------------------------------------------------
 
     def _propose(self) -> dict[str, list[int]]:
-        """Draft tokens for the running decodes that may speculate this step (none above the batch size where
-        speculation stops paying, nor for a request that pauses after its drafts were rejected); their rows are
-        marked drafting. Async scheduling: a request whose last token is still being sampled (a step in flight)
-        cannot be drafted for; if its known tokens predict a draft, it waits for that step (an empty proposal)
-        instead of decoding ahead, and is drafted for at the next step. A structured-output request does not
-        speculate: the executor gets the mask of its next position only. Method draft_model: the executor's
-        draft model proposes, so a proposal is k placeholder tokens (k slots), and a request with a step in flight
-        always waits for it."""
+        """Draft tokens for the running decodes that speculate this step (none above disable_by_batch_size, where
+        the measured costs say no draft can pay, nor for a request that pauses after its drafts were rejected);
+        their rows are marked drafting. Which proposals go into the step is decided by their measured value
+        (_choose_drafters); the n-gram proposals that do not are kept as the requests' guesses and scored when
+        their tokens come. Async scheduling: a request whose last token is still being sampled (a step in flight)
+        cannot be drafted for; if its known tokens predict a draft worth verifying, it waits for that step (an
+        empty proposal) instead of decoding ahead, and is drafted for at the next step. A structured-output
+        request does not speculate: the executor gets the mask of its next position only. Method draft_model: the
+        executor's draft model proposes, so a proposal is k placeholder tokens (k slots), and a request with a
+        step in flight always waits for it."""
         spec = self.config.speculative_config
-        if spec is None or len(self.running) > spec.disable_by_batch_size:
+        batch = len(self.running)
+        if spec is None or batch > spec.disable_by_batch_size:
             return {}
+        probe = self.spec_costs.probe(batch)
         model_drafts = spec.method is SpecMethod.DRAFT_MODEL
         most = self.limits.max_num_model_draft_tokens if model_drafts else self.limits.max_num_draft_tokens
         k_max = min(spec.num_speculative_tokens, most)
-        if k_max < 1:
+        if k_max < 1 or (probe is Probe.NONE and not self.spec_costs.pays_at_all(batch)):
             return {}
-        rs = self.rs
+        candidates = self._candidates(spec, k_max, model_drafts)
+        chosen = self._choose_drafters(candidates, batch, probe, k_max)
         proposals: dict[str, list[int]] = {}
+        for request, drafts, ahead in candidates:
+            record = request.drafts = request.drafts or DraftRecord()
+            if request.request_id in chosen:
+                proposals[request.request_id] = [] if ahead else drafts
+                self.rs.drafting[request.slot] = True
+            if not model_drafts and (ahead or request.request_id not in chosen) and record.guess is None:
+                record.guess = (request.num_tokens, tuple(drafts))
+        return proposals
+
+    def _candidates(self, spec: SpeculativeConfig, k_max: int,
+                    model_drafts: bool) -> list[tuple[Request, list[int], int]]:
+        """The running decodes that may draft now, each with its proposal and its steps in flight."""
+        rs = self.rs
+        found: list[tuple[Request, list[int], int]] = []
         for request in self.running:
             slot = request.slot
             if rs.uncomputed[slot] != 1 or rs.drafting[slot] or not request.output_token_ids:
@@ -413,25 +443,54 @@ class Scheduler:
             ahead = int(rs.inflight[slot])
             k = min(k_max, int(rs.limit[slot]) - request.num_tokens - ahead - 1)  # the last allowed is the model's
             record = request.drafts
-            tokens = request.all_token_ids
-            if record is not None and record.guess is not None:
-                record.settle_guess(tokens, request.num_output_tokens, spec.min_acceptance_rate)
             if record is not None:
+                if record.guess is not None:
+                    self._settle_guess(record, request, spec)
+                    if record.guess is not None and not record.on:  # off, its last guess still open: no new one
+                        continue
                 k = min(k, record.draft_depth(k_max))
             if k < 1 or (record is not None and request.num_output_tokens < record.resume_at):
                 continue
             if model_drafts:
-                proposals[request.request_id] = [] if ahead else [0] * k
-                rs.drafting[slot] = True
+                found.append((request, [0] * k, ahead))
                 continue
-            drafts = propose_ngram(tokens, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = propose_ngram(request.all_token_ids, k + ahead, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
-                proposals[request.request_id] = [] if ahead else drafts
-                rs.drafting[slot] = True
-                if ahead:
-                    record = request.drafts = record or DraftRecord()
-                    record.guess = (len(tokens), drafts[0])
-        return proposals
+                found.append((request, drafts, ahead))
+        return found
+
+    def _settle_guess(self, record: DraftRecord, request: Request, spec: SpeculativeConfig) -> None:
+        accepted = record.settle_guess(request.all_token_ids, request.num_output_tokens, spec.min_acceptance_rate)
+        if accepted is not None:
+            self.spec_costs.observe_gain(accepted)
+
+    def _choose_drafters(self, candidates: list[tuple[Request, list[int], int]], batch: int, probe: Probe,
+                         k_max: int) -> set[str]:
+        """The requests whose drafts go into this step: those whose expected accepted drafts are worth their
+        verification at this batch size (with hysteresis; a request that must wait for its step in flight first
+        gives up that step's token), if together they pay for the turnaround a verification costs under async
+        scheduling; none on a plain probe, the most promising one on a draft probe."""
+        if probe is Probe.PLAIN or not candidates:
+            return set()
+        costs = self.spec_costs
+        prior = costs.mean_gain if costs.mean_gain is not None else k_max / 2
+        valued: list[tuple[float, Request, bool]] = []
+        for request, drafts, ahead in candidates:
+            record = request.drafts
+            gain = record.gain if record is not None and record.gain is not None else prior
+            gain -= 1 if ahead else 0  # it waits a step for its token in flight: that step's token is lost
+            k = min(len(drafts), k_max)
+            on = costs.clears(batch, gain, k, record is None or record.on)
+            if record is not None:
+                record.on = on
+            valued.append((costs.value_s(batch, gain, k), request, on))
+        if probe is Probe.DRAFTS:
+            return {max(valued, key=lambda v: v[0])[1].request_id}
+        chosen = [(value, request) for value, request, on in valued if on]
+        turnaround = costs.turnaround_s(batch) if self.config.async_scheduling else 0.0
+        if not chosen or sum(value for value, _ in chosen) <= turnaround:
+            return set()
+        return {request.request_id for _, request in chosen}
 
     def _schedule_drafts(self, request: Request, drafts: list[int], extra: int, budget_left: list[int],
                          scheduled: dict[str, ScheduledWork]) -> bool:
@@ -478,6 +537,7 @@ class Scheduler:
         request.drafts.record(num_drafts, accepted, request.num_output_tokens + len(tokens),
                               spec.min_acceptance_rate if spec is not None else 0.0)
         self.spec_stats.record(num_drafts, accepted)
+        self.spec_costs.observe_gain(accepted)
         return ""
 
     def _grow(self, request: Request, n: int, extra: int) -> list[int] | None:
@@ -731,12 +791,28 @@ class Scheduler:
                 del self._unupdated[i]
                 self._count_in_flight(out, -1)
                 break
+        if self.config.speculative_config is not None and result.busy_s > 0.0:
+            self._observe_costs(out, result.busy_s)
         deltas = StepDeltas(list(out.rejected))
         if out.plain is not None and out.plain.ids:
             self._update_plain(out.plain, result, deltas)
         for work in out.explicit_works():
             self._update_one(work, result, deltas.others)
         return deltas
+
+    def _observe_costs(self, out: SchedulerOutput, busy_s: float) -> None:
+        """Speculation's measured costs (spec_cost.py): a decode step's time by its batch size and drafts, and a
+        lone step's turnaround."""
+        if self._lone is not None and self._lone[0] == out.step_id:
+            self.spec_costs.observe_turnaround(len(out.scheduled), self.clock() - self._lone[1], busy_s)
+            self._lone = None
+        if out.num_steps != 1 or out.swap_in or out.swap_out or out.copy:
+            return
+        explicit = out.explicit_works()
+        if any(w.num_tokens != 1 or w.is_new for w in explicit):
+            return
+        batch = len(out.scheduled)
+        self.spec_costs.observe_step(batch, sum(w.num_drafts for w in explicit), busy_s)
 
     def _update_plain(self, plain: PlainRows, result: ExecutorResult, deltas: StepDeltas) -> None:
         """The plain decodes in columns: each appends its token; only those a stop rule may end, or that

@@ -119,7 +119,7 @@ def _add_new(step: executor_pb2.StepRequest, w: ScheduledWork) -> None:
 
 
 def result_from_proto(msg: executor_pb2.StepResult, out: SchedulerOutput) -> ExecutorResult:
-    result = ExecutorResult()
+    result = ExecutorResult(busy_s=msg.timings.total_ns / 1e9)
     if msg.error:
         result.errors = {w.request.request_id: f"executor refused the step: {msg.error}" for w in out.scheduled}
         return result

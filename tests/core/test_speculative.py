@@ -4,6 +4,8 @@ test_async.py run with speculation among their configurations; the one here alwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, RequestStatus, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.spec_cost import PROBE_EVERY, Probe, StepCosts
 from scheduler_service.core.speculative import (
     SpecMethod,
     SpeculativeConfig,
@@ -91,6 +94,30 @@ def test_the_proposer_copies_what_followed_the_latest_match_of_the_longest_ngram
 def test_a_continuation_that_reaches_the_end_repeats_itself() -> None:
     assert propose_ngram([7, 7, 7], 4, 1, 2) == [7, 7, 7, 7]
     assert propose_ngram([1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
+
+
+def reference_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The proposer's definition, spelled out: for n from n_max down, the latest window of n tokens ending before
+    the last token that equals the last n tokens; what followed it."""
+    if k < 1:
+        return []
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        ends = [i for i in range(n - 1, len(tokens) - 1) if tokens[i - n + 1:i + 1] == tail]
+        if ends:
+            start = ends[-1] + 1
+            out = tokens[start:start + k]
+            while len(out) < k:
+                out.append(out[len(out) - (len(tokens) - start)])
+            return out
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(0, 6), n_min=st.integers(1, 4),
+       extra=st.integers(0, 3))
+def test_the_proposer_equals_its_definition(tokens: list[int], k: int, n_min: int, extra: int) -> None:
+    assert propose_ngram(tokens, k, n_min, n_min + extra) == reference_ngram(tokens, k, n_min, n_min + extra)
 
 
 # ---- the scheduler -------------------------------------------------------------------------------------------
@@ -362,3 +389,125 @@ def test_async_wrong_guesses_pause_the_waiting() -> None:
         s.update(first, ExecutorResult(sampled={"r": [50]} if first.scheduled else {}))  # never what it guessed
         pending.append(out)
     assert 0 < waited < 8, "after its guesses kept failing it decoded ahead again"
+
+
+# ---- speculation by measured cost (spec_cost.py) -------------------------------------------------------------
+
+def test_step_costs_learn_a_rows_and_a_drafts_seconds_and_probe_stale_ones() -> None:
+    costs = StepCosts()
+    assert costs.probe(8) is Probe.NONE and costs.clears(8, 0.0, 4, True)  # nothing reported: speculation is on
+    costs.observe_step(8, 0, 0.008)
+    assert costs.of(8).token_s == pytest.approx(0.001) and costs.probe(8) is Probe.DRAFTS  # no draft measured
+    costs.observe_step(8, 16, 0.016)
+    assert costs.of(8).draft_s == pytest.approx(0.0005) and costs.probe(8) is Probe.NONE
+    assert costs.value_s(8, 2.0, 4) == pytest.approx(2 * 0.001 - 4 * 0.0005)
+    assert costs.clears(8, 1.5, 2, was_on=True) and not costs.clears(8, 1.1, 2, was_on=False)  # hysteresis
+    assert costs.probe(16) is Probe.PLAIN and costs.pays_at_all(16)  # another batch size: its own costs
+    costs.observe_step(64, 0, 0.064)
+    costs.observe_step(64, 64, 0.064 + 64 * 0.002)
+    assert not costs.pays_at_all(64)  # a draft costs more than a plain token: none can pay
+    for _ in range(PROBE_EVERY):
+        costs.observe_step(64, 0, 0.064)
+    assert costs.probe(64) is Probe.DRAFTS
+
+
+def spec_scheduler(**config: object) -> Scheduler:
+    cfg = CoreConfig(watermark=0.0, speculative_config=SPEC, **config)  # type: ignore[arg-type]
+    limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=512, num_swap_blocks=0, max_model_len=2048,
+                            eos_token_ids=(EOS,), max_num_draft_tokens=4)
+    return Scheduler(cfg, limits, clock=FakeClock())
+
+
+def timed_step(s: Scheduler, answer: dict[str, list[int]], busy: Callable[[int, int], float]) -> SchedulerOutput:
+    """One step: each request answers its accepted drafts then answer[rid] (default: every draft accepted, then
+    the prompt's period continued), the executor reporting busy(batch, drafts) seconds."""
+    out = s.schedule()
+    sampled: dict[str, list[int]] = {}
+    for w in out.scheduled:
+        rid = w.request.request_id
+        if rid in answer:
+            sampled[rid] = answer[rid]
+        else:
+            tokens = w.request.all_token_ids
+            sampled[rid] = [*w.draft_token_ids, PERIODIC[(len(tokens) + len(w.draft_token_ids)) % 4]]
+    s.update(out, ExecutorResult(sampled=sampled, busy_s=busy(len(out.scheduled), out.total_num_scheduled_tokens
+                                                              - len(out.scheduled))))
+    return out
+
+
+def test_drafts_stop_where_a_verification_costs_more_than_they_save_and_come_back_once_it_is_cheap() -> None:
+    s = spec_scheduler()
+    started(s, max_tokens=1500)
+    dear = list(map(bool, (drafts_of(timed_step(s, {}, lambda b, d: 0.010 + d * 0.012)) for _ in range(96))))
+    assert dear[:3] == [True, False, True]  # unmeasured: speculate; then probe a plain step and a verification
+    assert sum(dear[3:]) <= 3  # a draft costs more than the token it could save: only a probe now and then
+    cheap = [bool(drafts_of(timed_step(s, {}, lambda b, d: 0.010))) for _ in range(160)]
+    assert sum(cheap[-40:]) >= 38  # a verification costs a plain step again: every step drafts (but a probe)
+
+
+def test_a_request_whose_drafts_do_not_pay_stops_and_its_scored_guesses_bring_it_back() -> None:
+    s = spec_scheduler()
+    good, bad = (Request(rid, list(PERIODIC), SamplingOptions(max_tokens=1500), 0.0) for rid in ("good", "bad"))
+    s.add_request(good)
+    s.add_request(bad)
+    s.update(s.schedule(), ExecutorResult(sampled={"good": [10], "bad": [10]}))
+    cost = lambda b, d: 0.010 + d * 0.0035  # noqa: E731 - a row is worth 5 ms, a draft costs 3.5 ms
+
+    def step(bad_copies: bool) -> dict[str, tuple[int, ...]]:
+        """good: every draft accepted; bad: the token after its accepted drafts is what its n-gram predicts
+        (bad_copies) or never that (its first draft and every guess rejected)."""
+        out = s.schedule()
+        drafts = drafts_of(out)
+        mine = [*bad.all_token_ids, *drafts.get("bad", ())]
+        predicted = (propose_ngram(mine, 1, 1, 3) or [10])[0]
+        own = predicted if bad_copies else 10 + (predicted - 9) % 4
+        accepted = drafts.get("bad", ()) if bad_copies else ()
+        sampled = {"good": [*drafts.get("good", ()), PERIODIC[(good.num_tokens + len(drafts.get("good", ()))) % 4]],
+                   "bad": [*accepted, own]}
+        s.update(out, ExecutorResult(sampled=sampled, busy_s=cost(2, sum(map(len, drafts.values())))))
+        return drafts
+
+    first = [step(bad_copies=False) for _ in range(60)]
+    assert sum("good" in d for d in first[-40:]) >= 38  # the good one drafts on (but for a plain probe)
+    assert sum("bad" in d for d in first[-40:]) == 0 and bad.drafts is not None and not bad.drafts.on
+    assert sum(1 for d in first if "bad" in d) <= 2  # it stopped after its first rejections
+    then = [step(bad_copies=True) for _ in range(60)]  # now its text repeats: its n-gram's guesses come true
+    assert sum("bad" in d for d in then[-20:]) >= 18 and bad.drafts.on
+    check_columns(s)
+
+
+def test_async_drafts_that_save_less_than_the_turnaround_they_cost_are_not_sent() -> None:
+    clock = FakeClock()
+    cfg = CoreConfig(watermark=0.0, speculative_config=SPEC, async_scheduling=True)
+    limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=512, num_swap_blocks=0, max_model_len=2048,
+                            eos_token_ids=(EOS,), max_num_draft_tokens=4)
+    s = Scheduler(cfg, limits, clock=clock)
+    request = started(s, max_tokens=1500)
+    drafted = []
+    for _ in range(80):
+        out = s.schedule()
+        clock.now += 0.050  # a lone step's round trip: 1 ms in the executor, 49 ms around it
+        drafts = drafts_of(out).get("r", ())
+        tokens = request.all_token_ids
+        s.update(out, ExecutorResult(sampled={"r": [*drafts, PERIODIC[(len(tokens) + len(drafts)) % 4]]}
+                                     if out.scheduled else {}, busy_s=0.001 if out.scheduled else 0.0))
+        drafted.append(bool(drafts))
+    assert s.spec_costs.turnaround_s(1) == pytest.approx(0.049)
+    assert sum(drafted[-40:]) <= 2  # 3 tokens of 1 ms each never pay 49 ms: only probes
+
+
+def test_async_a_request_waits_for_its_step_in_flight_only_if_its_drafts_pay_for_the_lost_step() -> None:
+    s = make_scheduler(async_scheduling=True)
+    s.spec_costs.observe_step(1, 0, 0.010)  # a row is worth 10 ms
+    s.spec_costs.observe_step(1, 3, 0.010 + 3 * 0.0075)  # a draft costs 7.5 ms
+    s.spec_costs.observe_gain(3)  # drafts here are accepted: 3 drafts save 30 ms, cost 22.5 ms
+    request = Request("r", list(PERIODIC), SamplingOptions(max_tokens=50), 0.0)
+    s.add_request(request)
+    prefill = s.schedule()
+    decode = s.schedule()
+    s.update(prefill, ExecutorResult(sampled={"r": [10]}))
+    ahead = s.schedule()  # waiting for the token in flight would give up 10 ms more: 30 < 22.5 + 10
+    assert [w.num_tokens for w in ahead.scheduled] == [1] and not drafts_of(ahead)
+    s.update(decode, ExecutorResult(sampled={"r": [11]}))
+    s.update(ahead, ExecutorResult(sampled={"r": [12]}))
+    assert drafts_of(s.schedule()) == {"r": (13, 10, 11)}  # nothing in flight: its drafts pay

@@ -16,7 +16,7 @@ from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
 from executor_service.runner.sampler import Sampler, SampleRequest
-from executor_service.runner.speculative import accept_runs
+from executor_service.runner.speculative import DraftContext, accept_runs
 from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import ExecutorServicer
 from executor_service.simulated import SimulatedBackend
@@ -25,6 +25,7 @@ from protos.pagedserve.v1 import executor_pb2
 VOCAB = 64
 GREEDY = SamplingConfig(temperature=0.0)
 SEEDED = SamplingConfig(temperature=0.9, seed=7)
+PENALISED = SamplingConfig(temperature=0.0, repetition_penalty=2.0, presence_penalty=2.0)
 Drafter = Callable[[list[int], int], list[int]]
 
 
@@ -71,7 +72,7 @@ def oracle(plain: list[list[int]], corrupt: float, seed: int) -> Drafter:
     return drafter
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, PENALISED], ids=["greedy", "seeded", "penalised"])
 @pytest.mark.parametrize("corrupt", [0.0, 0.3, 1.0])
 def test_verified_decoding_gives_the_tokens_of_plain_decoding(backend: TorchBackend, sampling: SamplingConfig,
                                                              corrupt: float) -> None:
@@ -93,6 +94,17 @@ def test_drafts_right_from_the_start_take_fewer_steps(backend: TorchBackend) -> 
     finally:
         del backend.execute
     assert calls[0] < 12
+
+
+def test_a_draft_context_reads_as_the_list_it_stands_for() -> None:
+    known, drafts = [4, 5, 6], (7, 8, 9)
+    for used in range(4):
+        context, expected = DraftContext(known, drafts, used), [*known, *drafts[:used]]
+        assert len(context) == len(expected) and list(context) == expected
+        assert [context[i] for i in range(-len(expected), len(expected))] == expected + expected
+        assert context[1:-1] == expected[1:-1]
+        with pytest.raises(IndexError):
+            context[len(expected)]
 
 
 # ---- the rejection rule keeps the target distribution ------------------------------------------------------

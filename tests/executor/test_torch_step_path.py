@@ -106,7 +106,7 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path: Path) -> None:
+def test_short_decode_steps_and_verifications_run_inline_and_others_on_the_forward_thread(tmp_path: Path) -> None:
     """At one forward thread there is no OpenMP pool to keep to one thread."""
     model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
     backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
@@ -130,8 +130,9 @@ def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path
         await backend.execute_async([decode])  # the first decode: its time is unknown, forward thread
         assert backend._last_decode.expected_s(1) < INLINE_STEP_S
         await backend.execute_async([decode])  # inline
+        await backend.execute_async([replace(decode, draft_token_ids=(9, 9))])  # a short verification: inline
         stuck = asyncio.ensure_future(backend.execute_async([replace(prefill, request_id="blocked")]))
-        while len(threads) < 4:
+        while len(threads) < 5:
             await asyncio.sleep(0)  # let the blocked step start on the forward thread
         stuck.cancel()  # its stream went away; the pass still runs on the forward thread
         after = asyncio.ensure_future(backend.execute_async([decode]))
@@ -140,7 +141,7 @@ def test_short_decode_steps_run_inline_and_others_on_the_forward_thread(tmp_path
         await after  # queued behind the cancelled pass, not run beside it
 
     asyncio.run(steps())
-    assert threads == ["forward_0", "forward_0", "MainThread", "forward_0", "forward_0"]
+    assert threads == ["forward_0", "forward_0", "MainThread", "MainThread", "forward_0", "forward_0"]
 
 
 def test_with_two_forward_threads_every_pass_runs_on_the_forward_thread(tmp_path: Path) -> None:
