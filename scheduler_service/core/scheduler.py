@@ -802,7 +802,10 @@ class Scheduler:
 
     def _observe_costs(self, out: SchedulerOutput, busy_s: float) -> None:
         """Speculation's measured costs (spec_cost.py): a decode step's time by its batch size and drafts, and a
-        lone step's turnaround."""
+        lone step's turnaround. Not with speculation that is not adaptive: unmeasured costs draft everywhere."""
+        spec = self.config.speculative_config
+        if spec is not None and not spec.adaptive:
+            return
         if self._lone is not None and self._lone[0] == out.step_id:
             self.spec_costs.observe_turnaround(len(out.scheduled), self.clock() - self._lone[1], busy_s)
             self._lone = None

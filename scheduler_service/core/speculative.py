@@ -40,10 +40,13 @@ class SpeculativeConfig:
     model: str | None = None
     """draft_model: the draft model directory as the executor's --draft-model names it (informational: the executor
     loads it; the scheduler needs the executor's capability)."""
+    adaptive: bool = True
+    """Draft only where the measured costs say it pays (spec_cost.py); false: wherever the batch is under
+    disable_by_batch_size and the request's acceptance allows (ours: vLLM has no such key)."""
 
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-        "min_acceptance_rate", "model")
+        "min_acceptance_rate", "model", "adaptive")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -78,7 +81,10 @@ def build_config(raw: dict[str, Any]) -> SpeculativeConfig:
     rate = raw.get("min_acceptance_rate", 0.2)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:
         raise ValueError(f"speculative-config.min_acceptance_rate: must be a number in [0, 1], got {rate!r}")
-    return SpeculativeConfig(method, k, low, high, batch, float(rate), model)
+    adaptive = raw.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"speculative-config.adaptive: must be true or false, got {adaptive!r}")
+    return SpeculativeConfig(method, k, low, high, batch, float(rate), model, adaptive)
 
 
 def _int(raw: dict[str, Any], key: str, low: int, high: int, default: int | None = None) -> int:

@@ -358,7 +358,7 @@ def test_speculative_bench_reports_the_servers_acceptance(tmp_path: Path) -> Non
              if 300 <= len(p.strip()) <= 600 and "User:" not in p][:4]
     data = tmp_path / "copy.json"
     data.write_text(json.dumps([{"prompt": p + "\n\n" + p[:len(p) // 3], "max_tokens": 24} for p in found]))
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}'
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8, "adaptive": false}'
     result_json = tmp_path / "spec.json"
     with running_stack(tmp_path, [], ["--speculative-config", spec]) as s:
         args = ("--server", s.address, "--dataset", str(data), "--ignore-eos", "--max-concurrency", "2",

@@ -5,6 +5,7 @@ test_async.py run with speculation among their configurations; the one here alwa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -412,7 +413,7 @@ def test_step_costs_learn_a_rows_and_a_drafts_seconds_and_probe_stale_ones() -> 
 
 
 def spec_scheduler(**config: object) -> Scheduler:
-    cfg = CoreConfig(watermark=0.0, speculative_config=SPEC, **config)  # type: ignore[arg-type]
+    cfg = CoreConfig(**{"watermark": 0.0, "speculative_config": SPEC, **config})  # type: ignore[arg-type]
     limits = ExecutorLimits(block_size=BLOCK, num_device_blocks=512, num_swap_blocks=0, max_model_len=2048,
                             eos_token_ids=(EOS,), max_num_draft_tokens=4)
     return Scheduler(cfg, limits, clock=FakeClock())
@@ -443,6 +444,17 @@ def test_drafts_stop_where_a_verification_costs_more_than_they_save_and_come_bac
     assert sum(dear[3:]) <= 3  # a draft costs more than the token it could save: only a probe now and then
     cheap = [bool(drafts_of(timed_step(s, {}, lambda b, d: 0.010))) for _ in range(160)]
     assert sum(cheap[-40:]) >= 38  # a verification costs a plain step again: every step drafts (but a probe)
+
+
+def test_speculation_that_is_not_adaptive_drafts_every_step_whatever_it_costs() -> None:
+    s = spec_scheduler(speculative_config=replace(SPEC, adaptive=False))
+    started(s, max_tokens=1500)
+    dear = [bool(drafts_of(timed_step(s, {}, lambda b, d: 0.010 + d * 0.012))) for _ in range(64)]
+    assert all(dear)  # the adaptive scheduler drafts in at most a few of these (the test above)
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}') \
+        == SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    with pytest.raises(ValueError, match=r"speculative-config\.adaptive: must be true or false"):
+        parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 0}')
 
 
 def test_a_request_whose_drafts_do_not_pay_stops_and_its_scored_guesses_bring_it_back() -> None:

@@ -26,7 +26,9 @@ from client.lib import PagedServeClient
 from tests.support.procs import ROOT, free_port, parse_metrics, start, stop, wait_healthy
 
 CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}'
+# "adaptive": false: every step drafts (the measured-cost decision would make "drafts were verified" depend on the
+# box's timings; tests/core tests that decision with an injected clock).
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64, "adaptive": false}'
 MAX_TOKENS = 40
 # 24 blocks of 16: prompts take 8 blocks (three of them) or 11 (six) and each grows by 3 over MAX_TOKENS. Two
 # 11-block prompts fit at once, so FCFS admission runs one beside another request, and any such pair (but one
@@ -177,8 +179,8 @@ DRAFT_MODEL = ROOT / "executor_service/default_model/data/default-model-v2"
 # 18 > 16. Its sibling joins the queue's front once the prompt is computed, so both run together unless others hold
 # the pool, and those (8 or 11 prompt blocks beside n2's 11) outgrow it themselves.
 DRAFT_EXECUTOR_ARGS = ["--num-gpu-blocks", "16", "--num-cpu-blocks", "64", "--block-size", "16"]
-DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "model": "'
-              + str(DRAFT_MODEL) + '"}')
+DRAFT_SPEC = ('{"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64, "adaptive": false, '
+              '"model": "' + str(DRAFT_MODEL) + '"}')
 
 
 def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
