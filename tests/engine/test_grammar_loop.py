@@ -180,7 +180,7 @@ async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(execu
         compiled.append(constraint.spec)
         return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     try:
         first: asyncio.Queue[RequestDelta] = asyncio.Queue()
         engine.add(constrained("first", 1), first)
@@ -238,7 +238,7 @@ async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
         go_on.wait(30)  # the first compile lasts until the other caller's request is queued
         return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "a2": "[g-i]{3}", "b0": "[p-r]{3}"}
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
 
@@ -282,7 +282,7 @@ async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_
             go_on.wait(30)  # A's second compile lasts until B's request has finished
         return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
     try:
         for rid in ("a0", "a1", "b0"):  # one turn: one compile batch
