@@ -41,8 +41,9 @@ class Lane:
 class WaitingQueue:
     """Waiting requests in the policy's order, taking turns between owners (API keys): each owner's requests
     wait in a lane of their own, and the owners whose lanes hold requests take turns, the owner of each admitted
-    request going behind the others. One owner's flood so delays another owner's next request by at most one
-    admission per owner waiting, and with a single owner (no API keys) the order is the policy's alone.
+    request going behind the others (also behind those whose first request arrives before the next admission).
+    One owner's flood so delays another owner's next request by at most one admission per owner waiting, and with
+    a single owner (no API keys) the order is the policy's alone.
 
     fcfs: the next owner's oldest request; requests pushed to the front (preempted for recompute, an executor's
     loss) go before every lane, as they did before turns. sjf, priority: the best key among the owners' next
@@ -54,6 +55,7 @@ class WaitingQueue:
         self.aging_rate = aging_rate
         self.max_waiting_time = max_waiting_time
         self._lanes: OrderedDict[str, Lane] = OrderedDict()  # owners with live requests, next turn first
+        self._last_admitted: str | None = None  # stays behind owners that arrive before the next admission
         self._front: deque[tuple[int, Request]] = deque()
         self._by_arrival: list[tuple[float, int, int, Request]] = []
         self._tiebreak = itertools.count()
@@ -74,6 +76,9 @@ class WaitingQueue:
         lane = self._lanes.get(request.owner)
         if lane is None:
             lane = self._lanes[request.owner] = Lane()
+            last = self._last_admitted
+            if last is not None and last in self._lanes and last != request.owner:
+                self._lanes.move_to_end(last)
         lane.live += 1
         n = next(self._tiebreak)
         heapq.heappush(self._by_arrival, (request.arrival_time, n, version, request))
@@ -92,6 +97,8 @@ class WaitingQueue:
         self._len -= 1
         lane = self._lanes[request.owner]
         lane.live -= 1
+        if admitted:
+            self._last_admitted = request.owner
         if lane.live == 0:
             del self._lanes[request.owner]
         elif admitted:

@@ -138,3 +138,19 @@ def check_turns(served_since: dict[str, dict[str, int]], request: Request, waiti
         counts[request.owner] = counts.get(request.owner, 0) + 1
         if not fronts:
             assert counts[request.owner] <= 1, (owner, request.owner, counts)
+
+
+def test_an_owner_arriving_after_an_admission_goes_before_the_owner_just_admitted() -> None:
+    """Turns count in admissions: key B's first request, arriving after key A's was admitted, is next, not behind
+    another of A's (A alone was at the head of the turns)."""
+    queue = WaitingQueue(Policy.FCFS)
+    flood = [owned(f"a{i}", "key-a", float(i)) for i in range(3)]
+    for request in flood:
+        queue.push(request)
+    first = queue.peek(3.0)
+    assert first is flood[0]
+    queue.discard(first, admitted=True)
+    first.status = RequestStatus.RUNNING
+    late = owned("b0", "key-b", 4.0)
+    queue.push(late)
+    assert queue.peek(4.0) is late
