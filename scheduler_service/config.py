@@ -82,6 +82,9 @@ class SchedulerServiceConfig(CoreConfig):
     executor_wait_timeout: float = field(default=30.0, metadata=flag(
         "seconds a call waits for an executor (new calls, and calls in flight when it is lost) before it ends "
         "with UNAVAILABLE"))
+    structured_outputs_compile_timeout: float = field(default=10.0, metadata=flag(
+        "seconds a structured-output constraint may take to compile (in the engine core's compile process) before "
+        "the process is killed and the request refused: 400 / INVALID_ARGUMENT, grammar too complex"))
     executor_secret_file: str | None = field(default=None, metadata=flag(
         "file holding the shared secret the executor requires (its --executor-secret-file)"))
     max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata=flag(
@@ -174,7 +177,7 @@ def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser 
             parse_target(text)
         except ValueError as e:
             raise SystemExit(f"--executor: {e}") from None
-    for name in ("engine_core_timeout", "engine_core_wait_timeout"):
+    for name in ("engine_core_timeout", "engine_core_wait_timeout", "structured_outputs_compile_timeout"):
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if config.executor_resolve_interval <= 0:

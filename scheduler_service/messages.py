@@ -86,6 +86,7 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # TokenLogprob as (id, logprob, top)
     unavailable: bool = False  # ended because no executor came back within --executor-wait-timeout
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # once: prompt positions 1 ..
+    invalid: bool = False  # an ERROR finish that is the request's fault (its constraint does not compile)
 
 
 class Refused(msgspec.Struct, array_like=True, gc=False):
@@ -121,12 +122,12 @@ def new_request(request: Request, stop_strings: bool = False, resume: bool = Fal
                       request.owner)
 
 
-def delta_to_wire(d: RequestDelta, unavailable: bool = False) -> Delta:
+def delta_to_wire(d: RequestDelta, unavailable: bool = False, invalid: bool = False) -> Delta:
     prompt = None if d.prompt_logprobs is None else logprobs_to_wire(d.prompt_logprobs)
     if not d.logprobs:
-        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable, prompt)
+        return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, [], unavailable, prompt, invalid)
     return Delta(d.request_id, d.new_token_ids, d.finish_reason, d.error, logprobs_to_wire(d.logprobs), unavailable,
-                 prompt)
+                 prompt, invalid)
 
 
 def logprobs_to_wire(logprobs: list[TokenLogprob]) -> list[tuple[int, float, list[tuple[int, float]]]]:

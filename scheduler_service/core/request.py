@@ -83,7 +83,8 @@ class Request:
     slot: int = -1
     cache_salt: str | None = None
     tenant: str = ""
-    owner: str = ""  # who sent it (its API key's digest; "" without keys): whose turn its grammar compile takes
+    owner: str = ""  # who sent it (its API key's digest; "" without keys): whose turn its admission and grammar
+    # compile take (the waiting queue and the compile queue take turns between owners)
     drafts: DraftRecord | None = None  # its speculative decoding so far (None: never proposed for)
     prompt_logprobs: PromptLogprobsRecord | None = field(init=False)  # None: it does not ask for them
 

@@ -762,7 +762,7 @@ class Scheduler:
 
     def _admit(self, request: Request, hit: PrefixHit, n: int, slots: int, scheduled: dict[str, ScheduledWork],
                budget: Budget) -> None:
-        self.waiting.discard(request)
+        self.waiting.discard(request, admitted=True)
         self.kv.admit(request, hit, slots, self._chunk_end(hit, n))
         request.num_computed_tokens = hit.num_tokens
         if request.num_cached_tokens < 0:

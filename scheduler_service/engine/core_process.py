@@ -38,7 +38,8 @@ def make_pool(config: SchedulerServiceConfig) -> ExecutorPool:
     def make_loop(address: str, metrics: EngineMetrics | None) -> ExecutorLoop:
         return ExecutorLoop(config.core(), address, config.max_queue_len, config.served_model_name, creds,
                             config.executor_step_timeout, executor_wait_timeout=config.executor_wait_timeout,
-                            executor_secret=secret, metrics=metrics, steps_in_flight=config.steps_in_flight)
+                            executor_secret=secret, metrics=metrics, steps_in_flight=config.steps_in_flight,
+                            grammar_compile_timeout=config.structured_outputs_compile_timeout)
 
     return ExecutorPool(pool_config, config.core(), config.max_queue_len, make_loop, config.served_model_name)
 

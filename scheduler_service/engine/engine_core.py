@@ -53,7 +53,8 @@ class RequestSink:
     def put_nowait(self, delta: RequestDelta) -> None:
         stream = self.stream
         self.link.put(delta, stream is not None and stream.executor_unavailable,
-                      stream is not None and settled_by_frontend(delta.finish_reason, stream.stop_strings))
+                      stream is not None and settled_by_frontend(delta.finish_reason, stream.stop_strings),
+                      invalid=stream is not None and stream.invalid_argument)
 
 
 class FrontendLink:
@@ -69,11 +70,11 @@ class FrontendLink:
         self.refused: list[Refused] = []
         self._core = core
 
-    def put(self, delta: RequestDelta, unavailable: bool, unsettled: bool = False) -> None:
+    def put(self, delta: RequestDelta, unavailable: bool, unsettled: bool = False, invalid: bool = False) -> None:
         """unsettled: a final delta whose finish the front-end still settles (its Ended comes later)."""
         if delta.finish_reason is not None and not unsettled:
             self.release(delta.request_id)
-        self.deltas.append(delta_to_wire(delta, unavailable))
+        self.deltas.append(delta_to_wire(delta, unavailable, invalid))
         if len(self.deltas) == 1:
             self._core.mark_dirty(self)
 

@@ -20,7 +20,13 @@ from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.speculative import SpecMethod
 from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
-from scheduler_service.engine.grammar import GrammarCompiler, RequestGrammar, step_bitmasks
+from scheduler_service.engine.grammar import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompileFailure,
+    GrammarCompiler,
+    RequestGrammar,
+    step_bitmasks,
+)
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
 from scheduler_service.messages import QueueFull, settled_by_frontend
 
@@ -35,6 +41,7 @@ class RequestStream:
     first_token: float | None = None
     last_token: float | None = None
     executor_unavailable: bool = False  # ended because no executor came back within the wait timeout
+    invalid_argument: bool = False  # ended because its constraint does not compile (the client's fault)
     # The front-end matches stop strings: a LENGTH finish may still be answered `stop` (the last allowed
     # token completed one), so it is counted when the front-end settles it with finish().
     stop_strings: bool = False
@@ -85,7 +92,7 @@ class ExecutorLoop:
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                  step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
                  executor_secret: str | None = None, metrics: EngineMetrics | None = None,
-                 steps_in_flight: int = 2) -> None:
+                 steps_in_flight: int = 2, grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.core_config = core_config
         self.label = executor_address
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
@@ -107,7 +114,7 @@ class ExecutorLoop:
         self._task: asyncio.Task[None] | None = None
         self.steps_in_flight = steps_in_flight
         self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
-        self.grammar_compiler = GrammarCompiler()
+        self.grammar_compiler = GrammarCompiler(grammar_compile_timeout)
         self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
         self._compiling: set[asyncio.Task[None]] = set()
         self._to_compile: list[RequestStream] = []
@@ -212,6 +219,7 @@ class ExecutorLoop:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.grammar_compiler.close()  # and its compile process
         await self.connection.close()
 
     def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
@@ -272,11 +280,12 @@ class ExecutorLoop:
             task.add_done_callback(self._compiling.discard)
 
     async def _add_compiled(self, batch: list[RequestStream]) -> None:
-        results: list[RequestGrammar | str]
+        results: list[RequestGrammar | CompileFailure]
         if self.core_config.num_scheduler_steps > 1:
-            results = ["structured outputs need --num-scheduler-steps 1 (a mask holds for one token)"] * len(batch)
+            results = [CompileFailure("structured outputs need --num-scheduler-steps 1 (a mask holds for one token)")
+                       ] * len(batch)
         elif self.describe is None:
-            results = ["no executor described"] * len(batch)
+            results = [CompileFailure("no executor described")] * len(batch)
         else:
             constraints = [s.request.sampling.constraint for s in batch]
             wanted = [functools.partial(self._still_open, s) for s in batch]
@@ -286,8 +295,9 @@ class ExecutorLoop:
             rid = stream.request.request_id
             if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
                 continue
-            if isinstance(result, str):
-                self._route([RequestDelta(rid, [], FinishReason.ERROR, result)])
+            if isinstance(result, CompileFailure):
+                stream.invalid_argument = result.invalid
+                self._route([RequestDelta(rid, [], FinishReason.ERROR, result.message)])
                 continue
             stream.grammar = self._constrained[rid] = result
             self._sched().add_request(stream.request)

@@ -1,5 +1,6 @@
-"""The engine core's side of structured outputs: constraints compiled for the executor's tokenizer (on a worker
-thread, cached by spec), one matcher per constrained sequence, and each step's allowed-token bitmasks.
+"""The engine core's side of structured outputs: constraints compiled for the executor's tokenizer (in a compile
+process under a deadline, cached by spec), one matcher per constrained sequence, and each step's allowed-token
+bitmasks.
 
 A matcher follows its request's output tokens (sync() feeds it the tokens it has not seen), so preemption, swap and
 an executor's loss need nothing: the output is kept, and so is the state. A step's mask is filled after schedule()
@@ -22,7 +23,8 @@ import numpy as np
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
 from scheduler_service.engine.fair_queue import FairQueue
-from scheduler_service.structured import InvalidConstraint, clean_message, to_grammar
+from scheduler_service.engine.grammar_child import CompileCancelled, CompileChild, CompileProcessFailed, CompileTimeout
+from scheduler_service.structured import FIELD_NAMES, InvalidConstraint, clean_message
 
 if TYPE_CHECKING:
     import xgrammar
@@ -78,37 +80,52 @@ def vocab_kind(spec: dict[str, object]) -> str:
     return "BYTE_FALLBACK" if '"ByteFallback"' in text else "RAW"
 
 
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True, frozen=True)
+class CompileFailure:
+    """Why a constraint has no matcher; invalid: the constraint's fault (INVALID_ARGUMENT naming its field)."""
+
+    message: str
+    invalid: bool = False
+
+
 @dataclass(slots=True)
 class CompileJob:
     describe: executor_pb2.DescribeResponse
     constraint: Constraint
     wanted: Callable[[], bool] | None
-    done: asyncio.Future[RequestGrammar | str]
+    done: asyncio.Future[RequestGrammar | CompileFailure]
 
 
 class GrammarCompiler:
-    """Compiles constraints for one executor's tokenizer on its own thread, one at a time, taking turns between
-    the callers that sent them (a caller's many costly specs hold another's for at most one compile); the
-    compiled grammars are kept by (constraint, tokenizer), the most recent COMPILED_CACHE_SIZE of them within
-    COMPILED_CACHE_BYTES."""
+    """Compiles constraints for one executor's tokenizer in a compile process of its own (grammar_child.py), one
+    at a time, taking turns between the callers that sent them (a caller's many costly specs hold another's for at
+    most one compile); each compile gets `timeout` seconds, and one whose request ends while it runs is killed with
+    its process. The compiled grammars come back as xgrammar's JSON and are kept by (constraint, tokenizer), the
+    most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES: a repeated spec never reaches the
+    process."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._child = CompileChild(timeout)
         self._queue: FairQueue[CompileJob] = FairQueue()
         self._draining: asyncio.Task[None] | None = None
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
         self._compiled_bytes = 0
 
     async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
                        wanted: Sequence[Callable[[], bool]] | None = None, owners: Sequence[str] | None = None
-                       ) -> list[RequestGrammar | str]:
-        """A fresh matcher of each constraint, or why it does not compile. `wanted[i]()`, read on the compile
-        thread just before constraint i compiles, says whether its request still wants it: the compiles of
-        requests that ended while they queued (a client that gave up) are skipped, so that they do not hold
-        every later constrained request up behind them. owners[i]: who sent constraint i (its API key's
-        digest; "" for every anonymous caller), whose turn it waits for."""
+                       ) -> list[RequestGrammar | CompileFailure]:
+        """A fresh matcher of each constraint, or why it has none. `wanted[i]()`, read on the compile thread
+        before and while constraint i compiles, says whether its request still wants it: the compiles of requests
+        that ended while they queued (a client that gave up) are skipped, and one running is killed, so that they
+        do not hold every later constrained request up behind them. owners[i]: who sent constraint i (its API
+        key's digest; "" for every anonymous caller), whose turn it waits for."""
         loop = asyncio.get_running_loop()
         jobs = [CompileJob(describe, c, wanted[i] if wanted else None, loop.create_future())
                 for i, c in enumerate(constraints)]
@@ -123,66 +140,94 @@ class GrammarCompiler:
         while (job := self._queue.pop()) is not None:
             if job.done.done():  # its caller stopped waiting
                 continue
+            result: RequestGrammar | CompileFailure
             try:
                 result = await loop.run_in_executor(self._pool, self._new_matcher_or_reason, job)
             except Exception as e:  # xgrammar's own failure ends its request, not the queue
-                result = f"structured_outputs: {clean_message(str(e))}"
+                result = CompileFailure(f"structured_outputs: {clean_message(str(e))}")
             if not job.done.done():
                 job.done.set_result(result)
 
-    def _new_matcher_or_reason(self, job: CompileJob) -> RequestGrammar | str:
+    def _new_matcher_or_reason(self, job: CompileJob) -> RequestGrammar | CompileFailure:
+        field = f"sampling.structured_outputs.{FIELD_NAMES[job.constraint.kind]}"
         if job.wanted is not None and not job.wanted():
-            return "structured_outputs: the request ended before its grammar compiled"
+            return ENDED
         try:
-            return self._new_matcher(job.describe, job.constraint)
+            return self._new_matcher(job.describe, job.constraint, job.wanted)
         except InvalidConstraint as e:
-            return f"structured_outputs: {e}"
+            return CompileFailure(f"{field}: {e}", invalid=True)
+        except CompileTimeout:
+            return CompileFailure(f"{field}: grammar too complex: compile exceeded {self.timeout:g} s "
+                                  "(--structured-outputs-compile-timeout)", invalid=True)
+        except CompileCancelled:
+            return ENDED
+        except CompileProcessFailed as e:
+            return CompileFailure(f"structured_outputs: {e}")
 
-    def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> RequestGrammar:
+    def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
+                     wanted: Callable[[], bool] | None = None) -> RequestGrammar:
         import xgrammar
 
-        compiled = self._compile(describe, constraint)
+        compiled = self._compile(describe, constraint, wanted)
         return RequestGrammar(xgrammar.GrammarMatcher(compiled))
 
-    def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> xgrammar.CompiledGrammar:
-        compiler = self._compiler_for(describe)
+    def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
+                 wanted: Callable[[], bool] | None = None) -> xgrammar.CompiledGrammar:
+        import xgrammar
+
+        info = self._info_for(describe)
         found = self._compiled.get(constraint)
         if found is not None:
             self._compiled.move_to_end(constraint)
             return found
+        reply = self._child.compile(describe, constraint, wanted)
+        if not reply.ok:
+            raise InvalidConstraint(reply.text)
         try:
-            compiled = compiler.compile_grammar(to_grammar(constraint))
-        except RuntimeError as e:
-            raise InvalidConstraint(str(e)) from None
+            compiled = xgrammar.CompiledGrammar.deserialize_json(reply.text, info)
+        except (RuntimeError, ValueError) as e:
+            raise CompileProcessFailed(f"its compiled grammar did not load: {clean_message(str(e))}") from None
+        self._keep(constraint, compiled)
+        return compiled
+
+    def _keep(self, constraint: Constraint, compiled: xgrammar.CompiledGrammar) -> None:
         self._compiled[constraint] = compiled
         self._compiled_bytes += compiled.memory_size_bytes
         while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
                                            or self._compiled_bytes > COMPILED_CACHE_BYTES):
             self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
-        return compiled
 
-    def _compiler_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
+    def _info_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.TokenizerInfo:
+        """The tokenizer's xgrammar view (the compiled grammars load against it); a new tokenizer empties the cache."""
         import torch
         import xgrammar
 
         torch.set_num_threads(1)  # xgrammar brings torch into the engine core; no op of it may spin on other cores
 
         key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
-        if self._compiler is None or key != self._tokenizer_key:
+        if self._info is None or key != self._tokenizer_key:
             vocab, kind = tokenizer_vocab(describe)
-            info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
-                                          stop_token_ids=list(describe.eos_token_ids))
-            # no cache of xgrammar's own (unbounded by default): self._compiled is the one, bounded
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind),
+                                                vocab_size=describe.vocab_size,
+                                                stop_token_ids=list(describe.eos_token_ids))
             self._tokenizer_key = key
             self._compiled.clear()
             self._compiled_bytes = 0
-        return self._compiler
+        return self._info
+
+    @property
+    def processes_killed(self) -> int:
+        """Compile processes killed mid-compile (past the deadline, or their request gone)."""
+        return self._child.killed
 
     def close(self) -> None:
         if self._draining is not None:
             self._draining.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._child.close()  # a compile running on the thread ends with it
+
+
+ENDED = CompileFailure("structured_outputs: the request ended before its grammar compiled")
 
 
 def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int

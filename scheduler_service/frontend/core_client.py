@@ -49,6 +49,7 @@ class RemoteStream:
 
     queue: asyncio.Queue[Any]
     executor_unavailable: bool = False
+    invalid_argument: bool = False  # the core ended it for its constraint (INVALID_ARGUMENT)
     stop_strings: bool = False  # a LENGTH finish waits for finish() to settle it (ExecutorLoop.add)
     new: NewRequest | None = None
     delivered: list[int] = field(default_factory=list)
@@ -248,6 +249,7 @@ class CoreClient:
             if d.finish_reason is not None:
                 del streams[d.request_id]
                 stream.executor_unavailable = d.unavailable
+                stream.invalid_argument = d.invalid
                 if settled_by_frontend(d.finish_reason, stream.stop_strings):
                     self._unsettled.add(d.request_id)
             elif queue.qsize() >= self.max_buffered:

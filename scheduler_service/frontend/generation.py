@@ -120,6 +120,7 @@ class StreamHandle(Protocol):
     """What add() returns: the engine's record of one sequence (RequestStream, or an api server's)."""
 
     executor_unavailable: bool
+    invalid_argument: bool
 
 
 class EngineHandle(Protocol):
@@ -350,8 +351,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 seq = seqs.get(delta.request_id)
                 if seq is None or seq.done:
                     continue
-                if streams[delta.request_id].executor_unavailable and delta.finish_reason is not None:
+                if delta.finish_reason is not None and streams[delta.request_id].executor_unavailable:
                     raise self.refuse(grpc.StatusCode.UNAVAILABLE, delta.error)
+                if delta.finish_reason is not None and streams[delta.request_id].invalid_argument:
+                    raise self.refuse(grpc.StatusCode.INVALID_ARGUMENT, delta.error)
                 response = self._respond(delta, seq, rid, prompt_ids)
                 if seq.done:
                     remaining -= 1

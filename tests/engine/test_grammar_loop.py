@@ -168,11 +168,11 @@ async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(execu
     compiled: list[str] = []
     real_compile = engine.grammar_compiler._compile
 
-    def spy(describe: Any, constraint: Constraint) -> Any:
+    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
         compiled.append(constraint.spec)
-        return real_compile(describe, constraint)
+        return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     try:
         first: asyncio.Queue[RequestDelta] = asyncio.Queue()
         engine.add(constrained("first", 1), first)
@@ -211,7 +211,6 @@ async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkey
             assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(pattern, bytes(tokens[:-1]).decode())
         compiler = engine.grammar_compiler
         assert [c.spec for c in compiler._compiled] == ["[g-i]{5}"]
-        assert compiler._compiler is not None and compiler._compiler.get_cache_size_bytes() == 0
     finally:
         await engine.stop()
 
@@ -225,13 +224,13 @@ async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
     running, go_on = threading.Event(), threading.Event()
     real_compile = engine.grammar_compiler._compile
 
-    def spy(describe: Any, constraint: Constraint) -> Any:
+    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
         compiled.append(constraint.spec)
         running.set()
         go_on.wait(30)  # the first compile lasts until the other caller's request is queued
-        return real_compile(describe, constraint)
+        return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "a2": "[g-i]{3}", "b0": "[p-r]{3}"}
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
 
@@ -270,12 +269,12 @@ async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_
     real_compile = engine.grammar_compiler._compile
     patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "b0": "[p-r]{3}"}
 
-    def spy(describe: Any, constraint: Constraint) -> Any:
+    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
         if constraint.spec == patterns["a1"]:
             go_on.wait(30)  # A's second compile lasts until B's request has finished
-        return real_compile(describe, constraint)
+        return real_compile(describe, constraint, *rest)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign]
+    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
     try:
         for rid in ("a0", "a1", "b0"):  # one turn: one compile batch
@@ -317,5 +316,72 @@ async def test_the_sequences_of_one_call_join_the_scheduler_together(executor: s
             _, last = await asyncio.wait_for(collect(queue), 60)
             assert last.finish_reason is FinishReason.STOPPED
         assert ["x#0", "x#1", "x#2"] in joined.values()
+    finally:
+        await engine.stop()
+
+
+SLOW_SCHEMA = '{"type": "string", "pattern": "[a-z]{1,30000}"}'
+"""xgrammar expands a schema pattern's repetitions: this one takes minutes to turn into a grammar (6,000: 3 s,
+growing faster than its square). The api servers refuse it (MAX_PATTERN_REPEATS); the engine core must bound it
+whoever sends it."""
+
+
+def slow_request(rid: str, owner: str = "") -> Request:
+    return Request(rid, [65] * 3, SamplingOptions(max_tokens=10, constraint=Constraint(
+        ConstraintKind.JSON_SCHEMA, SLOW_SCHEMA)), 0.0, owner=owner)
+
+
+async def test_a_compile_past_its_deadline_is_killed_and_the_request_refused_as_invalid(executor: str) -> None:
+    """The compile runs in a process of its own: past --structured-outputs-compile-timeout it is killed, the
+    request ends as its client's fault (INVALID_ARGUMENT / 400 naming the field), and the next compile gets a
+    fresh process. Before, the compile held the engine core's one compile thread until it ended, minutes."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0)
+    await engine.start()
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        stream = engine.add(slow_request("slow"), queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 60)
+        assert tokens == [] and last.finish_reason is FinishReason.ERROR, last
+        assert last.error == ("sampling.structured_outputs.json: grammar too complex: compile exceeded 1 s "
+                              "(--structured-outputs-compile-timeout)"), last.error
+        assert stream.invalid_argument
+        assert engine.grammar_compiler.processes_killed == 1
+        engine.grammar_compiler._child.timeout = 600.0  # the next compile's outcome must not depend on the box's load
+        after: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("after", 3), after)
+        tokens, last = await asyncio.wait_for(collect(after), 120)
+        assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(PATTERN, bytes(tokens[:-1]).decode())
+    finally:
+        await engine.stop()
+
+
+async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queue(executor: str) -> None:
+    """A client that sends a costly spec and leaves while it compiles takes its compile with it: the process is
+    killed, and the next caller's constrained request compiles at once (with a deadline of 10 minutes, only the
+    kill can end the first compile within the test's wait)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=600.0)
+    await engine.start()
+    child = engine.grammar_compiler._child
+    running = threading.Event()
+    real_compile = child.compile
+
+    def spy(describe: Any, constraint: Constraint, wanted: Any = None) -> Any:
+        if constraint.spec == SLOW_SCHEMA:
+            running.set()
+        return real_compile(describe, constraint, wanted)
+
+    child.compile = spy  # type: ignore[method-assign]
+    try:
+        slow: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(slow_request("slow", owner="a"), slow)
+        await asyncio.to_thread(running.wait, 60)
+        after: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("after", [65] * 5, SamplingOptions(max_tokens=40, seed=1, constraint=Constraint(
+            ConstraintKind.REGEX, PATTERN)), 0.0, owner="b"), after)
+        engine.abort("slow")
+        tokens, last = await asyncio.wait_for(collect(after), 120)
+        assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(PATTERN, bytes(tokens[:-1]).decode())
+        assert child.killed == 1
+        assert not engine.holds("slow")
     finally:
         await engine.stop()

@@ -37,6 +37,8 @@ request_spec = st.tuples(
     st.sampled_from([0, 0, 0, 0, 5, 9, 20]),  # finished from outside at step (0 = never)
 )
 
+TRACE_OWNERS = ("", "key-a", "key-b")  # the waiting queue takes turns between them
+
 PREFIXES = {k: [9 + (k * 7 + j) % 31 for j in range(4 * k + 3)] for k in (1, 2, 3)}
 
 TRACE_SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
@@ -88,7 +90,8 @@ def add_trace_arrivals(s: Scheduler, specs: list[TraceSpec], step: int, now: flo
             opts = trace_options(spec)
             prompt = (PREFIXES.get(prefix, []) + [5 + (i + k) % 40 for k in range(plen)])[:max(plen, 1)]
             for j in range(n):
-                added.append(Request(f"r{i}.{j}", list(prompt), opts, now, share_prompt_with=f"r{i}.0" if j else None))
+                added.append(Request(f"r{i}.{j}", list(prompt), opts, now, share_prompt_with=f"r{i}.0" if j else None,
+                                     owner=TRACE_OWNERS[i % len(TRACE_OWNERS)]))
                 s.add_request(added[-1])
     return added
 

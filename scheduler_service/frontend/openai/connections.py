@@ -7,8 +7,9 @@ asyncio protocol in front of aiohttp's RequestHandler) that ConnectionGuard watc
 
 - from the first byte of a request until its headers are in: at most --http-header-timeout, then it is closed;
 - from its headers until its body is in: at most --http-body-timeout, then 408 and closed (body_deadline);
-  a declared Content-Length over the body limit is a 413 from the headers alone, and a body that cannot be read
-  (corrupt Content-Encoding, the client gone mid-body) is a 400 that ends the connection without an error logged;
+  a declared Content-Length over the body limit is a 413 from the headers alone, a compressed body (any
+  Content-Encoding but identity) a 415 from the headers alone, and a body that cannot be read (the client gone
+  mid-body) is a 400 that ends the connection without an error logged;
 - between requests (and before the first): aiohttp's own keep-alive timeout, --http-timeout-keep-alive;
 - at most --http-max-connections open (and at most half the process's open-file limit, so the HTTP port can
   never starve gRPC): past it, the connection that has waited longest for a request (an idle keep-alive or a slow
@@ -139,7 +140,8 @@ class Connection(asyncio.Protocol):
 class BodyUnread(enum.Enum):
     """Why a request's body was not read whole; the connection is not kept alive after its answer."""
 
-    TOO_LARGE = enum.auto()  # its Content-Length, or the body it decompresses to, is over the limit
+    TOO_LARGE = enum.auto()  # its Content-Length is over the limit
+    ENCODED = enum.auto()  # it is compressed (Content-Encoding): never inflated, not read
     BROKEN = enum.auto()  # it could not be read (corrupt encoding, connection lost)
 
 
@@ -215,7 +217,7 @@ class ConnectionGuard:
                     await response.write_eof()
             if response.status == 408:  # the rest of the body is not worth reading
                 conn.finish()
-            elif unread is BodyUnread.TOO_LARGE:  # nor inflating: aiohttp's drain would decompress a bomb for 10 s
+            elif unread in (BodyUnread.TOO_LARGE, BodyUnread.ENCODED):  # the rest is not worth reading
                 conn.finish()
                 request.content.feed_eof()
             elif unread is BodyUnread.BROKEN:  # aiohttp would read it again after the answer, and log the error
@@ -229,19 +231,24 @@ class ConnectionGuard:
         """Read the whole body within --http-body-timeout of the headers (handlers then read it from memory)."""
         if not request.body_exists:
             return await handler(request)
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            request[BODY_UNREAD] = BodyUnread.ENCODED
+            raise ApiError(415, f"Unsupported Media Type: Content-Encoding {encoding[:32]!r}; request bodies are "
+                           "accepted uncompressed only (Content-Encoding: identity)")
         if request.content_length is not None and request.content_length > request.client_max_size:
             request[BODY_UNREAD] = BodyUnread.TOO_LARGE  # refused from its headers; aiohttp drains what was sent
             raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes")
         try:
             await asyncio.wait_for(request.read(), self.limits.body_timeout)
-        except web.HTTPRequestEntityTooLarge:  # decompressed past the limit: the rest is not worth inflating
+        except web.HTTPRequestEntityTooLarge:  # chunked past the limit: the rest is not worth reading
             request[BODY_UNREAD] = BodyUnread.TOO_LARGE
             raise ApiError(413, f"the request body is larger than {request.client_max_size} bytes") from None
         except TimeoutError:
             self.count("body")
             raise ApiError(408, f"the request body did not arrive within --http-body-timeout "
                            f"{self.limits.body_timeout:g}s") from None
-        except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a corrupt Content-Encoding
+        except (RequestPayloadError, HttpProcessingError) as e:  # e.g. a malformed chunked encoding
             request[BODY_UNREAD] = BodyUnread.BROKEN
             raise ApiError(400, f"the request body could not be read: {e}") from None
         except ConnectionError:  # the client closed mid-body: the answer goes nowhere

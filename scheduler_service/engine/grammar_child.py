@@ -1,0 +1,133 @@
+"""The engine core's handle on its grammar compile process (grammar_worker.py), used from the compile thread: each
+compile gets --structured-outputs-compile-timeout seconds, counted from the order sent (the process's start-up and
+its tokenizer set-up are not counted); past them, or once the compile's request has ended (its client left), the
+process is killed and a fresh one started for the next compile."""
+
+from __future__ import annotations
+
+import logging
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import IO
+
+import msgspec
+
+from protos.pagedserve.v1 import executor_pb2
+from scheduler_service.core.request import Constraint
+from scheduler_service.engine.grammar_worker import Compile, Reply, Tokenizer, read_frame, write_frame
+
+log = logging.getLogger("pagedserve.grammar")
+POLL_S = 0.05
+"""How often a waiting compile checks whether its request still wants it."""
+START_TIMEOUT_S = 120.0
+"""How long the process may take to import xgrammar, or to build a tokenizer's compiler (not a compile)."""
+
+
+class CompileTimeout(Exception):
+    """The compile ran past its deadline; the process was killed."""
+
+
+class CompileCancelled(Exception):
+    """The compile's request ended while it ran; the process was killed."""
+
+
+class CompileProcessFailed(Exception):
+    """The process died or answered nonsense (a crash in xgrammar): not the constraint's fault, as far as known."""
+
+
+class CompileChild:
+    """One compile process for one tokenizer at a time; compile() blocks (call it off the event loop)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tokenizer: tuple[str, int, tuple[int, ...]] | None = None  # the one the process has
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Reply)
+        self.killed = 0  # processes killed mid-compile (deadline or request gone)
+
+    def compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
+                wanted: Callable[[], bool] | None = None) -> Reply:
+        """The process's Reply to the constraint: ok with the compiled grammar's JSON, or not ok with why the
+        constraint does not compile. CompileTimeout, CompileCancelled, CompileProcessFailed otherwise."""
+        self._prepare(describe)
+        self._send(Compile(constraint.kind.value, constraint.spec))
+        return self._reply(time.monotonic() + self.timeout, wanted)
+
+    def _prepare(self, describe: executor_pb2.DescribeResponse) -> None:
+        """A started process that has this describe's tokenizer (start-up and set-up: no compile deadline)."""
+        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
+        if self._proc is None:
+            self._proc = spawn()
+            self._tokenizer = None
+            self._expect_ok(self._reply(time.monotonic() + START_TIMEOUT_S, None), "start")
+        if self._tokenizer != key:
+            self._send(Tokenizer(describe.SerializeToString()))
+            self._expect_ok(self._reply(time.monotonic() + START_TIMEOUT_S, None), "tokenizer set-up")
+            self._tokenizer = key
+
+    def _expect_ok(self, reply: Reply, what: str) -> None:
+        if not reply.ok:
+            self.close()
+            raise CompileProcessFailed(f"the grammar compile process failed its {what}: {reply.text}")
+
+    def _send(self, order: Compile | Tokenizer) -> None:
+        proc = self._proc
+        try:
+            if proc is None or proc.stdin is None:
+                raise OSError("not started")
+            write_frame(proc.stdin, self._encoder.encode(order))
+        except OSError as e:  # it died: the next compile starts another
+            self.close()
+            raise CompileProcessFailed(f"the grammar compile process is gone ({e})") from None
+
+    def _reply(self, deadline: float, wanted: Callable[[], bool] | None) -> Reply:
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            raise CompileProcessFailed("the grammar compile process is gone")
+        while not readable(proc.stdout, min(POLL_S, max(0.0, deadline - time.monotonic()))):
+            if wanted is not None and not wanted():
+                self._kill("its request ended")
+                raise CompileCancelled()
+            if time.monotonic() >= deadline:
+                self._kill("past its deadline")
+                raise CompileTimeout()
+        frame = read_frame(proc.stdout)
+        if frame is None:
+            code = self.close()
+            raise CompileProcessFailed(f"the grammar compile process died (exit code {code})")
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.DecodeError as e:
+            self.close()
+            raise CompileProcessFailed(f"the grammar compile process answered nonsense ({e})") from None
+
+    def _kill(self, why: str) -> None:
+        self.killed += 1
+        log.info("grammar compile process %d killed: the compile was %s", self._proc.pid if self._proc else 0, why)
+        self.close()
+
+    def close(self) -> int | None:
+        """End the process (if any); its exit code."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        proc.kill()
+        code = proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        return code
+
+
+def spawn() -> subprocess.Popen[bytes]:
+    """A new compile process; its stderr is the engine core's (a crash's traceback lands in its log)."""
+    return subprocess.Popen([sys.executable, "-m", "scheduler_service.engine.grammar_worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+
+
+def readable(stream: IO[bytes], timeout: float) -> bool:
+    return bool(select.select([stream], [], [], timeout)[0])
