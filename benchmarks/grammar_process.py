@@ -20,8 +20,8 @@ from typing import Any
 from executor_service.default_model.model import train_tokenizer
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint, ConstraintKind
-from scheduler_service.engine.grammar import tokenizer_vocab
 from scheduler_service.engine.grammar_child import CompileChild
+from scheduler_service.engine.grammar_vocab import tokenizer_vocab
 from scheduler_service.structured import json_schema_text, to_grammar
 
 

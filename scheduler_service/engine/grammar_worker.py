@@ -66,7 +66,7 @@ def read_frame(inp: IO[bytes]) -> bytes | None:
 def compiler_for(describe: executor_pb2.DescribeResponse) -> xgrammar.GrammarCompiler:
     import xgrammar
 
-    from scheduler_service.engine.grammar import tokenizer_vocab
+    from scheduler_service.engine.grammar_vocab import tokenizer_vocab
 
     vocab, kind = tokenizer_vocab(describe)
     info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
