@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
+from client.port_file import PortFile
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
@@ -60,6 +61,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None,
     limits = StepLimits(max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
     serving = await start_serving(config.listen, credentials, load_or_create_secret(config.executor_secret_file),
                                   stop, step_log, limits)
+    PortFile(config.port_file).record("listen", serving.port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -23,7 +23,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class ExecutorConfig:
-    listen: str = field(default="127.0.0.1:50061", metadata=flag("HOST:PORT to serve the Executor API on"))
+    listen: str = field(default="127.0.0.1:50061", metadata=flag(
+        "HOST:PORT to serve the Executor API on (port 0: a free one, written to --port-file)"))
+    port_file: str | None = field(default=None, metadata=flag(
+        "file the executor writes the port it bound into, as JSON ({\"listen\": N}), once the port is open"))
     model: str | None = field(default=None, metadata=flag(
         "Hugging Face model directory (default: embedded model)", exclusive="source"))
     simulated: bool = field(default=False, metadata=flag("model-free simulated executor", exclusive="source"))

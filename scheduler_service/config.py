@@ -68,7 +68,11 @@ class SchedulerServiceConfig(CoreConfig):
     executor_drain_file: str | None = field(default=None, metadata=flag(
         "file of executors (HOST:PORT or dns:///NAME:PORT, one a line) to drain: no new work, waiting requests "
         "move, running ones finish; re-read every interval and on SIGHUP"))
-    metrics_port: int | None = field(default=8000, metadata=flag("Prometheus port; -1 disables"))
+    metrics_port: int | None = field(default=8000, metadata=flag("Prometheus port; -1 disables, 0 picks a free one"))
+    port_file: str | None = field(default=None, metadata=flag(
+        "file the service writes the ports it bound into, as JSON keyed by flag name ({\"listen\": N, "
+        "\"http_listen\": N, \"metrics_port\": N, \"engine_core_listen\": N}): with port 0 in those flags, the "
+        "kernel picks free ports and this says which"))
     metrics_host: str = "127.0.0.1"
     max_queue_len: int = 10000
     max_logprobs: int = 20

@@ -8,6 +8,7 @@ import logging
 
 import uvloop
 
+from client.port_file import PortFile
 from scheduler_service.config import SchedulerServiceConfig, build_parser, parse_config
 from scheduler_service.engine.core_process import (
     make_pool,
@@ -16,7 +17,7 @@ from scheduler_service.engine.core_process import (
     start_until_stopped,
     stop_on_signals,
 )
-from scheduler_service.frontend.api_server import drain, follow_readiness, open_api_server
+from scheduler_service.frontend.api_server import drain, follow_readiness, open_api_server, record_api_ports
 from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -33,6 +34,7 @@ async def run_single_process(config: SchedulerServiceConfig) -> None:
     """--api-server-count 0: the public port and the executor pool in this one process."""
     pool = make_pool(config)
     api = await open_api_server(config, pool, config.listen)
+    ports = record_api_ports(PortFile(config.port_file), api)
     stop = stop_on_signals(pool)
     log.info("scheduler listening on %s (port %d); waiting for executor %s", config.listen, api.public.port,
              ", ".join(config.executor))
@@ -40,7 +42,7 @@ async def run_single_process(config: SchedulerServiceConfig) -> None:
     if await start_until_stopped(pool, stop):
         if config.metrics_port is not None and pool.metrics is not None:
             pool.metrics.registry.register(api.public.generation.refusals)
-        metrics_server = await start_metrics(config, pool)
+        metrics_server = await start_metrics(config, pool, ports)
         await follow_readiness(api, pool)
         freeze_startup_objects()
         log.info("scheduler ready on %s", config.listen)

@@ -11,6 +11,7 @@ import socket
 
 import grpc
 
+from client.port_file import PortFile
 from protos.wire import channel_credentials, read_secret
 from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.engine.api_servers import ApiServers
@@ -44,14 +45,22 @@ def make_pool(config: SchedulerServiceConfig) -> ExecutorPool:
     return ExecutorPool(pool_config, config.core(), config.max_queue_len, make_loop, config.served_model_name)
 
 
-def resolve_listen(listen: str) -> str:
-    """Api servers share one port: a requested port 0 is fixed here, once, for all of them."""
+def reserve_listen(listen: str) -> tuple[str, socket.socket | None]:
+    """Api servers share one port: a requested port 0 is bound here, once, with SO_REUSEPORT, and the socket held
+    (bound, never listening, so it takes no connection) while they run, so that no other process can take the port
+    before they bind it too. The address with its port, and the socket to close after them (None: a fixed port)."""
     host, _, port = listen.rpartition(":")
     if port != "0":
-        return listen
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
-        s.bind((host.strip("[]") or "0.0.0.0", 0))
-        return f"{host}:{s.getsockname()[1]}"
+        return listen, None
+    bare = host.strip("[]")
+    s = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((bare or "0.0.0.0", 0))
+    except OSError:
+        s.close()
+        raise
+    return f"{host}:{s.getsockname()[1]}", s
 
 
 def stop_on_signals(pool: ExecutorPool) -> asyncio.Event:
@@ -77,12 +86,13 @@ async def start_until_stopped(pool: ExecutorPool, stop: asyncio.Event) -> bool:
     return True
 
 
-async def start_metrics(config: SchedulerServiceConfig, pool: ExecutorPool) -> MetricsServer | None:
+async def start_metrics(config: SchedulerServiceConfig, pool: ExecutorPool, ports: PortFile) -> MetricsServer | None:
     if config.metrics_port is None or pool.metrics is None:
         return None
     server = MetricsServer(pool.metrics.registry)
-    await server.start(config.metrics_host, config.metrics_port)
-    log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    port = await server.start(config.metrics_host, config.metrics_port)
+    ports.record("metrics_port", port)
+    log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     return server
 
 
@@ -104,18 +114,33 @@ async def run_engine_core(config: SchedulerServiceConfig) -> int:
         raise SystemExit(f"--engine-core-listen {config.engine_core_listen}: {e}") from None
     log.info("engine core (pid %d) listening for front-ends on %s%s", os.getpid(), core.address,
              " (CURVE)" if secret else "")
+    ports = PortFile(config.port_file)
+    if core.address.startswith("tcp://"):
+        ports.record("engine_core_listen", int(core.address.rpartition(":")[2]))
     try:
-        await serve_engine_core(config, pool, core)
+        await serve_engine_core(config, pool, core, ports)
     finally:
         core.close()
     return 0
 
 
-async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, core: EngineCore) -> None:
-    core.start()
-    listen = resolve_listen(config.listen)
+def reserve_ports(config: SchedulerServiceConfig, ports: PortFile) -> tuple[str, list[socket.socket]]:
+    """The api servers' gRPC address and config.http_listen with their ports fixed (reserve_listen), recorded in
+    the port file; and the reserving sockets, to close once the api servers are stopped."""
+    listen, held = reserve_listen(config.listen)
+    sockets = [held] if held is not None else []
+    ports.record("listen", int(listen.rpartition(":")[2]))
     if config.http_listen:
-        config.http_listen = resolve_listen(config.http_listen)
+        config.http_listen, held = reserve_listen(config.http_listen)
+        sockets += [held] if held is not None else []
+        ports.record("http_listen", int(config.http_listen.rpartition(":")[2]))
+    return listen, sockets
+
+
+async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, core: EngineCore,
+                            ports: PortFile) -> None:
+    core.start()
+    listen, reserved = reserve_ports(config, ports)
     servers = ApiServers(config, core.address, listen, core.drop_frontend)
     servers.start()
     metrics_server: MetricsServer | None = None
@@ -128,7 +153,7 @@ async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, 
             core.broadcast_status()
             if config.metrics_port is not None and pool.metrics is not None:
                 core.counters()  # its series on the registry from the start
-            metrics_server = await start_metrics(config, pool)
+            metrics_server = await start_metrics(config, pool, ports)
             freeze_startup_objects()
             log.info("engine core ready; %s", f"api servers on {listen}" if config.api_server_count
                      else f"front-ends connect to {core.address}")
@@ -139,6 +164,8 @@ async def serve_engine_core(config: SchedulerServiceConfig, pool: ExecutorPool, 
             await servers.drain(config.shutdown_timeout + 5.0)
     finally:
         servers.kill()
+        for held in reserved:
+            held.close()
         aborted = pool.abort_all("server shut down")
         log.info("api servers stopped; aborted %d requests left in the core", aborted)
         await pool.stop()

@@ -17,6 +17,7 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2
 
+from client.port_file import PortFile
 from protos.wire import read_secret, server_credentials
 from scheduler_service.config import SchedulerServiceConfig
 from scheduler_service.frontend.auth import load_api_keys
@@ -89,6 +90,14 @@ async def open_api_server(config: SchedulerServiceConfig, engine: EngineHandle, 
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     http = await start_http(config, public, reuse_port)
     return ApiServer(public, http, set())
+
+
+def record_api_ports(ports: PortFile, api: ApiServer) -> PortFile:
+    """The public gRPC port and the HTTP port (if any) into --port-file."""
+    ports.record("listen", api.public.port)
+    if api.http is not None:
+        ports.record("http_listen", api.http.port)
+    return ports
 
 
 async def follow_readiness(api: ApiServer, engine: EngineHandle) -> None:

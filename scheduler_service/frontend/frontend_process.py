@@ -15,9 +15,16 @@ import uuid
 
 import uvloop
 
+from client.port_file import PortFile
 from protos.wire import read_secret
 from scheduler_service.config import SchedulerServiceConfig, build_parser, parse_config
-from scheduler_service.frontend.api_server import core_client, drain, follow_readiness, open_api_server
+from scheduler_service.frontend.api_server import (
+    core_client,
+    drain,
+    follow_readiness,
+    open_api_server,
+    record_api_ports,
+)
 from scheduler_service.frontend.core_client import CoreClient
 from scheduler_service.frontend.core_membership import CoreMembership, is_dns, parse_core_name
 from scheduler_service.frontend.core_set import CoreSet
@@ -62,6 +69,7 @@ async def serve_frontend(config: SchedulerServiceConfig, engine_cores: list[str]
                     "its tenants share no cached prefix with other front-ends")
     api = await open_api_server(config, core, config.listen, reuse_port=True, tenant_secret=tenants)
     api.public.generation.refusals.listener = core.count_refusal
+    record_api_ports(PortFile(config.port_file), api)
     await follow_readiness(api, core)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
