@@ -22,11 +22,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from client.port_file import wait_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 METRIC_LABELS_KEPT = ("finished_reason", "mode", "code")
 
 
 def free_port() -> int:
+    """A port free now, for a process that must know it before it starts (another process may take it before
+    then): prefer start_listening, where the service binds port 0 and says which port it got."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -70,6 +74,30 @@ def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[byte
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
+
+
+def port_file_of(log_path: Path) -> Path:
+    """Where start_listening has the service write its --port-file: beside its log."""
+    return log_path.with_suffix(".ports")
+
+
+def start_listening(module: str, args: list[str], log_path: Path, names: tuple[str, ...] = ("listen",)
+                    ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """start() with `--listen 127.0.0.1:0 --port-file` (args may name other ports 0 too); once the service has
+    written every port in names, the process and its ports so far (no port is picked before the process binds it,
+    so none can be taken by another process in between)."""
+    ports_path = port_file_of(log_path)
+    ports_path.unlink(missing_ok=True)
+    proc = start(module, ["--listen", "127.0.0.1:0", "--port-file", str(ports_path), *args], log_path)
+    try:
+        return proc, wait_ports(ports_path, names, proc)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def loopback(port: int) -> str:
+    return f"127.0.0.1:{port}"
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
@@ -133,8 +161,8 @@ class Service:
 @contextlib.contextmanager
 def service(module: str, args: list[str], log_dir: Path | None = None, env: dict[str, str] | None = None,
             name: str | None = None) -> Iterator[Service]:
-    """Start `python -m module --listen 127.0.0.1:PORT *args`, wait until healthy, stop it afterwards."""
-    address = f"127.0.0.1:{free_port()}"
+    """Start `python -m module --listen 127.0.0.1:0 *args` (the port it binds read from its --port-file), wait
+    until healthy, stop it afterwards."""
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedserve-")))
@@ -142,11 +170,12 @@ def service(module: str, args: list[str], log_dir: Path | None = None, env: dict
         saved = dict(os.environ)
         try:
             os.environ.update(env or {})
-            proc = start(module, ["--listen", address, *args], log)
+            proc = start(module, ["--listen", "127.0.0.1:0", "--port-file", str(port_file_of(log)), *args], log)
         finally:
             os.environ.clear()
             os.environ.update(saved)
         try:
+            address = loopback(wait_ports(port_file_of(log), ("listen",), proc, timeout=300.0)["listen"])
             wait_healthy(address, proc, timeout=300.0)
             yield Service(address, proc, log)
         except BaseException:

@@ -19,7 +19,7 @@ from client.lib import build_request
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.wire import GRPC_OPTIONS
 from scheduler_service.frontend.generation import API_SERVER_HEADER
-from tests.support.procs import ROOT, Stack, free_port, running_stack, wait_healthy, wait_until
+from tests.support.procs import ROOT, Stack, running_http_stack, running_stack, wait_healthy, wait_until
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 EXECUTOR = ["--simulated", "--sim-step-latency-ms", "5"]
@@ -181,9 +181,8 @@ def test_sigterm_drains_the_streams_of_every_api_server(tmp_path: Path) -> None:
 
 
 def test_the_http_api_listens_in_every_api_server(tmp_path: Path) -> None:
-    http_port = free_port()
-    args = ["--api-server-count", "2", "--http-listen", f"127.0.0.1:{http_port}"]
-    with running_stack(tmp_path, EXECUTOR, args):
+    with running_http_stack(tmp_path, EXECUTOR, ["--api-server-count", "2"]) as s:
+        http_port = s.ports["http_listen"]
         wait_until(lambda: listeners(http_port) == 2, 30.0, "both api servers listening for HTTP")
         body = json.dumps({"model": "simulated", "prompt": [65, 66], "max_tokens": 7, "seed": 3,
                            "temperature": 0.5}).encode()

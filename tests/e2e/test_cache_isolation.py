@@ -22,7 +22,7 @@ from client.lib import build_request
 from executor_service.default_model.model import ensure_default_model
 from protos.pagedserve.v1 import generation_pb2_grpc
 from scheduler_service.frontend.generation import API_SERVER_HEADER
-from tests.support.procs import Stack, free_port, running_stack, wait_until
+from tests.support.procs import Stack, running_http_stack, wait_until
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -36,9 +36,9 @@ def prompt(seed: int) -> list[int]:
 
 
 class Tenants:
-    def __init__(self, stack: Stack, http_port: int) -> None:
+    def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.url = f"http://127.0.0.1:{http_port}/v1"
+        self.url = f"{stack.http_url}/v1"
 
     def counters(self) -> tuple[float, float]:
         m = self.stack.metrics()
@@ -79,11 +79,10 @@ class Tenants:
 
 
 def tenants_stack(tmp_path: Path, *flags: str) -> Iterator[Tenants]:
-    port = free_port()
-    scheduler = ["--api-key", ALPHA, "--api-key", BETA, "--http-listen", f"127.0.0.1:{port}",
-                 "--api-server-count", "2", "--tokenizer", str(ensure_default_model()), *flags]
-    with running_stack(tmp_path, ["--simulated"], scheduler) as stack:
-        yield Tenants(stack, port)
+    scheduler = ["--api-key", ALPHA, "--api-key", BETA, "--api-server-count", "2", "--tokenizer",
+                 str(ensure_default_model()), *flags]
+    with running_http_stack(tmp_path, ["--simulated"], scheduler) as stack:
+        yield Tenants(stack)
 
 
 @pytest.fixture(scope="module")

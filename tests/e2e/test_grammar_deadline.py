@@ -13,7 +13,7 @@ import pytest
 
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import common_pb2
-from tests.support.procs import Stack, free_port, run, running_stack
+from tests.support.procs import Stack, run, running_http_stack
 
 MODEL = "default-model-v2"
 EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
@@ -24,10 +24,9 @@ model's 2k vocabulary when the box is quiet: ten times the deadline here, more w
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
-    port = free_port()
-    args = ["--http-listen", f"127.0.0.1:{port}", "--structured-outputs-compile-timeout", "0.5"]
-    with running_stack(tmp_path_factory.mktemp("deadline"), EXECUTOR, args) as s:
-        yield s, f"http://127.0.0.1:{port}/v1"
+    args = ["--structured-outputs-compile-timeout", "0.5"]
+    with running_http_stack(tmp_path_factory.mktemp("deadline"), EXECUTOR, args) as s:
+        yield s, f"{s.http_url}/v1"
 
 
 async def test_http_a_grammar_past_the_compile_deadline_is_400_naming_the_field(stack: tuple[Stack, str]) -> None:

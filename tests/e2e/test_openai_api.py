@@ -24,7 +24,16 @@ import torch
 from client.bench.datasets import SyntheticConfig, synthetic_requests
 from client.lib import PagedServeClient
 from executor_service.default_model.model import ensure_default_model
-from tests.support.procs import ROOT, Stack, free_port, run, running_stack, start, stop, wait_until
+from tests.support.procs import (
+    ROOT,
+    Stack,
+    refusing_address,
+    run,
+    running_http_stack,
+    start_listening,
+    stop,
+    wait_until,
+)
 
 openai = pytest.importorskip("openai")
 OpenAIClient = Any  # openai.AsyncOpenAI; the test reads its responses loosely, as JSON
@@ -38,9 +47,9 @@ EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "256", "--num-cpu-blocks", "0
 
 
 class HttpStack:
-    def __init__(self, stack: Stack, http_port: int) -> None:
+    def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.base_url = f"http://127.0.0.1:{http_port}/v1"
+        self.base_url = f"{stack.http_url}/v1"
 
     def client(self, api_key: str = KEY, **kwargs: Any) -> OpenAIClient:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs)
@@ -48,10 +57,8 @@ class HttpStack:
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    port = free_port()
-    scheduler = ["--http-listen", f"127.0.0.1:{port}", "--api-key", KEY]
-    with running_stack(tmp_path_factory.mktemp("openai"), EXECUTOR, scheduler) as stack:
-        yield HttpStack(stack, port)
+    with running_http_stack(tmp_path_factory.mktemp("openai"), EXECUTOR, ["--api-key", KEY]) as stack:
+        yield HttpStack(stack)
 
 
 @pytest.fixture
@@ -216,12 +223,11 @@ ABORT_WITHIN_S = 20.0  # well before the first token could come
 
 @pytest.fixture(scope="module")
 def slow_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    port = free_port()
     executor = ["--simulated", "--sim-step-latency-ms", str(int(SLOW_STEP_S * 1000)), "--num-gpu-blocks", "512"]
-    scheduler = ["--http-listen", f"127.0.0.1:{port}", "--api-key", KEY, "--tokenizer", str(ensure_default_model()),
-                 "--max-num-batched-tokens", str(SLOW_CHUNK)]
-    with running_stack(tmp_path_factory.mktemp("slow-prefill"), executor, scheduler) as stack:
-        yield HttpStack(stack, port)
+    scheduler = ["--api-key", KEY, "--tokenizer", str(ensure_default_model()), "--max-num-batched-tokens",
+                 str(SLOW_CHUNK)]
+    with running_http_stack(tmp_path_factory.mktemp("slow-prefill"), executor, scheduler) as stack:
+        yield HttpStack(stack)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -302,19 +308,21 @@ async def test_missing_or_wrong_key_is_401(http: HttpStack) -> None:
 
 
 async def test_queue_full_is_429_and_no_executor_is_503(tmp_path: Path) -> None:
-    port = free_port()
-    with running_stack(tmp_path, ["--simulated"], ["--http-listen", f"127.0.0.1:{port}", "--max-queue-len", "0"]):
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
+    with running_http_stack(tmp_path, ["--simulated"], ["--max-queue-len", "0"]) as stack:
+        async with openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key="x", max_retries=0) as c:
             with pytest.raises(openai.RateLimitError) as caught:
                 await c.completions.create(model="simulated", prompt="hello")
             assert "queue is full" in caught.value.message
-    port, dead = free_port(), free_port()
-    lonely = start("scheduler_service", ["--listen", f"127.0.0.1:{free_port()}", "--executor", f"127.0.0.1:{dead}",
-                                         "--metrics-port", "-1", "--http-listen", f"127.0.0.1:{port}"],
-                   tmp_path / "lonely.log")
+    with refusing_address() as dead:
+        lonely, ports = start_listening("scheduler_service", ["--executor", dead, "--metrics-port", "-1",
+                                                              "--http-listen", "127.0.0.1:0"],
+                                        tmp_path / "lonely.log", ("listen", "http_listen"))
+        await answers_503_without_executor(lonely, f"http://127.0.0.1:{ports['http_listen']}")
+
+
+async def answers_503_without_executor(lonely: subprocess.Popen[bytes], url: str) -> None:
     try:
         async with aiohttp.ClientSession() as raw:
-            url = f"http://127.0.0.1:{port}"
             assert await wait_for_status(raw, f"{url}/health") == 503
             async with raw.post(f"{url}/v1/completions", json={"prompt": "hi"}) as r:
                 assert r.status == 503

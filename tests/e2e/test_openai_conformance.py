@@ -20,7 +20,7 @@ import pytest
 from client.lib import PagedServeClient
 from executor_service.default_model.model import ensure_default_model
 from executor_service.model.files import read_json
-from tests.support.procs import Stack, free_port, run, running_stack
+from tests.support.procs import Stack, run, running_http_stack, running_stack
 
 openai = pytest.importorskip("openai")
 
@@ -32,9 +32,9 @@ HELLO = [{"role": "user", "content": "Say hello."}]  # greedy: EOS at once
 
 
 class HttpStack:
-    def __init__(self, stack: Stack, http_port: int) -> None:
+    def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.url = f"http://127.0.0.1:{http_port}"
+        self.url = stack.http_url
         self.base_url = f"{self.url}/v1"
 
     def client(self) -> Any:
@@ -43,9 +43,8 @@ class HttpStack:
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    port = free_port()
-    with running_stack(tmp_path_factory.mktemp("vllm-api"), EXECUTOR, ["--http-listen", f"127.0.0.1:{port}"]) as s:
-        yield HttpStack(s, port)
+    with running_http_stack(tmp_path_factory.mktemp("vllm-api"), EXECUTOR) as s:
+        yield HttpStack(s)
 
 
 @pytest.fixture

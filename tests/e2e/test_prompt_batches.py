@@ -10,18 +10,16 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.support.procs import Stack, free_port, running_stack, wait_until
+from tests.support.procs import Stack, running_http_stack, wait_until
 
 SEQS, QUEUE = 4, 4  # the api server holds at most 8 open calls
 HELD = 4
 
 
 async def test_a_batch_past_the_open_call_limit_is_refused_before_any_of_it_starts(tmp_path: Path) -> None:
-    port = free_port()
-    with running_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "20", "--max-num-seqs", str(SEQS)],
-                       ["--http-listen", f"127.0.0.1:{port}", "--max-num-seqs", str(SEQS),
-                        "--max-queue-len", str(QUEUE)]) as stack:
-        url = f"http://127.0.0.1:{port}/v1/completions"
+    with running_http_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "20", "--max-num-seqs", str(SEQS)],
+                            ["--max-num-seqs", str(SEQS), "--max-queue-len", str(QUEUE)]) as stack:
+        url = f"{stack.http_url}/v1/completions"
         async with aiohttp.ClientSession() as http:
             async with http.post(url, json={"prompt": ["hi"] * (SEQS + QUEUE + 1), "max_tokens": 1}) as r:
                 body = await r.json()

@@ -21,7 +21,7 @@ import pytest
 from client.lib import PagedServeClient
 from executor_service.default_model.model import ensure_default_model
 from protos.pagedserve.v1 import generation_pb2
-from tests.support.procs import Stack, free_port, running_stack
+from tests.support.procs import Stack, running_http_stack
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,10 +36,8 @@ K = 3
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
-    port = free_port()
-    with running_stack(tmp_path_factory.mktemp("prompt-logprobs"), EXECUTOR,
-                       [*SCHEDULER, "--http-listen", f"127.0.0.1:{port}"]) as s:
-        yield s, f"http://127.0.0.1:{port}/v1"
+    with running_http_stack(tmp_path_factory.mktemp("prompt-logprobs"), EXECUTOR, SCHEDULER) as s:
+        yield s, f"{s.http_url}/v1"
 
 
 @pytest.fixture(scope="module")

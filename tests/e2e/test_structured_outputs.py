@@ -24,7 +24,7 @@ import pytest
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import common_pb2, generation_pb2
 from scheduler_service.structured import MAX_CONSTRAINT_BYTES
-from tests.support.procs import Stack, free_port, run, running_stack
+from tests.support.procs import Stack, run, running_http_stack
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -76,10 +76,9 @@ SCHEMAS = [schema(i) for i in range(50)]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
-    port = free_port()
-    args = ["--http-listen", f"127.0.0.1:{port}", "--tool-call-parser", "hermes"]
-    with running_stack(tmp_path_factory.mktemp("structured"), EXECUTOR, args) as s:
-        yield s, f"http://127.0.0.1:{port}/v1"
+    args = ["--tool-call-parser", "hermes"]
+    with running_http_stack(tmp_path_factory.mktemp("structured"), EXECUTOR, args) as s:
+        yield s, f"{s.http_url}/v1"
 
 
 @pytest.fixture

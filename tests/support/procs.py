@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,7 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.lib import PagedServeClient
-from client.local import ROOT, child_pids, free_port, parse_metrics, start, status_bytes, stop, wait_healthy, wait_until
+from client.local import (
+    ROOT,
+    child_pids,
+    free_port,
+    loopback,
+    parse_metrics,
+    port_file_of,
+    start,
+    start_listening,
+    status_bytes,
+    stop,
+    wait_healthy,
+    wait_until,
+)
+from client.port_file import wait_ports
 
 __all__ = [
     "ROOT",
@@ -23,12 +38,16 @@ __all__ = [
     "child_pids",
     "free_port",
     "generate_all",
+    "loopback",
     "parse_metrics",
     "prompts",
+    "refusing_address",
     "rss_bytes",
     "run",
+    "running_http_stack",
     "running_stack",
     "start",
+    "start_listening",
     "status_bytes",
     "stop",
     "thread_count",
@@ -41,11 +60,19 @@ __all__ = [
 class Stack:
     address: str
     executor_address: str
-    metrics_port: int
     executor: subprocess.Popen[bytes]
     scheduler: subprocess.Popen[bytes]
     executor_args: list[str]
     log_dir: Path
+    ports: dict[str, int]  # the scheduler's --port-file: listen, metrics_port, http_listen (each if serving)
+
+    @property
+    def metrics_port(self) -> int:
+        return self.ports["metrics_port"]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http_listen']}"
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
@@ -59,7 +86,8 @@ class Stack:
 
     def restart_executor(self) -> None:
         stop(self.executor, signal.SIGKILL)
-        self.executor = start("executor_service", self.executor_args, self.log_dir / "executor.log")
+        self.executor = start("executor_service", ["--listen", self.executor_address, *self.executor_args],
+                              self.log_dir / "executor.log")
         wait_healthy(self.executor_address, self.executor)
 
 
@@ -72,6 +100,15 @@ async def run_script(script: str, *args: str, timeout: float = 120) -> bytes:
     return done.stdout
 
 
+@contextmanager
+def refusing_address() -> Iterator[str]:
+    """A loopback address that refuses connections for as long as it is held: its port is bound and never
+    listened on, so no other process can take it meanwhile (an executor that is not there, for certain)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield loopback(s.getsockname()[1])
+
+
 def thread_count(proc: subprocess.Popen[bytes]) -> int:
     return len(os.listdir(f"/proc/{proc.pid}/task"))
 
@@ -80,24 +117,48 @@ def rss_bytes(proc: subprocess.Popen[bytes]) -> int:
     return status_bytes(proc.pid, "VmRSS")
 
 
+def served_ports(scheduler_args: list[str]) -> tuple[str, ...]:
+    """The ports a scheduler started by running_stack with scheduler_args writes to its port file."""
+    names = ["listen"]
+    if "--http-listen" in scheduler_args:
+        names.append("http_listen")
+    metrics = [scheduler_args[i + 1] for i, a in enumerate(scheduler_args[:-1]) if a == "--metrics-port"]
+    if not metrics or metrics[-1] != "-1":
+        names.append("metrics_port")
+    return tuple(names)
+
+
 @contextmanager
 def running_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list[str] | None = None,
                   tls_ca: str | None = None) -> Iterator[Stack]:
-    ex_port, sc_port, m_port = free_port(), free_port(), free_port()
-    ex_addr, sc_addr = f"127.0.0.1:{ex_port}", f"127.0.0.1:{sc_port}"
-    ex_args = ["--listen", ex_addr, *executor_args]
-    executor = start("executor_service", ex_args, tmp_path / "executor.log")
-    scheduler = start("scheduler_service", ["--listen", sc_addr, "--executor", ex_addr, "--metrics-port",
-                                            str(m_port), *(scheduler_args or [])], tmp_path / "scheduler.log")
-    stack = Stack(sc_addr, ex_addr, m_port, executor, scheduler, ex_args, tmp_path)
+    """A simulated or torch executor and a scheduler over it, each on a port it picked (port 0, --port-file);
+    scheduler_args may add `--http-listen 127.0.0.1:0` (Stack.http_url) or `--metrics-port -1`."""
+    executor, ex_ports = start_listening("executor_service", executor_args, tmp_path / "executor.log")
+    ex_addr = loopback(ex_ports["listen"])
+    args = ["--executor", ex_addr, "--metrics-port", "0", *(scheduler_args or [])]
+    try:
+        scheduler, ports = start_listening("scheduler_service", args, tmp_path / "scheduler.log")
+    except BaseException:
+        stop(executor)
+        raise
+    stack = Stack(loopback(ports["listen"]), ex_addr, executor, scheduler, executor_args, tmp_path, ports)
     try:
         if tls_ca is None:
             wait_healthy(ex_addr, executor)
-        wait_healthy(sc_addr, scheduler, tls_ca=tls_ca)
+        wait_healthy(stack.address, scheduler, tls_ca=tls_ca)
+        stack.ports = wait_ports(port_file_of(tmp_path / "scheduler.log"), served_ports(args), scheduler)
         yield stack
     finally:
         stop(stack.scheduler)
         stop(stack.executor)
+
+
+@contextmanager
+def running_http_stack(tmp_path: Path, executor_args: list[str], scheduler_args: list[str] | None = None
+                       ) -> Iterator[Stack]:
+    """running_stack with the OpenAI HTTP API on a port of its own (Stack.http_url)."""
+    with running_stack(tmp_path, executor_args, ["--http-listen", "127.0.0.1:0", *(scheduler_args or [])]) as stack:
+        yield stack
 
 
 async def run(client: PagedServeClient, **kwargs: object) -> tuple[list[int], str, int, str]:
