@@ -126,7 +126,9 @@ async def run_engine_core(config: SchedulerServiceConfig) -> int:
 
 def reserve_ports(config: SchedulerServiceConfig, ports: PortFile) -> tuple[str, list[socket.socket]]:
     """The api servers' gRPC address and config.http_listen with their ports fixed (reserve_listen), recorded in
-    the port file; and the reserving sockets, to close once the api servers are stopped."""
+    the port file; and the reserving sockets, to close once the api servers are stopped. (No api server: none.)"""
+    if not config.api_server_count:
+        return config.listen, []
     listen, held = reserve_listen(config.listen)
     sockets = [held] if held is not None else []
     ports.record("listen", int(listen.rpartition(":")[2]))

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
 ENV = "PAGEDSERVE_EXECUTOR"
 STEP_TIMEOUT_S = 60.0
@@ -46,9 +46,9 @@ def executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if request.param.startswith("external:"):
         yield request.param.removeprefix("external:")
         return
-    address = f"127.0.0.1:{free_port()}"
     log = tmp_path_factory.mktemp(f"executor-{request.param}") / "executor.log"
-    proc = start("executor_service", ["--listen", address, *EXECUTORS[request.param]], log)
+    proc, ports = start_listening("executor_service", EXECUTORS[request.param], log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         yield address

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.local import start, wait_healthy
+from client.local import loopback, start_listening, wait_healthy
 from tests.support.procs import wait_until
 from tests.support.streams import EXECUTOR, MAX_TOKENS, TokenCount, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
@@ -84,11 +84,11 @@ async def test_a_frontend_follows_a_dns_named_core_to_its_new_address(tmp_path: 
     link = ["--engine-core-secret-file", str(secret)]
     with running_tiers(tmp_path, EXECUTOR, core_args=link, frontends=0) as tiers:
         port = tiers.core_address.rsplit(":", 1)[1]
-        frontend = start("scheduler_service.frontend", [
+        frontend, ports = start_listening("scheduler_service.frontend", [
             "--engine-core", f"dns:///engine-core:{port}", "--executor-hosts-file", str(hosts),
-            "--executor-resolve-interval", "0.2", "--engine-core-timeout", "2", "--listen", tiers.public, *link],
-            tmp_path / "frontend-dns.log")
+            "--executor-resolve-interval", "0.2", "--engine-core-timeout", "2", *link], tmp_path / "frontend-dns.log")
         tiers.frontends.append(frontend)
+        tiers.public = loopback(ports["listen"])
         await asyncio.to_thread(wait_healthy, tiers.public, frontend)
         reference = await run_all(tiers.public, calls)
         check_complete(reference, calls)

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from client.lib import PagedServeClient, ResumeState, build_request
-from client.local import free_port, stop, wait_healthy, wait_until
+from client.local import stop, wait_healthy, wait_until
 from tests.support.streams import EXECUTOR, TokenCount, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
@@ -44,8 +44,8 @@ async def test_a_call_resumed_on_another_frontend_supersedes_the_one_still_strea
     """The client's resume reaches the core before it noticed the first front-end gone: the continuation takes the
     request over (same id) and yields exactly the tokens the first call had still to send."""
     with running_tiers(tmp_path, EXECUTOR, core_args=CORE) as tiers:
-        other = f"127.0.0.1:{free_port()}"
-        await asyncio.to_thread(wait_healthy, other, tiers.start_frontend(other))
+        other, frontend = tiers.start_other_frontend()
+        await asyncio.to_thread(wait_healthy, other, frontend)
         params = {"prompt_token_ids": [7, 8, 9], "max_tokens": 60, "ignore_eos": True, "temperature": 1.0}
         for i in range(4):
             request = build_request(request_id=f"r{i}", seed=i if i % 2 else None, **params)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ import asyncio
 from pathlib import Path
 
 from client.lib import PagedServeClient, ResumeState, build_request
-from client.local import free_port, wait_healthy, wait_until
+from client.local import wait_healthy, wait_until
 from scheduler_service.link_auth import tenant_key
 from tests.support.streams import EXECUTOR
 from tests.support.tiers import Tiers, running_tiers
@@ -61,8 +61,8 @@ async def test_standalone_frontends_with_one_link_secret_share_tenants(tmp_path:
     frontend = [*link, "--api-key", KEY, "--engine-core-timeout", "2"]
     with running_tiers(tmp_path, EXECUTOR, core_args=[*link, "--engine-core-timeout", "2"],
                        frontend_args=frontend) as tiers:
-        other = f"127.0.0.1:{free_port()}"
-        await asyncio.to_thread(wait_healthy, other, tiers.start_frontend(other))
+        other, second = tiers.start_other_frontend()
+        await asyncio.to_thread(wait_healthy, other, second)
         assert await prompt_hits(tiers, tiers.public) == 0
         assert await prompt_hits(tiers, other) == 48, "the other front-end's caller with the same key hits"
         for i in range(3):

@@ -9,7 +9,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.e2e.test_production import serving
-from tests.support.procs import free_port, running_stack, start, stop, wait_until
+from tests.support.procs import free_port, loopback, running_stack, start, start_listening, stop, wait_until
 
 DESIGN_METRICS = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
@@ -22,10 +22,10 @@ DESIGN_METRICS = [
 
 
 def test_health_is_not_serving_until_an_executor_answers(tmp_path: Path) -> None:
-    ex_addr = f"127.0.0.1:{free_port()}"
-    sc_addr = f"127.0.0.1:{free_port()}"
-    scheduler = start("scheduler_service", ["--listen", sc_addr, "--executor", ex_addr, "--metrics-port", "-1"],
-                      tmp_path / "scheduler.log")
+    ex_addr = f"127.0.0.1:{free_port()}"  # known before the executor starts: the scheduler dials it first
+    scheduler, ports = start_listening("scheduler_service", ["--executor", ex_addr, "--metrics-port", "-1"],
+                                       tmp_path / "scheduler.log")
+    sc_addr = loopback(ports["listen"])
     try:
         wait_until(lambda: (tmp_path / "scheduler.log").read_text().count("waiting for executor") > 0,
                    what="scheduler listening")

@@ -285,10 +285,11 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_counted_as_stop(tm
 
 
 def test_scheduler_without_executor_shuts_down_at_once(tmp_path: Path) -> None:
-    from tests.support.procs import free_port, start
+    from tests.support.procs import refusing_address, start
 
-    proc = start("scheduler_service", ["--listen", f"127.0.0.1:{free_port()}", "--executor",
-                                       f"127.0.0.1:{free_port()}", "--metrics-port", "-1"], tmp_path / "s.log")
-    wait_until(lambda: "waiting for executor" in (tmp_path / "s.log").read_text(), what="listening")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0
+    with refusing_address() as nowhere:
+        proc = start("scheduler_service", ["--listen", "127.0.0.1:0", "--executor", nowhere, "--metrics-port", "-1"],
+                     tmp_path / "s.log")
+        wait_until(lambda: "waiting for executor" in (tmp_path / "s.log").read_text(), what="listening")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0

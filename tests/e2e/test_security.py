@@ -10,7 +10,7 @@ import pytest
 
 from client.lib import PagedServeClient
 from tests.support.certs import CertPair, make_ca, make_leaf
-from tests.support.procs import Stack, free_port, running_stack, start
+from tests.support.procs import Stack, running_stack, start
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -100,7 +100,7 @@ def test_executor_listens_on_loopback_by_default(tmp_path: Path) -> None:
     from executor_service.config import ExecutorConfig
 
     assert ExecutorConfig.from_args([]).listen.startswith("127.0.0.1:")
-    proc = start("executor_service", ["--simulated", "--listen", f"127.0.0.1:{free_port()}", "--tls-cert", "x.crt"],
+    proc = start("executor_service", ["--simulated", "--listen", "127.0.0.1:0", "--tls-cert", "x.crt"],
                  tmp_path / "bad.log")
     assert proc.wait(timeout=60) != 0
     assert "--tls-cert and --tls-key go together" in (tmp_path / "bad.log").read_text()

@@ -12,7 +12,7 @@ import urllib.request
 from functools import partial
 from pathlib import Path
 
-from client.local import free_port, parse_metrics, start, stop, wait_healthy, wait_until
+from client.local import loopback, parse_metrics, start_listening, stop, wait_healthy, wait_until
 from tests.support.streams import EXECUTOR, check_complete, run_all, specs
 
 TOKENS = 120  # per stream: long enough (2.4 s of 20 ms steps) that the kill lands mid-stream on a busy machine
@@ -34,19 +34,20 @@ async def test_a_lost_core_s_requests_move_to_the_survivor_and_finish_identicall
     try:
         cores, metrics, links = [], [], []
         for i in range(2):
-            ex = f"127.0.0.1:{free_port()}"
-            procs.append(start("executor_service", ["--listen", ex, *EXECUTOR], tmp_path / f"executor-{i}.log"))
-            wait_healthy(ex, procs[-1])
-            link, port = f"tcp://127.0.0.1:{free_port()}", free_port()
-            procs.append(start("scheduler_service", ["--engine-core-listen", link, "--api-server-count", "0",
-                                                     "--executor", ex, "--metrics-port", str(port)],
-                               tmp_path / f"core-{i}.log"))
-            cores.append(procs[-1])
-            metrics.append(port)
-            links += ["--engine-core", link]
-        public = f"127.0.0.1:{free_port()}"
-        frontend = start("scheduler_service.frontend", ["--listen", public, *links], tmp_path / "frontend.log")
+            executor, ports = start_listening("executor_service", EXECUTOR, tmp_path / f"executor-{i}.log")
+            procs.append(executor)
+            ex = loopback(ports["listen"])
+            wait_healthy(ex, executor)
+            core, ports = start_listening("scheduler_service", [
+                "--engine-core-listen", "tcp://127.0.0.1:0", "--api-server-count", "0", "--executor", ex,
+                "--metrics-port", "0"], tmp_path / f"core-{i}.log", ("engine_core_listen", "metrics_port"))
+            procs.append(core)
+            cores.append(core)
+            metrics.append(ports["metrics_port"])
+            links += ["--engine-core", f"tcp://127.0.0.1:{ports['engine_core_listen']}"]
+        frontend, ports = start_listening("scheduler_service.frontend", links, tmp_path / "frontend.log")
         procs.append(frontend)
+        public = loopback(ports["listen"])
         await asyncio.to_thread(wait_healthy, public, frontend)
         for port in metrics:  # both cores ready, so that requests spread over both
             await asyncio.to_thread(wait_until, partial(core_holds_nothing, port), 30.0, "a core up")

@@ -14,7 +14,7 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from tests.support.engine_loop import collect
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import free_port, loopback, refusing_address, start, start_listening, stop, wait_healthy
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
@@ -80,9 +80,9 @@ async def test_a_step_without_answer_within_the_timeout_counts_as_a_lost_executo
     from scheduler_service.core.outputs import ScheduledWork, SchedulerOutput
     from scheduler_service.engine.executor_link import ExecutorConnection, ExecutorLost
 
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address, "--sim-step-latency-ms", "5000"],
-                 tmp_path / "slow.log")
+    proc, ports = start_listening("executor_service", ["--simulated", "--sim-step-latency-ms", "5000"],
+                                  tmp_path / "slow.log")
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         connection = ExecutorConnection(address, step_timeout=0.3)
@@ -169,7 +169,8 @@ async def test_a_loading_executor_is_waited_for_with_one_info_line_and_no_warnin
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The executor's port answers nothing for longer than one Describe's 5 s deadline (a model loading), then
     the executor comes up: one INFO line says it is loading, none is a warning, and its start-up time becomes
-    pagedserve:executor_startup_seconds."""
+    pagedserve:executor_startup_seconds. (The scheduler dials the address before the executor exists: a port
+    picked before it starts, free_port.)"""
     address = f"127.0.0.1:{free_port()}"
     engine = ExecutorLoop(CoreConfig(), address, max_queue_len=100)
     proc = None
@@ -195,7 +196,12 @@ async def test_a_loading_executor_is_waited_for_with_one_info_line_and_no_warnin
 
 
 async def test_an_executor_silent_past_the_load_timeout_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    engine = ExecutorLoop(CoreConfig(), f"127.0.0.1:{free_port()}", max_queue_len=100)
+    with refusing_address() as nowhere:
+        await warns_about_silent_executor(nowhere, caplog)
+
+
+async def warns_about_silent_executor(address: str, caplog: pytest.LogCaptureFixture) -> None:
+    engine = ExecutorLoop(CoreConfig(), address, max_queue_len=100)
     engine.load_warn_s = 0.0
     describe = engine.connection.describe
     engine.connection.describe = lambda timeout=5.0: describe(timeout=0.2)  # type: ignore[method-assign]

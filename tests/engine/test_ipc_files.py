@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_service.messages import OLD_IPC_FILE_MIN_AGE_S, clear_stale_ipc_files, ipc_address
-from tests.support.procs import free_port, running_stack, start, stop, wait_healthy
+from tests.support.procs import loopback, running_stack, start, start_listening, stop, wait_healthy
 
 
 @pytest.fixture
@@ -101,17 +101,17 @@ def test_a_clean_sigterm_leaves_no_socket_file_and_a_start_clears_stale_ones(
 
 def test_an_engine_core_that_fails_removes_its_socket_file(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TMPDIR", str(short_tmp))
-    executor_address = f"127.0.0.1:{free_port()}"
-    executor = start("executor_service", ["--simulated", "--listen", executor_address], short_tmp / "executor.log")
+    executor, ports = start_listening("executor_service", ["--simulated"], short_tmp / "executor.log")
+    executor_address = loopback(ports["listen"])
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
         wait_healthy(executor_address, executor)
         # the metrics port is taken: the engine core fails once its executor is there
-        scheduler = start("scheduler_service", ["--listen", f"127.0.0.1:{free_port()}", "--executor",
-                                                executor_address, "--metrics-port", str(taken.getsockname()[1]),
-                                                "--api-server-count", "1"], short_tmp / "scheduler.log")
+        scheduler = start("scheduler_service", ["--listen", "127.0.0.1:0", "--executor", executor_address,
+                                                "--metrics-port", str(taken.getsockname()[1]), "--api-server-count",
+                                                "1"], short_tmp / "scheduler.log")
         try:
             scheduler.wait(timeout=90)
             assert scheduler.returncode != 0

@@ -11,7 +11,6 @@ import zmq
 import zmq.asyncio
 
 from scheduler_service.link_auth import check_address, is_local, key_pair, secure_client, secure_server
-from tests.support.procs import free_port
 
 
 async def delivered(server_secret: str, client_secret: str | None) -> bool:
@@ -21,8 +20,8 @@ async def delivered(server_secret: str, client_secret: str | None) -> bool:
     auth = secure_server(ctx, server, server_secret)
     client = ctx.socket(zmq.DEALER)
     try:
-        address = f"tcp://127.0.0.1:{free_port()}"
-        server.bind(address)
+        server.bind("tcp://127.0.0.1:0")
+        address = server.getsockopt_string(zmq.LAST_ENDPOINT)
         secure_client(client, client_secret)
         client.connect(address)
         await client.send(b"hello")

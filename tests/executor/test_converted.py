@@ -33,7 +33,7 @@ from executor_service.model import LlamaForCausalLM, load_model
 from executor_service.runner.torch_backend import model_ops
 from tests.executor.test_model_families import greedy_over_grpc
 from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_prompt
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
 CPU = torch.device("cpu")
 
@@ -178,11 +178,11 @@ async def test_an_executor_serving_a_sharded_bfloat16_checkpoint_gives_transform
     hf.save_pretrained(tmp_path / "m", max_shard_size="100KB")
     assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
     prompt = make_prompt(20, seed=3, vocab=384)
-    address = f"127.0.0.1:{free_port()}"
     log = tmp_path / "executor.log"
-    proc = start("executor_service", ["--listen", address, "--model", str(tmp_path / "m"), "--device", "cpu",
-                                      "--block-size", "8", "--num-gpu-blocks", "32", "--num-cpu-blocks", "4",
-                                      "--startup-cache-dir", str(tmp_path / "cache")], log)
+    proc, ports = start_listening("executor_service", [
+        "--model", str(tmp_path / "m"), "--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "32",
+        "--num-cpu-blocks", "4", "--startup-cache-dir", str(tmp_path / "cache")], log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         info, tokens = await greedy_over_grpc(address, prompt)

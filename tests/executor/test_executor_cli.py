@@ -35,12 +35,12 @@ def test_ctrl_c_stops_the_executor_with_one_clean_line(tmp_path: Path) -> None:
     import signal
 
     from executor_service.default_model.model import make_model
-    from tests.support.procs import free_port, start, wait_healthy
+    from tests.support.procs import loopback, start_listening, wait_healthy
 
     path = make_model(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
-    address = f"127.0.0.1:{free_port()}"
     log = tmp_path / "executor.log"
-    proc = start("executor_service", ["--listen", address, "--model", str(path), "--device", "cpu"], log)
+    proc, ports = start_listening("executor_service", ["--model", str(path), "--device", "cpu"], log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         ready_lines = len(log.read_text().splitlines())

@@ -22,7 +22,7 @@ from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import serve
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.executor.test_torch_model import Driver, Seq, assert_same_tokens, hf_greedy, make_prompt
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,10 +271,10 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
     (GPT-OSS)."""
     model = served(name)
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
-                                      "--tensor-parallel-size", "2", "--block-size", "8", "--num-gpu-blocks", "32",
-                                      "--num-cpu-blocks", "4"], tmp_path / "executor.log")
+    proc, ports = start_listening("executor_service", [
+        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
+        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4"], tmp_path / "executor.log")
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         info, tokens = await greedy_over_grpc(address, prompt)

@@ -9,14 +9,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from scheduler_service.core.outputs import RequestDelta
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
 
 @contextmanager
 def simulated_executor(log_path: Path, *args: str) -> Iterator[str]:
     """A simulated executor process (`--simulated` and `args`) on 127.0.0.1, healthy; yields its address."""
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--simulated", "--listen", address, *args], log_path)
+    proc, ports = start_listening("executor_service", ["--simulated", *args], log_path)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         yield address
