@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +21,12 @@ from executor_service.default_model.model import train_tokenizer
 from protos.pagedserve.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 from tests.support.procs import (
     Stack,
-    free_port,
+    loopback,
+    refusing_address,
     run,
     run_script,
     running_stack,
-    start,
+    start_listening,
     stop,
     thread_count,
     wait_healthy,
@@ -167,11 +169,13 @@ def test_idle_metrics_connections_cost_no_thread(stack: Stack) -> None:
 
 
 def test_new_calls_without_an_executor_end_unavailable_after_the_wait(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    nowhere = f"127.0.0.1:{free_port()}"
-    proc = start("scheduler_service", ["--listen", address, "--executor", nowhere, "--metrics-port", "-1",
-                                       "--executor-wait-timeout", "1"], tmp_path / "scheduler.log")
+    with refusing_address() as nowhere:
+        proc, ports = start_listening("scheduler_service", ["--executor", nowhere, "--metrics-port", "-1",
+                                                            "--executor-wait-timeout", "1"], tmp_path / "scheduler.log")
+        ends_unavailable_after_the_wait(loopback(ports["listen"]), proc)
 
+
+def ends_unavailable_after_the_wait(address: str, proc: subprocess.Popen[bytes]) -> None:
     async def call() -> tuple[grpc.StatusCode, str, float]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = executor_stub_generation(channel)
@@ -229,10 +233,10 @@ def test_in_flight_requests_end_unavailable_when_the_executor_stays_away(tmp_pat
 def test_one_scheduler_at_a_time_and_a_hung_one_is_replaced_within_seconds(tmp_path: Path) -> None:
     with running_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "2"],
                        ["--executor-wait-timeout", "2"]) as stack:
-        second_address = f"127.0.0.1:{free_port()}"
-        second = start("scheduler_service", ["--listen", second_address, "--executor", stack.executor_address,
-                                             "--metrics-port", "-1", "--executor-wait-timeout", "20"],
-                       tmp_path / "second.log")
+        second, ports = start_listening("scheduler_service", ["--executor", stack.executor_address,
+                                                              "--metrics-port", "-1", "--executor-wait-timeout", "20"],
+                                        tmp_path / "second.log")
+        second_address = loopback(ports["listen"])
         try:
             wait_until(lambda: listening(second_address), timeout=30, what="the second scheduler's port")
             asyncio.run(_two_schedulers(stack, second_address, second))
@@ -292,10 +296,10 @@ def test_the_executor_secret(tmp_path: Path) -> None:
                 assert denied_stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         asyncio.run(go())
-        wrong_address = f"127.0.0.1:{free_port()}"
-        intruder = start("scheduler_service", ["--listen", wrong_address, "--executor", stack.executor_address,
-                                               "--metrics-port", "-1", "--executor-secret-file", str(wrong)],
-                         tmp_path / "intruder.log")
+        intruder, ports = start_listening("scheduler_service", [
+            "--executor", stack.executor_address, "--metrics-port", "-1", "--executor-secret-file", str(wrong)],
+            tmp_path / "intruder.log")
+        wrong_address = loopback(ports["listen"])
         try:
             wait_until(lambda: "UNAUTHENTICATED" in (tmp_path / "intruder.log").read_text(), timeout=20,
                        what="the intruder refused")

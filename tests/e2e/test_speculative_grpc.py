@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from client.lib import PagedServeClient
-from tests.support.procs import ROOT, free_port, parse_metrics, start, stop, wait_healthy
+from tests.support.procs import ROOT, loopback, parse_metrics, start, start_listening, stop, wait_healthy
 
 CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
 # "adaptive": false: every step drafts (the measured-cost decision would make "drafts were verified" depend on the
@@ -81,12 +81,13 @@ async def generate(address: str, kill: threading.Event | None = None) -> Outputs
 @contextmanager
 def running_scheduler(tmp_path: Path, executor: str, name: str, flags: list[str]) -> Iterator[tuple[str, int]]:
     """A scheduler (no api server processes) over the executor; yields its address and metrics port."""
-    address, metrics = f"127.0.0.1:{free_port()}", free_port()
-    proc = start("scheduler_service", ["--listen", address, "--executor", executor, "--metrics-port", str(metrics),
-                                       "--api-server-count", "0", *flags], tmp_path / f"scheduler-{name}.log")
+    proc, ports = start_listening("scheduler_service", ["--executor", executor, "--metrics-port", "0",
+                                                        "--api-server-count", "0", *flags],
+                                  tmp_path / f"scheduler-{name}.log", ("listen", "metrics_port"))
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
-        yield address, metrics
+        yield address, ports["metrics_port"]
     finally:
         stop(proc)
 
@@ -112,17 +113,22 @@ def scheduler_run(tmp_path: Path, executor: str, name: str, flags: list[str],
 
 @dataclass
 class Executors:
-    """The executor processes of a test, one after another on one address: the first, and the one started in its
-    place when a run kills it."""
+    """The executor processes of a test, one after another on one address: the first (on the port it picks), and the
+    one started in its place when a run kills it (on that port)."""
     tmp_path: Path
     name: str
-    address: str
     args: list[str]
+    address: str = ""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> None:
         log = self.tmp_path / f"executor-{self.name}-{len(self.procs)}.log"
-        self.procs.append(start("executor_service", ["--listen", self.address, *self.args], log))
+        if self.address:
+            self.procs.append(start("executor_service", ["--listen", self.address, *self.args], log))
+        else:
+            proc, ports = start_listening("executor_service", self.args, log)
+            self.procs.append(proc)
+            self.address = loopback(ports["listen"])
         wait_healthy(self.address, self.procs[-1])
 
     def restart(self, kill: threading.Event) -> None:
@@ -133,8 +139,8 @@ class Executors:
 
 
 @contextmanager
-def running_executors(tmp_path: Path, name: str, address: str, args: list[str]) -> Iterator[Executors]:
-    executors = Executors(tmp_path, name, address, args)
+def running_executors(tmp_path: Path, name: str, args: list[str]) -> Iterator[Executors]:
+    executors = Executors(tmp_path, name, args)
     try:
         executors.start()
         yield executors
@@ -163,7 +169,7 @@ def check_speculative_runs(tmp_path: Path, executors: Executors, plain: Outputs,
 
 
 def test_speculation_keeps_every_output(tmp_path: Path) -> None:
-    with running_executors(tmp_path, "ngram", f"127.0.0.1:{free_port()}", EXECUTOR_ARGS) as executors:
+    with running_executors(tmp_path, "ngram", EXECUTOR_ARGS) as executors:
         plain, _ = scheduler_run(tmp_path, executors.address, "plain", ["--preemption-mode", "swap"])
         assert len(plain) == len(workload()) + 1
         assert plain["stop.0"][2] != plain["copy0.0"][2], "the stop string ended its request early"
@@ -188,18 +194,17 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
     plain steps (and the scheduler says why); one with it gives every output of the plain run under swap
     preemption with async scheduling and an executor SIGKILL, and under recompute preemption; every greedy draft
     is accepted (the draft is the model), so acceptance is 1.0 on a greedy-only run."""
-    address = f"127.0.0.1:{free_port()}"
-    with running_executors(tmp_path, "plain", address, DRAFT_EXECUTOR_ARGS):
-        plain, _ = scheduler_run(tmp_path, address, "plain", ["--preemption-mode", "swap"])
-        refused, m = scheduler_run(tmp_path, address, "no-capability", ["--speculative-config", DRAFT_SPEC])
+    with running_executors(tmp_path, "plain", DRAFT_EXECUTOR_ARGS) as first:
+        plain, _ = scheduler_run(tmp_path, first.address, "plain", ["--preemption-mode", "swap"])
+        refused, m = scheduler_run(tmp_path, first.address, "no-capability", ["--speculative-config", DRAFT_SPEC])
         assert refused == plain and m.get("vllm:spec_decode_num_drafts_total", 0.0) == 0
         log = (tmp_path / "scheduler-no-capability.log").read_text()
         assert "needs an executor with a draft model" in log and "--draft-model" in log
     args = [*DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
-    with running_executors(tmp_path, "draft", address, args) as executors:
+    with running_executors(tmp_path, "draft", args) as executors:
         chunks = ["--speculative-config", DRAFT_SPEC, "--max-num-batched-tokens", "32"]  # more requests in flight
         check_speculative_runs(tmp_path, executors, plain, "draft", chunks)
-        greedy = greedy_acceptance(tmp_path, address)
+        greedy = greedy_acceptance(tmp_path, executors.address)
         assert greedy["vllm:spec_decode_num_draft_tokens_total"] > 0
         assert greedy["vllm:spec_decode_num_accepted_tokens_total"] == greedy["vllm:spec_decode_num_draft_tokens_total"]
 

@@ -29,9 +29,10 @@ import pytest
 import torch
 
 from client.lib import PagedServeClient
+from client.port_file import wait_ports
 from executor_service.default_model.model import TOKENIZER_VOCAB_SIZE, make_model
 from protos.pagedserve.v1 import generation_pb2
-from tests.support.procs import free_port, parse_metrics, start, stop, wait_healthy, wait_until
+from tests.support.procs import loopback, parse_metrics, port_file_of, start_listening, stop, wait_healthy, wait_until
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,12 +148,14 @@ def idle(port: int) -> bool:
 
 
 @contextmanager
-def process(module: str, args: list[str], log: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start(module, ["--listen", address, *args], log)
+def process(module: str, args: list[str], log: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    """The service on the ports it picked: its address and its port file's ports (metrics_port once healthy)."""
+    proc, ports = start_listening(module, args, log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
-        yield address
+        yield address, wait_ports(port_file_of(log), ("listen", "metrics_port") if "--metrics-port" in args
+                                  else ("listen",), proc)
     finally:
         stop(proc)
 
@@ -161,10 +164,10 @@ def serve(executor: str, scheduler_args: list[str], log: Path, rounds: int = 1, 
           parallel: bool = False) -> Run:
     """Start a scheduler on executor, run the batch `rounds` times (more, up to MAX_ROUNDS, until must_see
     counted), then the n > 1 requests if parallel."""
-    port = free_port()
     run = Run()
-    with process("scheduler_service", ["--executor", executor, "--metrics-port", str(port), *scheduler_args],
-                 log) as address:
+    with process("scheduler_service", ["--executor", executor, "--metrics-port", "0", *scheduler_args],
+                 log) as (address, ports):
+        port = ports["metrics_port"]
         while run.rounds < MAX_ROUNDS:
             asyncio.run(run_batch(address, run))
             wait_until(lambda: idle(port), what="the scheduler to go idle")
@@ -189,10 +192,10 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     device = os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")
     model = ["--model", str(path), "--device", device, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
-    with process("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as executor:
+    with process("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as (executor, _):
         runs["plenty"] = serve(executor, [], root / "scheduler-plenty.log", rounds=2, parallel=True)
         runs["plenty-nocache"] = serve(executor, NO_CACHE, root / "scheduler-plenty-nocache.log", parallel=True)
-    with process("executor_service", [*model, *TIGHT], root / "executor-tight.log") as executor:
+    with process("executor_service", [*model, *TIGHT], root / "executor-tight.log") as (executor, _):
         for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
             for suffix, flags in (("", []), ("-nocache", NO_CACHE)):
                 runs[mode + suffix] = serve(executor, ["--preemption-mode", mode, *flags],

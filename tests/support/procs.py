@@ -40,6 +40,7 @@ __all__ = [
     "generate_all",
     "loopback",
     "parse_metrics",
+    "port_file_of",
     "prompts",
     "refusing_address",
     "rss_bytes",
