@@ -21,7 +21,8 @@ from typing import IO
 import pytest
 
 from client.cli import COMMANDS
-from client.local import wait_until
+from client.local import loopback, wait_until
+from client.port_file import wait_ports
 from client.serve import READY_LINE
 from tests.support.procs import ROOT, free_port, stop, wait_healthy
 
@@ -125,14 +126,17 @@ def test_serve_rejects_a_model_with_simulated(script: Path) -> None:
 def test_service_commands_serve(script: Path, tmp_path: Path) -> None:
     """`pagedserve executor` and `pagedserve scheduler` as the two processes of a stack (the scheduler's api
     server processes are spawned from the console script, not from `python -m`)."""
-    ex_addr, sc_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("executor", "scheduler")}  # noqa: SIM115
-    executor = subprocess.Popen([str(script), "executor", "--listen", ex_addr, "--simulated"], cwd=tmp_path,
-                                stdout=logs["executor"], stderr=subprocess.STDOUT)
-    scheduler = subprocess.Popen([str(script), "scheduler", "--listen", sc_addr, "--executor", ex_addr,
-                                  "--api-server-count", "1", "--metrics-port", "-1"], cwd=tmp_path,
-                                 stdout=logs["scheduler"], stderr=subprocess.STDOUT)
+    executor = subprocess.Popen([str(script), "executor", "--listen", "127.0.0.1:0", "--port-file", "executor.ports",
+                                 "--simulated"], cwd=tmp_path, stdout=logs["executor"], stderr=subprocess.STDOUT)
+    scheduler = None
     try:
+        ex_addr = loopback(wait_ports(tmp_path / "executor.ports", ("listen",), executor)["listen"])
+        scheduler = subprocess.Popen([str(script), "scheduler", "--listen", "127.0.0.1:0", "--port-file",
+                                      "scheduler.ports", "--executor", ex_addr, "--api-server-count", "1",
+                                      "--metrics-port", "-1"], cwd=tmp_path, stdout=logs["scheduler"],
+                                     stderr=subprocess.STDOUT)
+        sc_addr = loopback(wait_ports(tmp_path / "scheduler.ports", ("listen",), scheduler)["listen"])
         wait_healthy(sc_addr, executor, scheduler, timeout=TIMEOUT_S)
         gen = pagedserve(script, "generate", "--server", sc_addr, "--max-tokens", "4", "--timeout", "120", "--json",
                          "Hi")
@@ -145,7 +149,8 @@ def test_service_commands_serve(script: Path, tmp_path: Path) -> None:
             sys.stderr.write(f"--- {name} ---\n{(tmp_path / f'{name}.log').read_text(errors='replace')}\n")
         raise
     finally:
-        stop(scheduler)
+        if scheduler is not None:
+            stop(scheduler)
         stop(executor)
         for f in logs.values():
             f.close()
