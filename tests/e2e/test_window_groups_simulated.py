@@ -18,6 +18,14 @@ from tests.support.procs import Stack, run, running_stack, wait_until
 
 SCHEDULER = ["--max-num-batched-tokens", "64"]
 SHAPES = [(40 + 37 * i, 30 + 11 * i) for i in range(12)]  # prompts and outputs longer than the window
+BLOCKS, BLOCK, WINDOW = 150, 16, 24
+PAIR_PROMPT, PAIR_OUTPUT = 40 * BLOCK, 56 * BLOCK
+"""One request with n = 2, alone on the stack, preempts for certain by block arithmetic, in any order of steps: its
+sibling joins the queue's front once the prompt is computed and, with nothing else running, is admitted at once
+(40 shared prompt blocks + one each is far below 150). From then on each sequence's own blocks grow in lockstep to
+56 full-attention blocks past the shared 40, plus at least 2 window blocks in each of the 2 window groups (its
+last 24 positions span 2 blocks; a ring keeps 3): 40 + 2 * (56 + 4) = 160 > 150, while one sequence alone
+(40 + 56 + 6 = 102) fits. So one of them is preempted (swapped or recomputed) at least once."""
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,9 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module", params=[False, True], ids=["released", "rings"])
 def stacks(request: pytest.FixtureRequest, plain: Stack,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
-    hybrid = ["--simulated", "--num-gpu-blocks", "150", "--num-cpu-blocks", "64", "--sim-kv-window-groups", "2",
-              "--sim-kv-window", "24", *(["--sim-kv-window-ring"] if request.param else [])]
+    hybrid = ["--simulated", "--num-gpu-blocks", str(BLOCKS), "--num-cpu-blocks", "64", "--block-size", str(BLOCK),
+              "--sim-kv-window-groups", "2", "--sim-kv-window", str(WINDOW),
+              *(["--sim-kv-window-ring"] if request.param else [])]
     with running_stack(tmp_path_factory.mktemp("hybrid"), hybrid, SCHEDULER) as with_groups:
         yield with_groups, plain
 
@@ -53,7 +62,20 @@ async def test_window_groups_give_the_tokens_of_one_table_under_preemption(stack
     for (ids, reason, error), (ref, _, _), (_, m) in zip(ours, theirs, SHAPES, strict=True):
         assert not error and reason == generation_pb2.FINISH_REASON_LENGTH and len(ids) == m
         assert ids == ref
-    metrics = with_groups.metrics()
-    if not describe.capabilities.kv_window_ring:  # rings hold fewer blocks: whether this workload preempts them
-        assert metrics["vllm:num_preemptions_total"] > 0  # depends on arrival order (test_kv_window_groups.py does)
     wait_until(with_groups.idle, what="every block free")
+    before = with_groups.metrics()["vllm:num_preemptions_total"]
+    assert await generate_pair(with_groups.address) == await generate_pair(plain.address)
+    assert with_groups.metrics()["vllm:num_preemptions_total"] > before, "the pair outgrows the pool (PAIR_PROMPT)"
+    wait_until(with_groups.idle, what="every block free")
+
+
+async def generate_pair(address: str) -> dict[int, list[int]]:
+    """The two sequences of the n = 2 request, by index."""
+    sequences: dict[int, list[int]] = {0: [], 1: []}
+    async with PagedServeClient(address) as client:
+        async for r in client.generate(prompt_token_ids=[7 + j % 80 for j in range(PAIR_PROMPT)], n=2, seed=99,
+                                       max_tokens=PAIR_OUTPUT, ignore_eos=True):
+            assert not r.error, r.error
+            sequences[r.index] += r.token_ids
+    assert [len(ids) for ids in sequences.values()] == [PAIR_OUTPUT, PAIR_OUTPUT]
+    return sequences
