@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.flags import env_name
 from client.lib import PagedServeClient
+from client.port_file import wait_ports
 from executor_service.config import build_parser as executor_parser
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.config import build_parser as scheduler_parser
@@ -238,18 +239,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         for n in (1, 2):
             wait_until(partial(probe_passes, pool.executor_address(n), probe), 180, "executor startup probe")
         pool.publish([pool.executor_address(1), pool.executor_address(2)])
-        listen, metrics, http = free_port(), free_port(), free_port()
         sc_cmd = argv(scheduler, env)
-        sc_args = local(sc_cmd[3:], {"--listen": f"127.0.0.1:{listen}", "--http-listen": f"127.0.0.1:{http}",
+        sc_args = local(sc_cmd[3:], {"--listen": "127.0.0.1:0", "--http-listen": "127.0.0.1:0",
                                      "--metrics-host": "127.0.0.1",
-                                     "--metrics-port": str(metrics), "--executor-resolve-interval": "0.2",
+                                     "--metrics-port": "0", "--executor-resolve-interval": "0.2",
                                      "--executor": f"dns:///{headless}:{pool.port}",
                                      "--executor-drain-file": str(pool.drain_file)})
-        proc = start(sc_cmd[2], [*sc_args, "--executor-hosts-file", str(pool.hosts_file)], tmp / "scheduler.log")
+        proc = start(sc_cmd[2], [*sc_args, "--executor-hosts-file", str(pool.hosts_file), "--port-file",
+                                 str(tmp / "scheduler.ports")], tmp / "scheduler.log")
         procs.append(proc)
-        pool.scheduler, pool.metrics_port = proc, metrics
+        ports = wait_ports(tmp / "scheduler.ports", ("listen", "http_listen"), proc)
+        listen, http = ports["listen"], ports["http_listen"]
         readiness = container(scheduler)["readinessProbe"]["grpc"]
         wait_until(lambda: probe_passes(f"127.0.0.1:{listen}", readiness), 120, "scheduler readiness probe")
+        pool.scheduler = proc
+        pool.metrics_port = wait_ports(tmp / "scheduler.ports", ("metrics_port",), proc)["metrics_port"]
         yield {"pool": pool, "listen": listen, "http": http, "scheduler": scheduler, "executor": executor}
     finally:
         for proc in reversed(procs):
@@ -303,14 +307,15 @@ def test_a_scheduler_without_executors_is_live_but_not_ready(tmp_path: Path) -> 
     docs = documents(*BASE)
     scheduler = one(docs, "Deployment")
     cmd = argv(scheduler, config_env(docs))
-    address = f"127.0.0.1:{free_port()}"
     (tmp_path / "hosts").write_text("")
-    args = local(cmd[3:], {"--listen": address, "--http-listen": f"127.0.0.1:{free_port()}", "--metrics-port": "-1",
+    args = local(cmd[3:], {"--listen": "127.0.0.1:0", "--http-listen": "127.0.0.1:0", "--metrics-port": "-1",
                            "--executor-resolve-interval": "0.2",
                            "--executor": "dns:///pagedserve-executor.invalid:50061",
                            "--executor-drain-file": str(tmp_path / "drain")})
-    proc = start(cmd[2], [*args, "--executor-hosts-file", str(tmp_path / "hosts")], tmp_path / "scheduler.log")
+    proc = start(cmd[2], [*args, "--executor-hosts-file", str(tmp_path / "hosts"), "--port-file",
+                          str(tmp_path / "scheduler.ports")], tmp_path / "scheduler.log")
     try:
+        address = f"127.0.0.1:{wait_ports(tmp_path / 'scheduler.ports', ('listen',), proc)['listen']}"
         c = container(scheduler)
         wait_until(lambda: probe_passes(address, c["livenessProbe"]["grpc"]), 60, "liveness passing")
         assert not probe_passes(address, c["readinessProbe"]["grpc"])

@@ -15,7 +15,7 @@ from client.lib import PagedServeClient
 from protos.pagedserve.v1 import generation_pb2
 from tests.e2e.test_production import serving
 from tests.support.pool_procs import Pool, running_pool
-from tests.support.procs import ROOT, free_port, generate_all, stop, wait_until
+from tests.support.procs import ROOT, generate_all, stop, wait_until
 
 SIM = ["--simulated", "--sim-step-latency-ms", "5", "--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
 NUM, MAX_TOKENS = 120, 40
@@ -124,7 +124,7 @@ def test_greedy_outputs_of_two_torch_executors_equal_one_executors(tmp_path: Pat
 
 def test_the_conformance_suite_runs_against_each_executor_of_a_pool(tmp_path: Path) -> None:
     """PAGEDSERVE_EXECUTOR takes a list: the suite passes on each executor (here two of different sizes)."""
-    pool = Pool(tmp_path, free_port(), ["--simulated"], tmp_path / "hosts", tmp_path / "drain")
+    pool = Pool(tmp_path, 0, ["--simulated"], tmp_path / "hosts", tmp_path / "drain")
     try:
         small = pool.start_executor(1, ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64"])
         large = pool.start_executor(2, ["--num-gpu-blocks", "256", "--num-cpu-blocks", "64"])

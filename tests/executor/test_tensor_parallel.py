@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from client.lib import PagedServeClient
+from client.port_file import wait_ports
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import TOKENIZER_VOCAB_SIZE, ensure_default_model, make_model
@@ -34,7 +35,19 @@ from executor_service.parallel.topology import LaunchError, resolve_topology
 from executor_service.runner.torch_backend import TorchBackend, build_batch
 from protos.pagedserve.v1 import generation_pb2
 from tests.support import tp_peer
-from tests.support.procs import ROOT, Stack, free_port, running_stack, start, stop, wait_healthy, wait_until
+from tests.support.procs import (
+    ROOT,
+    Stack,
+    free_port,
+    loopback,
+    port_file_of,
+    running_stack,
+    start,
+    start_listening,
+    stop,
+    wait_healthy,
+    wait_until,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -253,8 +266,8 @@ def hf_greedy(path: Path) -> list[list[int]]:
 
 @contextmanager
 def executor(args: list[str], log: Path) -> Iterator[str]:
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--listen", address, *args], log)
+    proc, ports = start_listening("executor_service", args, log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         yield address
@@ -264,14 +277,14 @@ def executor(args: list[str], log: Path) -> Iterator[str]:
 
 def serve(address: str, scheduler_args: list[str], log_dir: Path, must_see: str | None = None) -> Run:
     """A scheduler on `address`; the prompts run (up to MAX_ROUNDS times) until must_see is counted."""
-    port = free_port()
     run = Run()
-    sched_address = f"127.0.0.1:{free_port()}"
-    proc = start("scheduler_service", ["--listen", sched_address, "--executor", address, "--metrics-port", str(port),
-                                       *scheduler_args], log_dir / "scheduler.log")
-    stack = Stack(sched_address, address, port, proc, proc, [], log_dir)
+    proc, ports = start_listening("scheduler_service", ["--executor", address, "--metrics-port", "0",
+                                                        *scheduler_args], log_dir / "scheduler.log")
+    sched_address = loopback(ports["listen"])
+    stack = Stack(sched_address, address, proc, proc, [], log_dir, ports)
     try:
         wait_healthy(sched_address, proc)
+        stack.ports = wait_ports(port_file_of(log_dir / "scheduler.log"), ("listen", "metrics_port"), proc)
         while run.rounds < MAX_ROUNDS:
             results = asyncio.run(generate_all(sched_address))
             run.outputs += [ids for ids, _ in results]
@@ -340,13 +353,14 @@ def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
     and LM head padded by a zero row)."""
     path = make_model(tmp_path / "mistral", arch="mistral", hidden_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=1, vocab_size=TOKENIZER_VOCAB_SIZE - 1, init_std=0.2, seed=4)
-    address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "executor_service", *TP2, "--listen", address,
-           "--model", str(path), "--device", DEVICE, "--dtype", "float32", *PLENTY]
+           "--master-port", str(free_port()), "-m", "executor_service", *TP2, "--listen", "127.0.0.1:0",
+           "--port-file", str(tmp_path / "executor.ports"), "--model", str(path), "--device", DEVICE, "--dtype",
+           "float32", *PLENTY]
     with open(tmp_path / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
+        address = loopback(wait_ports(tmp_path / "executor.ports", ("listen",), proc, timeout=300)["listen"])
         wait_healthy(address, proc)
         run = serve(address, [], tmp_path)
     finally:
@@ -358,18 +372,20 @@ def test_torchrun_starts_the_same_executor(tmp_path: Path) -> None:
 def test_two_nodes_on_one_machine_serve_like_one(tmp_path: Path) -> None:
     """--nnodes 2 with one rank per node, both nodes on this machine (gloo kept on the loopback): node 0
     serves, node 1 only follows; greedy outputs equal transformers'."""
-    port, address = free_port(), f"127.0.0.1:{free_port()}"
+    port, port_file = free_port(), tmp_path / "executor.ports"  # the rendezvous port: both nodes dial it first
     common = [*TP2, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--device", DEVICE,
               "--dtype", "float32", *PLENTY]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     procs = []
     for node in (1, 0):
-        args = [*common, "--node-rank", str(node), *(["--listen", address] if node == 0 else [])]
+        args = [*common, "--node-rank", str(node),
+                *(["--listen", "127.0.0.1:0", "--port-file", str(port_file)] if node == 0 else [])]
         with open(tmp_path / f"node{node}.log", "wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "executor_service", *args], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
     node1, node0 = procs
     try:
+        address = loopback(wait_ports(port_file, ("listen",), node0, timeout=300)["listen"])
         wait_healthy(address, node0)
         run = serve(address, [], tmp_path)
         assert stop(node0) == 0
@@ -414,7 +430,8 @@ def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_p
             os.kill(pid, signal.SIGKILL)
             code = await asyncio.to_thread(stack.executor.wait, 30)
             assert code != 0, "rank 0 should exit with an error when rank 1 dies"
-            stack.executor = start("executor_service", stack.executor_args, tmp_path / "executor-2.log")
+            stack.executor = start("executor_service", ["--listen", stack.executor_address, *stack.executor_args],
+                                   tmp_path / "executor-2.log")
             return await task
 
         disturbed = asyncio.run(killed_midway())
@@ -467,8 +484,8 @@ def test_a_failure_while_another_ends_the_process_never_returns(tmp_path: Path) 
 
 def test_killed_rank_0_ends_the_other_ranks(tmp_path: Path) -> None:
     log = tmp_path / "executor.log"
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--listen", address, "--device", DEVICE, "--num-gpu-blocks", "16", *TP2], log)
+    proc, ports = start_listening("executor_service", ["--device", DEVICE, "--num-gpu-blocks", "16", *TP2], log)
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         pid = worker_pid(log, proc)
@@ -486,9 +503,9 @@ def test_a_hung_rank_ends_the_executor_within_the_collective_timeout(tmp_path: P
     """Rank 1 stopped (SIGSTOP: alive but silent) while the executor is idle: rank 0's heartbeat is not
     answered, and rank 0 exits after --distributed-timeout instead of hanging."""
     log = tmp_path / "executor.log"
-    address = f"127.0.0.1:{free_port()}"
-    args = ["--listen", address, "--device", DEVICE, "--num-gpu-blocks", "16", "--distributed-timeout", "3", *TP2]
-    proc = start("executor_service", args, log)
+    args = ["--device", DEVICE, "--num-gpu-blocks", "16", "--distributed-timeout", "3", *TP2]
+    proc, ports = start_listening("executor_service", args, log)
+    address = loopback(ports["listen"])
     pid = 0
     try:
         wait_healthy(address, proc)

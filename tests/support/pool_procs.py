@@ -1,5 +1,6 @@
 """A pool of executors on loopback addresses 127.0.0.N (one port) behind one scheduler that finds them
-through a dns:/// name answered by --executor-hosts-file, so tests can change the name's addresses."""
+through a dns:/// name answered by --executor-hosts-file, so tests can change the name's addresses. The port is
+the one the first executor started picks (port 0, --port-file), unless the pool is given one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.local import free_port, start, stop, wait_healthy, wait_until
+from client.local import loopback, port_file_of, start, start_listening, stop, wait_healthy, wait_until
+from client.port_file import wait_ports
 
 NAME = "executors.pool.test"
 
@@ -33,9 +35,15 @@ class Pool:
         return f"127.0.0.{n}:{self.port}"
 
     def start_executor(self, n: int, extra: list[str] | None = None) -> str:
+        log = self.log_dir / f"executor-{n}.log"
+        if self.port == 0:  # the first: its port is the pool's
+            proc, ports = start_listening("executor_service", ["--listen", f"127.0.0.{n}:0", *self.executor_args,
+                                                               *(extra or [])], log)
+            self.port = ports["listen"]
+        else:
+            proc = start("executor_service", ["--listen", self.executor_address(n), *self.executor_args,
+                                              *(extra or [])], log)
         address = self.executor_address(n)
-        proc = start("executor_service", ["--listen", address, *self.executor_args, *(extra or [])],
-                     self.log_dir / f"executor-{n}.log")
         self.executors[address] = proc
         wait_healthy(address, proc)
         return address
@@ -77,17 +85,18 @@ class Pool:
 @contextmanager
 def running_pool(tmp_path: Path, num_executors: int, executor_args: list[str],
                  scheduler_args: list[str] | None = None, resolve_interval: float = 0.2) -> Iterator[Pool]:
-    pool = Pool(tmp_path, free_port(), executor_args, tmp_path / "hosts", tmp_path / "drain")
+    pool = Pool(tmp_path, 0, executor_args, tmp_path / "hosts", tmp_path / "drain")
     try:
         started = [pool.start_executor(n) for n in range(1, num_executors + 1)]
         pool.publish(started)
-        pool.address, pool.metrics_port = f"127.0.0.1:{free_port()}", free_port()
-        pool.scheduler = start("scheduler_service", [
-            "--listen", pool.address, "--executor", f"dns:///{NAME}:{pool.port}", "--metrics-port",
-            str(pool.metrics_port), "--executor-hosts-file", str(pool.hosts_file), "--executor-drain-file",
-            str(pool.drain_file), "--executor-resolve-interval", str(resolve_interval), *(scheduler_args or [])],
-            tmp_path / "scheduler.log")
+        pool.scheduler, ports = start_listening("scheduler_service", [
+            "--executor", f"dns:///{NAME}:{pool.port}", "--metrics-port", "0", "--executor-hosts-file",
+            str(pool.hosts_file), "--executor-drain-file", str(pool.drain_file), "--executor-resolve-interval",
+            str(resolve_interval), *(scheduler_args or [])], tmp_path / "scheduler.log")
+        pool.address = loopback(ports["listen"])
         wait_healthy(pool.address, pool.scheduler)
+        pool.metrics_port = wait_ports(port_file_of(tmp_path / "scheduler.log"), ("metrics_port",),
+                                       pool.scheduler)["metrics_port"]
         pool.wait_serving(set(started))
         yield pool
     finally:
