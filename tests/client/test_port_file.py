@@ -1,0 +1,41 @@
+"""--port-file: the writer's whole-file rewrites and the reader's wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.port_file import PortFile, read_ports, wait_ports
+
+
+def test_each_port_recorded_is_in_the_file_with_those_before_it(tmp_path: Path) -> None:
+    path = tmp_path / "ports"
+    ports = PortFile(str(path))
+    assert read_ports(path) == {}
+    ports.record("listen", 41234)
+    assert read_ports(path) == {"listen": 41234}
+    ports.record("metrics_port", 41235)
+    assert read_ports(path) == {"listen": 41234, "metrics_port": 41235}
+    assert [p.name for p in tmp_path.iterdir()] == ["ports"], "no partial file is left beside it"
+
+
+def test_without_a_path_nothing_is_written(tmp_path: Path) -> None:
+    PortFile(None).record("listen", 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_wait_ends_when_the_process_exits_first(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(RuntimeError, match="exited with 3 before writing listen"):
+        wait_ports(tmp_path / "ports", ("listen",), proc)
+
+
+def test_the_wait_returns_once_every_name_is_there(tmp_path: Path) -> None:
+    PortFile(str(tmp_path / "ports")).record("listen", 7)
+    assert wait_ports(tmp_path / "ports", ("listen",), timeout=0.0) == {"listen": 7}
+    with pytest.raises(TimeoutError, match="has no metrics_port"):
+        wait_ports(tmp_path / "ports", ("listen", "metrics_port"), timeout=0.0)
