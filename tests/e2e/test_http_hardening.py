@@ -208,17 +208,16 @@ def capped_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack
 
 
 async def test_at_the_cap_the_longest_waiting_connections_make_room(capped_stack: HttpStack) -> None:
-    """3 * CAP slow senders, none timed out (the header timeout is an hour): the api server holds exactly CAP of
-    them, having closed the rest to make room, and a new connection is still served (closing one more)."""
+    """3 * CAP slow senders, none timed out (the header timeout is an hour): the api server closes all but CAP of
+    them to make room, and a new connection is still served by closing exactly one more, so the server held
+    exactly CAP (counted by what the clients see: the process's descriptor count also moves with its own work)."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-    before = capped_stack.api_server_files()
     attackers = [s for s in await asyncio.gather(*(open_slow(capped_stack.http_port, head) for _ in range(3 * CAP)))
                  if s is not None]
     watchers = [asyncio.create_task(watch_close(s)) for s in attackers]
     try:
         await wait_async(lambda: sum(s.closed is not None for s in attackers) == len(attackers) - CAP,
                          f"all but {CAP} of {len(attackers)} connections closed")
-        assert capped_stack.api_server_files() - before == CAP, "the api server holds exactly the cap"
         status, body = await completion(capped_stack, prompt="hello")
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
         await wait_async(lambda: sum(s.closed is not None for s in attackers) == len(attackers) - CAP + 1,
