@@ -511,17 +511,25 @@ class ExecutorLoop:
 
     def _step_masks(self, out: SchedulerOutput) -> executor_pb2.TokenBitmasks | None:
         """The step's token masks (None without constrained requests); a request whose output its grammar
-        refused (an executor that ignored a mask) fails."""
+        refused (an executor that ignored a mask) fails, and one whose grammar reached a dead end fails as the
+        client's error."""
         if not self._constrained or self.describe is None:
             return None
-        masks, refused, complete = step_bitmasks(out, self._constrained, self.describe.vocab_size)
-        for rid, error in refused.items():
-            self._sched().finish(rid, FinishReason.ERROR, error)
-            self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
-        for rid in complete:
+        step = step_bitmasks(out, self._constrained, self.describe.vocab_size)
+        for rid, error in step.dead_ends.items():
+            if (stream := self.streams.get(rid)) is not None:
+                stream.invalid_argument = True  # the client's grammar: INVALID_ARGUMENT / 400 naming the field
+            self._fail(rid, error)
+        for rid, error in step.refused.items():
+            self._fail(rid, error)
+        for rid in step.complete:
             self._sched().finish(rid, FinishReason.STOPPED)
             self._route([RequestDelta(rid, [], FinishReason.STOPPED)])
-        return masks
+        return step.masks
+
+    def _fail(self, rid: str, error: str) -> None:
+        self._sched().finish(rid, FinishReason.ERROR, error)
+        self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
 
     def _route_unrouted(self) -> None:
         if self._unrouted:
