@@ -15,6 +15,7 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
+from scheduler_service.messages import QueueFull
 from tests.support.engine_loop import collect
 
 PATTERN = "[a-c]{12}(x|yz)"
@@ -166,6 +167,31 @@ async def test_a_grammar_whose_language_is_empty_is_refused_before_it_runs(execu
         name = "grammar" if kind is ConstraintKind.GRAMMAR else "regex"
         assert last.error == (f"sampling.structured_outputs.{name}: the grammar allows no output: no token of the "
                               "vocabulary can start it"), last.error
+    finally:
+        await engine.stop()
+
+
+async def test_requests_waiting_for_their_grammar_count_against_the_queue_limit(executor: str) -> None:
+    """A constrained request waits outside the scheduler while its grammar compiles (each distinct spec up to the
+    compile deadline); those requests did not count against --max-queue-len, so a client could queue any number of
+    them behind the one compile process. They count from add() (no await between the adds here: none has compiled)
+    until they join the scheduler or end."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=2)
+    await engine.start()
+    try:
+        queues: list[asyncio.Queue[RequestDelta]] = [asyncio.Queue() for _ in range(3)]
+        engine.add(constrained("c0", 1), queues[0])
+        engine.add(constrained("c1", 2), queues[1])
+        assert engine.load()[1] == 2
+        with pytest.raises(QueueFull):
+            engine.add(constrained("c2", 3), queues[2])
+        for tokens, last in await asyncio.wait_for(asyncio.gather(*(collect(q) for q in queues[:2])), 60):
+            assert last.finish_reason is FinishReason.STOPPED, last  # admitted ones compile and run
+            assert re.fullmatch(PATTERN, bytes(tokens[:-1]).decode()), tokens
+        assert engine.load()[1] == 0
+        engine.add(constrained("c3", 4), queues[2])
+        engine.abort("c3")  # ended while it waits for its compile: no longer counted
+        assert engine.load()[1] == 0
     finally:
         await engine.stop()
 
