@@ -118,6 +118,9 @@ class ExecutorLoop:
         self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
         self._compiling: set[asyncio.Task[None]] = set()
         self._to_compile: list[RequestStream] = []
+        # The open requests waiting outside the scheduler for their grammar: they count as waiting requests, so that
+        # --max-queue-len holds for constrained requests too (each distinct spec a compile of up to its deadline)
+        self._awaiting_grammar: set[str] = set()
         self._masks_follow: set[int] = set()  # steps sent whose masks are still to send
         self._unrouted = StepDeltas()
         self.on_ready_change: Callable[[bool], object] | None = None
@@ -225,7 +228,7 @@ class ExecutorLoop:
     def add(self, request: Request, queue: asyncio.Queue[RequestDelta], stop_strings: bool = False
             ) -> RequestStream:
         sched = self._sched()
-        if len(sched.waiting) >= self.max_queue_len:
+        if len(sched.waiting) + len(self._awaiting_grammar) >= self.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         stream = RequestStream(request, queue, stop_strings=stop_strings)
         self.streams[request.request_id] = stream
@@ -267,6 +270,7 @@ class ExecutorLoop:
         sequences of an n > 1 request added in one turn of the event loop compile together and join together, so
         they arrive in the scheduler as one group, as unconstrained ones do."""
         self._to_compile.append(stream)
+        self._awaiting_grammar.add(stream.request.request_id)
         if len(self._to_compile) == 1:
             asyncio.get_running_loop().call_soon(self._compile_batch)
 
@@ -295,6 +299,7 @@ class ExecutorLoop:
             rid = stream.request.request_id
             if self.streams.get(rid) is not stream:  # ended (or moved) while it compiled
                 continue
+            self._awaiting_grammar.discard(rid)
             if isinstance(result, CompileFailure):
                 stream.invalid_argument = result.invalid
                 self._route([RequestDelta(rid, [], FinishReason.ERROR, result.message)])
@@ -320,11 +325,12 @@ class ExecutorLoop:
         return released
 
     def load(self) -> tuple[int, int, float]:
-        """(running, waiting, device KV usage) of this executor's scheduler."""
+        """(running, waiting, device KV usage) of this executor's scheduler; waiting counts the requests waiting for
+        their grammar to compile."""
         if self.scheduler is None:
             return 0, 0, 0.0
         s = self.scheduler.stats()
-        return s.num_running + s.num_swapped, s.num_waiting, s.device_usage
+        return s.num_running + s.num_swapped, s.num_waiting + len(self._awaiting_grammar), s.device_usage
 
     def fits(self, request: Request) -> bool:
         """Whether this executor's max_model_len holds the request's prompt and all its max_tokens."""
@@ -358,6 +364,7 @@ class ExecutorLoop:
                                else FinishReason.LENGTH, "", ended)
             return
         stream = self.streams.pop(request_id, None)
+        self._awaiting_grammar.discard(request_id)
         if self.scheduler is not None:
             self.scheduler.finish(request_id, reason)
             self._refresh_gauges()
@@ -511,17 +518,25 @@ class ExecutorLoop:
 
     def _step_masks(self, out: SchedulerOutput) -> executor_pb2.TokenBitmasks | None:
         """The step's token masks (None without constrained requests); a request whose output its grammar
-        refused (an executor that ignored a mask) fails."""
+        refused (an executor that ignored a mask) fails, and one whose grammar reached a dead end fails as the
+        client's error."""
         if not self._constrained or self.describe is None:
             return None
-        masks, refused, complete = step_bitmasks(out, self._constrained, self.describe.vocab_size)
-        for rid, error in refused.items():
-            self._sched().finish(rid, FinishReason.ERROR, error)
-            self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
-        for rid in complete:
+        step = step_bitmasks(out, self._constrained, self.describe.vocab_size)
+        for rid, error in step.dead_ends.items():
+            if (stream := self.streams.get(rid)) is not None:
+                stream.invalid_argument = True  # the client's grammar: INVALID_ARGUMENT / 400 naming the field
+            self._fail(rid, error)
+        for rid, error in step.refused.items():
+            self._fail(rid, error)
+        for rid in step.complete:
             self._sched().finish(rid, FinishReason.STOPPED)
             self._route([RequestDelta(rid, [], FinishReason.STOPPED)])
-        return masks
+        return step.masks
+
+    def _fail(self, rid: str, error: str) -> None:
+        self._sched().finish(rid, FinishReason.ERROR, error)
+        self._route([RequestDelta(rid, [], FinishReason.ERROR, error)])
 
     def _route_unrouted(self) -> None:
         if self._unrouted:

@@ -14,7 +14,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -125,15 +125,15 @@ class GrammarCompiler:
                 job.done.set_result(result)
 
     def _new_matcher_or_reason(self, job: CompileJob) -> RequestGrammar | CompileFailure:
-        field = f"sampling.structured_outputs.{FIELD_NAMES[job.constraint.kind]}"
+        name = field_of(job.constraint)
         if job.wanted is not None and not job.wanted():
             return ENDED
         try:
             return self._new_matcher(job.describe, job.constraint, job.wanted)
         except InvalidConstraint as e:
-            return CompileFailure(f"{field}: {e}", invalid=True)
+            return CompileFailure(f"{name}: {e}", invalid=True)
         except CompileTimeout:
-            return CompileFailure(f"{field}: grammar too complex: compile exceeded {self.timeout:g} s "
+            return CompileFailure(f"{name}: grammar too complex: compile exceeded {self.timeout:g} s "
                                   "(--structured-outputs-compile-timeout)", invalid=True)
         except CompileCancelled:
             return ENDED
@@ -145,7 +145,10 @@ class GrammarCompiler:
         import xgrammar
 
         compiled = self._compile(describe, constraint, wanted)
-        return RequestGrammar(xgrammar.GrammarMatcher(compiled))
+        matcher = xgrammar.GrammarMatcher(compiled)
+        if not first_row_allows_some(matcher, describe.vocab_size):
+            raise InvalidConstraint(EMPTY_LANGUAGE)
+        return RequestGrammar(matcher)
 
     def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
                  wanted: Callable[[], bool] | None = None) -> xgrammar.CompiledGrammar:
@@ -204,14 +207,39 @@ class GrammarCompiler:
 
 
 ENDED = CompileFailure("structured_outputs: the request ended before its grammar compiled")
+EMPTY_LANGUAGE = "the grammar allows no output: no token of the vocabulary can start it"
+DEAD_END = "the output's grammar allows no token here: it can never be completed"
 
 
-def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int
-                  ) -> tuple[executor_pb2.TokenBitmasks | None, dict[str, str], list[str]]:
+def field_of(constraint: Constraint) -> str:
+    """The request field that carries the constraint, as refusals name it."""
+    return f"sampling.structured_outputs.{FIELD_NAMES[constraint.kind]}"
+
+
+def first_row_allows_some(matcher: xgrammar.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether a fresh matcher allows any token (EOS included) of the vocabulary: a grammar whose language is empty
+    (`root ::= root`, an empty character class) or needs bytes no token has allows none."""
+    buffer = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)
+    matcher.fill_next_token_bitmask(torch_view(buffer), 0)
+    return row_allows_some(buffer[0], vocab_size)
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """A step's token masks (None: no row) and what its constrained requests need besides: refused, id -> why
+    (the executor sampled a token the grammar forbids, or xgrammar failed: the server's fault); dead_ends, id -> why
+    (the client's grammar allows no token after the output so far: its fault); complete (the grammar accepted EOS,
+    which min_tokens did not let end the request: the grammar wins, they finish stopped)."""
+
+    masks: executor_pb2.TokenBitmasks | None = None
+    refused: dict[str, str] = field(default_factory=dict)
+    dead_ends: dict[str, str] = field(default_factory=dict)
+    complete: list[str] = field(default_factory=list)
+
+
+def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], vocab_size: int) -> StepMasks:
     """The masks of the step's constrained requests that sample in it (their matchers synced to their output
-    first), and the requests whose output the grammar refused or whose grammar allows no token now (id -> why):
-    they get no mask and must be failed; and the requests whose grammar has ended (it accepted EOS, which
-    min_tokens did not let end the request: the grammar wins), which must be finished as stopped."""
+    first); the requests refused or at a dead end get no mask and must be failed, the complete ones finished."""
     rows = []
     for work in out.scheduled:
         request = work.request
@@ -219,38 +247,39 @@ def step_bitmasks(out: SchedulerOutput, grammars: dict[str, RequestGrammar], voc
         if (grammar is not None and not request.is_finished
                 and request.num_computed_tokens + work.num_tokens >= request.num_tokens):
             rows.append((request, grammar))
+    result = StepMasks()
     if not rows:
-        return None, {}, []
+        return result
     words = -(-vocab_size // 32)
     buffer = np.full((len(rows), words), -1, dtype=np.int32)
     bitmask = torch_view(buffer)
-    refused: dict[str, str] = {}
-    complete: list[str] = []
     ids: list[str] = []
     for request, grammar in rows:
         try:
             error = grammar.sync(request.output_token_ids)
             if not error and grammar.matcher.is_terminated():
-                complete.append(request.request_id)
+                result.complete.append(request.request_id)
                 continue
             if not error:
                 grammar.matcher.fill_next_token_bitmask(bitmask, len(ids))
         except RuntimeError as e:  # xgrammar's checks: one request's matcher must not fail the engine's step
             error = f"the output's grammar failed: {clean_message(str(e))}"
         if error:
-            refused[request.request_id] = error
+            result.refused[request.request_id] = error
             buffer[len(ids)] = -1
             continue
         if not row_allows_some(buffer[len(ids)], vocab_size):
-            # A grammar whose language is empty (`root ::= root`) or that reached a dead end: an empty row would
-            # make the executor refuse the whole step, failing every request in it, so only this one fails.
-            refused[request.request_id] = "the output's grammar allows no token here: it can never be completed"
+            # A grammar that reached a dead end (one with an empty language is refused before it runs): an empty
+            # row would make the executor refuse the whole step, failing every request in it, so only this one fails.
+            constraint = request.sampling.constraint
+            result.dead_ends[request.request_id] = f"{field_of(constraint)}: {DEAD_END}" if constraint else DEAD_END
             buffer[len(ids)] = -1
             continue
         ids.append(request.request_id)
-    data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
-    masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
-    return (masks if ids else None), refused, complete
+    if ids:
+        data = buffer[:len(ids)].astype("<i4", copy=False).tobytes()
+        result.masks = executor_pb2.TokenBitmasks(request_ids=ids, words_per_row=words, bitmask=data)
+    return result
 
 
 def row_allows_some(row: np.ndarray, vocab_size: int) -> bool:

@@ -394,6 +394,13 @@ HOSTILE: list[tuple[str, str, bytes, int, str | None]] = [
      None),
     ("NaN temperature", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    # an assistant's earlier tool calls, malformed, beside tools (a 500 from the tool-call rendering before)
+    *((f"tool_calls {calls.decode()}", "/v1/chat/completions",
+       b'{"messages": [{"role": "assistant", "tool_calls": ' + calls + b'}, {"role": "user", "content": "hi"}], '
+       b'"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "max_tokens": 1}',
+       400, "messages")
+      for calls in (b'[{"id": "c", "type": "function", "function": "f"}]', b'"abc"', b"[5]",
+                    b'[{"function": {"name": "f", "arguments": 7}}]', b'[{"function": {"arguments": "{}"}}]')),
 ]
 
 

@@ -24,7 +24,7 @@ import pytest
 from client.lib import PagedServeClient
 from protos.pagedserve.v1 import common_pb2, generation_pb2
 from scheduler_service.structured import MAX_CONSTRAINT_BYTES
-from tests.support.procs import Stack, run, running_http_stack
+from tests.support.procs import Stack, run, running_http_stack, wait_until
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -72,6 +72,8 @@ def schema(i: int) -> dict[str, Any]:
 
 
 SCHEMAS = [schema(i) for i in range(50)]
+DEAD_END = 'root ::= "a" r\nr ::= r'
+"""A grammar whose first token is forced ("a") and after which no token (not even EOS) is allowed."""
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +189,26 @@ async def test_logit_bias_steers_greedy_output(client: Any, stack: tuple[Stack, 
     ({"structured_outputs": {"regex": "a" * (MAX_CONSTRAINT_BYTES + 1)}}, f"at most {MAX_CONSTRAINT_BYTES} bytes",
      "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    # languages that are empty (xgrammar compiles them; they used to run and fail as HTTP 500 "generation failed")
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar: the grammar allows no output",
+     "structured_outputs"),
+    ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs.regex: the grammar allows no "
+     "output", "structured_outputs"),
+    # a dead end after the forced first token: the grammar's fault, not the server's (was HTTP 500)
+    ({"structured_outputs": {"grammar": DEAD_END}}, "structured_outputs.grammar: the output's grammar allows no "
+     "token here", "structured_outputs"),
+    ({"structured_outputs": {"grammar": DEAD_END}, "n": 3, "temperature": 1.0}, "structured_outputs.grammar: the "
+     "output's grammar allows no token here", "structured_outputs"),
     ({"logit_bias": {"5": 100.5}}, "logit_bias[5]", "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias[999999]", "logit_bias"),
 ])
-async def test_bad_constraints_and_biases_are_refused_naming_the_field(client: Any, extra: dict[str, Any],
-                                                                       says: str, param: str) -> None:
+async def test_bad_constraints_and_biases_are_refused_naming_the_field(client: Any, stack: tuple[Stack, str],
+                                                                       extra: dict[str, Any], says: str,
+                                                                       param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
     assert says in caught.value.body["message"] and caught.value.body["param"] == param
+    await asyncio.to_thread(wait_until, stack[0].idle, 30)  # what the refused request held is freed
 
 
 async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(stack: tuple[Stack, str]) -> None:
@@ -205,7 +219,9 @@ async def test_grpc_refuses_two_kinds_and_bad_grammars_with_invalid_argument(sta
                          (common_pb2.StructuredOutputs(json="[" * 30000 + "]" * 30000), "nested deeper than"),
                          (common_pb2.StructuredOutputs(json='{"type": "array", "items": ' * 300 + "{}" + "}" * 300),
                           "nested deeper than"),
-                         (common_pb2.StructuredOutputs(grammar="root ::= ("), "structured_outputs.grammar")):
+                         (common_pb2.StructuredOutputs(grammar="root ::= ("), "structured_outputs.grammar"),
+                         (common_pb2.StructuredOutputs(grammar="root ::= root"), "the grammar allows no output"),
+                         (common_pb2.StructuredOutputs(grammar=DEAD_END), "allows no token here")):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await run(c, prompt="x", max_tokens=4, structured_outputs=so)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in (caught.value.details() or "")

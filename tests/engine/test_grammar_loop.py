@@ -15,6 +15,7 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
+from scheduler_service.messages import QueueFull
 from tests.support.engine_loop import collect
 
 PATTERN = "[a-c]{12}(x|yz)"
@@ -112,9 +113,10 @@ async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> Non
         await engine.stop()
 
 
-async def test_a_grammar_that_allows_no_token_fails_alone(executor: str) -> None:
-    """A grammar whose language is empty (`root ::= root` compiles) gives an all-zero mask row; sent, it makes the
-    executor refuse the whole step, failing every other client's request in it. Only that request fails."""
+async def test_a_grammar_at_a_dead_end_fails_alone_as_the_clients_error(executor: str) -> None:
+    """A grammar that reaches a dead end (`"a"`, then a rule whose language is empty) gives an all-zero mask row;
+    sent, it makes the executor refuse the whole step, failing every other client's request in it. Only that
+    request fails, with an error naming its field (the api server answers INVALID_ARGUMENT / 400)."""
     engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
     await engine.start()
     try:
@@ -132,13 +134,64 @@ async def test_a_grammar_that_allows_no_token_fails_alone(executor: str) -> None
         bad: asyncio.Queue[RequestDelta] = asyncio.Queue()
         engine.add(Request("free", [66] * 5, SamplingOptions(max_tokens=300, ignore_eos=True), 0.0), free)
         engine.add(Request("bad", [65] * 3, SamplingOptions(
-            max_tokens=10, constraint=Constraint(ConstraintKind.GRAMMAR, "root ::= root")), 0.0), bad)
+            max_tokens=10, constraint=Constraint(ConstraintKind.GRAMMAR, DEAD_END)), 0.0), bad)
         (free_tokens, free_last), (bad_tokens, bad_last) = await asyncio.wait_for(
             asyncio.gather(run("free", free), run("bad", bad)), 60)
         assert free_last.finish_reason is FinishReason.LENGTH and len(free_tokens) == 300, free_last
-        assert bad_tokens == [] and bad_last.finish_reason is FinishReason.ERROR
-        assert "allows no token" in bad_last.error
+        assert bad_tokens == [ord("a")] and bad_last.finish_reason is FinishReason.ERROR
+        assert bad_last.error.startswith("sampling.structured_outputs.grammar: the output's grammar allows no token "
+                                         "here"), bad_last.error
         assert finished == ["bad", "free"]  # the bad one shared steps with the free one
+    finally:
+        await engine.stop()
+
+
+DEAD_END = 'root ::= "a" r\nr ::= r'
+"""Its first token is forced ("a"), after which no token (not even EOS) is allowed."""
+
+
+@pytest.mark.parametrize(("kind", "spec"), [(ConstraintKind.GRAMMAR, "root ::= root"),
+                                            (ConstraintKind.REGEX, "[^\\x00-\\U0010FFFF]")])
+async def test_a_grammar_whose_language_is_empty_is_refused_before_it_runs(executor: str, kind: ConstraintKind,
+                                                                            spec: str) -> None:
+    """xgrammar compiles both; their first mask allows no token. Refused at the compile (the client's fault, named),
+    never scheduled: it used to run and fail as the server's error ("generation failed", HTTP 500)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    await engine.start()
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(Request("empty", [65] * 3, SamplingOptions(max_tokens=10, constraint=Constraint(kind, spec)),
+                           0.0), queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 60)
+        assert tokens == [] and last.finish_reason is FinishReason.ERROR
+        name = "grammar" if kind is ConstraintKind.GRAMMAR else "regex"
+        assert last.error == (f"sampling.structured_outputs.{name}: the grammar allows no output: no token of the "
+                              "vocabulary can start it"), last.error
+    finally:
+        await engine.stop()
+
+
+async def test_requests_waiting_for_their_grammar_count_against_the_queue_limit(executor: str) -> None:
+    """A constrained request waits outside the scheduler while its grammar compiles (each distinct spec up to the
+    compile deadline); those requests did not count against --max-queue-len, so a client could queue any number of
+    them behind the one compile process. They count from add() (no await between the adds here: none has compiled)
+    until they join the scheduler or end."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=2)
+    await engine.start()
+    try:
+        queues: list[asyncio.Queue[RequestDelta]] = [asyncio.Queue() for _ in range(3)]
+        engine.add(constrained("c0", 1), queues[0])
+        engine.add(constrained("c1", 2), queues[1])
+        assert engine.load()[1] == 2
+        with pytest.raises(QueueFull):
+            engine.add(constrained("c2", 3), queues[2])
+        for tokens, last in await asyncio.wait_for(asyncio.gather(*(collect(q) for q in queues[:2])), 60):
+            assert last.finish_reason is FinishReason.STOPPED, last  # admitted ones compile and run
+            assert re.fullmatch(PATTERN, bytes(tokens[:-1]).decode()), tokens
+        assert engine.load()[1] == 0
+        engine.add(constrained("c3", 4), queues[2])
+        engine.abort("c3")  # ended while it waits for its compile: no longer counted
+        assert engine.load()[1] == 0
     finally:
         await engine.stop()
 

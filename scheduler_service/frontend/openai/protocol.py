@@ -380,8 +380,26 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_param("messages", f"messages[{i}] must be an object with a string role")
+        check_tool_calls(message.get("tool_calls"), i)
         messages.append({**message, "content": message_text(message.get("content"), i)})
     return messages
+
+
+def check_tool_calls(calls: Any, index: int) -> None:
+    """An assistant message's earlier tool calls, as OpenAI writes them: a list of objects whose `function` is an
+    object with a string `name` and `arguments` as JSON text (or an object, as vLLM takes them). A malformed one
+    used to reach the tool-call rendering and fail there (HTTP 500) or render as `null` calls."""
+    if calls is None:
+        return
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_param("messages", f"{where} must be a list of tool calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_param("messages", f"{where}[{j}] must be an object whose function has a string name")
+        if not isinstance(function.get("arguments", ""), str | dict):
+            raise bad_param("messages", f"{where}[{j}].function.arguments must be a JSON string")
 
 
 def message_text(content: Any, index: int) -> str:
