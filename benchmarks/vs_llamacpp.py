@@ -165,24 +165,39 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
     return {"prompts": len(reqs), "equal": sum(a == b for a, b in zip(ours, theirs, strict=True))}
 
 
+DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
+
+
+def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...],
+                       dedicated: bool) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags), and with
+    --dedicated also the documented settings for a machine that runs nothing but the server."""
+    configs = {"pagedserve": (extra, scheduler_extra)}
+    if dedicated:
+        configs["pagedserve dedicated"] = ((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
+    return configs
+
+
 def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
-                     reqs: list[BenchRequest], log_dir: Path, extra: tuple[str, ...],
-                     scheduler_extra: tuple[str, ...]) -> dict[str, object]:
+                     reqs: list[BenchRequest], log_dir: Path,
+                     configs: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> dict[str, object]:
     runs: dict[str, dict[str, Any]] = {}
-    with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
-        runs["pagedserve"] = asyncio.run(serve_run(url, reqs, pids))
-    print(json.dumps({"threads": threads, "server": "pagedserve", **runs["pagedserve"]}), flush=True)
+    for label, (extra, scheduler_extra) in configs.items():
+        with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
+            runs[label] = asyncio.run(serve_run(url, reqs, pids))
+        print(json.dumps({"threads": threads, "server": label, **runs[label]}), flush=True)
     for n in slots:
         with llama_server(server, gguf, threads, n, log_dir) as (url, pids):
             runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs, pids))
         print(json.dumps({"threads": threads, "server": f"llama.cpp np={n}", **runs[f"llama.cpp np={n}"]}),
               flush=True)
-    if not slots:
-        return {"threads": threads, "pagedserve_tok_s": runs["pagedserve"]["output_tok_s"]}
-    best = max((k for k in runs if k != "pagedserve"), key=lambda k: runs[k]["output_tok_s"])
-    ratio = runs["pagedserve"]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9)
-    return {"threads": threads, "pagedserve_tok_s": runs["pagedserve"]["output_tok_s"], "llamacpp_best": best,
-            "llamacpp_tok_s": runs[best]["output_tok_s"], "ratio": round(ratio, 2)}
+    row: dict[str, object] = {"threads": threads, **{f"{k}_tok_s": runs[k]["output_tok_s"] for k in configs}}
+    if slots:
+        best = max((k for k in runs if k not in configs), key=lambda k: runs[k]["output_tok_s"])
+        row.update({"llamacpp_best": best, "llamacpp_tok_s": runs[best]["output_tok_s"]})
+        row.update({f"ratio {k}": round(runs[k]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9), 2)
+                    for k in configs})
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
     p.add_argument("--scheduler-args", default="", help="extra scheduler flags, space-separated")
+    p.add_argument("--dedicated", action="store_true", help="also run pagedserve as docs/operations.md says for a "
+                   "machine that runs nothing but the server (executor --cpu-omp-wait-policy active, scheduler "
+                   "--cpu-nice 10)")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -212,9 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         log_dir = Path(tmp)
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
-        extra = tuple(args.executor_args.split())
-        scheduler_extra = tuple(args.scheduler_args.split())
-        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, extra, scheduler_extra)
+        configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
+                                     args.dedicated)
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs)
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
                       "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))
