@@ -1,16 +1,19 @@
 """pagedserve against llama.cpp's llama-server on the CPU, both over OpenAI /v1/completions streaming (#29).
 
-    python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--no-build]
+    python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--dedicated]
+        [--executor-args ...] [--scheduler-args ...] [--no-build]
 
 Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
 under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
 float32 safetensors) to GGUF f32 with llama.cpp's own converter. Then, per thread count: pagedserve (executor with
 --cpu-threads N, scheduler with --http-listen) and llama-server (-t N -tb N) at each slot count, one at a time, each
 sent the same ShareGPT-like requests (lognormal prompt and output lengths, the prompts as token ids, ignore_eos, all at
-once) after a warm-up of 8; useful output tok/s from the streams' usage. Greedy equality first: the first
---check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one JSON line per run
-and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly (exit 0, a JSON
-line saying why) where llama-server cannot be found or built, or the model cannot be converted.
+once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
+tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
+a pagedserve run with the documented settings for a machine that runs nothing but the server. Greedy equality
+first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one
+JSON line per run and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly
+(exit 0, a JSON line saying why) where llama-server cannot be found or built, or the model cannot be converted.
 """
 
 from __future__ import annotations
