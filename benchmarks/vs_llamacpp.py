@@ -1,16 +1,19 @@
 """pagedserve against llama.cpp's llama-server on the CPU, both over OpenAI /v1/completions streaming (#29).
 
-    python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--no-build]
+    python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--dedicated]
+        [--executor-args ...] [--scheduler-args ...] [--no-build]
 
 Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
 under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
 float32 safetensors) to GGUF f32 with llama.cpp's own converter. Then, per thread count: pagedserve (executor with
 --cpu-threads N, scheduler with --http-listen) and llama-server (-t N -tb N) at each slot count, one at a time, each
 sent the same ShareGPT-like requests (lognormal prompt and output lengths, the prompts as token ids, ignore_eos, all at
-once) after a warm-up of 8; useful output tok/s from the streams' usage. Greedy equality first: the first
---check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one JSON line per run
-and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly (exit 0, a JSON
-line saying why) where llama-server cannot be found or built, or the model cannot be converted.
+once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
+tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
+a pagedserve run with the documented settings for a machine that runs nothing but the server. Greedy equality
+first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one
+JSON line per run and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly
+(exit 0, a JSON line saying why) where llama-server cannot be found or built, or the model cannot be converted.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -26,6 +30,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.llamacpp_build import convert, find_server
 from benchmarks.vs_transformers import DEFAULT_CACHE, MODEL_SPEC, ensure_model
@@ -34,7 +39,7 @@ from client.bench.openai_backend import OpenAIBenchClient
 from client.bench.record import machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import SLO, compute_metrics
-from client.local import free_port, service
+from client.local import child_pids, free_port, service
 
 CTX_PER_SLOT = 640  # the longest request (256 + 256 tokens) and llama.cpp's BOS, with room
 
@@ -45,17 +50,38 @@ def workload(args: argparse.Namespace) -> list[BenchRequest]:
     return synthetic_requests(cfg)
 
 
-async def serve_run(url: str, reqs: list[BenchRequest]) -> dict[str, float]:
-    """Warm-up, then every request at once: useful output tok/s, TTFT and TPOT means."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of process pid so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process, and of this one (the benchmark's client) as "client"."""
+    return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, "client": cpu_seconds(os.getpid())}
+
+
+def cpu_per_1k(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU seconds per 1,000 useful output tokens, per process, between two snapshots."""
+    return {name: round((after[name] - before[name]) * 1000 / max(tokens, 1), 3) for name in before}
+
+
+async def serve_run(url: str, reqs: list[BenchRequest], pids: dict[str, int]) -> dict[str, Any]:
+    """Warm-up, then every request at once: useful output tok/s, TTFT and TPOT means, and the CPU seconds each of
+    the server's processes (and the client) spent per 1,000 output tokens in the timed run."""
     cfg = RunConfig(ignore_eos=True, show_progress=False, timeout=1800)
     async with OpenAIBenchClient(url) as client:
         if not await client.check():
             raise RuntimeError(f"{url} is not answering /v1/models")
         await run_benchmark(client, reqs[:8], cfg)
+        before = cpu_snapshot(pids)
         result = await run_benchmark(client, reqs, cfg)
+        after = cpu_snapshot(pids)
     m = compute_metrics(result.traces, result.duration, [50.0], SLO())
+    tokens = sum(t.output_len for t in result.traces if t.success)
     return {"completed": m.completed, "output_tok_s": round(m.output_throughput, 1),
-            "ttft_ms": round(m.ttft.mean, 1), "tpot_ms": round(m.tpot.mean, 2), "seconds": round(result.duration, 2)}
+            "ttft_ms": round(m.ttft.mean, 1), "tpot_ms": round(m.tpot.mean, 2), "seconds": round(result.duration, 2),
+            "cpu_s_per_1k_tokens": cpu_per_1k(before, after, tokens)}
 
 
 async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
@@ -68,15 +94,25 @@ async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
 
 
 @contextlib.contextmanager
-def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
+def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = (),
+               scheduler_extra: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, int]]]:
     http_port = free_port()
     executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
                      "--cpu-threads", str(threads), *extra]
     with service("executor_service", executor_args, name="executor") as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
-                                          "--http-listen", f"127.0.0.1:{http_port}"], name="scheduler"):
+                                          "--http-listen", f"127.0.0.1:{http_port}", *scheduler_extra],
+                 name="scheduler") as core:
         wait_calibrated(executor.log)
-        yield f"http://127.0.0.1:{http_port}"
+        yield f"http://127.0.0.1:{http_port}", processes(executor.proc.pid, core.proc.pid)
+
+
+def processes(executor: int, core: int) -> dict[str, int]:
+    """pagedserve's processes by role: the executor, the engine core and its api servers (any other children of
+    the core, the resource tracker, the grammar compiler, sit idle in this workload)."""
+    servers = [pid for pid, kind in child_pids(core).items() if kind == "api server"]
+    return {"executor": executor, "engine core": core,
+            **{f"api server {i}": pid for i, pid in enumerate(servers)}}
 
 
 def wait_calibrated(log: Path, timeout: float = 600.0) -> None:
@@ -92,7 +128,8 @@ def wait_calibrated(log: Path, timeout: float = 600.0) -> None:
 
 
 @contextlib.contextmanager
-def llama_server(server: Path, gguf: Path, threads: int, slots: int, log_dir: Path) -> Iterator[str]:
+def llama_server(server: Path, gguf: Path, threads: int, slots: int,
+                 log_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
     port = free_port()
     cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-np", str(slots), "-c", str(slots * CTX_PER_SLOT), "--no-webui"]
@@ -100,7 +137,7 @@ def llama_server(server: Path, gguf: Path, threads: int, slots: int, log_dir: Pa
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_health(f"http://127.0.0.1:{port}/health", proc)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", {"llama-server": proc.pid}
     finally:
         proc.terminate()
         try:
@@ -124,39 +161,61 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0)
 
 
 def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest], log_dir: Path) -> dict[str, int]:
-    with pagedserve(model, 1) as url:
+    with pagedserve(model, 1) as (url, _):
         ours = asyncio.run(greedy_texts(url, reqs))
-    with llama_server(server, gguf, 1, 1, log_dir) as url:
+    with llama_server(server, gguf, 1, 1, log_dir) as (url, _):
         theirs = asyncio.run(greedy_texts(url, reqs))
     return {"prompts": len(reqs), "equal": sum(a == b for a, b in zip(ours, theirs, strict=True))}
 
 
+DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
+
+
+def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...],
+                       dedicated: bool) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags), and with
+    --dedicated also the documented settings for a machine that runs nothing but the server."""
+    configs = {"pagedserve": (extra, scheduler_extra)}
+    if dedicated:
+        configs["pagedserve dedicated"] = ((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
+    return configs
+
+
 def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
-                     reqs: list[BenchRequest], log_dir: Path, extra: tuple[str, ...]) -> dict[str, object]:
-    runs: dict[str, dict[str, float]] = {}
-    with pagedserve(model, threads, extra) as url:
-        runs["pagedserve"] = asyncio.run(serve_run(url, reqs))
-    print(json.dumps({"threads": threads, "server": "pagedserve", **runs["pagedserve"]}), flush=True)
+                     reqs: list[BenchRequest], log_dir: Path,
+                     configs: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> dict[str, object]:
+    runs: dict[str, dict[str, Any]] = {}
+    for label, (extra, scheduler_extra) in configs.items():
+        with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
+            runs[label] = asyncio.run(serve_run(url, reqs, pids))
+        print(json.dumps({"threads": threads, "server": label, **runs[label]}), flush=True)
     for n in slots:
-        with llama_server(server, gguf, threads, n, log_dir) as url:
-            runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs))
+        with llama_server(server, gguf, threads, n, log_dir) as (url, pids):
+            runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs, pids))
         print(json.dumps({"threads": threads, "server": f"llama.cpp np={n}", **runs[f"llama.cpp np={n}"]}),
               flush=True)
-    best = max((k for k in runs if k != "pagedserve"), key=lambda k: runs[k]["output_tok_s"])
-    ratio = runs["pagedserve"]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9)
-    return {"threads": threads, "pagedserve_tok_s": runs["pagedserve"]["output_tok_s"], "llamacpp_best": best,
-            "llamacpp_tok_s": runs[best]["output_tok_s"], "ratio": round(ratio, 2)}
+    row: dict[str, object] = {"threads": threads, **{f"{k}_tok_s": runs[k]["output_tok_s"] for k in configs}}
+    if slots:
+        best = max((k for k in runs if k not in configs), key=lambda k: runs[k]["output_tok_s"])
+        row.update({"llamacpp_best": best, "llamacpp_tok_s": runs[best]["output_tok_s"]})
+        row.update({f"ratio {k}": round(runs[k]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9), 2)
+                    for k in configs})
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, default=DEFAULT_CACHE / "bench-llama-32m")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts, both servers")
-    p.add_argument("--slots", default="16,32,64,128", help="llama-server -np values to sweep")
+    p.add_argument("--slots", default="16,32,64,128", help="llama-server -np values to sweep ('': pagedserve alone)")
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--check-requests", type=int, default=8, help="prompts for the greedy check (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
+    p.add_argument("--scheduler-args", default="", help="extra scheduler flags, space-separated")
+    p.add_argument("--dedicated", action="store_true", help="also run pagedserve as docs/operations.md says for a "
+                   "machine that runs nothing but the server (executor --cpu-omp-wait-policy active, scheduler "
+                   "--cpu-nice 10)")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -169,13 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bench": "vs_llamacpp", "skipped": converted}))
         return
     reqs = workload(args)
-    slots = [int(s) for s in args.slots.split(",")]
+    slots = [int(s) for s in args.slots.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="vs-llamacpp-") as tmp:
         log_dir = Path(tmp)
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
-        extra = tuple(args.executor_args.split())
-        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, extra)
+        configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
+                                     args.dedicated)
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs)
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
                       "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))

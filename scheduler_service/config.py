@@ -131,6 +131,10 @@ class SchedulerServiceConfig(CoreConfig):
     engine_core_wait_timeout: float = field(default=60.0, metadata=flag(
         "seconds a front-end keeps the open requests of a lost engine core waiting for it to come back before "
         "they end with UNAVAILABLE"))
+    cpu_nice: int = field(default=0, metadata=flag(
+        "raise the scheduler side's nice value by this much (0 - 19; its api servers inherit it): on cores shared "
+        "with a CPU executor it then runs in the executor's idle moments instead of preempting its OpenMP team "
+        "(docs/operations.md, CPU placement)"))
     max_stream_buffer: int = field(default=1024, metadata=flag(
         "responses one stream may have waiting for a slow client before it is aborted"))
 
@@ -174,6 +178,8 @@ def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser 
         raise SystemExit("--api-server-count must be >= 0")
     if config.steps_in_flight < 2:
         raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
+    if not 0 <= config.cpu_nice <= 19:
+        raise SystemExit(f"--cpu-nice must be 0 - 19, got {config.cpu_nice}")
     if config.max_stream_buffer < 1:
         raise SystemExit("--max-stream-buffer must be >= 1")
     for text in config.executor:

@@ -18,7 +18,12 @@ from scheduler_service.engine.core_process import (
     stop_on_signals,
 )
 from scheduler_service.frontend.api_server import drain, follow_readiness, open_api_server, record_api_ports
-from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
+from scheduler_service.process import (
+    configure_logging,
+    freeze_startup_objects,
+    lower_priority,
+    raise_open_file_limit,
+)
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -58,4 +63,5 @@ def run(argv: list[str] | None = None, prog: str = "python -m scheduler_service"
     configure_logging()
     config = parse_config(argv, build_parser(prog))
     raise_open_file_limit()
+    lower_priority(config.cpu_nice)
     return uvloop.run(main(config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import resource
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -25,6 +26,21 @@ def freeze_startup_objects() -> None:
 
 def open_file_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def lower_priority(nice: int) -> None:
+    """Raise this process's nice value by `nice` (0: leave it); its threads and children started from now on
+    inherit it. The scheduler side's work per step overlaps the executor's forward pass (async scheduling), so on
+    cores it shares with the executor's OpenMP team a lower priority lets it run in the team's idle moments instead
+    of preempting a team thread that its siblings then wait for at the next barrier (BENCHMARKS.md section 17)."""
+    if nice <= 0:
+        return
+    try:
+        now = os.nice(nice)
+    except OSError as e:
+        log.warning("--cpu-nice %d not applied (%s)", nice, e)
+        return
+    log.info("scheduler side at nice %d (--cpu-nice %d)", now, nice)
 
 
 def raise_open_file_limit() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,23 @@ def test_it_skips_with_a_reason_when_there_is_no_llama_server(tmp_path: Path, mo
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bench"] == "vs_llamacpp" and "no llama-server" in out["skipped"]
     assert not (tmp_path / "model").exists()
+
+
+def test_cpu_seconds_counts_the_work_a_process_did() -> None:
+    before = vs_llamacpp.cpu_seconds(os.getpid())
+    spent = time.process_time()
+    while time.process_time() - spent < 0.3:  # burn 0.3 s of this process's CPU
+        sum(range(1000))
+    assert vs_llamacpp.cpu_seconds(os.getpid()) - before >= 0.25
+
+
+def test_cpu_per_1k_tokens_divides_each_process_by_the_tokens() -> None:
+    per_1k = vs_llamacpp.cpu_per_1k({"executor": 1.0, "client": 0.5}, {"executor": 5.0, "client": 0.7}, 2000)
+    assert per_1k == {"executor": 2.0, "client": 0.1}
+
+
+def test_dedicated_adds_a_run_with_the_documented_server_only_settings() -> None:
+    configs = vs_llamacpp.pagedserve_configs(("--x",), (), dedicated=True)
+    assert configs["pagedserve"] == (("--x",), ())
+    assert configs["pagedserve dedicated"] == (("--x", "--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))
+    assert list(vs_llamacpp.pagedserve_configs((), (), dedicated=False)) == ["pagedserve"]

@@ -30,7 +30,12 @@ from scheduler_service.frontend.core_membership import CoreMembership, is_dns, p
 from scheduler_service.frontend.core_set import CoreSet
 from scheduler_service.link_auth import check_address, tenant_key
 from scheduler_service.name_resolution import Resolver
-from scheduler_service.process import configure_logging, freeze_startup_objects, raise_open_file_limit
+from scheduler_service.process import (
+    configure_logging,
+    freeze_startup_objects,
+    lower_priority,
+    raise_open_file_limit,
+)
 
 log = logging.getLogger("pagedserve.frontend")
 PROG = "python -m scheduler_service.frontend"
@@ -96,5 +101,6 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> int:
         name = f"tcp://{parse_core_name(address).address}" if is_dns(address) else address
         check_address(name, read_secret(config.engine_core_secret_file), "--engine-core")
     raise_open_file_limit()
+    lower_priority(config.cpu_nice)
     uvloop.run(serve_frontend(config, config.engine_core))
     return 0
