@@ -146,6 +146,8 @@ class TorchBackend:
         parallel.wait_for_all()
         # TP ranks send a batch's metadata over their step channel, which carries one table set: one group there
         layout = plan_layout(model_cfg.layer_windows, config.kv_window_release and parallel.world_size == 1)
+        if layout.window_only and config.draft_model:  # the draft model's full-attention layers read the table
+            layout = KVLayout.single(model_cfg.num_layers)
         shape = CacheShape(layout.page_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
@@ -159,7 +161,7 @@ class TorchBackend:
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)
             info = replace(info, kv_window_groups=layout.num_window_groups, kv_window=layout.window,
-                           kv_window_ring=layout.num_window_groups > 0)
+                           kv_window_ring=layout.num_window_groups > 0, kv_window_only=layout.window_only)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         graphable = model_cfg.features.graphable
