@@ -35,6 +35,7 @@ from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_
 transformers = pytest.importorskip("transformers")
 
 HYBRID = ("gemma2", "gemma3", "gpt_oss")
+WINDOW_ONLY = ("mistral", "qwen2", "phi3", "mixtral")  # every layer slides: one window group, no block table
 BLOCK = 8
 NEW_TOKENS = 24  # past the window: decode steps release blocks too
 PROMPTS = (40, 90, 27)
@@ -81,7 +82,9 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
     may read them)."""
     servicer = ExecutorServicer(backend)
     describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
-    assert describe.capabilities.kv_window_groups > 0 and describe.capabilities.kv_window == WINDOW
+    caps = describe.capabilities
+    assert caps.kv_window_groups > 0 and caps.kv_window == WINDOW
+    assert caps.kv_window_only == (backend.info.architecture in ONLY_ARCHITECTURES)
     limits = replace(executor_limits(describe), num_device_blocks=num_device_blocks)
     s = Scheduler(cfg, limits)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -102,6 +105,7 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
         for r in s.running:
             table = s.kv.window_table(r.request_id)
             peak = max(peak, table.length if table is not None else 0)
+            assert not caps.kv_window_only or s.kv.block_table(r.request_id) == []  # the ring is all it holds
         result = await servicer.run_step(step_proto(out))
         assert not result.error and not result.errors, (result.error, list(result.errors))
         for delta in s.update(out, result_from_proto(result, out)):
@@ -122,11 +126,12 @@ def check_tokens(model: Hybrid, served: Served) -> None:
         assert_same_tokens(tokens, model.expected[n], model.backend.info.eos_token_ids)
 
 
+ONLY_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 RING = ring_blocks(WINDOW, BLOCK)  # a window group's blocks per request, at most: ceil(16 / 8) + 1 = 3
 
 
 @pytest.mark.parametrize("chunk", [8, 32])  # prefill chunks shorter and longer than the window
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("name", HYBRID + WINDOW_ONLY)
 def test_greedy_tokens_equal_transformers_with_free_blocks_poisoned(hybrid: Any, name: str, chunk: int) -> None:
     model = hybrid(name)
     cfg = CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False)
@@ -152,7 +157,24 @@ def test_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMod
     assert served.peak_window_blocks == RING
 
 
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+@pytest.mark.parametrize("name", WINDOW_ONLY)
+def test_window_only_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMode) -> None:
+    """Every layer slides: a request holds its ring of RING blocks and nothing else. With a pool of 2 * RING - 1
+    blocks and steps of one block (max_num_batched_tokens = BLOCK), the first request decodes holding its full
+    ring while the second's prefill grows its ring a block a step: its third block cannot fit, so a request is
+    preempted (swapped out with its ring, or recomputed) whatever the timing; every token is transformers'."""
+    model = hybrid(name)
+    assert model.backend.info.kv_window_only and model.backend.info.kv_window_groups == 1
+    cfg = CoreConfig(max_num_batched_tokens=BLOCK, enable_prefix_caching=False, preemption_mode=mode)
+    served = asyncio.run(serve_requests(model.backend, request_prompts(2), cfg, 2 * RING - 1, poison_cached=True))
+    check_tokens(model, served)
+    stats = served.scheduler.stats()
+    assert (stats.num_preemptions_swap if mode is PreemptionMode.SWAP else stats.num_preemptions_recompute) > 0
+    assert served.peak_window_blocks == RING
+
+
+@pytest.mark.parametrize("name", HYBRID + WINDOW_ONLY)
 def test_prefix_caching_on_keeps_the_tokens_without_window_hits(hybrid: Any, name: str) -> None:
     """The same prompts again with prefix caching on: rings are overwritten in place, so they are never cached
     and a hybrid model gets no hit (a full-attention hit alone would leave the window layers without their keys);
@@ -222,5 +244,29 @@ def test_layers_are_cut_into_groups_of_equal_size() -> None:
     pairs = {(layout.layer_groups[i], layout.layer_slots[i]) for i in range(26)}
     assert len(pairs) == 26  # no two layers share a group's page slot
     assert plan_layout([None, 16, None, 16], release=True).num_window_groups == 1
-    assert plan_layout([16, 16], release=True) == KVLayout.single(2)  # every layer slides: one table
+    only = plan_layout([16, 16, 8], release=True)  # every layer slides: one window group of them all
+    assert (only.page_layers, only.num_window_groups, only.window, only.window_only) == (3, 1, 16, True)
+    assert only.layer_groups == (1, 1, 1) and only.layer_slots == (0, 1, 2)
+    assert plan_layout([16, 16], release=False) == KVLayout.single(2)
     assert plan_layout([None, 16], release=False) == KVLayout.single(2)
+
+
+async def test_a_window_only_executor_refuses_a_block_table(hybrid: Any) -> None:
+    """Every layer slides: Describe says kv_window_only, a block table sent beside the ring is refused naming the
+    field, and a request sent with its ring alone runs past its window."""
+    model = hybrid("mistral")
+    servicer = ExecutorServicer(model.backend)
+    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
+    assert describe.capabilities.kv_window_only and describe.capabilities.kv_window_groups == 1
+    prompt = make_prompt(40, seed=5, vocab=VOCAB)
+    sampling = common_pb2.SamplingParams(temperature=0.0)
+    with_table = executor_pb2.NewRequest(request_id="t", token_ids=prompt, num_prompt_tokens=40,
+                                         num_scheduled_tokens=40, block_ids=[0, 1, 2, 3, 4],
+                                         window_block_ids=[5, 6, 7], sampling=sampling)
+    result = await servicer.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[with_table]))
+    assert [e.request_id for e in result.errors] == ["t"] and "block_ids" in result.errors[0].message
+    ring_only = executor_pb2.NewRequest(request_id="r", token_ids=prompt, num_prompt_tokens=40,
+                                        num_scheduled_tokens=40, window_block_ids=[5, 6, 7], sampling=sampling)
+    result = await servicer.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[ring_only]))
+    assert not result.error and not result.errors and list(result.sampled.request_ids) == ["r"]
+    assert list(result.sampled.token_ids) == hf_greedy(model.hf, prompt, 1)

@@ -47,6 +47,10 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 
             "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0], "original_max_position_embeddings": 128}
 
 FAMILIES: dict[str, Family] = {
+    "mistral": Family(transformers.MistralConfig, {"num_hidden_layers": 2, "head_dim": 16, "sliding_window": WINDOW}),
+    "qwen2": Family(transformers.Qwen2Config, {"num_hidden_layers": 2, "use_sliding_window": True,
+                                               "sliding_window": WINDOW, "max_window_layers": 0,
+                                               "tie_word_embeddings": True}),
     "qwen3": Family(transformers.Qwen3Config, {"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True}),
     "olmo2": Family(transformers.Olmo2Config, {"num_hidden_layers": 2, "tie_word_embeddings": False}, shard=True),
     "phi3": Family(transformers.Phi3Config, {"num_hidden_layers": 2, "rope_scaling": LONGROPE,
