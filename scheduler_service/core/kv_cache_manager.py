@@ -82,7 +82,8 @@ class KVCacheManager:
         if windows is None:
             return usable
         if self.window_only:  # a request holds its rings only: any length fits once they do
-            return UNBOUNDED_BLOCKS if windows.num_groups * windows.ring_size <= usable else usable // windows.num_groups
+            ring_fits = windows.num_groups * windows.ring_size <= usable
+            return UNBOUNDED_BLOCKS if ring_fits else usable // windows.num_groups
         cap = windows.max_blocks(usable * self.block_size, max(1, max_step_tokens))
         if usable - windows.num_groups * cap >= cap:
             return usable - windows.num_groups * cap
