@@ -76,10 +76,11 @@ class ExecutorConfig:
     max_model_len: int | None = None
     seed: int = 0
     kv_window_release: bool = field(default=True, metadata=flag(
-        "hybrid models (sliding-window layers beside full-attention ones: Gemma 2/3, GPT-OSS): the window layers'"
-        " KV sits in groups of their own tables, each a ring of ceil(window / block size) + 1 blocks per request"
-        " that positions reuse (such a model gets no prefix-cache hits); off: one table for every layer, as for"
-        " other models, with prefix caching"))
+        "models with sliding-window layers (Gemma 2/3, GPT-OSS beside full-attention layers; Mistral, Phi-3,"
+        " Mixtral, Qwen2 with a window on every layer): the window layers' KV sits in groups of their own tables,"
+        " each a ring of ceil(window / block size) + 1 blocks per request that positions reuse (such a model gets"
+        " no prefix-cache hits; a model whose every layer slides then holds its rings only); off: one table for"
+        " every layer, as for other models, with prefix caching"))
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))

@@ -10,6 +10,7 @@ tokens, and so would a step's write over ring keys its own queries still read.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,14 @@ from executor_service.server import ExecutorServicer, serve
 from protos.contract import ring_blocks
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler_service.core.config import CoreConfig, PreemptionMode
+from scheduler_service.core.outputs import SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_link import result_from_proto, step_proto
 from scheduler_service.engine.executor_loop import executor_limits
 from tests.executor.test_model_families import VOCAB, WINDOW, hf_family_model
 from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_prompt
+from tests.support.procs import free_port, start, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,9 +85,24 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
     may read them)."""
     servicer = ExecutorServicer(backend)
     describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
+
+    def poison(s: Scheduler, out: SchedulerOutput) -> None:
+        free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
+        free -= {src for src, _ in out.swap_out}  # the step copies them out before anything else
+        if free:
+            backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
+
+    return await drive(describe, servicer.run_step, prompts, cfg, num_device_blocks, poison)
+
+
+async def drive(describe: executor_pb2.DescribeResponse,
+                run_step: Callable[[executor_pb2.StepRequest], Awaitable[executor_pb2.StepResult]],
+                prompts: dict[str, list[int]], cfg: CoreConfig, num_device_blocks: int,
+                poison: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> Served:
+    """The scheduler core's loop over an executor that run_step reaches (in process or over gRPC)."""
     caps = describe.capabilities
     assert caps.kv_window_groups > 0 and caps.kv_window == WINDOW
-    assert caps.kv_window_only == (backend.info.architecture in ONLY_ARCHITECTURES)
+    assert caps.kv_window_only == (describe.architecture in ONLY_ARCHITECTURES)
     limits = replace(executor_limits(describe), num_device_blocks=num_device_blocks)
     s = Scheduler(cfg, limits)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -98,15 +116,13 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
         if not pending and not s.has_unfinished():
             break
         out = s.schedule()
-        free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
-        free -= {src for src, _ in out.swap_out}  # the step copies them out before anything else
-        if free:
-            backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
+        if poison is not None:
+            poison(s, out)
         for r in s.running:
             table = s.kv.window_table(r.request_id)
             peak = max(peak, table.length if table is not None else 0)
             assert not caps.kv_window_only or s.kv.block_table(r.request_id) == []  # the ring is all it holds
-        result = await servicer.run_step(step_proto(out))
+        result = await run_step(step_proto(out))
         assert not result.error and not result.errors, (result.error, list(result.errors))
         for delta in s.update(out, result_from_proto(result, out)):
             assert delta.finish_reason in (None, FinishReason.LENGTH), delta
@@ -270,3 +286,41 @@ async def test_a_window_only_executor_refuses_a_block_table(hybrid: Any) -> None
     result = await servicer.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[ring_only]))
     assert not result.error and not result.errors and list(result.sampled.request_ids) == ["r"]
     assert list(result.sampled.token_ids) == hf_greedy(model.hf, prompt, 1)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+async def test_tensor_parallel_size_2_serves_the_rings(hybrid: Any, name: str, tmp_path: Path) -> None:
+    """`--tensor-parallel-size 2` (two gloo ranks): every rank plans the same KV cache groups and the step channel
+    carries each layer's metadata, so the executor advertises window rings (window-only for the Mistral) and a
+    hybrid and a window-only model give transformers' tokens through the scheduler core over gRPC, holding R blocks
+    per ring, with requests swapped out and back in (the pool fits one and a half of them, as above)."""
+    model = hybrid(name)
+    only = name in WINDOW_ONLY
+    groups = model.backend.info.kv_window_groups
+    chunk = BLOCK if only else 32
+    pool = 2 * RING - 1 if only else (-(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * RING) * 3 // 2
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
+                                      "--tensor-parallel-size", "2", "--block-size", str(BLOCK),
+                                      "--num-gpu-blocks", str(pool), "--num-cpu-blocks", "400"],
+                 tmp_path / "executor.log")
+    try:
+        wait_healthy(address, proc)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            describe = await stub.Describe(executor_pb2.DescribeRequest())
+            assert describe.capabilities.kv_window_ring and describe.capabilities.kv_window_groups == groups
+            call = stub.Execute()
+
+            async def run_step(step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+                await call.write(step)
+                return await call.read()
+
+            cfg = CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False,
+                             preemption_mode=PreemptionMode.SWAP)
+            served = await drive(describe, run_step, request_prompts(2), cfg, pool)
+            await call.done_writing()
+    finally:
+        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
+    check_tokens(model, served)
+    assert served.scheduler.stats().num_preemptions_swap > 0 and served.peak_window_blocks == RING
