@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,10 +62,11 @@ def write_model(path: Path, name: str, window: int, context: int) -> Path:
     import transformers
 
     torch.manual_seed(5)
-    common = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": NUM_LAYERS,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": window,
-              "max_position_embeddings": context + 64, "initializer_range": 0.2, "bos_token_id": 1,
-              "eos_token_id": 2, "pad_token_id": 0}
+    common: dict[str, Any] = {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": window,
+        "max_position_embeddings": context + 64, "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0}
     config = transformers.Gemma2Config(**common, query_pre_attn_scalar=16) if name == "gemma2" \
         else transformers.MistralConfig(**common)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
