@@ -117,6 +117,9 @@ class ExecutorConfig:
     sim_kv_window_ring: bool = field(default=False, metadata=flag(
         "simulated: keep --sim-kv-window-groups' tables as rings of ceil(window / block size) + 1 blocks"
         " (Capabilities.kv_window_ring), as the torch executor does; off: tables released block by block"))
+    sim_kv_window_only: bool = field(default=False, metadata=flag(
+        "simulated: with --sim-kv-window-groups 1 and --sim-kv-window-ring, a model whose every layer slides"
+        " (Capabilities.kv_window_only): no block table is sent (it refuses one), the ring is all a request holds"))
     tls_cert: str | None = field(default=None, metadata=flag("PEM certificate: serve the Executor API over TLS"))
     tls_key: str | None = field(default=None, metadata=flag("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=flag(
