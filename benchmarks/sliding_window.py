@@ -1,11 +1,13 @@
-"""Sliding-window KV cache groups: the blocks a long request holds for a Gemma-style model's window layers.
+"""Sliding-window KV cache groups: the blocks a long request holds for a model's window layers.
 
     python -m benchmarks.sliding_window [--context 8192] [--window 512] [--block-size 16] [--chunk 512]
+        [--models gemma2,mistral]
 
-A random-weight Gemma 2 model (transformers writes it: alternating window and full-attention layers, small dims
-so it runs on a CPU) is served twice in this process, with the same KV memory: by the torch backend with window
-groups (--kv-window-release, the default: each window group's table a ring of ceil(W / block_size) + 1 blocks)
-and without (one table for every layer). Each request (prompt of
+Each random-weight model (transformers writes it, small dims so it runs on a CPU) -- a Gemma 2 (alternating window
+and full-attention layers) and a Mistral whose every layer slides (Capabilities.kv_window_only) -- is served twice
+in this process, with the same KV memory: by the torch backend with window groups (--kv-window-release, the
+default: each window group's table a ring of ceil(W / block_size) + 1 blocks; the Mistral's one group holds every
+layer and no block table) and without (one table for every layer). Each request (prompt of
 --context minus --new-tokens tokens, then --new-tokens greedy tokens) goes through the real scheduler core, the
 Execute message, the executor's validator and the torch backend, as in tests/executor/test_kv_window_groups.py.
 
@@ -24,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,16 +57,24 @@ class Peaks:
     tokens: list[int] = field(default_factory=list)
 
 
-def write_model(path: Path, window: int, context: int) -> Path:
+def write_model(path: Path, name: str, window: int, context: int) -> Path:
+    """A Gemma 2 (window layers beside full-attention ones) or a Mistral (every layer slides) of NUM_LAYERS."""
     import transformers
 
     torch.manual_seed(5)
-    config = transformers.Gemma2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=window, max_position_embeddings=context + 64,
-        initializer_range=0.2, query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common: dict[str, Any] = {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": window,
+        "max_position_embeddings": context + 64, "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0}
+    config = transformers.Gemma2Config(**common, query_pre_attn_scalar=16) if name == "gemma2" \
+        else transformers.MistralConfig(**common)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
+
+
+Served = tuple[BackendInfo, int, dict[str, Peaks], float]
+"""One serving: the backend's info, the layers one page holds, each request's peaks, the wall seconds."""
 
 
 async def serve(backend: TorchBackend, prompts: dict[str, list[int]], new_tokens: int, chunk: int) -> dict[str, Peaks]:
@@ -108,6 +119,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=0.25, help="KV memory of each executor")
+    p.add_argument("--models", default="gemma2,mistral", help="comma-separated: gemma2 (hybrid), mistral (all slide)")
     p.add_argument("--json-out")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -115,27 +127,29 @@ def main() -> None:
     prompt_len = args.context - args.new_tokens
     prompts = {f"r{i}": torch.randint(3, 512, (prompt_len,), generator=generator).tolist()
                for i in range(args.requests)}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_model(Path(tmp) / "gemma2", args.window, args.context)
-        results: dict[bool, tuple[BackendInfo, dict[str, Peaks], float]] = {}
-        for release in (True, False):
-            config = ExecutorConfig(model=str(path), device="cpu", block_size=args.block_size, num_cpu_blocks=0,
-                                    cpu_kv_cache_space=args.kv_gib, max_num_batched_tokens=args.chunk, seed=0,
-                                    kv_window_release=release)
-            backend = TorchBackend.create(config)
-            t0 = time.perf_counter()
-            peaks = asyncio.run(serve(backend, prompts, args.new_tokens, args.chunk))
-            results[release] = (backend.info, peaks, time.perf_counter() - t0)
-    report(args, results)
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_model(Path(tmp) / name, name, args.window, args.context)
+            results: dict[bool, Served] = {}
+            for release in (True, False):
+                config = ExecutorConfig(model=str(path), device="cpu", block_size=args.block_size, num_cpu_blocks=0,
+                                        cpu_kv_cache_space=args.kv_gib, max_num_batched_tokens=args.chunk, seed=0,
+                                        kv_window_release=release)
+                backend = TorchBackend.create(config)
+                t0 = time.perf_counter()
+                peaks = asyncio.run(serve(backend, prompts, args.new_tokens, args.chunk))
+                results[release] = (backend.info, backend.layout.page_layers, peaks, time.perf_counter() - t0)
+        report(args, name, results)
 
 
-def report(args: argparse.Namespace, results: dict[bool, tuple[BackendInfo, dict[str, Peaks], float]]) -> None:
+def report(args: argparse.Namespace, name: str, results: dict[bool, Served]) -> None:
     bound = -(-args.window // args.block_size) + 1
-    _, on, on_s = results[True]
-    _, off, off_s = results[False]
-    layers_per_page = {True: NUM_LAYERS // 2, False: NUM_LAYERS}  # Gemma 2 alternates: half the layers are full
+    on_info, _, on, on_s = results[True]
+    _, _, off, off_s = results[False]
+    layers_per_page = {release: layers for release, (_, layers, _, _) in results.items()}
     for rid in on:
-        emit({"bench": "sliding_window", "request": rid, "context": args.context, "window": args.window,
+        emit({"bench": "sliding_window", "model": name, "window_only": on_info.kv_window_only, "request": rid,
+              "context": args.context, "window": args.window,
               "block_size": args.block_size, "chunk": args.chunk, "bound_ceil_w_over_bs_plus_1": bound,
               "window_blocks_peak": on[rid].window, "window_blocks_peak_prefill": on[rid].window_prefill,
               "window_blocks_peak_decode": on[rid].window_decode, "within_bound": on[rid].window <= bound,
@@ -144,11 +158,11 @@ def report(args: argparse.Namespace, results: dict[bool, tuple[BackendInfo, dict
               "same_greedy_tokens": on[rid].tokens == off[rid].tokens, "tokens": len(on[rid].tokens)})
     # one request's peak in bytes: pages of layers_per_page layers each
     per_request = {release: max(p.pages for p in peaks.values()) * layers_per_page[release]
-                   for release, (_, peaks, _) in results.items()}
+                   for release, (_, _, peaks, _) in results.items()}
     pool = {release: info.num_device_blocks * layers_per_page[release]
-            for release, (info, _, _) in results.items()}
+            for release, (info, _, _, _) in results.items()}
     fits = {release: pool[release] // per_request[release] for release in results}
-    emit({"bench": "sliding_window", "summary": True, "kv_gib": args.kv_gib,
+    emit({"bench": "sliding_window", "model": name, "summary": True, "kv_gib": args.kv_gib,
           "pool_layer_blocks": pool[True], "request_layer_blocks_peak": per_request[True],
           "request_layer_blocks_peak_release_off": per_request[False],
           "concurrent_requests_fit": fits[True], "concurrent_requests_fit_release_off": fits[False],

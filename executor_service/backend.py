@@ -137,6 +137,10 @@ class BackendInfo:
     """Its window tables are rings (Capabilities.kv_window_ring): BatchItem.window_tables come expanded by
     position from the rings, and a window layer reads its step's own keys fresh, writing them into the ring after
     its queries read it (only the step's last kv_window positions)."""
+    kv_window_only: bool = False
+    """Every layer slides (Capabilities.kv_window_only): one window group of every layer, rings, and no layer reads
+    the block table, which the scheduler sends empty; BatchItem.block_table is then window group 0's ring by
+    position."""
     prompt_logprobs: bool = True
     """It fills BatchItem.prompt_out (Describe.capabilities.prompt_logprobs)."""
 

@@ -79,10 +79,11 @@ class ExecutorConfig:
     max_model_len: int | None = None
     seed: int = 0
     kv_window_release: bool = field(default=True, metadata=flag(
-        "hybrid models (sliding-window layers beside full-attention ones: Gemma 2/3, GPT-OSS): the window layers'"
-        " KV sits in groups of their own tables, each a ring of ceil(window / block size) + 1 blocks per request"
-        " that positions reuse (such a model gets no prefix-cache hits); off: one table for every layer, as for"
-        " other models, with prefix caching"))
+        "models with sliding-window layers (Gemma 2/3, GPT-OSS beside full-attention layers; Mistral, Phi-3,"
+        " Mixtral, Qwen2 with a window on every layer): the window layers' KV sits in groups of their own tables,"
+        " each a ring of ceil(window / block size) + 1 blocks per request that positions reuse (such a model gets"
+        " no prefix-cache hits; a model whose every layer slides then holds its rings only); off: one table for"
+        " every layer, as for other models, with prefix caching"))
     cuda_graph_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         "decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32,64,128,256 (default: none, eager; CUDA "
         "with Triton attention only)", parse=parse_sizes))
@@ -119,6 +120,9 @@ class ExecutorConfig:
     sim_kv_window_ring: bool = field(default=False, metadata=flag(
         "simulated: keep --sim-kv-window-groups' tables as rings of ceil(window / block size) + 1 blocks"
         " (Capabilities.kv_window_ring), as the torch executor does; off: tables released block by block"))
+    sim_kv_window_only: bool = field(default=False, metadata=flag(
+        "simulated: with --sim-kv-window-groups 1 and --sim-kv-window-ring, a model whose every layer slides"
+        " (Capabilities.kv_window_only): no block table is sent (it refuses one), the ring is all a request holds"))
     tls_cert: str | None = field(default=None, metadata=flag("PEM certificate: serve the Executor API over TLS"))
     tls_key: str | None = field(default=None, metadata=flag("PEM private key for --tls-cert"))
     tls_ca: str | None = field(default=None, metadata=flag(

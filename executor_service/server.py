@@ -63,7 +63,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         info = backend.info
         self.table = RequestTable(info.num_device_blocks, info.num_swap_blocks, info.block_size,
                                   info.vocab_size, info.max_model_len, info.kv_window_groups, info.kv_window,
-                                  info.kv_window_ring)
+                                  info.kv_window_ring, info.kv_window_only)
         limits = self.requested_limits  # drafts only as many as the backend verifies (none: refused)
         self.limits = replace(limits, max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
                               max_num_model_draft_tokens=min(limits.max_num_model_draft_tokens,
@@ -104,7 +104,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 max_num_draft_tokens=min(limits.max_num_draft_tokens, info.max_num_draft_tokens),
                 max_num_model_draft_tokens=limits.max_num_model_draft_tokens,
                 deferred_token_bitmask=True, kv_window_groups=info.kv_window_groups, kv_window=info.kv_window,
-                kv_window_ring=info.kv_window_ring,
+                kv_window_ring=info.kv_window_ring, kv_window_only=info.kv_window_only,
                 prompt_logprobs=info.prompt_logprobs))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],

@@ -32,7 +32,9 @@ class SimulatedBackend:
             dtype="none", device="simulated", max_num_draft_tokens=MAX_NUM_DRAFT_TOKENS,
             kv_window_groups=config.sim_kv_window_groups if config.sim_kv_window > 0 else 0,
             kv_window=config.sim_kv_window if config.sim_kv_window_groups > 0 else 0,
-            kv_window_ring=config.sim_kv_window_ring and config.sim_kv_window_groups > 0 and config.sim_kv_window > 0)
+            kv_window_ring=config.sim_kv_window_ring and config.sim_kv_window_groups > 0 and config.sim_kv_window > 0,
+            kv_window_only=config.sim_kv_window_only and config.sim_kv_window_ring and config.sim_kv_window_groups == 1
+            and config.sim_kv_window > 0)
 
     def swap_out(self, mapping: BlockMap) -> None:
         pass

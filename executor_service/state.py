@@ -82,7 +82,8 @@ class RequestTable:
     or an n > 1 prompt) and which request owns each swap block; the validator reads it, commit() changes it."""
 
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, vocab_size: int = 0,
-                 max_model_len: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False) -> None:
+                 max_model_len: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False,
+                 window_only: bool = False) -> None:
         self.num_device_blocks = num_device_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = block_size
@@ -92,6 +93,7 @@ class RequestTable:
         self.window = window
         self.window_ring = window_ring  # window tables are rings of ring_size blocks (Capabilities.kv_window_ring)
         self.ring_size = ring_blocks(window, block_size) if window_ring else 0
+        self.window_only = window_only and window_ring  # no layer reads the block table (Capabilities.kv_window_only)
         self.states: dict[str, RequestState] = {}
         self.device_owner: dict[int, set[str]] = {}
         self.swap_owner: dict[int, str] = {}
@@ -184,8 +186,9 @@ class RequestTable:
                                   self.ring_size) for group in state.windows]
         else:
             windows = [[0] * state.window_start + group for group in state.windows]  # positions before: never read
+        table = windows[0] if self.window_only else state.block_table or []  # window-only: the ring by position
         return BatchItem(state.request_id, state.token_ids, state.num_prompt_tokens, state.num_computed,
-                         num_tokens, state.block_table or [], end == len(state.token_ids), state.sampling,
+                         num_tokens, table, end == len(state.token_ids), state.sampling,
                          draft_token_ids or (), window_tables=windows, num_model_drafts=num_model_drafts,
                          draft_start=min(state.draft_computed, state.num_computed))
 

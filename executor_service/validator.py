@@ -365,6 +365,12 @@ class StepValidator:
             raise RequestRefused(f"draft token id {bad} outside the vocabulary [0, {vocab})")
 
     def _check_span(self, start: int, num_tokens: int, num_blocks: int) -> None:
+        """The block table holds the step's positions; a window-only model's is empty (its rings hold them)."""
+        if self.table.window_only:
+            if num_blocks:
+                raise RequestRefused(f"block_ids: {num_blocks} blocks sent, but every layer of this model slides "
+                                     "(Capabilities.kv_window_only): send its window rings only")
+            return
         check_span(start, num_tokens, num_blocks, self.table.block_size, self.table.max_model_len)
 
     def _check_claim(self, request_id: str, blocks: Sequence[int], ownership: _Ownership) -> None:

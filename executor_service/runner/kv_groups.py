@@ -7,8 +7,12 @@ group g its own table (NewRequest.window_block_ids): a ring of ceil(window / blo
 request's positions reuse (Capabilities.kv_window_ring; block i in ring[i % R]), so it holds the window's blocks
 only, prefill chunks included.
 
-Each layer keeps its page slot (the position of its layer in its group) and its group; a model with no window
-layer, or only window layers, or the release turned off, is one group of every layer, as before."""
+A model whose every layer slides (Mistral, Phi-3, Mixtral with a window) is one window group of every layer with no
+layer reading the block table (`window_only`, Capabilities.kv_window_only): a request holds its ring only, R blocks
+whatever its length. A model with no window layer, or the release turned off, is one group of every layer, as
+before.
+
+Each layer keeps its page slot (the position of its layer in its group) and its group."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class KVLayout:
     layer_groups: tuple[int, ...]  # per model layer: 0 = the block table, g + 1 = window group g's table
     num_window_groups: int = 0
     window: int = 0  # the most keys a window layer's query reads
+    window_only: bool = False  # every layer in window group 0: no layer reads the block table
 
     @classmethod
     def single(cls, num_layers: int) -> KVLayout:
@@ -33,8 +38,11 @@ def plan_layout(layer_windows: Sequence[int | None], release: bool) -> KVLayout:
     """The groups of a model's layers (a window of None: full attention)."""
     full = [i for i, w in enumerate(layer_windows) if w is None]
     windowed = [i for i, w in enumerate(layer_windows) if w is not None]
-    if not release or not full or not windowed:
+    if not release or not windowed:
         return KVLayout.single(len(layer_windows))
+    window = max(w for w in layer_windows if w is not None)
+    if not full:  # every layer slides: one window group of them all
+        return KVLayout(len(windowed), tuple(range(len(windowed))), (1,) * len(windowed), 1, window, True)
     page = len(full)
     slots = [0] * len(layer_windows)
     groups = [0] * len(layer_windows)
@@ -42,5 +50,4 @@ def plan_layout(layer_windows: Sequence[int | None], release: bool) -> KVLayout:
         slots[layer] = j
     for t, layer in enumerate(windowed):
         slots[layer], groups[layer] = t % page, 1 + t // page
-    window = max(w for w in layer_windows if w is not None)
     return KVLayout(page, tuple(slots), tuple(groups), -(-len(windowed) // page), window)

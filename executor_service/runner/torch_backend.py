@@ -144,8 +144,10 @@ class TorchBackend:
             with phases.phase("pack"):  # what the reading left to pack: packed beside it (PackWhileReading)
                 packing = choose_packing(config, model, parallel, pipeline)
         parallel.wait_for_all()
-        # TP ranks send a batch's metadata over their step channel, which carries one table set: one group there
-        layout = plan_layout(model_cfg.layer_windows, config.kv_window_release and parallel.world_size == 1)
+        # every TP rank plans the same groups; the step channel carries a batch's per-layer metadata (its rings)
+        layout = plan_layout(model_cfg.layer_windows, config.kv_window_release)
+        if layout.window_only and config.draft_model:  # the draft model's full-attention layers read the table
+            layout = KVLayout.single(model_cfg.num_layers)
         shape = CacheShape(layout.page_layers, config.block_size, model.layout.num_kv_heads,
                            model_cfg.head_dim, dtype)
         sampler = Sampler(config.seed, device)
@@ -159,7 +161,7 @@ class TorchBackend:
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)
             info = replace(info, kv_window_groups=layout.num_window_groups, kv_window=layout.window,
-                           kv_window_ring=layout.num_window_groups > 0)
+                           kv_window_ring=layout.num_window_groups > 0, kv_window_only=layout.window_only)
         sampler.eos_token_ids = info.eos_token_ids  # masked, with stop_token_ids, until min_tokens are out
         graphs = None
         graphable = model_cfg.features.graphable
@@ -540,7 +542,7 @@ def window_group_metas(items: list[BatchItem], meta: AttentionMetadata, layout: 
     from each window group's tables (slots and block tables; the same lengths) for the window layers. Rings: the
     window layers read the step's keys fresh and write only each sequence's last `window` positions (the ones
     before are never read again, and would share a ring slot with later ones)."""
-    groups = [meta]
+    groups = [replace(meta, layer_metas=None)]  # a copy: the batch's own meta will hold the list (no cycle to pickle)
     for g in range(layout.num_window_groups):
         grouped = [replace(item, block_table=list(item.window_tables[g])) for item in items]
         group_meta = build_batch(grouped, info, device).meta

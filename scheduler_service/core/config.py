@@ -69,4 +69,5 @@ class ExecutorLimits:
     num_window_groups: int = 0  # sliding-window KV cache groups the executor keeps tables for (0: one table)
     window: int = 0  # the keys a query of those groups reads (Describe.capabilities.kv_window)
     window_ring: bool = False  # window tables are rings of ceil(window / block_size) + 1 blocks (kv_window_ring)
+    window_only: bool = False  # every layer slides: one window group and no full-attention table (kv_window_only)
     max_num_model_draft_tokens: int = 0  # tokens the executor's draft model proposes per request and step (0: none)

@@ -72,7 +72,10 @@ class PlainDecodes:
         requests = [order.requests[p] for p in positions.tolist()]
         grown = kv.grow_tables(requests, missing.tolist())
         if grown is not None:
-            rs.capacity[slots] += missing * bs
+            if kv.window_only:  # a ring that fills covers every position from then on
+                rs.capacity[slots] = [kv.num_slots(r.request_id) for r in requests]
+            else:
+                rs.capacity[slots] += missing * bs
             self.chosen[positions] = True
             works = map(ScheduledWork, requests, repeat(1), grown)
             self.grown.update(zip(positions.tolist(), works, strict=True))

@@ -9,6 +9,8 @@ A hybrid model (sliding-window layers beside full-attention ones) has window gro
 tables hold only the blocks the window still reads, allocated as the request's steps need them; a prefix hit
 counts for them only where every window group's blocks of the window before it are cached. With rings
 (Capabilities.kv_window_ring) the window tables are R blocks reused in place: never cached, so no hit at all.
+A model whose every layer slides (Capabilities.kv_window_only, rings) has one window group and no full-attention
+table: a request's block table stays empty and it holds its ring only, whatever its length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.window_groups import WindowBlocks, WindowGroups
 
 NO_BLOCKS: list[int] = []
+UNBOUNDED_BLOCKS = 1 << 40
+"""A full ring's reach, in blocks of positions: it covers every position (window-only models)."""
 
 
 class AllocStatus(enum.Enum):
@@ -52,7 +56,7 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, num_device_blocks: int, num_swap_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_caching: bool = True, window_groups: int = 0, window: int = 0,
-                 max_step_tokens: int = 0, window_ring: bool = False) -> None:
+                 max_step_tokens: int = 0, window_ring: bool = False, window_only: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.device = DevicePool(num_device_blocks)
@@ -60,6 +64,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.windows = (WindowGroups(self.device, window_groups, window, block_size, window_ring)
                         if window_groups > 0 and window > 0 else None)
+        self.window_only = window_only and window_ring and self.windows is not None  # no full-attention table
+        self.enable_caching = enable_caching and not self.window_only  # rings only: nothing to cache
         self.usable_blocks = self._usable_table_blocks(num_device_blocks - self.watermark_blocks, max_step_tokens)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
@@ -75,6 +81,9 @@ class KVCacheManager:
         windows = self.windows
         if windows is None:
             return usable
+        if self.window_only:  # a request holds its rings only: any length fits once they do
+            ring_fits = windows.num_groups * windows.ring_size <= usable
+            return UNBOUNDED_BLOCKS if ring_fits else usable // windows.num_groups
         cap = windows.max_blocks(usable * self.block_size, max(1, max_step_tokens))
         if usable - windows.num_groups * cap >= cap:
             return usable - windows.num_groups * cap
@@ -93,8 +102,15 @@ class KVCacheManager:
         blocks = len(self._tables.get(request_id, ()))
         if self.windows is not None:
             covered = self.windows.covered_end(request_id)
-            blocks = blocks if covered is None else min(blocks, covered)
+            if self.window_only:
+                blocks = UNBOUNDED_BLOCKS if covered is None else covered
+            else:
+                blocks = blocks if covered is None else min(blocks, covered)
         return blocks * self.block_size
+
+    def full_blocks_for(self, num_slots: int) -> int:
+        """Blocks of the full-attention table that num_slots take (none for a window-only model)."""
+        return 0 if self.window_only else self.blocks_for(num_slots)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, NO_BLOCKS)
@@ -187,7 +203,7 @@ class KVCacheManager:
     def can_admit(self, hit: PrefixHit, num_slots: int, chunk_end: int | None = None) -> AllocStatus:
         """Whether the request's table of num_slots fits now (its window groups' tables up to chunk_end, the end
         of its first step's slots)."""
-        need = self.blocks_for(num_slots) - len(hit.blocks) + self.device.evictable(hit.blocks)
+        need = self.full_blocks_for(num_slots) - len(hit.blocks) + self.device.evictable(hit.blocks)
         if self.windows is not None:
             held = hit.window.flat() if hit.window is not None else []
             end = self.blocks_for(min(num_slots if chunk_end is None else chunk_end, num_slots))
@@ -216,7 +232,7 @@ class KVCacheManager:
             self.prefix_stats.queries += request.num_tokens
             self.prefix_stats.hits += hit.num_tokens
         self._num_cached[rid] = known
-        num_fresh = self.blocks_for(num_slots) - len(table)
+        num_fresh = self.full_blocks_for(num_slots) - len(table)
         num_window = 0
         if self.windows is not None:
             end = self.blocks_for(min(num_slots if chunk_end is None else chunk_end, num_slots))
@@ -246,7 +262,7 @@ class KVCacheManager:
         lookahead slots; the new block ids (often none), or None if the pool is short."""
         table = self._tables[request.request_id]
         end = -(-(request.num_computed_tokens + num_new_tokens + num_lookahead) // self.block_size)
-        missing = end - len(table)
+        missing = 0 if self.window_only else end - len(table)
         if self.windows is not None:
             return self._allocate_hybrid(request, table, max(0, missing), end)
         if missing <= 0:
@@ -315,7 +331,8 @@ class KVCacheManager:
         ends = [self.num_slots(r.request_id) // self.block_size + n for r, n in zip(requests, num_blocks, strict=True)]
         for request in requests:
             self.release_window(request)
-        full = [max(0, end - len(tables[r.request_id])) for r, end in zip(requests, ends, strict=True)]
+        full = [0 if self.window_only else max(0, end - len(tables[r.request_id]))
+                for r, end in zip(requests, ends, strict=True)]
         window_missing = [windows.missing(r.request_id, end, 0) * windows.num_groups
                           for r, end in zip(requests, ends, strict=True)]
         fresh = self.device.allocate(sum(full) + sum(window_missing))
@@ -428,7 +445,8 @@ class KVCacheManager:
             num_full, start, length = layout
             assert self.windows is not None
             grow = min(end, self.windows.ring_size) - length if self.windows.ring else end - start - length
-            need = len(cpu_ids) + max(0, end - num_full) + self.windows.num_groups * max(0, grow)
+            full = 0 if self.window_only else max(0, end - num_full)
+            need = len(cpu_ids) + full + self.windows.num_groups * max(0, grow)
         return self.device.num_free - need >= self.watermark_blocks
 
     def swap_in(self, request: Request) -> BlockMap:

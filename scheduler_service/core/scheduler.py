@@ -120,7 +120,7 @@ class Scheduler:
         return KVCacheManager(limits.num_device_blocks, limits.num_swap_blocks, limits.block_size,
                               cfg.watermark, cfg.enable_prefix_caching, limits.num_window_groups, limits.window,
                               cfg.max_num_batched_tokens + cfg.num_lookahead_slots + cfg.num_scheduler_steps,
-                              limits.window_ring)
+                              limits.window_ring, limits.window_only)
 
     # ---- requests in and out -------------------------------------------------------------
 

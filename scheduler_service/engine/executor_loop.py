@@ -56,6 +56,7 @@ def executor_limits(describe: executor_pb2.DescribeResponse) -> ExecutorLimits:
                        num_window_groups=describe.capabilities.kv_window_groups,
                        window=describe.capabilities.kv_window,
                        window_ring=describe.capabilities.kv_window_ring,
+                       window_only=describe.capabilities.kv_window_only,
                        max_num_model_draft_tokens=describe.capabilities.max_num_model_draft_tokens)
 
 EXECUTOR_LOAD_WARN_S = 120.0

@@ -35,18 +35,19 @@ from tests.support.trace_outputs import TraceOutputs, check_trace_outputs, resha
 
 
 def hybrid_limits(device_blocks: int, cpu_blocks: int, groups: int, window: int,
-                  max_model_len: int = 96, ring: bool = False) -> ExecutorLimits:
+                  max_model_len: int = 96, ring: bool = False, only: bool = False) -> ExecutorLimits:
     return ExecutorLimits(BLOCK, device_blocks, cpu_blocks, max_model_len=max_model_len,
                           eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4, num_window_groups=groups, window=window,
-                          window_ring=ring)
+                          window_ring=ring or only, window_only=only)
 
 
 def run_alone(prompt_len: int, max_tokens: int, window: int, groups: int = 1, ring: bool = False,
-              **cfg: object) -> tuple[Scheduler, list[int], int]:
-    """One request through a hybrid scheduler and the executor model: the scheduler, its tokens, and the most
-    blocks one window group held at once."""
-    s = Scheduler(CoreConfig(**cfg), hybrid_limits(200, 0, groups, window, 512, ring))  # type: ignore[arg-type]
-    ex = ModelExecutor(200, 1, BLOCK, window_groups=groups, window=window, window_ring=ring)
+              only: bool = False, **cfg: object) -> tuple[Scheduler, list[int], int]:
+    """One request through a hybrid (or window-only) scheduler and the executor model: the scheduler, its tokens,
+    and the most blocks one window group held at once."""
+    s = Scheduler(CoreConfig(**cfg), hybrid_limits(200, 0, groups, window, 512, ring, only))  # type: ignore[arg-type]
+    ex = ModelExecutor(200, 1, BLOCK, window_groups=groups, window=window, window_ring=ring or only,
+                       window_only=only)
     r = Request("a", list(range(5, 5 + prompt_len)), SamplingOptions(max_tokens=max_tokens, ignore_eos=True), 0.0)
     s.add_request(r)
     tokens: list[int] = []
@@ -100,6 +101,57 @@ def test_a_ring_model_gets_no_prefix_hits() -> None:
     kv.free(a)
     assert kv.get_computed_blocks(Request("b", [*range(5, 29), 99], SamplingOptions(), 0.0)).num_tokens == 0
     assert kv.device.num_free == 64
+
+
+def test_a_window_only_model_holds_its_ring_whatever_the_length() -> None:
+    """Every layer slides (Capabilities.kv_window_only): no full-attention table at all, the one window group's
+    ring is all a request holds, prefill chunks shorter and longer than the window and decode included; the
+    executor model reads every window intact and is sent no block table."""
+    window = 9
+    for chunk in (3, 8, 30):
+        s, tokens, peak = run_alone(prompt_len=150, max_tokens=60, window=window, only=True,
+                                    max_num_batched_tokens=chunk)
+        assert len(tokens) == 60 and peak == ring_blocks(window, BLOCK) == 4
+        assert s.kv.device.num_free == 200 and s.kv.window_only
+
+
+def test_a_window_only_request_longer_than_the_pool_fits() -> None:
+    """12 device blocks hold a ring of 4: a request of 400 tokens (100 blocks of positions) runs; the block table
+    stays empty and the ring's capacity covers any length."""
+    kv = KVCacheManager(12, 0, BLOCK, watermark=0.0, window_groups=1, window=9, window_ring=True, window_only=True)
+    assert not kv.never_fits(400)
+    s = Scheduler(CoreConfig(max_num_batched_tokens=16), hybrid_limits(12, 0, 1, 9, 512, only=True))
+    ex = ModelExecutor(12, 1, BLOCK, window_groups=1, window=9, window_ring=True, window_only=True)
+    s.add_request(Request("a", list(range(5, 405)), SamplingOptions(max_tokens=20, ignore_eos=True), 0.0))
+    tokens: list[int] = []
+    while s.has_unfinished():
+        out = s.schedule()
+        assert s.kv.block_table("a") == [] and s.kv.num_blocks_held("a") <= ring_blocks(9, BLOCK)
+        for d in s.update(out, ex.step(out)):
+            tokens += d.new_token_ids
+    assert len(tokens) == 20 and s.kv.device.num_free == 12
+    # a pool that cannot hold one ring bounds a request by the blocks it holds: 3 blocks, 12 positions
+    small = KVCacheManager(3, 0, BLOCK, watermark=0.0, window_groups=1, window=9, window_ring=True, window_only=True)
+    assert not small.never_fits(12) and small.never_fits(13)
+
+
+def test_a_window_only_request_swaps_its_ring() -> None:
+    kv = KVCacheManager(16, 8, BLOCK, watermark=0.0, window_groups=1, window=9, window_ring=True, window_only=True)
+    a = Request("a", list(range(5, 45)), SamplingOptions(), 0.0)
+    kv.admit(a, PrefixHit(), a.num_tokens)
+    ring = kv.window_table("a")
+    assert ring is not None and ring.length == 4 and kv.block_table("a") == []
+    a.num_computed_tokens = 40
+    mapping = kv.swap_out(a)
+    assert [src for src, _ in mapping] == ring.flat() and kv.device.num_free == 16
+    assert kv.can_swap_in("a", 41)
+    back = kv.swap_in(a)
+    after = kv.window_table("a")
+    assert after is not None and [dst for _, dst in back] == after.flat() and kv.block_table("a") == []
+    assert kv.num_slots("a") >= 10_000 * BLOCK  # a full ring covers every position
+    kv.free(a)
+    kv.end_step()
+    assert kv.device.num_free == 16 and kv.cpu.num_free == 8
 
 
 def test_full_group_keeps_every_block() -> None:
@@ -170,12 +222,37 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
                                                          groups: int, window: int, seed: int, lose_at: int,
                                                          ring: bool) -> None:
     """Both kinds of window tables; with rings, no request's window group ever holds more than R blocks."""
-    cfg = CoreConfig(**cfg_kwargs)  # type: ignore[arg-type]
     limits = hybrid_limits(device_blocks, cpu_blocks, groups, window, max_model_len, ring)
+    run_trace(specs, CoreConfig(**cfg_kwargs), limits, seed, lose_at)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(request_spec, min_size=1, max_size=12), cfg_kwargs=config_spec,
+       device_blocks=st.integers(4, 12), cpu_blocks=st.integers(0, 30), max_model_len=max_model_len_spec,
+       window=st.sampled_from([1, 5, 8, 13]), seed=st.integers(0, 2**16),
+       lose_at=st.sampled_from([0, 0, 3, 10, 25]))
+def test_random_window_only_traces_keep_invariants_and_tokens(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
+                                                              device_blocks: int, cpu_blocks: int,
+                                                              max_model_len: int, window: int, seed: int,
+                                                              lose_at: int) -> None:
+    """Every layer slides (Capabilities.kv_window_only): one window group's ring and no block table; the same
+    invariants, tokens and ring bound, with pools small enough that requests wait, swap and recompute."""
+    limits = hybrid_limits(device_blocks, cpu_blocks, 1, window, max_model_len, only=True)
+    s = run_trace(specs, CoreConfig(**cfg_kwargs), limits, seed, lose_at)  # type: ignore[arg-type]
+    assert not s.kv._tables or not any(s.kv._tables.values())
+
+
+def run_trace(specs: list[TraceSpec], cfg: CoreConfig, limits: ExecutorLimits, seed: int,
+              lose_at: int) -> Scheduler:
+    """A random trace against the KV-checking executor model: invariants every step, no released block read, the
+    undisturbed run's tokens at the end; with rings, no window group ever holds more than R blocks."""
+    device_blocks, cpu_blocks, groups, window = (limits.num_device_blocks, limits.num_swap_blocks,
+                                                 limits.num_window_groups, limits.window)
+    ring, only = limits.window_ring, limits.window_only
     clock = FakeClock()
     s = Scheduler(cfg, limits, clock=clock)
     ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups, window=window,
-                       window_ring=ring)
+                       window_ring=ring, window_only=only)
     rng = random.Random(seed)
     trace = TraceOutputs()
     released = 0
@@ -197,7 +274,7 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
             s.reset_executor()
             s.set_executor_limits(limits)
             ex = ModelExecutor(device_blocks, cpu_blocks, BLOCK, eos=EOS, eos_every=23, window_groups=groups,
-                               window=window, window_ring=ring)
+                               window=window, window_ring=ring, window_only=only)
             for rejected in out.rejected:
                 trace.reasons[rejected.request_id] = FinishReason.ERROR
             continue
@@ -207,4 +284,7 @@ def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec],
             break
     event(f"window blocks released while running: {released > 0}")
     event(f"prefix cache hits: {s.stats().prefix_cache_hits > 0}")
+    stats = s.stats()
+    event(f"preempted: {stats.num_preemptions_swap + stats.num_preemptions_recompute > 0}")
     check_trace_outputs(s, trace, limits)
+    return s

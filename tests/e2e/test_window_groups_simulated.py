@@ -1,8 +1,9 @@
 """Sliding-window KV cache groups through real processes: the scheduler service against a simulated executor
 that advertises window groups (it checks and tracks the window tables with the torch executor's validator), with a
 pool small enough that requests are preempted; the seeded tokens are those of a simulated executor with one table,
-no step is refused, and every block is free afterwards; with tables released block by block, and with rings
-(--sim-kv-window-ring, Capabilities.kv_window_ring)."""
+no step is refused, and every block is free afterwards; with tables released block by block, with rings
+(--sim-kv-window-ring, Capabilities.kv_window_ring), and window-only (--sim-kv-window-only: every layer slides, one
+ring per request and no block table)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,18 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["released", "rings"])
+KINDS = {"released": ["--sim-kv-window-groups", "2"],
+         "rings": ["--sim-kv-window-groups", "2", "--sim-kv-window-ring"],
+         # a ring of ceil(24 / 16) + 1 = 3 blocks each: 20 blocks hold 6 requests of the 12
+         "window-only": ["--sim-kv-window-groups", "1", "--sim-kv-window-ring", "--sim-kv-window-only"]}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
 def stacks(request: pytest.FixtureRequest, plain: Stack,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Stack]]:
-    hybrid = ["--simulated", "--num-gpu-blocks", str(BLOCKS), "--num-cpu-blocks", "64", "--block-size", str(BLOCK),
-              "--sim-kv-window-groups", "2", "--sim-kv-window", str(WINDOW),
-              *(["--sim-kv-window-ring"] if request.param else [])]
+    blocks = 20 if request.param == "window-only" else BLOCKS
+    hybrid = ["--simulated", "--num-gpu-blocks", str(blocks), "--num-cpu-blocks", "64", "--block-size", str(BLOCK),
+              "--sim-kv-window", str(WINDOW), *KINDS[request.param]]
     with running_stack(tmp_path_factory.mktemp("hybrid"), hybrid, SCHEDULER) as with_groups:
         yield with_groups, plain
 
@@ -56,8 +63,10 @@ async def test_window_groups_give_the_tokens_of_one_table_under_preemption(stack
     with_groups, plain = stacks
     async with grpc.aio.insecure_channel(with_groups.executor_address) as channel:
         describe = await executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest())
-    assert (describe.capabilities.kv_window_groups, describe.capabilities.kv_window) == (2, 24)
+    only = "--sim-kv-window-only" in with_groups.executor_args
+    assert (describe.capabilities.kv_window_groups, describe.capabilities.kv_window) == (1 if only else 2, 24)
     assert describe.capabilities.kv_window_ring == ("--sim-kv-window-ring" in with_groups.executor_args)
+    assert describe.capabilities.kv_window_only == only
     ours, theirs = await generate(with_groups.address), await generate(plain.address)
     for (ids, reason, error), (ref, _, _), (_, m) in zip(ours, theirs, SHAPES, strict=True):
         assert not error and reason == generation_pb2.FINISH_REASON_LENGTH and len(ids) == m
@@ -65,7 +74,8 @@ async def test_window_groups_give_the_tokens_of_one_table_under_preemption(stack
     wait_until(with_groups.idle, what="every block free")
     before = with_groups.metrics()["vllm:num_preemptions_total"]
     assert await generate_pair(with_groups.address) == await generate_pair(plain.address)
-    assert with_groups.metrics()["vllm:num_preemptions_total"] > before, "the pair outgrows the pool (PAIR_PROMPT)"
+    if not only:  # a window-only sequence holds its ring of 3 blocks from admission on: it never grows
+        assert with_groups.metrics()["vllm:num_preemptions_total"] > before, "the pair outgrows the pool (PAIR_PROMPT)"
     wait_until(with_groups.idle, what="every block free")
 
 

@@ -10,6 +10,7 @@ tokens, and so would a step's write over ring keys its own queries still read.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,19 @@ from executor_service.server import ExecutorServicer, serve
 from protos.contract import ring_blocks
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from scheduler_service.core.config import CoreConfig, PreemptionMode
+from scheduler_service.core.outputs import SchedulerOutput
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.executor_link import result_from_proto, step_proto
 from scheduler_service.engine.executor_loop import executor_limits
 from tests.executor.test_model_families import VOCAB, WINDOW, hf_family_model
 from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_prompt
+from tests.support.procs import free_port, start, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
 HYBRID = ("gemma2", "gemma3", "gpt_oss")
+WINDOW_ONLY = ("mistral", "qwen2", "phi3", "mixtral")  # every layer slides: one window group, no block table
 BLOCK = 8
 NEW_TOKENS = 24  # past the window: decode steps release blocks too
 PROMPTS = (40, 90, 27)
@@ -81,7 +85,24 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
     may read them)."""
     servicer = ExecutorServicer(backend)
     describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
-    assert describe.capabilities.kv_window_groups > 0 and describe.capabilities.kv_window == WINDOW
+
+    def poison(s: Scheduler, out: SchedulerOutput) -> None:
+        free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
+        free -= {src for src, _ in out.swap_out}  # the step copies them out before anything else
+        if free:
+            backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
+
+    return await drive(describe, servicer.run_step, prompts, cfg, num_device_blocks, poison)
+
+
+async def drive(describe: executor_pb2.DescribeResponse,
+                run_step: Callable[[executor_pb2.StepRequest], Awaitable[executor_pb2.StepResult]],
+                prompts: dict[str, list[int]], cfg: CoreConfig, num_device_blocks: int,
+                poison: Callable[[Scheduler, SchedulerOutput], None] | None = None) -> Served:
+    """The scheduler core's loop over an executor that run_step reaches (in process or over gRPC)."""
+    caps = describe.capabilities
+    assert caps.kv_window_groups > 0 and caps.kv_window == WINDOW
+    assert caps.kv_window_only == (describe.architecture in ONLY_ARCHITECTURES)
     limits = replace(executor_limits(describe), num_device_blocks=num_device_blocks)
     s = Scheduler(cfg, limits)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -95,14 +116,13 @@ async def serve_requests(backend: TorchBackend, prompts: dict[str, list[int]], c
         if not pending and not s.has_unfinished():
             break
         out = s.schedule()
-        free = s.kv.device.free_blocks() if poison_cached else set(s.kv.device._empty)
-        free -= {src for src, _ in out.swap_out}  # the step copies them out before anything else
-        if free:
-            backend.kv_cache.device_kv[:, :, sorted(free)] = float("nan")
+        if poison is not None:
+            poison(s, out)
         for r in s.running:
             table = s.kv.window_table(r.request_id)
             peak = max(peak, table.length if table is not None else 0)
-        result = await servicer.run_step(step_proto(out))
+            assert not caps.kv_window_only or s.kv.block_table(r.request_id) == []  # the ring is all it holds
+        result = await run_step(step_proto(out))
         assert not result.error and not result.errors, (result.error, list(result.errors))
         for delta in s.update(out, result_from_proto(result, out)):
             assert delta.finish_reason in (None, FinishReason.LENGTH), delta
@@ -122,11 +142,12 @@ def check_tokens(model: Hybrid, served: Served) -> None:
         assert_same_tokens(tokens, model.expected[n], model.backend.info.eos_token_ids)
 
 
+ONLY_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 RING = ring_blocks(WINDOW, BLOCK)  # a window group's blocks per request, at most: ceil(16 / 8) + 1 = 3
 
 
 @pytest.mark.parametrize("chunk", [8, 32])  # prefill chunks shorter and longer than the window
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("name", HYBRID + WINDOW_ONLY)
 def test_greedy_tokens_equal_transformers_with_free_blocks_poisoned(hybrid: Any, name: str, chunk: int) -> None:
     model = hybrid(name)
     cfg = CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False)
@@ -152,7 +173,24 @@ def test_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMod
     assert served.peak_window_blocks == RING
 
 
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+@pytest.mark.parametrize("name", WINDOW_ONLY)
+def test_window_only_preemption_keeps_the_tokens(hybrid: Any, name: str, mode: PreemptionMode) -> None:
+    """Every layer slides: a request holds its ring of RING blocks and nothing else. With a pool of 2 * RING - 1
+    blocks and steps of one block (max_num_batched_tokens = BLOCK), the first request decodes holding its full
+    ring while the second's prefill grows its ring a block a step: its third block cannot fit, so a request is
+    preempted (swapped out with its ring, or recomputed) whatever the timing; every token is transformers'."""
+    model = hybrid(name)
+    assert model.backend.info.kv_window_only and model.backend.info.kv_window_groups == 1
+    cfg = CoreConfig(max_num_batched_tokens=BLOCK, enable_prefix_caching=False, preemption_mode=mode)
+    served = asyncio.run(serve_requests(model.backend, request_prompts(2), cfg, 2 * RING - 1, poison_cached=True))
+    check_tokens(model, served)
+    stats = served.scheduler.stats()
+    assert (stats.num_preemptions_swap if mode is PreemptionMode.SWAP else stats.num_preemptions_recompute) > 0
+    assert served.peak_window_blocks == RING
+
+
+@pytest.mark.parametrize("name", HYBRID + WINDOW_ONLY)
 def test_prefix_caching_on_keeps_the_tokens_without_window_hits(hybrid: Any, name: str) -> None:
     """The same prompts again with prefix caching on: rings are overwritten in place, so they are never cached
     and a hybrid model gets no hit (a full-attention hit alone would leave the window layers without their keys);
@@ -222,5 +260,67 @@ def test_layers_are_cut_into_groups_of_equal_size() -> None:
     pairs = {(layout.layer_groups[i], layout.layer_slots[i]) for i in range(26)}
     assert len(pairs) == 26  # no two layers share a group's page slot
     assert plan_layout([None, 16, None, 16], release=True).num_window_groups == 1
-    assert plan_layout([16, 16], release=True) == KVLayout.single(2)  # every layer slides: one table
+    only = plan_layout([16, 16, 8], release=True)  # every layer slides: one window group of them all
+    assert (only.page_layers, only.num_window_groups, only.window, only.window_only) == (3, 1, 16, True)
+    assert only.layer_groups == (1, 1, 1) and only.layer_slots == (0, 1, 2)
+    assert plan_layout([16, 16], release=False) == KVLayout.single(2)
     assert plan_layout([None, 16], release=False) == KVLayout.single(2)
+
+
+async def test_a_window_only_executor_refuses_a_block_table(hybrid: Any) -> None:
+    """Every layer slides: Describe says kv_window_only, a block table sent beside the ring is refused naming the
+    field, and a request sent with its ring alone runs past its window."""
+    model = hybrid("mistral")
+    servicer = ExecutorServicer(model.backend)
+    describe = await servicer.Describe(executor_pb2.DescribeRequest(), None)
+    assert describe.capabilities.kv_window_only and describe.capabilities.kv_window_groups == 1
+    prompt = make_prompt(40, seed=5, vocab=VOCAB)
+    sampling = common_pb2.SamplingParams(temperature=0.0)
+    with_table = executor_pb2.NewRequest(request_id="t", token_ids=prompt, num_prompt_tokens=40,
+                                         num_scheduled_tokens=40, block_ids=[0, 1, 2, 3, 4],
+                                         window_block_ids=[5, 6, 7], sampling=sampling)
+    result = await servicer.run_step(executor_pb2.StepRequest(step_id=1, new_requests=[with_table]))
+    assert [e.request_id for e in result.errors] == ["t"] and "block_ids" in result.errors[0].message
+    ring_only = executor_pb2.NewRequest(request_id="r", token_ids=prompt, num_prompt_tokens=40,
+                                        num_scheduled_tokens=40, window_block_ids=[5, 6, 7], sampling=sampling)
+    result = await servicer.run_step(executor_pb2.StepRequest(step_id=2, new_requests=[ring_only]))
+    assert not result.error and not result.errors and list(result.sampled.request_ids) == ["r"]
+    assert list(result.sampled.token_ids) == hf_greedy(model.hf, prompt, 1)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+async def test_tensor_parallel_size_2_serves_the_rings(hybrid: Any, name: str, tmp_path: Path) -> None:
+    """`--tensor-parallel-size 2` (two gloo ranks): every rank plans the same KV cache groups and the step channel
+    carries each layer's metadata, so the executor advertises window rings (window-only for the Mistral) and a
+    hybrid and a window-only model give transformers' tokens through the scheduler core over gRPC, holding R blocks
+    per ring, with requests swapped out and back in (the pool fits one and a half of them, as above)."""
+    model = hybrid(name)
+    only = name in WINDOW_ONLY
+    groups = model.backend.info.kv_window_groups
+    chunk = BLOCK if only else 32
+    pool = 2 * RING - 1 if only else (-(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * RING) * 3 // 2
+    address = f"127.0.0.1:{free_port()}"
+    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
+                                      "--tensor-parallel-size", "2", "--block-size", str(BLOCK),
+                                      "--num-gpu-blocks", str(pool), "--num-cpu-blocks", "400"],
+                 tmp_path / "executor.log")
+    try:
+        wait_healthy(address, proc)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            describe = await stub.Describe(executor_pb2.DescribeRequest())
+            assert describe.capabilities.kv_window_ring and describe.capabilities.kv_window_groups == groups
+            call = stub.Execute()
+
+            async def run_step(step: executor_pb2.StepRequest) -> executor_pb2.StepResult:
+                await call.write(step)
+                return await call.read()
+
+            cfg = CoreConfig(max_num_batched_tokens=chunk, enable_prefix_caching=False,
+                             preemption_mode=PreemptionMode.SWAP)
+            served = await drive(describe, run_step, request_prompts(2), cfg, pool)
+            await call.done_writing()
+    finally:
+        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
+    check_tokens(model, served)
+    assert served.scheduler.stats().num_preemptions_swap > 0 and served.peak_window_blocks == RING

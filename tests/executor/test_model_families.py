@@ -47,6 +47,10 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 
             "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0], "original_max_position_embeddings": 128}
 
 FAMILIES: dict[str, Family] = {
+    "mistral": Family(transformers.MistralConfig, {"num_hidden_layers": 2, "head_dim": 16, "sliding_window": WINDOW}),
+    "qwen2": Family(transformers.Qwen2Config, {"num_hidden_layers": 2, "use_sliding_window": True,
+                                               "sliding_window": WINDOW, "max_window_layers": 0,
+                                               "tie_word_embeddings": True}),
     "qwen3": Family(transformers.Qwen3Config, {"num_hidden_layers": 2, "head_dim": 16, "tie_word_embeddings": True}),
     "olmo2": Family(transformers.Olmo2Config, {"num_hidden_layers": 2, "tie_word_embeddings": False}, shard=True),
     "phi3": Family(transformers.Phi3Config, {"num_hidden_layers": 2, "rope_scaling": LONGROPE,
@@ -131,7 +135,7 @@ def test_greedy_matches_transformers(served: Callable[[str], Served], name: str)
         model.driver.release(seq)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mixtral"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_recompute_and_swap_preemption_keep_the_tokens(served: Callable[[str], Served], name: str) -> None:
     """A request preempted by recompute (state dropped, prompt + outputs resent) and one swapped out and back into
     other blocks continue with transformers' tokens."""
@@ -176,7 +180,7 @@ def test_logprobs_match_transformers(served: Callable[[str], Served], name: str)
     assert [v for _, v in out.top_logprobs] == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_bfloat16_logprobs_are_within_tolerance_of_transformers(served: Callable[[str], Served], name: str) -> None:
     """Served in bfloat16 (as these families ship), the log-probabilities of the 20 likeliest tokens after a prompt
     longer than the window are within bfloat16's rounding of transformers' own bfloat16 run."""
@@ -261,7 +265,7 @@ async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callab
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "phi3", "olmo2", "gpt_oss"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
                                                             tmp_path: Path) -> None:
     """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
@@ -273,7 +277,7 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
     proc, ports = start_listening("executor_service", [
         "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
-        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4"], tmp_path / "executor.log")
+        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4", "--no-kv-window-release"], tmp_path / "executor.log")
     address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)

@@ -13,7 +13,8 @@ their own tables, and after each step it drops the blocks before the next query'
 position before its window table's start is corruption; held_blocks() is what the scheduler must still hold.
 With window_ring (Capabilities.kv_window_ring) a window table is a ring: block i of the sequence is ring[i % R],
 R = ceil(window / block_size) + 1, a step reads its window before it writes, and nothing is dropped early; a read
-of a slot a later position overwrote is corruption too."""
+of a slot a later position overwrote is corruption too. With window_only (Capabilities.kv_window_only: every layer
+slides) no layer reads or writes the block table, which must come empty: the rings hold everything."""
 
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ class _State:
 
 class ModelExecutor:
     def __init__(self, num_device: int, num_cpu: int, block_size: int, eos: int | None = None,
-                 eos_every: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False) -> None:
+                 eos_every: int = 0, window_groups: int = 0, window: int = 0, window_ring: bool = False,
+                 window_only: bool = False) -> None:
         self.bs = block_size
+        self.first_group = 1 if window_only else 0  # group 0: the full-attention layers' block table
         self.window_groups = window_groups
         self.window = window
         self.ring_size = ring_blocks(window, block_size) if window_ring else 0
@@ -103,9 +106,13 @@ class ModelExecutor:
                 raise CacheCorrupted(f"copy from block {a}, which no live request holds yet")
         self._move(self.device, self.device, out.copy)
         for n in out.new_requests():
+            if self.first_group and n.block_ids:
+                raise CacheCorrupted(f"{n.request_id}: a block table sent to a window-only model")
             self.states[n.request_id] = _State(list(n.token_ids), n.num_computed_tokens, list(n.block_ids))
             self._take_windows(n.request_id, out, whole=True)
         for r in out.running_requests():
+            if self.first_group and r.new_block_ids:
+                raise CacheCorrupted(f"{r.request_id}: block table blocks sent to a window-only model")
             st = self.states[r.request_id]
             if r.resumed:
                 st.table = list(r.new_block_ids)
@@ -192,7 +199,7 @@ class ModelExecutor:
     def _check_read(self, rid: str, st: _State, first_query: int) -> None:
         """The positions the step's queries read hold what computing them would write: all of them for the
         full-attention layers, those of the first query's window for the window groups."""
-        reads = [(0, p) for p in range(first_query)]
+        reads = [(0, p) for p in range(first_query)] if not self.first_group else []
         for g in range(1, self.window_groups + 1):
             reads += [(g, p) for p in range(max(0, first_query - self.window + 1), first_query)]
         for g, p in reads:
@@ -202,7 +209,7 @@ class ModelExecutor:
                                      "not what computing it would write")
 
     def _write(self, rid: str, st: _State, p: int, digest: int) -> None:
-        for g in range(self.window_groups + 1):
+        for g in range(self.first_group, self.window_groups + 1):
             slot = self._slot(st, p, g)
             if self._holders[slot // self.bs] != 1:
                 raise CacheCorrupted(f"{rid} writes block {slot // self.bs}, which another live request holds")

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "max_num_model_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window", "kv_window_ring", "prompt_logprobs")
+    __slots__ = ("swap", "copy", "chunked_prefill", "max_num_steps", "max_logprobs", "seeded_sampling", "max_num_batched_tokens", "max_num_seqs", "max_num_lookahead_slots", "token_bitmask", "max_num_draft_tokens", "max_num_model_draft_tokens", "deferred_token_bitmask", "kv_window_groups", "kv_window", "kv_window_ring", "kv_window_only", "prompt_logprobs")
     SWAP_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Capabilities(_message.Message):
     KV_WINDOW_GROUPS_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_RING_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_ONLY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     swap: bool
     copy: bool
@@ -46,8 +47,9 @@ class Capabilities(_message.Message):
     kv_window_groups: int
     kv_window: int
     kv_window_ring: bool
+    kv_window_only: bool
     prompt_logprobs: bool
-    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., max_num_model_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ..., kv_window_ring: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, swap: _Optional[bool] = ..., copy: _Optional[bool] = ..., chunked_prefill: _Optional[bool] = ..., max_num_steps: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., seeded_sampling: _Optional[bool] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_lookahead_slots: _Optional[int] = ..., token_bitmask: _Optional[bool] = ..., max_num_draft_tokens: _Optional[int] = ..., max_num_model_draft_tokens: _Optional[int] = ..., deferred_token_bitmask: _Optional[bool] = ..., kv_window_groups: _Optional[int] = ..., kv_window: _Optional[int] = ..., kv_window_ring: _Optional[bool] = ..., kv_window_only: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model_id", "vocab_size", "eos_token_ids", "max_model_len", "block_size", "num_device_blocks", "num_swap_blocks", "dtype", "device", "capabilities", "tokenizer_json", "executor_version", "bos_token_id", "add_bos_token", "chat_template", "startup_seconds", "startup_phases", "architecture", "sliding_windows")
