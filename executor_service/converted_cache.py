@@ -25,6 +25,7 @@ import mmap
 import os
 import struct
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -141,7 +142,7 @@ class ConvertedCache:
             if free_bytes(self.directory) < size + FREE_DISK_MARGIN:
                 log.info("converted-weights cache for %s not written: the disk is nearly full", source.path.name)
                 return
-            tmp = data.with_name(f".{data.stem}.{os.getpid()}.tmp")
+            tmp = temporary(data)
             write_synced(tmp, memoryview(converted.arena)[:size])
             os.replace(tmp, data)
             stat = data.stat()
@@ -149,7 +150,7 @@ class ConvertedCache:
                 recorded = {"size": size, "mtime_ns": stat.st_mtime_ns, "sampled": sampled_digest(f.fileno(), size)}
             key = source_key(source)
             text = json.dumps({"key": key, "data": recorded, "digest": digest_of(key, recorded)}, sort_keys=True)
-            tmp_meta = meta.with_name(f".{meta.stem}.{os.getpid()}.tmp")
+            tmp_meta = temporary(meta)
             tmp_meta.write_text(text, encoding="utf-8")
             os.replace(tmp_meta, meta)
         except OSError as exc:
@@ -219,10 +220,18 @@ def write_synced(path: Path, data: memoryview) -> None:
     os.close(fd)
 
 
+def temporary(final: Path) -> Path:
+    """A new empty file beside `final` to write it under: `.<stem>.<pid>.<random>.tmp` (two executors sharing the
+    directory, even with one pid in two containers, never write the same one)."""
+    fd, name = tempfile.mkstemp(prefix=f".{final.stem}.{os.getpid()}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    return Path(name)
+
+
 def remove_leftovers(directory: Path, stem: str) -> None:
     """Temporary files of this entry that no live process is writing (an executor stopped while writing)."""
     for tmp in directory.glob(f".{stem}.*.tmp"):
-        pid = tmp.name.rsplit(".", 2)[-2]
+        pid = tmp.name.split(".")[2] if tmp.name.count(".") >= 4 else ""
         if pid.isdigit() and not process_alive(int(pid)):
             with contextlib.suppress(OSError):
                 tmp.unlink()

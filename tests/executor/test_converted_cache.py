@@ -70,6 +70,21 @@ def test_a_restart_maps_the_cached_form_bit_equal_to_torchs_conversion(tmp_path:
     assert list((tmp_path / "cache").glob(".*.tmp")) == []
 
 
+def test_a_dead_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    write_checkpoint(path, seed=6)
+    cache = ConvertedCache(tmp_path / "cache")
+    cache.directory.mkdir()
+    stem = cache.paths(path)[0].stem
+    dead = cache.directory / f".{stem}.{2**22 + 1}.abc.tmp"  # above Linux's pid_max: no such process
+    live = cache.directory / f".{stem}.{os.getpid()}.def.tmp"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    _, hit = widened(path, cache)
+    assert not hit and not dead.exists() and live.exists()
+    assert widened(path, cache)[1]
+
+
 def entry_paths(cache: ConvertedCache, path: Path) -> tuple[Path, Path]:
     return cache.paths(path)
 
