@@ -26,6 +26,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -71,6 +72,8 @@ class ConvertedCache:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.writing = threading.Event()
+        """Set once a store() has begun: the process then lets it finish before it exits (prefetch.finish_prefetch)."""
 
     def paths(self, source: Path) -> tuple[Path, Path]:
         stem = hashlib.sha256(os.path.realpath(source).encode()).hexdigest()[:24]
@@ -136,6 +139,7 @@ class ConvertedCache:
         """Write the arena's first `size` bytes and then its `.json` (temporary names, synced, renamed); a full disk or
         a read-only directory leaves no cache (logged)."""
         data, meta = self.paths(source.path)
+        self.writing.set()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_leftovers(self.directory, data.stem)

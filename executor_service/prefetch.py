@@ -85,10 +85,12 @@ def cache_for(config: ExecutorConfig) -> ConvertedCache | None:
     return ConvertedCache(base / "converted")
 
 
-def finish_prefetch(thread: threading.Thread | None, timeout_s: float = FINISH_TIMEOUT_S) -> None:
+def finish_prefetch(thread: threading.Thread | None, cache: ConvertedCache | None,
+                    timeout_s: float = FINISH_TIMEOUT_S) -> None:
     """Let the prefetch thread finish writing the converted-weights cache before the process exits (at most
-    timeout_s): the next start would convert again otherwise."""
-    if thread is not None and thread.is_alive():
+    timeout_s): the next start would convert again otherwise. A thread still reading or converting (stopped while
+    loading) is not waited for."""
+    if thread is not None and cache is not None and cache.writing.is_set() and thread.is_alive():
         log.info("finishing the converted-weights cache before exiting (at most %.0f s)", timeout_s)
         thread.join(timeout_s)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,25 @@ def test_the_cache_sits_in_the_startup_cache_directory_and_can_be_turned_off(
     assert prefetch.cache_for(ExecutorConfig(model="m", converted_weights_cache=False)) is None
     monkeypatch.setenv(prefetch.CONVERTED_CACHE_ENV, "0")
     assert prefetch.cache_for(ExecutorConfig(model="m", startup_cache_dir=str(tmp_path))) is None
+
+
+def test_only_a_thread_writing_the_cache_is_waited_for_at_exit(tmp_path: Path) -> None:
+    """A prefetch thread still reading (an executor stopped while loading) is not joined; one writing is."""
+
+    class Recorded(threading.Thread):
+        joins: list[float | None] = []
+
+        def join(self, timeout: float | None = None) -> None:
+            self.joins.append(timeout)
+            super().join(timeout)
+
+    cache = ConvertedCache(tmp_path / "cache")
+    release = threading.Event()
+    busy = Recorded(target=release.wait, daemon=True)
+    busy.start()
+    prefetch.finish_prefetch(busy, cache, timeout_s=60)  # not writing: not waited for
+    assert busy.joins == [] and busy.is_alive()
+    cache.writing.set()
+    release.set()
+    prefetch.finish_prefetch(busy, cache, timeout_s=60)
+    assert busy.joins == [60] and not busy.is_alive()
