@@ -9,9 +9,11 @@ Makes (once, under --dir) a Qwen2-0.5B-shaped random-weight directory per dtype 
 - measures the disk: evicts the shards from the page cache (posix_fadvise DONTNEED, which needs no privileges and
   touches only these files) and reads them once, and prints bytes / that speed as the floor;
 - cold: evicts the shards again and removes the executor's start-up cache (under $PAGEDSERVE_CACHE_DIR, a
-  directory of this run), starts the executor and a scheduler together, and times from the executor's process
-  start to the first token of a one-token greedy generation served through the scheduler;
-- warm: the same again (files in the page cache, the start-up cache written by the cold start).
+  directory of this run: the packing choice and a bfloat16 checkpoint's float32 form), starts the executor and a
+  scheduler together, and times from the executor's process start to the first token of a one-token greedy
+  generation served through the scheduler;
+- warm: the same again (files in the page cache, the start-up cache written by the cold start; the executor
+  finishes writing it before it exits).
 
 The executor's phase line ("startup phases: ...") and the scheduler's lines about waiting are printed beside each.
 """

@@ -21,7 +21,7 @@ from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.placement import bind_cores, choose_wait_policy, set_wait_policy
-from executor_service.prefetch import conversion_for, prefetch_weights
+from executor_service.prefetch import cache_for, conversion_for, finish_prefetch, prefetch_weights
 from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
 from executor_service.validator import StepLimits
@@ -118,14 +118,16 @@ def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
     converted = conversion_for(config)
-    if not config.simulated:
-        prefetch_weights(config.model, converted)  # the disk reads them (and widens bfloat16 ones) while torch imports
+    prefetch, cache = None, cache_for(config) if converted is not None else None
+    if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports
+        prefetch = prefetch_weights(config.model, converted, cache)
     set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from executor_service.parallel.launch import launch
             return launch(config, lambda backend: uvloop.run(main(config, backend)))
         uvloop.run(main(config, converted=converted))
+        finish_prefetch(prefetch, cache)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
         log.info("executor interrupted while starting")
         return 130

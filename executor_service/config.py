@@ -70,6 +70,10 @@ class ExecutorConfig:
         "directory of start-up measurements reused by the next start on this machine (the packed GEMM's choice and"
         " the skinny kernel's rows, keyed by the CPU, the builds and the model's shapes; a stale or foreign entry is"
         " measured again); default $PAGEDSERVE_CACHE_DIR/startup or ~/.cache/pagedserve/startup, '' turns it off"))
+    converted_weights_cache: bool = field(default=True, metadata=flag(
+        "CPU, float32: keep a bfloat16 checkpoint's float32 form in the start-up cache's directory (converted/, 2x"
+        " the checkpoint's size on disk) and map it on the next start instead of converting again; a stale, foreign"
+        " or truncated one is converted again and rewritten. Also off with PAGEDSERVE_CONVERTED_CACHE=0"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag(
         "most tokens one step may schedule: advertised in Describe, a larger step is refused and the scheduler "
         "caps its own --max-num-batched-tokens to it; CUDA: the size of the forward pass that profiles memory"))

@@ -69,6 +69,8 @@ class ConvertedFile:
     arena: mmap.mmap
     tensors: dict[str, Placed] = field(default_factory=dict)
     spans: dict[str, Span] = field(default_factory=dict)
+    size: int = 0
+    """The arena's bytes in use (plan_arena's size; the map may be larger)."""
 
 
 class ConvertedWeights:
@@ -187,7 +189,7 @@ def convert_file(buffer: mmap.mmap, header: dict[str, Any], data_start: int) -> 
     arena = mmap.mmap(-1, max(size, ALIGNMENT), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for entry in entries:
         convert_entry(buffer, entry, arena, placed[entry.name].offset)
-    return ConvertedFile(arena, placed, spans)
+    return ConvertedFile(arena, placed, spans, size)
 
 
 def convert_entry(buffer: mmap.mmap, entry: Entry, arena: mmap.mmap, offset: int) -> None:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from executor_service.config import ExecutorConfig
-    from executor_service.converted import ConvertedWeights
+    from executor_service.converted import ConvertedFile, ConvertedWeights
+    from executor_service.converted_cache import ConvertedCache, Source
 
 log = logging.getLogger("pagedserve.executor")
 MEMINFO = Path("/proc/meminfo")
@@ -29,12 +30,16 @@ MAX_SHARE_OF_AVAILABLE = 0.5
 MADV_POPULATE_READ = 22  # linux/mman.h (Linux 5.14+)
 READ_CHUNK = 16 << 20
 NVIDIA_DRIVER = Path("/proc/driver/nvidia")
+CONVERTED_CACHE_ENV = "PAGEDSERVE_CONVERTED_CACHE"
+FINISH_TIMEOUT_S = 60.0
 
 
-def prefetch_weights(model_dir: str | None, converted: ConvertedWeights | None = None) -> threading.Thread | None:
+def prefetch_weights(model_dir: str | None, converted: ConvertedWeights | None = None,
+                     cache: ConvertedCache | None = None) -> threading.Thread | None:
     """Start reading model_dir's *.safetensors into the page cache on a daemon thread (and converting them into
-    `converted`, where given and the memory allows); None where there is nothing to do (no such directory, not
-    Linux, or the files are too large for the memory available)."""
+    `converted`, where given and the memory allows: mapped from `cache` where it holds them, else converted and
+    written there afterwards); None where there is nothing to do (no such directory, not Linux, or the files are
+    too large for the memory available)."""
     if not model_dir or not hasattr(os, "sched_getaffinity"):
         return None
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -49,7 +54,7 @@ def prefetch_weights(model_dir: str | None, converted: ConvertedWeights | None =
         converted = None
     if converted is not None:
         converted.expect(files)
-    thread = threading.Thread(target=read_files, args=(files, converted), name="prefetch", daemon=True)
+    thread = threading.Thread(target=read_files, args=(files, converted, cache), name="prefetch", daemon=True)
     thread.start()
     log.info("reading %d weight files (%.2f GB) into the page cache%s while the executor starts", len(files),
              total / 1e9, " and converting them to float32" if converted is not None else "")
@@ -68,39 +73,88 @@ def conversion_for(config: ExecutorConfig) -> ConvertedWeights | None:
     return ConvertedWeights()
 
 
-def read_files(files: list[Path], converted: ConvertedWeights | None = None) -> None:
+def cache_for(config: ExecutorConfig) -> ConvertedCache | None:
+    """Where a converted checkpoint is kept between starts: `converted/` in the start-up cache's directory; None where
+    --no-converted-weights-cache, PAGEDSERVE_CONVERTED_CACHE=0 or --startup-cache-dir '' turn it off."""
+    if not config.converted_weights_cache or config.startup_cache_dir == "" \
+            or os.environ.get(CONVERTED_CACHE_ENV, "1") == "0":
+        return None
+    from executor_service.converted_cache import ConvertedCache
+    from executor_service.startup import default_cache_dir
+    base = Path(config.startup_cache_dir) if config.startup_cache_dir else default_cache_dir()
+    return ConvertedCache(base / "converted")
+
+
+def finish_prefetch(thread: threading.Thread | None, cache: ConvertedCache | None,
+                    timeout_s: float = FINISH_TIMEOUT_S) -> None:
+    """Let the prefetch thread finish writing the converted-weights cache before the process exits (at most
+    timeout_s): the next start would convert again otherwise. A thread still reading or converting (stopped while
+    loading) is not waited for."""
+    if thread is not None and cache is not None and cache.writing.is_set() and thread.is_alive():
+        log.info("finishing the converted-weights cache before exiting (at most %.0f s)", timeout_s)
+        thread.join(timeout_s)
+
+
+def read_files(files: list[Path], converted: ConvertedWeights | None = None,
+               cache: ConvertedCache | None = None) -> int:
+    """Read (or convert) the files, then write what was converted to `cache`; the files mapped from the cache."""
     t0 = time.perf_counter()
+    to_store: list[tuple[Source, ConvertedFile]] = []
+    mapped = 0
     try:
         with contextlib.suppress(OSError, ValueError, BufferError):
             libc = ctypes.CDLL(None, use_errno=True)
             for path in files:
                 if converted is not None:
-                    widen_file(libc, path, converted)
+                    mapped += widen_file(libc, path, converted, cache, to_store)
                 elif not populate_file(libc, path):
                     read_file(path)
-            log.info("weight files in the page cache%s %.2f s after the prefetch started",
-                     " and converted" if converted is not None else "", time.perf_counter() - t0)
+            done = f" and converted ({mapped} of {len(files)} mapped from the cache)" if converted is not None else ""
+            log.info("weight files in the page cache%s %.2f s after the prefetch started", done,
+                     time.perf_counter() - t0)
     finally:
         if converted is not None:
             converted.abandon()
+    store_converted(cache, to_store)
+    return mapped
 
 
-def widen_file(libc: ctypes.CDLL, path: Path, converted: ConvertedWeights) -> None:
-    """Map the file, fault it in (populate), widen its bfloat16 tensors into `converted`; a failure leaves the file
-    to the loader (logged)."""
-    from executor_service.converted import convert_file, read_header
-    result = None
+def widen_file(libc: ctypes.CDLL, path: Path, converted: ConvertedWeights, cache: ConvertedCache | None,
+               to_store: list[tuple[Source, ConvertedFile]]) -> bool:
+    """Widen the file's bfloat16 tensors into `converted`: mapped from `cache` where it holds them (True), else
+    converted from the file (mapped and faulted in) and noted in `to_store`; a failure leaves the file to the loader
+    (logged)."""
+    from executor_service.converted import convert_file
+    from executor_service.converted_cache import read_source
+    result = cached = None
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header = read_header(f, size)
-            if header is not None:
+            source = read_source(f, path, os.fstat(f.fileno()).st_size)
+            cached = cache.load(source) if cache is not None and source is not None else None
+            result = cached.converted if cached is not None else None
+            if source is not None and result is None:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as buffer:
                     populate(libc, buffer)
-                    result = convert_file(buffer, *header)
+                    result = convert_file(buffer, source.header, source.data_start)
+                if result is not None and cache is not None and not (cached is not None and cached.valid):
+                    to_store.append((source, result))
     except (OSError, ValueError, BufferError, MemoryError) as exc:
         log.info("%s not converted while importing (the loader converts it): %s", path.name, exc)
     converted.put(path, result)
+    return result is not None and cached is not None and cached.converted is result
+
+
+def store_converted(cache: ConvertedCache | None, to_store: list[tuple[Source, ConvertedFile]]) -> None:
+    """Write what was converted to the cache for the next start (after every file is handed to the loader), at the
+    lowest priority: on a cold start it copies 2x the checkpoint's bytes while the loader and the packing run."""
+    if cache is None or not to_store:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # behind the loading and the packing: the next start's gain
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    t0 = time.perf_counter()
+    for source, result in to_store:
+        cache.store(source, result, result.size)
+    log.info("converted weights written to %s in %.2f s", cache.directory, time.perf_counter() - t0)
 
 
 def populate_file(libc: ctypes.CDLL, path: Path) -> bool:

@@ -2,7 +2,8 @@
 widens bit-equal to torch's `.to(torch.float32)`; the loader makes the parameters views of the conversion (a fused
 q/k/v or gate/up parameter whole where its file holds all its parts) and they equal a load without it; a file that
 cannot be converted is left to the loader; a real executor process serving a sharded bfloat16 checkpoint converts
-it while importing and gives transformers' greedy tokens."""
+it while importing and gives transformers' greedy tokens, and so does its restart, which maps the float32 form the
+first start kept in the start-up cache (test_converted_cache.py)."""
 
 from __future__ import annotations
 
@@ -178,19 +179,25 @@ async def test_an_executor_serving_a_sharded_bfloat16_checkpoint_gives_transform
     hf.save_pretrained(tmp_path / "m", max_shard_size="100KB")
     assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
     prompt = make_prompt(20, seed=3, vocab=384)
-    log = tmp_path / "executor.log"
-    proc, ports = start_listening("executor_service", [
-        "--model", str(tmp_path / "m"), "--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "32",
-        "--num-cpu-blocks", "4", "--startup-cache-dir", str(tmp_path / "cache")], log)
-    address = loopback(ports["listen"])
-    try:
-        wait_healthy(address, proc)
-        info, tokens = await greedy_over_grpc(address, prompt)
-    finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    assert "converting them to float32" in log.read_text() and info.dtype == "float32"
-    reference = hf_greedy(hf.float().eval(), prompt, len(tokens))
-    assert_same_tokens(tokens, reference, (2,))
+    reference = None
+    for start_number in (1, 2):  # the second start maps the float32 form the first wrote to the start-up cache
+        log = tmp_path / f"executor-{start_number}.log"
+        proc, ports = start_listening("executor_service", [
+            "--model", str(tmp_path / "m"), "--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "32",
+            "--num-cpu-blocks", "4", "--startup-cache-dir", str(tmp_path / "cache")], log)
+        address = loopback(ports["listen"])
+        try:
+            wait_healthy(address, proc)
+            info, tokens = await greedy_over_grpc(address, prompt)
+        finally:
+            assert stop(proc) == 0, log.read_text()[-3000:]
+        files = len(list((tmp_path / "m").glob("*.safetensors")))
+        mapped = 0 if start_number == 1 else files
+        assert "converting them to float32" in log.read_text() and info.dtype == "float32"
+        assert f"({mapped} of {files} mapped from the cache)" in log.read_text()
+        reference = reference or hf_greedy(hf.float().eval(), prompt, len(tokens))
+        assert_same_tokens(tokens, reference, (2,))
+    assert len(list((tmp_path / "cache" / "converted").glob("*.f32"))) == files
 
 
 def test_the_loader_waits_for_a_file_still_being_converted(tmp_path: Path) -> None:
