@@ -1,8 +1,10 @@
 """Does the model copy its prompt? The best case of n-gram speculation on copy-style prompts, load-independent.
 
     python benchmarks/copy_probe.py [--prompts 16] [--output-len 128] [--iterations 6] [--k 4]
+        [--model DIR | --copy-model]
 
-Starts one torch executor (the embedded default model) and a scheduler without speculation, and asks greedy
+Starts one torch executor (the embedded default model; --model DIR another, --copy-model the default model
+fine-tuned to copy, as benchmarks/speculative.py) and a scheduler without speculation, and asks greedy
 continuations of prompts built from the model's own corpus and its own outputs:
 
 - para+third: a corpus paragraph, a blank line, its first third again (benchmarks/speculative.py's copy set);
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs
+from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs, served_model
 from client.lib import PagedServeClient
 from client.local import service
 from scheduler_service.core.speculative import propose_ngram
@@ -67,15 +69,20 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--model", default=None, help="the executor's model directory (default: the embedded model)")
+    p.add_argument("--copy-model", action="store_true", help="the default model fine-tuned to copy (cached)")
     args = p.parse_args()
+    model = served_model(args.model, args.copy_model)
+    executor_args = ["--device", "cpu", "--num-gpu-blocks", "4096", *(["--model", model] if model else [])]
     tok = Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
 
     def enc(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False).ids)
     sep, found = enc("\n\n"), paragraphs(args.prompts)
     paras, seeds = [enc(x) for x in found], [enc(free_prompt(x)) for x in found]
-    record: dict[str, object] = {"benchmark": "copy_probe", "k": args.k, "output_len": args.output_len}
-    with service("executor_service", ["--device", "cpu", "--num-gpu-blocks", "4096"], name="executor") as ex, \
+    record: dict[str, object] = {"benchmark": "copy_probe", "k": args.k, "output_len": args.output_len,
+                                 "model": model or str(DEFAULT_MODEL)}
+    with service("executor_service", executor_args, name="executor") as ex, \
             service("scheduler_service", ["--executor", ex.address, "--api-server-count", "0"], name="sched") as s:
         own = asyncio.run(greedy(s.address, seeds, args.output_len))
         sets = {"para+third": [x + sep + x[:len(x) // 3] for x in paras],

@@ -3,6 +3,7 @@
     python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--min-requests 4]
         [--output-len 128] [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
         [--scheduler-flags "--no-async-scheduling"] [--method ngram|draft_model] [--draft-model DIR]
+        [--model DIR | --copy-model]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
 scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn, --rounds
@@ -19,6 +20,12 @@ flight (greedy, ignore_eos, output_len tokens each). Prints, per dataset and lev
 and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
 executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
 (load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
+
+--model DIR serves another model (same tokenizer: the datasets are text) and --copy-model the default model
+fine-tuned to copy (executor_service/default_model/training.py COPY_RECIPE: the corpus mixed with "a passage, a
+blank line, the passage again" samples; trained on first use, a few minutes, and cached under ~/.cache/pagedserve
+keyed by its recipe). The default model does not copy (benchmarks/copy_probe.py), so the copy set measures the
+n-gram proposer's speed-up only with a model that does, as any pretrained LLM does on quote and edit prompts.
 
 --method draft_model starts the executor with --draft-model DIR (default: the embedded default model, the model
 as its own draft: every greedy draft is accepted, and each drafted step costs k - 1 extra draft passes and a
@@ -139,6 +146,17 @@ def medians(runs: list[dict[tuple[str, int], dict[str, float]]]) -> dict[tuple[s
             for key in runs[0]}
 
 
+def served_model(model: str | None, copy_model: bool) -> str | None:
+    """The executor's --model: the given directory, the cached copy model (built on first use), or None."""
+    if model is not None and copy_model:
+        raise SystemExit("--model and --copy-model are exclusive")
+    if copy_model:
+        from executor_service.default_model.training import ensure_copy_model  # needs transformers (dev extra)
+
+        return str(ensure_copy_model())
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
@@ -154,6 +172,9 @@ def main() -> None:
     p.add_argument("--scheduler-flags", default="", help="more flags for both schedulers, e.g. --no-async-scheduling")
     p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     p.add_argument("--draft-model", default=str(DEFAULT_MODEL), help="--method draft_model: the executor's draft model")
+    p.add_argument("--model", default=None, help="the executor's model directory (default: the embedded model)")
+    p.add_argument("--copy-model", action="store_true",
+                   help="serve the default model fine-tuned to copy (built and cached on first use)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative-config.disable_by_batch_size (default: the scheduler's)")
     args = p.parse_args()
@@ -163,6 +184,9 @@ def main() -> None:
     if args.disable_by_batch_size is not None:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     executor_args = ["--device", args.device, "--num-gpu-blocks", "4096"]
+    model = served_model(args.model, args.copy_model)
+    if model is not None:
+        executor_args += ["--model", model]
     if args.method == "draft_model":
         config["model"] = args.draft_model
         executor_args += ["--draft-model", args.draft_model]
@@ -175,9 +199,9 @@ def main() -> None:
             for setting in ((None, spec) if r % 2 == 0 else (spec, None)):
                 rounds[setting].append(run_setting(executor, setting, work, args.log_dir, extra))
     plain, spec_on = medians(rounds[None]), medians(rounds[spec])
-    record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
-                              "rounds": args.rounds, "scheduler_flags": args.scheduler_flags,
-                              "machine": machine(), "results": []}
+    record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "model": model or str(DEFAULT_MODEL),
+                              "output_len": args.output_len, "rounds": args.rounds,
+                              "scheduler_flags": args.scheduler_flags, "machine": machine(), "results": []}
     for key in work:
         on, off = spec_on[key], plain[key]
         drafted = on["num_draft_tokens"]
