@@ -57,8 +57,8 @@ class CopyStream:
 
 
 COPY_MODEL_NAME = "copy-model"
-COPY_RECIPE = TrainConfig(steps=80, batch_size=8, seq_len=320, lr=1e-3, min_lr=1e-4, warmup=8, log_every=10,
-                          copy_fraction=0.5, init_from=str(dm.TRAINED_MODEL_DIR))
+COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=2e-3, min_lr=2e-4, warmup=20, log_every=50,
+                          copy_fraction=0.75, init_from=str(dm.TRAINED_MODEL_DIR))
 
 
 def documents(text: str) -> list[str]:
