@@ -57,8 +57,8 @@ class CopyStream:
 
 
 COPY_MODEL_NAME = "copy-model"
-COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=2e-3, min_lr=2e-4, warmup=20, log_every=50,
-                          copy_fraction=0.75, init_from=str(dm.TRAINED_MODEL_DIR))
+COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=3e-3, min_lr=3e-4, warmup=20, log_every=50,
+                          copy_fraction=0.75, copy_edit_share=0.1, init_from=str(dm.TRAINED_MODEL_DIR))
 
 
 def documents(text: str) -> list[str]:
