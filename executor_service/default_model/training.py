@@ -45,6 +45,7 @@ class TrainConfig:
     log_every: int = 50
     copy_fraction: float = 0.0  # share of a batch's rows that are copy samples (copy_samples.py)
     copy_edit_share: float = 0.5  # share of copy samples whose repeat is edited
+    copy_shuffle_share: float = 0.0  # share of copy samples whose passage has its words shuffled
     init_from: str | None = None  # fine-tune from this model directory's weights instead of a random init
 
 
@@ -58,7 +59,8 @@ class CopyStream:
 
 COPY_MODEL_NAME = "copy-model"
 COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=3e-3, min_lr=3e-4, warmup=20, log_every=50,
-                          copy_fraction=0.75, copy_edit_share=0.1, init_from=str(dm.TRAINED_MODEL_DIR))
+                          copy_fraction=0.75, copy_edit_share=0.1, copy_shuffle_share=0.5,
+                          init_from=str(dm.TRAINED_MODEL_DIR))
 
 
 def documents(text: str) -> list[str]:
@@ -78,8 +80,8 @@ def copy_stream(tokenizer: Tokenizer, text: str, cfg: TrainConfig) -> CopyStream
     a document's start, so its repeat always has the passage before it."""
     ids: list[int] = []
     starts: list[int] = []
-    for encoding in tokenizer.encode_batch(copy_documents(documents(text), cfg.copy_edit_share, cfg.seed),
-                                           add_special_tokens=False):
+    docs = copy_documents(documents(text), cfg.copy_edit_share, cfg.seed, cfg.copy_shuffle_share)
+    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
         if len(encoding.ids) + 2 <= cfg.seq_len + 1:
             starts.append(len(ids))
             ids += [dm.BOS_TOKEN_ID, *encoding.ids, dm.EOS_TOKEN_ID]

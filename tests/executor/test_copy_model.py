@@ -29,6 +29,14 @@ def test_copy_documents_repeat_their_passage_and_are_reproducible() -> None:
     assert copy_documents(docs, edit_share=0.0, seed=3) == [d + SEPARATOR + d for d in docs]
 
 
+def test_shuffled_passages_keep_their_words_and_are_repeated_verbatim() -> None:
+    docs = [" ".join(f"w{i}" for i in range(40))]
+    (doc,) = copy_documents(docs, edit_share=0.0, seed=1, shuffle_share=1.0)
+    head, repeat = doc.split(SEPARATOR)
+    assert head == repeat and head != docs[0]
+    assert sorted(head.split(" ")) == sorted(docs[0].split(" "))
+
+
 def test_copy_rows_start_at_a_document_and_hold_it_whole() -> None:
     tokenizer = dm.train_tokenizer()
     copies = copy_stream(tokenizer, dm.read_corpus(), replace(TINY_COPY, copy_edit_share=0.0))
