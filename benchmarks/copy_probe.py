@@ -1,8 +1,10 @@
 """Does the model copy its prompt? The best case of n-gram speculation on copy-style prompts, load-independent.
 
     python benchmarks/copy_probe.py [--prompts 16] [--output-len 128] [--iterations 6] [--k 4]
+        [--model DIR | --copy-model]
 
-Starts one torch executor (the embedded default model) and a scheduler without speculation, and asks greedy
+Starts one torch executor (the embedded default model; --model DIR another, --copy-model the default model
+fine-tuned to copy, as benchmarks/speculative.py) and a scheduler without speculation, and asks greedy
 continuations of prompts built from the model's own corpus and its own outputs:
 
 - para+third: a corpus paragraph, a blank line, its first third again (benchmarks/speculative.py's copy set);
@@ -14,7 +16,8 @@ continuations of prompts built from the model's own corpus and its own outputs:
 
 For each set it prints the output tokens per step that n-gram speculation (k drafts, prompt_lookup 2-5) would
 reach if it drafted at every step and a verification cost nothing more than a decode (the upper bound of its
-speed-up at concurrency 1), and for the fixed point how many answer tokens equal the passage.
+speed-up at concurrency 1), and for the fixed point how many answer tokens equal the passage. For the first set
+it also checks that the greedy answers equal transformers' `generate` token for token (--check 0 skips it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs
+from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs, served_model
 from client.lib import PagedServeClient
 from client.local import service
 from scheduler_service.core.speculative import propose_ngram
@@ -57,6 +60,22 @@ def tokens_per_step(prompt: list[int], output: list[int], k: int) -> float:
     return len(output) / steps
 
 
+def transformers_greedy(model: Path, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """Greedy continuations by transformers' generate, EOS ignored (the peer of the executor's)."""
+    import torch
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
 def mean(values: list[float]) -> float:
     return round(sum(values) / len(values), 2)
 
@@ -67,15 +86,21 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--model", default=None, help="the executor's model directory (default: the embedded model)")
+    p.add_argument("--copy-model", action="store_true", help="the default model fine-tuned to copy (cached)")
+    p.add_argument("--check", type=int, default=4, help="compare this many greedy answers with transformers'")
     args = p.parse_args()
+    model = served_model(args.model, args.copy_model)
+    executor_args = ["--device", "cpu", "--num-gpu-blocks", "4096", *(["--model", model] if model else [])]
     tok = Tokenizer.from_file(str(Path(DEFAULT_MODEL) / "tokenizer.json"))
 
     def enc(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False).ids)
     sep, found = enc("\n\n"), paragraphs(args.prompts)
     paras, seeds = [enc(x) for x in found], [enc(free_prompt(x)) for x in found]
-    record: dict[str, object] = {"benchmark": "copy_probe", "k": args.k, "output_len": args.output_len}
-    with service("executor_service", ["--device", "cpu", "--num-gpu-blocks", "4096"], name="executor") as ex, \
+    record: dict[str, object] = {"benchmark": "copy_probe", "k": args.k, "output_len": args.output_len,
+                                 "model": model or str(DEFAULT_MODEL)}
+    with service("executor_service", executor_args, name="executor") as ex, \
             service("scheduler_service", ["--executor", ex.address, "--api-server-count", "0"], name="sched") as s:
         own = asyncio.run(greedy(s.address, seeds, args.output_len))
         sets = {"para+third": [x + sep + x[:len(x) // 3] for x in paras],
@@ -85,6 +110,11 @@ def main() -> None:
             outputs = asyncio.run(greedy(s.address, prompts, args.output_len))
             record[name] = mean([tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
             print(f"{name:>14}: n-gram best case {record[name]} output tokens per step", file=sys.stderr)
+            if name == "para+third" and args.check:
+                peer = transformers_greedy(Path(model or DEFAULT_MODEL), prompts[:args.check], args.output_len)
+                record["equal_to_transformers"] = sum(a == b for a, b in zip(peer, outputs, strict=False))
+                print(f"{record['equal_to_transformers']}/{args.check} greedy answers equal transformers'",
+                      file=sys.stderr)
         passage = own
         for it in range(args.iterations):
             prompts = [sd + x + sep + sd for sd, x in zip(seeds, passage, strict=True)]

@@ -3,6 +3,7 @@
     python benchmarks/speculative.py [--concurrency 1 8 64] [--requests-per-level 1] [--min-requests 4]
         [--output-len 128] [--num-speculative-tokens 4] [--rounds 3] [--device cpu] [--threads 1] [--datasets copy free]
         [--scheduler-flags "--no-async-scheduling"] [--method ngram|draft_model] [--draft-model DIR]
+        [--model DIR | --copy-model]
 
 Both services run as processes: one torch executor (the embedded default model), then for each setting a
 scheduler with --speculative-config '{"method": "ngram", ...}' and one without, against it in turn, --rounds
@@ -15,10 +16,18 @@ seeded generator):
 - free: each prompt is the first sentence of a paragraph; the model writes on freely (no copying asked).
 
 At each concurrency level, max(level * requests_per_level, min_requests) requests go out with at most `level` in
-flight (greedy, ignore_eos, output_len tokens each). Prints, per dataset and level, output tok/s with speculation on
-and off and their ratio, the same per CPU second of the executor and scheduler processes and per second the
-executor spent in its steps (steadier than wall time on a shared machine), output tokens per executor step
-(load-independent), and the acceptance the scheduler's metrics report; one JSON line at the end.
+flight (greedy, ignore_eos, output_len tokens each; with --stop-at-eos an answer ends at the model's EOS, so a
+quote ends where the model ends it: greedy answers are the same with speculation on and off, so are their lengths).
+Prints, per dataset and level, output tok/s with speculation on and off and their ratio, the same per CPU second of
+the executor and scheduler processes and per second the executor spent in its steps (steadier than wall time on a
+shared machine), output tokens per executor step (load-independent), and the acceptance the scheduler's metrics
+report; one JSON line at the end.
+
+--model DIR serves another model (same tokenizer: the datasets are text) and --copy-model the default model
+fine-tuned to copy (executor_service/default_model/training.py COPY_RECIPE: the corpus mixed with "a passage, a
+blank line, the passage again" samples; trained on first use, a few minutes, and cached under ~/.cache/pagedserve
+keyed by its recipe). The default model does not copy (benchmarks/copy_probe.py), so the copy set measures the
+n-gram proposer's speed-up only with a model that does, as any pretrained LLM does on quote and edit prompts.
 
 --method draft_model starts the executor with --draft-model DIR (default: the embedded default model, the model
 as its own draft: every greedy draft is accepted, and each drafted step costs k - 1 extra draft passes and a
@@ -76,9 +85,9 @@ def dataset(name: str, count: int, output_len: int) -> list[BenchRequest]:
 
 
 async def measure(address: str, requests: list[BenchRequest], concurrency: int,
-                  start: Callable[[], None]) -> dict[str, float]:
+                  start: Callable[[], None], stop_at_eos: bool = False) -> dict[str, float]:
     """One warm-up request, then `start()` (the counters' snapshot) and the run."""
-    config = RunConfig(max_concurrency=concurrency, ignore_eos=True, show_progress=False)
+    config = RunConfig(max_concurrency=concurrency, ignore_eos=not stop_at_eos, show_progress=False)
     async with PagedServeClient(address) as client:
         await run_benchmark(client, requests[:1], config)
         start()
@@ -104,7 +113,8 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def run_setting(executor: Service, spec: str | None, work: dict[tuple[str, int], list[BenchRequest]],
-                log_dir: Path | None, extra: list[str]) -> dict[tuple[str, int], dict[str, float]]:
+                log_dir: Path | None, extra: list[str],
+                stop_at_eos: bool = False) -> dict[tuple[str, int], dict[str, float]]:
     port = free_port()
     flags = ["--executor", executor.address, "--metrics-port", str(port), "--api-server-count", "0", *extra]
     if spec is not None:
@@ -117,7 +127,7 @@ def run_setting(executor: Service, spec: str | None, work: dict[tuple[str, int],
 
             def snapshot() -> None:
                 before.update(scrape(port), cpu=cpu_seconds(*pids))  # noqa: B023 - called within this iteration
-            run = asyncio.run(measure(s.address, requests, level, snapshot))
+            run = asyncio.run(measure(s.address, requests, level, snapshot, stop_at_eos))
             after = scrape(port)
             run["cpu_s"] = round(cpu_seconds(*pids) - before["cpu"], 2)
             run["cpu_tok_s"] = round(run["output_tokens"] / run["cpu_s"], 1) if run["cpu_s"] else 0.0
@@ -139,6 +149,17 @@ def medians(runs: list[dict[tuple[str, int], dict[str, float]]]) -> dict[tuple[s
             for key in runs[0]}
 
 
+def served_model(model: str | None, copy_model: bool) -> str | None:
+    """The executor's --model: the given directory, the cached copy model (built on first use), or None."""
+    if model is not None and copy_model:
+        raise SystemExit("--model and --copy-model are exclusive")
+    if copy_model:
+        from executor_service.default_model.training import ensure_copy_model  # needs transformers (dev extra)
+
+        return str(ensure_copy_model())
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
@@ -154,6 +175,10 @@ def main() -> None:
     p.add_argument("--scheduler-flags", default="", help="more flags for both schedulers, e.g. --no-async-scheduling")
     p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     p.add_argument("--draft-model", default=str(DEFAULT_MODEL), help="--method draft_model: the executor's draft model")
+    p.add_argument("--model", default=None, help="the executor's model directory (default: the embedded model)")
+    p.add_argument("--copy-model", action="store_true",
+                   help="serve the default model fine-tuned to copy (built and cached on first use)")
+    p.add_argument("--stop-at-eos", action="store_true", help="answers end at the model's EOS (default: ignore it)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative-config.disable_by_batch_size (default: the scheduler's)")
     args = p.parse_args()
@@ -163,6 +188,9 @@ def main() -> None:
     if args.disable_by_batch_size is not None:
         config["disable_by_batch_size"] = args.disable_by_batch_size
     executor_args = ["--device", args.device, "--num-gpu-blocks", "4096"]
+    model = served_model(args.model, args.copy_model)
+    if model is not None:
+        executor_args += ["--model", model]
     if args.method == "draft_model":
         config["model"] = args.draft_model
         executor_args += ["--draft-model", args.draft_model]
@@ -173,11 +201,11 @@ def main() -> None:
         rounds: dict[str | None, list[dict[tuple[str, int], dict[str, float]]]] = {None: [], spec: []}
         for r in range(args.rounds):
             for setting in ((None, spec) if r % 2 == 0 else (spec, None)):
-                rounds[setting].append(run_setting(executor, setting, work, args.log_dir, extra))
+                rounds[setting].append(run_setting(executor, setting, work, args.log_dir, extra, args.stop_at_eos))
     plain, spec_on = medians(rounds[None]), medians(rounds[spec])
-    record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "output_len": args.output_len,
-                              "rounds": args.rounds, "scheduler_flags": args.scheduler_flags,
-                              "machine": machine(), "results": []}
+    record: dict[str, Any] = {"benchmark": "speculative", "spec": spec, "model": model or str(DEFAULT_MODEL),
+                              "output_len": args.output_len, "stop_at_eos": args.stop_at_eos, "rounds": args.rounds,
+                              "scheduler_flags": args.scheduler_flags, "machine": machine(), "results": []}
     for key in work:
         on, off = spec_on[key], plain[key]
         drafted = on["num_draft_tokens"]

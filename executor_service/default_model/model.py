@@ -77,10 +77,14 @@ def ensure_default_model() -> Path:
     return TRAINED_MODEL_DIR
 
 
-def random_model_dir() -> Path:
+def cache_dir() -> Path:
+    """$PAGEDSERVE_CACHE_DIR, or ~/.cache/pagedserve: where built models are cached."""
     root = os.environ.get(CACHE_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "pagedserve"
-    return base / RANDOM_MODEL_NAME
+    return Path(root) if root else Path.home() / ".cache" / "pagedserve"
+
+
+def random_model_dir() -> Path:
+    return cache_dir() / RANDOM_MODEL_NAME
 
 
 def ensure_random_model() -> Path:

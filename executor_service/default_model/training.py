@@ -3,6 +3,9 @@
 `python -m executor_service.default_model train` runs it (fixed seeds, deterministic algorithms, a fixed thread
 count) and writes the model in Hugging Face format with bfloat16 weights into
 executor_service/default_model/data/default-model-v2.
+With --copy-fraction and --init-from it fine-tunes a model on the corpus mixed with copy samples (a passage, a
+blank line, the passage again: copy_samples.py); `ensure_copy_model()` builds COPY_RECIPE, the copy model that
+benchmarks/speculative.py --copy-model uses, once and caches it under ~/.cache/pagedserve keyed by its recipe.
 Training uses transformers' LlamaForCausalLM (a dev dependency), so the weights mean exactly what transformers
 and our executor compute at inference.
 """
@@ -10,9 +13,14 @@ and our executor compute at inference.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
+import os
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from executor_service.default_model import model as dm
+from executor_service.default_model.copy_samples import copy_documents
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,15 +43,50 @@ class TrainConfig:
     seed: int = 0
     threads: int = 2
     log_every: int = 50
+    copy_fraction: float = 0.0  # share of a batch's rows that are copy samples (copy_samples.py)
+    copy_edit_share: float = 0.5  # share of copy samples whose repeat is edited
+    copy_shuffle_share: float = 0.0  # share of copy samples whose passage has its words shuffled
+    init_from: str | None = None  # fine-tune from this model directory's weights instead of a random init
+
+
+@dataclass(slots=True, frozen=True)
+class CopyStream:
+    """The copy documents as one token stream, and where each document starts."""
+
+    tokens: torch.Tensor
+    starts: torch.Tensor
+
+
+COPY_MODEL_NAME = "copy-model"
+COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=3e-3, min_lr=3e-4, warmup=20, log_every=50,
+                          copy_fraction=0.75, copy_edit_share=0.1, copy_shuffle_share=0.5,
+                          init_from=str(dm.TRAINED_MODEL_DIR))
+
+
+def documents(text: str) -> list[str]:
+    return [doc.strip() for doc in text.split("\n\n") if doc.strip()]
 
 
 def token_stream(tokenizer: Tokenizer, text: str) -> torch.Tensor:
     """Every document (blank-line separated) as BOS + tokens + EOS, concatenated."""
-    docs = [doc.strip() for doc in text.split("\n\n") if doc.strip()]
     ids: list[int] = []
-    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
+    for encoding in tokenizer.encode_batch(documents(text), add_special_tokens=False):
         ids += [dm.BOS_TOKEN_ID, *encoding.ids, dm.EOS_TOKEN_ID]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def copy_stream(tokenizer: Tokenizer, text: str, cfg: TrainConfig) -> CopyStream:
+    """Every copy document that fits a training row whole, as BOS + tokens + EOS, concatenated; a row starts at
+    a document's start, so its repeat always has the passage before it."""
+    ids: list[int] = []
+    starts: list[int] = []
+    docs = copy_documents(documents(text), cfg.copy_edit_share, cfg.seed, cfg.copy_shuffle_share)
+    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
+        if len(encoding.ids) + 2 <= cfg.seq_len + 1:
+            starts.append(len(ids))
+            ids += [dm.BOS_TOKEN_ID, *encoding.ids, dm.EOS_TOKEN_ID]
+    usable = [start for start in starts if start + cfg.seq_len + 1 <= len(ids)]
+    return CopyStream(torch.tensor(ids, dtype=torch.long), torch.tensor(usable, dtype=torch.long))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -57,9 +101,23 @@ def sample_batch(stream: torch.Tensor, cfg: TrainConfig, generator: torch.Genera
     return torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])
 
 
-def build_hf_model(spec: dm.ModelSpec) -> torch.nn.Module:
+def sample_mixed(stream: torch.Tensor, copies: CopyStream, cfg: TrainConfig,
+                 generator: torch.Generator) -> torch.Tensor:
+    """A batch of corpus rows of which about copy_fraction are replaced by copy rows."""
+    rows = sample_batch(stream, cfg, generator)
+    picked = torch.rand(cfg.batch_size, generator=generator) < cfg.copy_fraction
+    starts = copies.starts[torch.randint(0, len(copies.starts), (cfg.batch_size,), generator=generator)]
+    for i in picked.nonzero().flatten().tolist():
+        start = int(starts[i])
+        rows[i] = copies.tokens[start : start + cfg.seq_len + 1]
+    return rows
+
+
+def build_hf_model(spec: dm.ModelSpec, init_from: str | None = None) -> torch.nn.Module:
     import transformers
 
+    if init_from is not None:
+        return transformers.LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32)
     config = transformers.LlamaConfig(**dm.build_config(spec))
     torch.manual_seed(spec.seed)
     return transformers.LlamaForCausalLM(config)
@@ -70,15 +128,17 @@ def train(out_dir: Path, cfg: TrainConfig, spec: dm.ModelSpec = dm.TRAINED_SPEC)
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     tokenizer = dm.train_tokenizer()
-    stream = token_stream(tokenizer, dm.read_corpus())
-    model = build_hf_model(spec).train()
+    text = dm.read_corpus()
+    stream = token_stream(tokenizer, text)
+    copies = copy_stream(tokenizer, text, cfg) if cfg.copy_fraction > 0 else None
+    model = build_hf_model(spec, cfg.init_from).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
     print(f"corpus: {len(stream)} tokens; model: {sum(p.numel() for p in model.parameters())} parameters", flush=True)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(cfg.steps):
-        batch = sample_batch(stream, cfg, generator)
+        batch = sample_batch(stream, cfg, generator) if copies is None else sample_mixed(stream, copies, cfg, generator)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         logits = model(input_ids=batch[:, :-1]).logits
@@ -106,6 +166,41 @@ def write_trained(out_dir: Path, model: torch.nn.Module, tokenizer: Tokenizer, s
     dm.write_tokenizer_files(out_dir, spec, tokenizer)
 
 
+def recipe_key(cfg: TrainConfig, spec: dm.ModelSpec) -> str:
+    """A digest of everything the trained weights depend on: the settings, the spec, the corpus, and the weights
+    it starts from (their bytes, not their path)."""
+    digest = hashlib.sha256(json.dumps([asdict(replace(cfg, init_from=None)), asdict(spec)], sort_keys=True).encode())
+    digest.update(dm.read_corpus().encode())
+    if cfg.init_from is not None:
+        digest.update((Path(cfg.init_from) / "model.safetensors").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def ensure_trained(name: str, cfg: TrainConfig, spec: dm.ModelSpec = dm.TRAINED_SPEC) -> Path:
+    """The model these settings train, cached under the cache directory as NAME-<recipe key>; trained (into a
+    temporary directory, renamed into place) the first time."""
+    final = dm.cache_dir() / f"{name}-{recipe_key(cfg, spec)}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        train(tmp, cfg, spec)
+        tmp.chmod(0o755)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def ensure_copy_model() -> Path:
+    """The default model fine-tuned to copy (COPY_RECIPE), built on first use (a few minutes on 2 CPU cores)."""
+    return ensure_trained(COPY_MODEL_NAME, COPY_RECIPE)
+
+
 def parse_args(argv: list[str]) -> tuple[Path, TrainConfig]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m executor_service.default_model train",
@@ -117,9 +212,13 @@ def parse_args(argv: list[str]) -> tuple[Path, TrainConfig]:
     p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (cosine decay after warmup)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed for batch sampling")
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads (fixed for determinism)")
+    p.add_argument("--copy-fraction", type=float, default=0.0,
+                   help="share of each batch that is copy samples (a passage, a blank line, the passage again)")
+    p.add_argument("--init-from", default=None, help="fine-tune from this model directory (default: random init)")
     args = p.parse_args(argv)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      min_lr=args.lr / 10, seed=args.seed, threads=args.threads)
+                      min_lr=args.lr / 10, seed=args.seed, threads=args.threads, copy_fraction=args.copy_fraction,
+                      init_from=args.init_from)
     return args.out, cfg
 
 

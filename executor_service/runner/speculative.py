@@ -12,7 +12,7 @@ rejection sampler of speculative decoding for such drafts.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import fields
 from typing import overload
 
 import torch
@@ -21,12 +21,24 @@ from torch import Tensor
 from executor_service.backend import BatchItem, SampleOutput
 from executor_service.runner.sampler import SampleRequest
 
+ITEM_FIELDS = tuple(f.name for f in fields(BatchItem))
+
 
 def expand_drafts(items: Sequence[BatchItem]) -> list[BatchItem]:
     """The items as the pass computes them: each one's drafts appended to its known tokens and computed."""
-    return [replace(item, token_ids=[*item.token_ids, *item.draft_token_ids],
-                    num_tokens=item.num_tokens + len(item.draft_token_ids), draft_token_ids=())
-            if item.draft_token_ids else item for item in items]
+    return [with_drafts_computed(item) if item.draft_token_ids else item for item in items]
+
+
+def with_drafts_computed(item: BatchItem) -> BatchItem:
+    """A copy of the item whose drafts are known tokens it computes (field by field: dataclasses.replace runs
+    __init__ through keyword arguments, ~5 us an item, the most of a batch-64 verification's bookkeeping)."""
+    expanded = object.__new__(BatchItem)
+    for name in ITEM_FIELDS:
+        setattr(expanded, name, getattr(item, name))
+    expanded.token_ids = [*item.token_ids, *item.draft_token_ids]
+    expanded.num_tokens = item.num_tokens + len(item.draft_token_ids)
+    expanded.draft_token_ids = ()
+    return expanded
 
 
 class DraftContext(Sequence[int]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
 from executor_service.runner.sampler import Sampler, SampleRequest
-from executor_service.runner.speculative import DraftContext, accept_runs
+from executor_service.runner.speculative import DraftContext, accept_runs, expand_drafts
 from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import ExecutorServicer
 from executor_service.simulated import SimulatedBackend
@@ -290,3 +291,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=f"--draft-model {draft}: vocab_size {2 * VOCAB} differs"):
         TorchBackend.create(ExecutorConfig(model=str(target), draft_model=str(draft), device="cpu", block_size=4,
                                            num_gpu_blocks=16))
+
+
+def test_expand_drafts_copies_every_field_and_leaves_the_item_alone() -> None:
+    drafted = BatchItem("a", [5, 6, 7], 2, 2, 1, [3, 4], True, SamplingConfig(temperature=0.5, seed=9), (8, 9),
+                        num_model_drafts=0, draft_start=1, window_tables=([1, 2],))
+    plain = BatchItem("b", [5], 1, 0, 1, [0], True, SamplingConfig())
+    expanded, same = expand_drafts([drafted, plain])
+    assert expanded == replace(drafted, token_ids=[5, 6, 7, 8, 9], num_tokens=3, draft_token_ids=())
+    assert same is plain
+    assert drafted.token_ids == [5, 6, 7] and drafted.draft_token_ids == (8, 9) and drafted.num_tokens == 1
