@@ -33,7 +33,7 @@ from scheduler_service.engine.executor_link import result_from_proto, step_proto
 from scheduler_service.engine.executor_loop import executor_limits
 from tests.executor.test_model_families import VOCAB, WINDOW, hf_family_model
 from tests.executor.test_torch_model import assert_same_tokens, hf_greedy, make_prompt
-from tests.support.procs import free_port, start, stop, wait_healthy
+from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
 transformers = pytest.importorskip("transformers")
 
@@ -299,11 +299,10 @@ async def test_tensor_parallel_size_2_serves_the_rings(hybrid: Any, name: str, t
     groups = model.backend.info.kv_window_groups
     chunk = BLOCK if only else 32
     pool = 2 * RING - 1 if only else (-(-(max(PROMPTS) + NEW_TOKENS) // BLOCK) + groups * RING) * 3 // 2
-    address = f"127.0.0.1:{free_port()}"
-    proc = start("executor_service", ["--listen", address, "--model", str(model.path), "--device", "cpu",
-                                      "--tensor-parallel-size", "2", "--block-size", str(BLOCK),
-                                      "--num-gpu-blocks", str(pool), "--num-cpu-blocks", "400"],
-                 tmp_path / "executor.log")
+    proc, ports = start_listening("executor_service", [
+        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", str(BLOCK),
+        "--num-gpu-blocks", str(pool), "--num-cpu-blocks", "400"], tmp_path / "executor.log")
+    address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         async with grpc.aio.insecure_channel(address) as channel:
