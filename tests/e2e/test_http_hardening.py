@@ -401,6 +401,16 @@ HOSTILE: list[tuple[str, str, bytes, int, str | None]] = [
        400, "messages")
       for calls in (b'[{"id": "c", "type": "function", "function": "f"}]', b'"abc"', b"[5]",
                     b'[{"function": {"name": "f", "arguments": 7}}]', b'[{"function": {"arguments": "{}"}}]')),
+    # a tool message must answer a tool call of the assistant message before it (rendered as it came before)
+    *((f"tool message {what}", "/v1/chat/completions",
+       b'{"messages": [{"role": "user", "content": "hi"}, ' + history + b'], "max_tokens": 1}', 400, "messages")
+      for what, history in (
+          ("without a call before it", b'{"role": "tool", "tool_call_id": "c1", "content": "x"}'),
+          ("with an unknown id", b'{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+                                 b'"function": {"name": "f", "arguments": "{}"}}]}, '
+                                 b'{"role": "tool", "tool_call_id": "c9", "content": "x"}'),
+          ("without an id", b'{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+                            b'"function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "x"}'))),
 ]
 
 

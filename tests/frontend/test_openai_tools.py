@@ -115,6 +115,37 @@ def test_answers_become_tool_calls_whole_and_streamed() -> None:
     assert second["finish_reason"] == "stop"
 
 
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+    {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+
+
+def test_tool_messages_answering_the_calls_before_them_are_accepted() -> None:
+    answers = [{"role": "tool", "tool_call_id": "c2", "content": "noon"},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    _, messages, _ = parse_chat({"messages": [*MESSAGES, CALLED, *answers, {"role": "user", "content": "and?"}]})
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "user"]
+
+
+@pytest.mark.parametrize(("history", "index", "why"), [
+    ([{"role": "tool", "tool_call_id": "c1", "content": "sunny"}], 1, "is not the id"),  # no call before it
+    ([CALLED, {"role": "tool", "tool_call_id": "c3", "content": "x"}], 2, "is not the id"),  # an unknown id
+    ([CALLED, {"role": "tool", "content": "x"}], 2, "is required"),  # no id
+    ([CALLED, {"role": "tool", "tool_call_id": 1, "content": "x"}], 2, "is required"),  # not a string
+    # the call was answered before a user message: a later tool message answers nothing
+    ([CALLED, {"role": "tool", "tool_call_id": "c1", "content": "x"}, {"role": "user", "content": "ok"},
+      {"role": "tool", "tool_call_id": "c2", "content": "y"}], 4, "is not the id"),
+    ([{"role": "assistant", "content": "no calls"}, {"role": "tool", "tool_call_id": "c1", "content": "x"}], 2,
+     "is not the id"),
+])
+def test_a_tool_message_that_answers_no_preceding_call_is_refused(history: list[dict[str, Any]], index: int,
+                                                                   why: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": [*MESSAGES, *history]})
+    assert caught.value.status == 400 and caught.value.param == "messages"
+    assert f"messages[{index}].tool_call_id" in caught.value.message and why in caught.value.message
+
+
 def test_tool_messages_are_rendered_as_text_for_a_template_without_tools() -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": "", "tool_calls": [

@@ -377,12 +377,34 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_param("messages", "must be a non-empty list of messages")
     messages = []
+    answerable: set[str] = set()  # ids of the tool calls the messages so far leave open to a `tool` message
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_param("messages", f"messages[{i}] must be an object with a string role")
         check_tool_calls(message.get("tool_calls"), i)
+        if message["role"] == "tool":
+            check_tool_answer(message.get("tool_call_id"), i, answerable)
+        else:
+            answerable = call_ids(message.get("tool_calls")) if message["role"] == "assistant" else set()
         messages.append({**message, "content": message_text(message.get("content"), i)})
     return messages
+
+
+def call_ids(calls: list[Any] | None) -> set[str]:
+    """The ids of an assistant message's tool calls (checked by check_tool_calls)."""
+    return {call["id"] for call in calls or [] if isinstance(call.get("id"), str)}
+
+
+def check_tool_answer(call_id: Any, index: int, answerable: set[str]) -> None:
+    """A `tool` message answers one of the tool calls of the assistant message it follows (only `tool` messages
+    between them), as OpenAI requires; a template would otherwise render a result no call asked for."""
+    where = f"messages[{index}].tool_call_id"
+    if not isinstance(call_id, str):
+        raise bad_param("messages", f"{where} is required: a message with role 'tool' answers a tool call by its id")
+    if call_id not in answerable:
+        raise bad_param("messages", f"{where} {call_id[:64]!r} is not the id of a tool call in the assistant "
+                        "message before it (a message with role 'tool' must answer a preceding message's "
+                        "tool_calls)")
 
 
 def check_tool_calls(calls: Any, index: int) -> None:
