@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from executor_service.converted import MAX_HEADER_BYTES, ConvertedFile, convertible_entries, plan_arena
-from executor_service.startup import cpu_identity
+from executor_service.startup import cpu_identity, read_entry
 
 log = logging.getLogger("pagedserve.executor")
 FORMAT_VERSION = 1
@@ -107,7 +107,7 @@ class ConvertedCache:
     def read_meta(self, meta: Path, source: Source) -> tuple[dict[str, Any] | None, str]:
         """The `.json`'s entry where it can be trusted for this source, else None and why."""
         try:
-            entry = json.loads(meta.read_text(encoding="utf-8"))
+            entry = read_entry(meta)
             stored, digest = entry["key"], entry["digest"]
         except (OSError, ValueError, KeyError, TypeError):
             return None, "unreadable"

@@ -100,12 +100,12 @@ class MeasureCache:
         if path is None or not path.is_file():
             return None
         try:
-            entry = json.loads(path.read_text(encoding="utf-8"))
+            entry = read_entry(path)
             stored, value, digest = entry["key"], entry["value"], entry["digest"]
         except (OSError, ValueError, KeyError, TypeError):
             log.info("start-up cache %s unreadable; measuring again", path)
             return None
-        if digest != fingerprint(stored, value) or not isinstance(value, dict):
+        if digest != fingerprint(stored, value) or not isinstance(value, dict) or not isinstance(stored, dict):
             log.info("start-up cache %s corrupt; measuring again", path)
             return None
         if stored != key:
@@ -127,6 +127,27 @@ class MeasureCache:
             os.replace(tmp, path)
         except OSError as exc:  # a read-only home: start-up still works, it just measures every time
             log.info("start-up cache %s not written: %s", path, exc)
+
+
+MAX_ENTRY_BYTES = 1 << 20
+"""A cache's `.json` entry is a few hundred bytes; one larger is not ours, and is not read whole."""
+
+
+def read_entry(path: Path) -> dict[str, Any]:
+    """A cache entry's JSON object, trusting nothing about the file: ValueError where it is larger than
+    MAX_ENTRY_BYTES, nested too deeply for the parser (RecursionError crashed the start) or not an object, OSError
+    where it cannot be read."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_ENTRY_BYTES + 1)
+    if len(data) > MAX_ENTRY_BYTES:
+        raise ValueError(f"larger than {MAX_ENTRY_BYTES} bytes")
+    try:
+        entry = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(entry, dict):
+        raise ValueError("not a JSON object")
+    return entry
 
 
 def fingerprint(key: Any, value: Any) -> str:

@@ -122,9 +122,22 @@ def spoil_missing(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyP
     entry_paths(cache, path)[0].unlink()
 
 
+def spoil_nested(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The .json replaced by JSON nested too deeply for the parser (its RecursionError crashed the start)."""
+    entry_paths(cache, path)[1].write_text("[" * 100_000 + "]" * 100_000)
+
+
+def spoil_huge(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The .json padded past any entry's size (never read whole)."""
+    _, meta = entry_paths(cache, path)
+    entry = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**entry, "pad": "x" * (2 << 20)}))
+
+
 @pytest.mark.parametrize(("spoil", "reason"), [
     (spoil_truncate, "truncated"), (spoil_contents, "contents changed"), (spoil_foreign, "stale or foreign: cpu"),
-    (spoil_meta, "corrupt"), (spoil_missing, "data file missing")])
+    (spoil_meta, "corrupt"), (spoil_missing, "data file missing"), (spoil_nested, "unreadable"),
+    (spoil_huge, "unreadable")])
 def test_a_spoiled_cache_is_converted_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture, spoil: object,
                                                           reason: str) -> None:

@@ -113,6 +113,20 @@ def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
     assert MeasureCache(None).get("packing", key) is None
 
 
+@pytest.mark.parametrize("contents", [
+    "[" * 100_000 + "]" * 100_000,  # a RecursionError in the parser crashed the start
+    json.dumps({"key": [1], "value": {}, "digest": fingerprint([1], {})}),  # a key that is no object, digest right
+    json.dumps({"key": {}, "value": {}, "digest": fingerprint({}, {}), "pad": "x" * (2 << 20)}),  # 2 MB
+    "[1, 2]", "\udcff\xff",
+])
+def test_hostile_measure_cache_contents_are_measured_again_never_a_crash(tmp_path: Path, contents: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "packing.json").write_bytes(contents.encode("utf-8", "surrogateescape"))
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):
+        assert MeasureCache(tmp_path).get("packing", {"cpu": {}}) is None
+    assert "measuring again" in caplog.text
+
+
 def backend(model: Path, cache_dir: Path) -> TorchBackend:
     return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
                                               swap_space=0.01, startup_cache_dir=str(cache_dir)))
