@@ -35,6 +35,10 @@ COMPILED_CACHE_SIZE = 256
 COMPILED_CACHE_BYTES = 256 * 1024 * 1024
 """And at most this much of them (xgrammar's memory_size_bytes): a 60 KB regex compiles to ~40 MB on a 2k
 vocabulary, so 256 distinct ones from one client held ~10 GB in the engine core."""
+TIMED_OUT_SIZE = 1024
+TIMED_OUT_BYTES = 16 * 1024 * 1024
+"""Constraints whose compile ran past the deadline are remembered, the most recent TIMED_OUT_SIZE within this much
+spec text: a resend is refused at once instead of holding the compile process for the whole deadline again."""
 
 
 class RequestGrammar:
@@ -81,7 +85,8 @@ class GrammarCompiler:
     most one compile); each compile gets `timeout` seconds, and one whose request ends while it runs is killed with
     its process. The compiled grammars come back as xgrammar's JSON and are kept by (constraint, tokenizer), the
     most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES: a repeated spec never reaches the
-    process."""
+    process. So are the constraints that ran past the deadline (TIMED_OUT_SIZE, TIMED_OUT_BYTES): a resend is
+    refused at once with the same error."""
 
     def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.timeout = timeout
@@ -93,6 +98,8 @@ class GrammarCompiler:
         self._tokenizer_key: tuple[str, int, tuple[int, ...]] | None = None
         self._compiled: OrderedDict[Constraint, xgrammar.CompiledGrammar] = OrderedDict()
         self._compiled_bytes = 0
+        self._timed_out: OrderedDict[Constraint, float] = OrderedDict()  # -> the deadline it ran past
+        self._timed_out_bytes = 0
 
     async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
                        wanted: Sequence[Callable[[], bool]] | None = None, owners: Sequence[str] | None = None
@@ -159,7 +166,12 @@ class GrammarCompiler:
         if found is not None:
             self._compiled.move_to_end(constraint)
             return found
-        reply = self._child.compile(describe, constraint, wanted)
+        self._refuse_if_timed_out(constraint)
+        try:
+            reply = self._child.compile(describe, constraint, wanted)
+        except CompileTimeout:
+            self._remember_timeout(constraint)
+            raise
         if not reply.ok:
             raise InvalidConstraint(reply.text)
         try:
@@ -175,6 +187,21 @@ class GrammarCompiler:
         while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
                                            or self._compiled_bytes > COMPILED_CACHE_BYTES):
             self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+
+    def _refuse_if_timed_out(self, constraint: Constraint) -> None:
+        """CompileTimeout for a constraint that already ran past a deadline no longer than the present one."""
+        deadline = self._timed_out.get(constraint)
+        if deadline is not None and deadline >= self._child.timeout:
+            self._timed_out.move_to_end(constraint)
+            raise CompileTimeout()
+
+    def _remember_timeout(self, constraint: Constraint) -> None:
+        if constraint not in self._timed_out:
+            self._timed_out_bytes += len(constraint.spec)
+        self._timed_out[constraint] = self._child.timeout
+        while len(self._timed_out) > 1 and (len(self._timed_out) > TIMED_OUT_SIZE
+                                            or self._timed_out_bytes > TIMED_OUT_BYTES):
+            self._timed_out_bytes -= len(self._timed_out.popitem(last=False)[0].spec)
 
     def _info_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.TokenizerInfo:
         """The tokenizer's xgrammar view (the compiled grammars load against it); a new tokenizer empties the cache."""
@@ -192,6 +219,8 @@ class GrammarCompiler:
             self._tokenizer_key = key
             self._compiled.clear()
             self._compiled_bytes = 0
+            self._timed_out.clear()
+            self._timed_out_bytes = 0
         return self._info
 
     @property

@@ -408,6 +408,41 @@ async def test_a_compile_past_its_deadline_is_killed_and_the_request_refused_as_
         await engine.stop()
 
 
+async def test_a_resent_spec_that_ran_past_the_deadline_is_refused_without_a_compile(executor: str) -> None:
+    """A constraint whose compile timed out is remembered: resent (by anyone), it is refused at once with the same
+    error and never reaches the compile process, which each resend used to hold for the whole deadline. A longer
+    deadline (here set on the process handle) compiles it again."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0)
+    await engine.start()
+    child = engine.grammar_compiler._child
+    sent: list[str] = []
+    real_compile = child.compile
+
+    def spy(describe: Any, constraint: Constraint, wanted: Any = None) -> Any:
+        sent.append(constraint.spec)
+        return real_compile(describe, constraint, wanted)
+
+    child.compile = spy  # type: ignore[method-assign]
+    try:
+        errors = []
+        for rid, owner in (("first", "a"), ("again", "a"), ("other", "b")):
+            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            stream = engine.add(slow_request(rid, owner), queue)
+            tokens, last = await asyncio.wait_for(collect(queue), 60)
+            assert tokens == [] and last.finish_reason is FinishReason.ERROR and stream.invalid_argument, last
+            errors.append(last.error)
+        assert errors == ["sampling.structured_outputs.json: grammar too complex: compile exceeded 1 s "
+                          "(--structured-outputs-compile-timeout)"] * 3
+        assert sent == [SLOW_SCHEMA] and child.killed == 1
+        child.timeout = 2.0  # a longer deadline than the one it ran past: compiled again (and killed again)
+        queue = asyncio.Queue()
+        engine.add(slow_request("longer"), queue)
+        _, last = await asyncio.wait_for(collect(queue), 60)
+        assert last.finish_reason is FinishReason.ERROR and sent == [SLOW_SCHEMA] * 2 and child.killed == 2
+    finally:
+        await engine.stop()
+
+
 async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queue(executor: str) -> None:
     """A client that sends a costly spec and leaves while it compiles takes its compile with it: the process is
     killed, and the next caller's constrained request compiles at once (with a deadline of 10 minutes, only the
