@@ -45,7 +45,14 @@ from executor_service.runner.cuda_graphs import DecodeGraphs
 from executor_service.runner.draft_model import DraftModel, check_draft_vocabulary
 from executor_service.runner.kv_cache import CacheShape, KVCache
 from executor_service.runner.kv_groups import KVLayout, plan_layout
-from executor_service.runner.prompt_logprobs import fill_prompt_logprobs, prompt_rows
+from executor_service.runner.prompt_logprobs import (
+    PromptRowLogprobs,
+    fill_prompt_logprobs,
+    prompt_row_logprobs,
+    prompt_rows,
+    prompt_targets,
+    prompt_top_k,
+)
 from executor_service.runner.sampler import Sampler, SampleRequest
 from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_requests, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
@@ -74,8 +81,13 @@ class Batch:
     sample_items: list[int]
     decode_only: bool
     prompt_rows: list[int] = field(default_factory=list)
-    """Rows whose logits follow the sampled rows' for prompt logprobs (runner/prompt_logprobs.py); output_rows
-    ends with them."""
+    """Rows whose logprobs give prompt logprobs (runner/prompt_logprobs.py); output_rows ends with them."""
+    prompt_targets: list[int] = field(default_factory=list)
+    """The prompt token each prompt row predicts."""
+    prompt_k: int = 0
+    """The most top alternatives an item asks for its prompt positions."""
+    prompt_result: PromptRowLogprobs | None = None
+    """Set by run_batch: the prompt rows' logprobs (their logits are never returned whole)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -263,11 +275,10 @@ class TorchBackend:
         batch.output_rows = row_index(rows + batch.prompt_rows, self.device)
         with torch.inference_mode():
             logits = self.run_batch(batch)
+            if batch.prompt_result is not None:
+                fill_prompt_logprobs(batch.prompt_result, items)
             samples = []
             if logits is not None:
-                if batch.prompt_rows:
-                    fill_prompt_logprobs(logits[len(rows):], items)
-                    logits = logits[:len(rows)]
                 resolve_masks(items)  # (constrained items of the step, which carry no drafts)
                 samples = self.sampler.sample(logits, verify_requests(items, batch.sample_items)) if rows else []
         return accept_runs(items, batch.sample_items, samples)
@@ -284,25 +295,29 @@ class TorchBackend:
             if batch.prompt_rows:
                 extra = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
                 batch.output_rows = torch.cat([batch.output_rows, extra])
+                batch.prompt_targets = prompt_targets(items)
+                batch.prompt_k = prompt_top_k(items, self.info.vocab_size)
         return batch
 
     def run_batch(self, batch: Batch) -> Tensor | None:
-        """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
-        every rank runs this on the same batch, in step."""
+        """The forward pass and the logits of the rows to sample (None if none); the prompt rows' logprobs go to
+        batch.prompt_result, computed a slice of rows at a time. Under tensor parallelism every rank runs this on
+        the same batch, in step."""
         with inference_mode():
             hidden = self.forward(batch)
-            return self.model.compute_logits(hidden) if batch.sample_items or batch.prompt_rows else None
+            if batch.prompt_rows:
+                num_sampled = hidden.shape[0] - len(batch.prompt_rows)
+                batch.prompt_result = prompt_row_logprobs(hidden[num_sampled:], batch.prompt_targets, batch.prompt_k,
+                                                          self.info.vocab_size, self.model.compute_logits)
+                hidden = hidden[:num_sampled]
+            return self.model.compute_logits(hidden) if hidden.shape[0] else None
 
     def sample(self, items: list[BatchItem], batch: Batch, logits: Tensor | None) -> list[SampleOutput | None]:
         results: list[SampleOutput | None] = [None] * len(items)
+        if batch.prompt_result is not None:
+            fill_prompt_logprobs(batch.prompt_result, items)
         if logits is None:
             return results
-        num_sampled = len(batch.sample_items)
-        if batch.prompt_rows:
-            fill_prompt_logprobs(logits[num_sampled:], items)
-            if not num_sampled:
-                return results
-            logits = logits[:num_sampled]
         resolve_masks(items)  # masks that follow the step: the forward pass ran while they came
         with inference_mode():
             samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])

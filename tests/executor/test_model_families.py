@@ -288,6 +288,40 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
+async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[[str], Served], tmp_path: Path) -> None:
+    """Prompt logprobs under tensor parallelism: every rank computes the prompt rows' logprobs in run_batch, in step
+    (the rows' logits are gathered from both ranks), from the targets rank 0 packed in the batch; the answer equals
+    one rank's."""
+    model = served("qwen3")
+    prompt = make_prompt(50, seed=29, vocab=VOCAB)
+    whole = BatchItem("p", list(prompt), len(prompt), 0, len(prompt), list(range(7)), True,
+                      SamplingConfig(temperature=0.0, prompt_logprobs=3))
+    model.backend.execute([whole])
+    assert whole.prompt_out is not None
+    proc, ports = start_listening("executor_service", [
+        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
+        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4", "--no-kv-window-release"], tmp_path / "executor.log")
+    address = loopback(ports["listen"])
+    try:
+        wait_healthy(address, proc)
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[executor_pb2.NewRequest(
+                request_id="p", token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
+                block_ids=list(range(7)), sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=3))]))
+            result = await call.read()
+            await call.done_writing()
+    finally:
+        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
+    assert not result.error and len(result.prompt_logprobs) == 1
+    got = result.prompt_logprobs[0]
+    assert got.first_position == whole.prompt_out.first_position == 1
+    assert len(got.tokens) == len(whole.prompt_out.tokens) == len(prompt) - 1
+    for a, b in zip(got.tokens, whole.prompt_out.tokens, strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t.token_id for t in a.top] == [t for t, _ in b.top_logprobs]
+
+
 def test_transformers_4x_spellings_read_the_same_features() -> None:
     """Configs as transformers 4.x wrote them (released checkpoints): no layer_types, rope_scaling with "type",
     rope_local_base_freq, sliding_window_pattern, torch_dtype, Phi-3's top-level original_max_position_embeddings."""
