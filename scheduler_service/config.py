@@ -57,6 +57,12 @@ class SchedulerServiceConfig(CoreConfig):
     http_max_connections: int = field(default=4096, metadata=flag(
         "most open HTTP connections per api server, at most half its open-file limit: past it the one waiting "
         "longest for a request is closed, or, when all are serving requests, the new one gets 503"))
+    http_write_timeout: float = field(default=30.0, metadata=flag(
+        "seconds an HTTP response's writes may wait for its client to read (its send buffer full) before the "
+        "connection is dropped and its requests aborted, their KV blocks freed"))
+    http_send_buffer: int = field(default=256 * 1024, metadata=flag(
+        "bytes of an HTTP response the kernel holds unread per connection (SO_SNDBUF; as many again in the server) "
+        "before writes wait; 0 leaves the kernel's autotuned size (up to ~4 MB)"))
     executor: list[str] = field(default_factory=lambda: ["127.0.0.1:50061"], metadata=flag(
         "executor HOST:PORT, or dns:///NAME:PORT for every address NAME resolves to (repeatable; the pool "
         "follows DNS at run time)"))
@@ -192,7 +198,10 @@ def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser 
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if config.executor_resolve_interval <= 0:
         raise SystemExit("--executor-resolve-interval must be > 0")
-    for name in ("http_header_timeout", "http_body_timeout", "http_timeout_keep_alive", "http_max_connections"):
+    for name in ("http_header_timeout", "http_body_timeout", "http_timeout_keep_alive", "http_max_connections",
+                 "http_write_timeout"):
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    if config.http_send_buffer < 0:
+        raise SystemExit("--http-send-buffer must be >= 0 (0: the kernel's own size)")
     return config

@@ -65,7 +65,7 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
     api = OpenAIApi(public.generation, config.served_model_name,
                     load_api_keys(config.api_key, config.api_key_file), config.tokenizer, config.tool_call_parser)
     limits = HttpLimits(config.http_header_timeout, config.http_body_timeout, config.http_timeout_keep_alive,
-                        config.http_max_connections)
+                        config.http_max_connections, config.http_write_timeout, config.http_send_buffer)
     files = open_file_limit()
     cap = connection_cap(config.http_max_connections, files)
     if cap < config.http_max_connections:
@@ -73,8 +73,9 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
                     "the HTTP port cannot take the descriptors gRPC needs", config.http_max_connections, cap, files)
     http = await serve_http(api, config.http_listen, config.tls_cert, config.tls_key, reuse_port, limits, cap)
     log.info("OpenAI-compatible HTTP API on %s (port %d): at most %d connections, headers within %gs, bodies "
-             "within %gs, idle connections closed after %gs", config.http_listen, http.port, cap,
-             limits.header_timeout, limits.body_timeout, limits.keep_alive_timeout)
+             "within %gs, idle connections closed after %gs, responses unread for %gs dropped", config.http_listen,
+             http.port, cap, limits.header_timeout, limits.body_timeout, limits.keep_alive_timeout,
+             limits.write_timeout)
     return http
 
 

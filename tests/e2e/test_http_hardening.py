@@ -20,9 +20,11 @@ import json
 import os
 import re
 import resource
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,18 @@ import pytest
 from client.lib import PagedServeClient
 from client.port_file import wait_ports
 from executor_service.default_model.model import train_tokenizer
-from tests.support.procs import ROOT, loopback, run, run_script, start_listening, stop, wait_healthy, wait_until
+from tests.support.procs import (
+    ROOT,
+    Stack,
+    loopback,
+    run,
+    run_script,
+    running_http_stack,
+    start_listening,
+    stop,
+    wait_healthy,
+    wait_until,
+)
 
 KEY = "test-key-27"
 HEADER_TIMEOUT = 1.5
@@ -285,6 +298,69 @@ def test_no_traceback_after_the_slow_clients(slow_stack: HttpStack) -> None:
                what="the report of closed connections")
     log = slow_stack.log()
     assert "Traceback" not in log and " ERROR " not in log
+
+
+# ---- a client that stops reading ------------------------------------------------------------------------------
+
+WRITE_TIMEOUT = 1.0
+STALLED_TOKENS = 50_000  # ~100 s of 2 ms steps: run to its end, it would outlast the test's wait many times over
+
+
+@pytest.fixture(scope="module")
+def stalled_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """--http-write-timeout 1 s and an 8 KiB send buffer; --max-stream-buffer so large that nothing but the write
+    timeout can end a stream whose client stopped reading (the request's tokens are far fewer)."""
+    executor = ["--simulated", "--sim-max-model-len", "100000", "--sim-step-latency-ms", "2"]
+    scheduler = ["--http-write-timeout", str(WRITE_TIMEOUT), "--http-send-buffer", "8192",
+                 "--max-stream-buffer", "1000000", "--api-server-count", "1"]
+    with running_http_stack(tmp_path_factory.mktemp("stalled"), executor, scheduler) as stack:
+        yield stack
+
+
+def stalled_stream(port: int) -> socket.socket:
+    """A streamed completion sent on a connection whose receive buffer is small and which is never read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window it offers stays small
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"prompt": [65, 66, 67], "max_tokens": STALLED_TOKENS, "ignore_eos": True,
+                       "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """What the connection delivers until the server ends it (a reset counts as its end)."""
+    sock.settimeout(30)
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data
+
+
+def test_a_client_that_stops_reading_has_its_request_aborted_and_its_connection_dropped(
+        stalled_stack: Stack) -> None:
+    """The client never reads: its send buffer fills, its writes wait, and after --http-write-timeout the server
+    drops the connection and aborts the request, its blocks freed. Another client is served meanwhile. Before,
+    aiohttp had no write timeout: the request ran its 50,000 tokens into buffers and the connection stayed open
+    after, the handler waiting for a drain that never came."""
+    stack = stalled_stack
+    aborted = stack.metrics().get("vllm:request_success_total{abort}", 0)
+    sock = stalled_stream(stack.ports["http_listen"])
+    try:
+        wait_until(lambda: stack.metrics()["vllm:num_requests_running"] == 1, timeout=30, what="the stalled stream")
+        other = json.dumps({"prompt": "hello", "max_tokens": 4}).encode()
+        answer = urllib.request.urlopen(urllib.request.Request(
+            f"{stack.http_url}/v1/completions", other, {"Content-Type": "application/json"}), timeout=30)
+        assert json.loads(answer.read())["choices"][0]["finish_reason"] == "length"
+        wait_until(lambda: stack.metrics().get("vllm:request_success_total{abort}", 0) == aborted + 1
+                   and stack.idle(), timeout=60, what="the stalled request aborted and its blocks freed")
+        data = read_to_end(sock)
+    finally:
+        sock.close()
+    assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data, data[:200]
+    assert b"[DONE]" not in data  # dropped mid-stream, not ended
 
 
 # ---- chat input and the hostile set -------------------------------------------------------------------------

@@ -11,6 +11,11 @@ asyncio protocol in front of aiohttp's RequestHandler) that ConnectionGuard watc
   Content-Encoding but identity) a 415 from the headers alone, and a body that cannot be read (the client gone
   mid-body) is a 400 that ends the connection without an error logged;
 - between requests (and before the first): aiohttp's own keep-alive timeout, --http-timeout-keep-alive;
+- while a response is written: the kernel holds at most --http-send-buffer unread bytes of it (SO_SNDBUF, and as
+  much again in the transport before writes wait); a connection whose writes wait (its client stopped reading) for
+  --http-write-timeout without draining is aborted: its handler is cancelled, which closes its generate() streams,
+  which abort their requests and free their blocks. aiohttp has no write timeout: a stream whose client stopped
+  reading held its connection, its handler and ~4 MB of kernel buffers for ever (busy, so never evicted);
 - at most --http-max-connections open (and at most half the process's open-file limit, so the HTTP port can
   never starve gRPC): past it, the connection that has waited longest for a request (an idle keep-alive or a slow
   sender) is closed to make room; when every connection is serving a request, the new one gets 503 and is closed.
@@ -23,6 +28,8 @@ import contextlib
 import enum
 import json
 import logging
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from ssl import SSLContext
@@ -42,12 +49,15 @@ LINGER_S = 1.0  # after a last answer (503, 408): how long what the client still
 
 @dataclass(slots=True, frozen=True)
 class HttpLimits:
-    """--http-header-timeout, --http-body-timeout, --http-timeout-keep-alive, --http-max-connections."""
+    """--http-header-timeout, --http-body-timeout, --http-timeout-keep-alive, --http-max-connections,
+    --http-write-timeout, --http-send-buffer."""
 
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 4096
+    write_timeout: float = 30.0
+    send_buffer: int = 256 * 1024  # 0: the kernel's own (autotuned, up to net.ipv4.tcp_wmem's maximum)
 
 
 def connection_cap(max_connections: int, open_file_limit: int) -> int:
@@ -59,7 +69,7 @@ def connection_cap(max_connections: int, open_file_limit: int) -> int:
 class Connection(asyncio.Protocol):
     """One accepted connection: aiohttp's handler behind the guard's timers and cap."""
 
-    __slots__ = ("busy", "dropping", "guard", "handler", "header_timer", "served", "transport")
+    __slots__ = ("busy", "dropping", "guard", "handler", "header_timer", "served", "transport", "write_timer")
 
     def __init__(self, handler: RequestHandler, guard: ConnectionGuard) -> None:
         self.handler = handler
@@ -69,9 +79,11 @@ class Connection(asyncio.Protocol):
         self.served = False  # admitted under the cap: the handler has the transport
         self.dropping = False  # answered for the last time: what still comes in is dropped
         self.header_timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None  # while writes wait for the client to read
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        bound_send_buffer(transport, self.guard.limits.send_buffer)  # type: ignore[arg-type]
         if self.guard.admit(self):
             self.served = True
             self.handler.connection_made(transport)
@@ -89,14 +101,19 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        self._cancel_write_timer()
         self.guard.forget(self)
         if self.served:
             self.handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark: the client has not read what the kernel holds."""
+        if self.write_timer is None:
+            self.write_timer = self.guard.loop.call_later(self.guard.limits.write_timeout, self._write_late)
         self.handler.pause_writing()
 
     def resume_writing(self) -> None:
+        self._cancel_write_timer()
         self.handler.resume_writing()
 
     def request_started(self) -> None:
@@ -130,6 +147,26 @@ class Connection(asyncio.Protocol):
             self.header_timer.cancel()
             self.header_timer = None
 
+    def _cancel_write_timer(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+
+    def _write_late(self) -> None:
+        """Writes waited --http-write-timeout: the connection is reset with what it holds unsent (a close would wait
+        to send it, and the kernel would keep the socket and its buffer while the client's window stays shut), and
+        aiohttp cancels the handler, whose streams abort their requests."""
+        self.write_timer = None
+        self.guard.count("stalled")
+        transport = self.transport
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+
     def _headers_late(self) -> None:
         self.header_timer = None
         if not self.busy:
@@ -158,7 +195,7 @@ class ConnectionGuard:
         self.loop = asyncio.get_running_loop()
         self.open: set[Connection] = set()
         self.idle: dict[Connection, None] = {}  # waiting for a request, longest-waiting first
-        self.closed = {"slow": 0, "evicted": 0, "refused": 0, "body": 0}
+        self.closed = {"slow": 0, "evicted": 0, "refused": 0, "body": 0, "stalled": 0}
         self._report: asyncio.TimerHandle | None = None
 
     def protocol_factory(self, server: web.Server) -> Callable[[], Connection]:
@@ -192,10 +229,12 @@ class ConnectionGuard:
         self._report = None
         closed, self.closed = self.closed, dict.fromkeys(self.closed, 0)
         log.info("HTTP port, last %.0f s: closed %d connections without complete headers within "
-                 "--http-header-timeout %gs and %d without a complete body within --http-body-timeout %gs; at the cap "
-                 "of %d connections closed %d waiting ones and refused %d (%d open)", REPORT_INTERVAL_S,
-                 closed["slow"], self.limits.header_timeout, closed["body"], self.limits.body_timeout,
-                 self.max_connections, closed["evicted"], closed["refused"], len(self.open))
+                 "--http-header-timeout %gs and %d without a complete body within --http-body-timeout %gs, aborted "
+                 "%d whose client read nothing of their response for --http-write-timeout %gs (their requests "
+                 "aborted); at the cap of %d connections closed %d waiting ones and refused %d (%d open)",
+                 REPORT_INTERVAL_S, closed["slow"], self.limits.header_timeout, closed["body"],
+                 self.limits.body_timeout, closed["stalled"], self.limits.write_timeout, self.max_connections,
+                 closed["evicted"], closed["refused"], len(self.open))
 
     @web.middleware
     async def track(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -255,6 +294,18 @@ class ConnectionGuard:
             request[BODY_UNREAD] = BodyUnread.BROKEN
             raise ApiError(400, "the connection closed before the request body arrived") from None
         return await handler(request)
+
+
+def bound_send_buffer(transport: asyncio.Transport, size: int) -> None:
+    """At most `size` unread bytes in the kernel (SO_SNDBUF, which Linux doubles for its bookkeeping) and as many in
+    the transport: past them, writes wait for the client to read, and --http-write-timeout counts."""
+    if size <= 0:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    transport.set_write_buffer_limits(high=size)
 
 
 def refuse(conn: Connection) -> None:
