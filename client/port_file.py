@@ -10,6 +10,7 @@ an executor is connected).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,9 +31,33 @@ class PortFile:
             return
         self.ports[name] = port
         partial = f"{self.path}.{os.getpid()}.partial"
-        with open(partial, "w", encoding="utf-8") as f:
-            json.dump(self.ports, f)
-        os.replace(partial, self.path)
+        try:
+            with open(partial, "w", encoding="utf-8") as f:
+                json.dump(self.ports, f)
+            os.replace(partial, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):  # no half-written file left beside it
+                os.unlink(partial)
+            raise
+
+
+def check_port_file(path: str | None) -> None:
+    """SystemExit naming the flag where --port-file cannot be written, checked before any port is bound: a
+    directory, a missing or unwritable directory raised a traceback once the first port was bound (and a
+    directory left a `.partial` file beside it)."""
+    if path is None:
+        return
+    target = Path(path)
+    parent = target.parent
+    problem = ""
+    if target.is_dir():
+        problem = "is a directory"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"its directory {parent} is not writable"
+    if problem:
+        raise SystemExit(f"--port-file {path}: {problem}")
 
 
 def read_ports(path: Path) -> dict[str, int]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
-from client.port_file import PortFile
+from client.port_file import PortFile, check_port_file
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
@@ -117,6 +117,7 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> N
 def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
+    check_port_file(config.port_file)
     converted = conversion_for(config)
     prefetch, cache = None, cache_for(config) if converted is not None else None
     if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports

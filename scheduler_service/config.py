@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from client.flags import add_flags, config_from, flag
+from client.port_file import check_port_file
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.frontend.openai.tools import ToolCallParser
@@ -176,6 +177,7 @@ def default_api_server_count(cpus: int) -> int:
 def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
                  ) -> SchedulerServiceConfig:
     config = SchedulerServiceConfig.from_args(argv, parser)
+    check_port_file(config.port_file)
     if not config.executor:
         config.executor = ["127.0.0.1:50061"]
     if config.api_server_count is None:

@@ -39,3 +39,26 @@ def test_the_wait_returns_once_every_name_is_there(tmp_path: Path) -> None:
     assert wait_ports(tmp_path / "ports", ("listen",), timeout=0.0) == {"listen": 7}
     with pytest.raises(TimeoutError, match="has no metrics_port"):
         wait_ports(tmp_path / "ports", ("listen", "metrics_port"), timeout=0.0)
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path: Path) -> None:
+    (tmp_path / "ports").mkdir()
+    with pytest.raises(IsADirectoryError):
+        PortFile(str(tmp_path / "ports")).record("listen", 7)
+    assert [p.name for p in tmp_path.iterdir()] == ["ports"]
+
+
+@pytest.mark.parametrize(("module", "port_file", "problem"), [
+    (m, name, problem) for m in ("executor_service", "scheduler_service") for name, problem in (
+        ("missing/ports.json", "its directory {tmp}/missing does not exist"), (".", "is a directory"))])
+def test_a_port_file_that_cannot_be_written_stops_the_start_with_one_line(tmp_path: Path, module: str,
+                                                                          port_file: str, problem: str) -> None:
+    """Checked before any port is bound: a traceback after the first bind before (and a directory left a
+    `.partial` file beside it)."""
+    path = str(tmp_path / port_file) if port_file != "." else str(tmp_path)
+    args = ["--simulated"] if module == "executor_service" else []
+    done = subprocess.run([sys.executable, "-m", module, *args, "--listen", "127.0.0.1:0", "--port-file", path],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == f"--port-file {path}: {problem.format(tmp=tmp_path)}"
+    assert not [p for p in tmp_path.parent.iterdir() if p.name.endswith(".partial")]
