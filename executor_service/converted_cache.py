@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from executor_service.converted import MAX_HEADER_BYTES, ConvertedFile, convertible_entries, plan_arena
-from executor_service.startup import cpu_identity, read_entry
+from executor_service.startup import cpu_identity, read_entry, untrusted
 
 log = logging.getLogger("pagedserve.executor")
 FORMAT_VERSION = 1
@@ -88,9 +88,11 @@ class ConvertedCache:
         if not entries or not meta.is_file():
             return Loaded(None, valid=False)
         placed, spans, size = plan_arena(entries)
-        entry, reason = self.read_meta(meta, source)
+        entry, reason = None, untrusted(meta)
+        if not reason:
+            entry, reason = self.read_meta(meta, source)
         if entry is not None:
-            reason = self.check_data(data, size, entry)
+            reason = self.check_data(data, size, entry) or untrusted(data)
         if reason:
             log.info("converted-weights cache for %s not used (%s); converting again", source.path.name, reason)
             return Loaded(None, valid=False)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG, S_ISVTX
 from typing import Any
 
 log = logging.getLogger("pagedserve.executor")
@@ -99,6 +100,10 @@ class MeasureCache:
         path = self.path(kind)
         if path is None or not path.is_file():
             return None
+        distrust = untrusted(path)
+        if distrust:
+            log.info("start-up cache %s not used (%s); measuring again", path, distrust)
+            return None
         try:
             entry = read_entry(path)
             stored, value, digest = entry["key"], entry["value"], entry["digest"]
@@ -127,6 +132,26 @@ class MeasureCache:
             os.replace(tmp, path)
         except OSError as exc:  # a read-only home: start-up still works, it just measures every time
             log.info("start-up cache %s not written: %s", path, exc)
+
+
+def untrusted(path: Path) -> str:
+    """Why a cache file may have been written by someone else ("": it cannot): it must be a regular file (not a
+    link) of this process's user or root (an image's prebuilt entries) that not every user may write, in a
+    directory of this user or root that not every user may write (unless sticky, as /tmp: there nobody else can replace our files). An entry's key is computed from
+    what anyone may read (the checkpoint's stat and header, the CPU), so in a shared directory another user could
+    plant an entry that matches, and with it the weights this executor serves. (Group write is left to the
+    operator: a umask of 002 gives every directory it.)"""
+    try:
+        stat = os.lstat(path)
+        parent = os.stat(path.parent)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    me = os.geteuid()
+    if not S_ISREG(stat.st_mode) or stat.st_uid not in (me, 0) or stat.st_mode & 0o002:
+        return "not a regular file of this user (or root) that not every user may write"
+    if parent.st_uid not in (me, 0) or (parent.st_mode & 0o002 and not parent.st_mode & S_ISVTX):
+        return "its directory may be written by other users"
+    return ""
 
 
 MAX_ENTRY_BYTES = 1 << 20

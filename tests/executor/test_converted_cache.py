@@ -122,6 +122,22 @@ def spoil_missing(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyP
     entry_paths(cache, path)[0].unlink()
 
 
+def spoil_owner(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The .json another user's (one who could have planted it with a key that matches)."""
+    os.chown(entry_paths(cache, path)[1], os.geteuid() + 4321, -1)
+
+
+def spoil_link(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data file a link to a copy of itself (a link can point anywhere its maker likes)."""
+    data, _ = entry_paths(cache, path)
+    copy = data.with_name("elsewhere")
+    copy.write_bytes(data.read_bytes())
+    stat = data.stat()
+    data.unlink()
+    data.symlink_to(copy)
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
 def spoil_nested(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The .json replaced by JSON nested too deeply for the parser (its RecursionError crashed the start)."""
     entry_paths(cache, path)[1].write_text("[" * 100_000 + "]" * 100_000)
@@ -137,7 +153,8 @@ def spoil_huge(cache: ConvertedCache, path: Path, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(("spoil", "reason"), [
     (spoil_truncate, "truncated"), (spoil_contents, "contents changed"), (spoil_foreign, "stale or foreign: cpu"),
     (spoil_meta, "corrupt"), (spoil_missing, "data file missing"), (spoil_nested, "unreadable"),
-    (spoil_huge, "unreadable")])
+    (spoil_huge, "unreadable"), (spoil_owner, "not a regular file of this user (or root)"),
+    (spoil_link, "not a regular file of this user (or root)")])
 def test_a_spoiled_cache_is_converted_again_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture, spoil: object,
                                                           reason: str) -> None:
@@ -153,6 +170,23 @@ def test_a_spoiled_cache_is_converted_again_and_rewritten(tmp_path: Path, monkey
     third, hit = widened(path, cache)  # rewritten: the next start maps it
     assert hit
     assert_equal_to_torch(third, tensors)
+
+
+def test_a_cache_directory_every_user_may_write_is_not_trusted_unless_sticky(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone could have planted an entry whose key matches there (the key is made of what anyone may read); in a
+    sticky directory (as /tmp) nobody else can replace this user's files."""
+    path = tmp_path / "w.safetensors"
+    tensors = write_checkpoint(path, seed=2)
+    cache = ConvertedCache(tmp_path / "cache")
+    widened(path, cache)
+    os.chmod(cache.directory, 0o777)
+    with caplog.at_level(logging.INFO, logger="pagedserve.executor"):
+        again, hit = widened(path, cache)
+    assert not hit and "its directory may be written by other users" in caplog.text
+    assert_equal_to_torch(again, tensors)
+    os.chmod(cache.directory, 0o1777)
+    assert widened(path, cache)[1]
 
 
 def test_a_changed_checkpoint_is_converted_again_never_served_from_the_old_cache(

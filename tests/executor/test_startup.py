@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,23 @@ def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
     path.write_text("{not json")
     assert cache.get("packing", key) is None
     assert MeasureCache(None).get("packing", key) is None
+
+
+@pytest.mark.parametrize(("spoil", "reason"), [
+    (lambda path: os.chown(path, os.geteuid() + 4321, -1), "not a regular file of this user (or root)"),
+    (lambda path: os.chmod(path, 0o666), "not a regular file of this user (or root)"),
+    (lambda path: os.chmod(path.parent, 0o777), "its directory may be written by other users"),
+])
+def test_a_measure_cache_entry_another_user_could_have_written_is_not_used(
+        tmp_path: Path, spoil: Callable[[Path], None], reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    cache = MeasureCache(tmp_path / "c")
+    key = {"cpu": {"flags": "avx2"}}
+    cache.put("packing", key, {"gemm": "mkl"})
+    assert cache.get("packing", key) == {"gemm": "mkl"}
+    spoil(tmp_path / "c" / "packing.json")
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):
+        assert cache.get("packing", key) is None
+    assert reason in caplog.text
 
 
 @pytest.mark.parametrize("contents", [
