@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +31,14 @@ class PortFile:
         if self.path is None:
             return
         self.ports[name] = port
-        partial = f"{self.path}.{os.getpid()}.partial"
+        target = Path(self.path)
+        # a new file of a name nobody can guess (O_EXCL): a link planted at a predictable name in a shared
+        # directory such as /tmp would have had this process write through it into any file it may write
+        fd, partial = tempfile.mkstemp(prefix=f"{target.name}.", suffix=".partial", dir=target.parent)
         try:
-            with open(partial, "w", encoding="utf-8") as f:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.ports, f)
+            os.chmod(partial, 0o644)  # readable by whoever started the service, as an ordinary file
             os.replace(partial, self.path)
         except OSError:
             with contextlib.suppress(OSError):  # no half-written file left beside it

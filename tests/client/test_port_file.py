@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,15 @@ def test_a_port_file_that_cannot_be_written_stops_the_start_with_one_line(tmp_pa
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip() == f"--port-file {path}: {problem.format(tmp=tmp_path)}"
     assert not [p for p in tmp_path.parent.iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_link_planted_where_the_partial_file_was_written_is_not_written_through(tmp_path: Path) -> None:
+    """The partial file had a predictable name (the path, the pid): a link planted there in a shared directory
+    such as /tmp had the service write its ports into whatever file the link named."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = tmp_path / "ports"
+    (tmp_path / f"ports.{os.getpid()}.partial").symlink_to(victim)
+    PortFile(str(path)).record("listen", 7)
+    assert victim.read_text() == "precious" and read_ports(path) == {"listen": 7}
+    assert os.stat(path).st_mode & 0o777 == 0o644
