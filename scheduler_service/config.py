@@ -61,6 +61,9 @@ class SchedulerServiceConfig(CoreConfig):
     http_write_timeout: float = field(default=30.0, metadata=flag(
         "seconds an HTTP response's writes may wait for its client to read (its send buffer full) before the "
         "connection is dropped and its requests aborted, their KV blocks freed"))
+    grpc_write_timeout: float = field(default=30.0, metadata=flag(
+        "seconds a Generate response may wait for its gRPC client to read (flow control holding the write) before "
+        "the call ends RESOURCE_EXHAUSTED and its request is aborted"))
     http_send_buffer: int = field(default=256 * 1024, metadata=flag(
         "bytes of an HTTP response the kernel holds unread per connection (SO_SNDBUF; as many again in the server) "
         "before writes wait; 0 leaves the kernel's autotuned size (up to ~4 MB)"))
@@ -201,7 +204,7 @@ def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser 
     if config.executor_resolve_interval <= 0:
         raise SystemExit("--executor-resolve-interval must be > 0")
     for name in ("http_header_timeout", "http_body_timeout", "http_timeout_keep_alive", "http_max_connections",
-                 "http_write_timeout"):
+                 "http_write_timeout", "grpc_write_timeout"):
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
     if config.http_send_buffer < 0:

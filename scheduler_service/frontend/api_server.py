@@ -51,6 +51,7 @@ def public_credentials(config: SchedulerServiceConfig) -> grpc.ServerCredentials
 def serving_limits(config: SchedulerServiceConfig) -> ServingLimits:
     return ServingLimits(max_open_calls=config.max_queue_len + config.max_num_seqs,
                          executor_wait_timeout=config.executor_wait_timeout,
+                         write_timeout=config.grpc_write_timeout,
                          max_request_bytes=config.max_request_bytes)
 
 

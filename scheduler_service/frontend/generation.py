@@ -4,6 +4,7 @@ HTTP API are adapters over GenerationServicer.generate)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -113,6 +114,7 @@ class ServingLimits:
 
     max_open_calls: int = 10_000
     executor_wait_timeout: float = 30.0
+    write_timeout: float = 30.0  # --grpc-write-timeout
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -203,15 +205,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return Caller(owner, "" if self.share_prefix_cache else owner)
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext) -> None:
         if self.server_index is not None:
             await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
         caller = self.caller_of(presented_key(context.invocation_metadata()))
         try:
-            async for response in self.generate(request, caller):
-                yield response
+            async with contextlib.aclosing(self.generate(request, caller)) as responses:  # type: ignore[type-var]
+                async for response in responses:
+                    await self._write(context, response)
         except RequestError as e:
             await context.abort(e.code, e.message)
+
+    async def _write(self, context: grpc.aio.ServicerContext, response: generation_pb2.GenerateResponse) -> None:
+        """Send one response. A client that reads nothing for --grpc-write-timeout (gRPC's flow control holds the
+        write) ends its call: leaving generate() aborts its request, and the call no longer counts as open. Before,
+        such a call stayed open for as long as its client held the connection, after --max-stream-buffer had
+        aborted its request, and enough of them refused every new call (too many open calls)."""
+        try:
+            await asyncio.wait_for(context.write(response), self.serving.write_timeout)
+        except TimeoutError:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the client read no response for "
+                               f"--grpc-write-timeout {self.serving.write_timeout:g}s") from None
 
     async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest, caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
