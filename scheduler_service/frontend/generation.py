@@ -108,6 +108,35 @@ class RequestError(Exception):
         self.message = message
 
 
+class WriteWatch:
+    """Cancels the task that made it once one of its writes has waited `timeout` seconds: the task sets `since` to
+    the loop's time before each write and to None after it, and a timer checks at most once every `timeout`
+    seconds (a timer per write cost 4.5 us a response with asyncio.timeout, 12 us with wait_for)."""
+
+    __slots__ = ("fired", "handle", "loop", "since", "task", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None  # (always: called from a coroutine)
+        self.task = task
+        self.timeout = timeout
+        self.since: float | None = None
+        self.fired = False
+        self.handle = self.loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        waited = 0.0 if self.since is None else self.loop.time() - self.since
+        if waited >= self.timeout:
+            self.fired = True
+            self.task.cancel()
+            return
+        self.handle = self.loop.call_later(self.timeout - waited, self._check)
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
 @dataclass(slots=True)
 class ServingLimits:
     """Bounds on what the public API admits (docs/operations.md, "Limits")."""
@@ -206,26 +235,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> None:
+        """The gRPC call. A client that reads nothing for --grpc-write-timeout (gRPC's flow control holding a write)
+        has its call cancelled: leaving generate() aborts its request, and the call no longer counts as open.
+        Before, such a call stayed open for as long as its client held the connection, after --max-stream-buffer
+        had aborted its request, and enough of them refused every new call (too many open calls)."""
         if self.server_index is not None:
             await context.send_initial_metadata(((API_SERVER_HEADER, f"{self.server_index} {os.getpid()}"),))
         caller = self.caller_of(presented_key(context.invocation_metadata()))
+        watch = WriteWatch(self.serving.write_timeout)
         try:
             async with contextlib.aclosing(self.generate(request, caller)) as responses:  # type: ignore[type-var]
                 async for response in responses:
-                    await self._write(context, response)
+                    watch.since = watch.loop.time()
+                    await context.write(response)
+                    watch.since = None
         except RequestError as e:
             await context.abort(e.code, e.message)
-
-    async def _write(self, context: grpc.aio.ServicerContext, response: generation_pb2.GenerateResponse) -> None:
-        """Send one response. A client that reads nothing for --grpc-write-timeout (gRPC's flow control holds the
-        write) ends its call: leaving generate() aborts its request, and the call no longer counts as open. Before,
-        such a call stayed open for as long as its client held the connection, after --max-stream-buffer had
-        aborted its request, and enough of them refused every new call (too many open calls)."""
-        try:
-            await asyncio.wait_for(context.write(response), self.serving.write_timeout)
-        except TimeoutError:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the client read no response for "
-                               f"--grpc-write-timeout {self.serving.write_timeout:g}s") from None
+        except asyncio.CancelledError:
+            if watch.fired:  # no status can follow the held write: the call ends cancelled, which gRPC resets
+                log.info("a Generate call ended: its client read no response for --grpc-write-timeout %gs (its "
+                         "request aborted)", self.serving.write_timeout)
+            raise
+        finally:
+            watch.close()
 
     async def generate(self, request: generation_pb2.GenerateRequest | MalformedRequest, caller: Caller = ANONYMOUS
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:

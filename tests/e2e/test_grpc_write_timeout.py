@@ -1,8 +1,10 @@
 """A gRPC client that stops reading its Generate stream (#F2): gRPC's flow control holds the server's write, and
-after --grpc-write-timeout the call ends and its request is aborted, its blocks freed. Before, --max-stream-buffer
-aborted the request but the call stayed open for as long as the client held its connection, counted among the open
-calls: with the limit's worth of them (here 2: --max-queue-len 1 + --max-num-seqs 1) every new call was refused
-RESOURCE_EXHAUSTED (too many open calls)."""
+after --grpc-write-timeout the handler is cancelled, its request aborted (its blocks freed) and its place among the
+open calls freed. (gRPC sends the client nothing more: no status can follow the held message, and grpc.aio gives a
+handler no way to reset its stream; the client's HTTP/2 stream stays until it or its connection goes.)
+Before, --max-stream-buffer aborted the request but the call stayed open for as long as the client held its
+connection, counted among the open calls: with the limit's worth of them (here 2: --max-queue-len 1 +
+--max-num-seqs 1) every new call was refused RESOURCE_EXHAUSTED (too many open calls)."""
 
 from __future__ import annotations
 
