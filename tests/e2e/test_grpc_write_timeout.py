@@ -46,6 +46,9 @@ async def test_calls_whose_client_stops_reading_end_and_free_their_place(stack: 
         async with PagedServeClient(stack.address) as client:  # the calls left the open-call count as they ended
             ids, _, _, error = await run(client, prompt_token_ids=[65] * 3, max_tokens=4, ignore_eos=True)
         assert len(ids) == 4 and not error
+        log = (stack.log_dir / "scheduler.log").read_text()
+        assert log.count("its client read no response for --grpc-write-timeout 1s") == 2
+        assert "Traceback" not in log
     finally:
         for call in calls:
             call.cancel()
