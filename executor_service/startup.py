@@ -137,10 +137,10 @@ class MeasureCache:
 def untrusted(path: Path) -> str:
     """Why a cache file may have been written by someone else ("": it cannot): it must be a regular file (not a
     link) of this process's user or root (an image's prebuilt entries) that not every user may write, in a
-    directory of this user or root that not every user may write (unless sticky, as /tmp: there nobody else can replace our files). An entry's key is computed from
-    what anyone may read (the checkpoint's stat and header, the CPU), so in a shared directory another user could
-    plant an entry that matches, and with it the weights this executor serves. (Group write is left to the
-    operator: a umask of 002 gives every directory it.)"""
+    directory of this user or root that not every user may write (unless sticky, as /tmp: there nobody else can
+    replace our files). An entry's key is computed from what anyone may read (the checkpoint's stat and header,
+    the CPU), so in a shared directory another user could plant an entry that matches, and with it the weights this
+    executor serves. (Group write is left to the operator: a umask of 002 gives every directory it.)"""
     try:
         stat = os.lstat(path)
         parent = os.stat(path.parent)
