@@ -1,7 +1,8 @@
 """The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py), the
 fused RoPE + KV-cache write (rope_write_kv below), RMSNorm (alone or after the residual add) and the MLP's
-SiLU-and-multiply, each in one pass, and a sparse MoE block's experts in one call (moe_experts). One extension, built like the attention kernel (executor_service/kernels/build.py);
-where it cannot be built, the model keeps its torch path."""
+SiLU-and-multiply, each in one pass, and a sparse MoE block's experts in one call (moe_experts). One extension,
+built like the attention kernel (executor_service/kernels/build.py); where it cannot be built, the model keeps its
+torch path."""
 
 from __future__ import annotations
 
