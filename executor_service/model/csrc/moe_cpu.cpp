@@ -134,8 +134,10 @@ void sum_choices(const Shapes& s, const int64_t* ids, const float* ys, float* ou
     for (int64_t j = 0; j < s.k; ++j) order[j] = j;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[t * s.k + a] < ids[t * s.k + b]; });
     float* o = out + t * s.H;
-    for (int64_t j : order) {
-      const float* y = ys + (t * s.k + j) * s.H;
+    const float* first = ys + (t * s.k + order[0]) * s.H;
+    for (int64_t h = 0; h < s.H; ++h) o[h] = 0.0f + first[h];  // as added to zeros: -0 becomes +0
+    for (int64_t j = 1; j < s.k; ++j) {
+      const float* y = ys + (t * s.k + order[j]) * s.H;
       for (int64_t h = 0; h < s.H; ++h) o[h] += y[h];
     }
   }
@@ -175,9 +177,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                        const at::Tensor& w2) {
   check_inputs(x, ids, weights, w13, w2);
   const Shapes s{x.size(0), x.size(1), w13.size(1) * 16, w13.size(0), ids.size(1)};
-  at::Tensor out = at::zeros({s.T, s.H}, x.options());
+  if (s.T == 0 || s.k == 0) return at::zeros({s.T, s.H}, x.options());
+  at::Tensor out = at::empty({s.T, s.H}, x.options());
 #ifdef __AVX512F__
-  if (s.T == 0 || s.k == 0) return out;
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> start(s.E + 1, 0), slots(s.T * s.k);
   for (int64_t i = 0; i < s.T * s.k; ++i) ++start[id[i] + 1];
