@@ -40,6 +40,7 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.num_experts = moe.num_experts
+        self.intermediate_size = inter
         self.parallel = parallel
         self.gate = Linear(hidden_size, moe.num_experts, False, dtype)
         self.experts = nn.ModuleList(Expert(hidden_size, inter, dtype) for _ in range(moe.num_experts))
@@ -50,19 +51,18 @@ class SparseMoE(nn.Module):
     def can_fuse(self) -> bool:
         """Whether pack_experts() can pack these experts for cpu_ops.moe_experts: float32 CPU weights, the
         intermediate size a multiple of 16 and the hidden size of 32, and the kernel built here."""
-        weight = self.experts[0].gate_up_proj.weight
-        inter, hidden = self.experts[0].intermediate_size, weight.shape[1]
-        return (weight.device.type == "cpu" and weight.dtype == torch.float32 and inter % 16 == 0
-                and hidden % 32 == 0 and cpu_ops.moe_available())
+        weight = self.gate.weight
+        return (weight.device.type == "cpu" and weight.dtype == torch.float32 and self.intermediate_size % 16 == 0
+                and weight.shape[1] % 32 == 0 and cpu_ops.moe_available())
 
     def pack_experts(self) -> None:
         """Pack every expert's weights into moe_experts' panels (csrc/moe_cpu.cpp), from now on used by forward."""
         if not self.can_fuse():
             return
-        inter = self.experts[0].intermediate_size
-        w13 = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])  # [E, 2I, H]
-        w2 = torch.stack([e.down_proj.weight.detach() for e in self.experts])  # [E, H, I]
-        self.packed = (pack_gate_up(w13, inter), pack_down(w2))
+        experts = [e for e in self.experts if isinstance(e, Expert)]
+        w13 = torch.stack([e.gate_up_proj.weight.detach() for e in experts])  # [E, 2I, H]
+        w2 = torch.stack([e.down_proj.weight.detach() for e in experts])  # [E, H, I]
+        self.packed = (pack_gate_up(w13, self.intermediate_size), pack_down(w2))
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's top_k experts [T, k] and their float32 weights [T, k]."""
