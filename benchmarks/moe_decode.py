@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--only", choices=["pagedserve", "transformers"], default=None)
+    p.add_argument("--executor-args", default="", help="more executor flags, e.g. '--cpu-threads 2'")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     model = ensure_mixtral(args.model_dir)
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                  "--threads", str(args.threads), "--repeats", str(args.repeats), "--target-ratio", "3"]
     forwarded += ["--only", args.only] if args.only else []
     forwarded += ["--json-out", args.json_out] if args.json_out else []
+    forwarded += ["--executor-args", args.executor_args] if args.executor_args else []
     vs_transformers.main(forwarded)
 
 

@@ -25,7 +25,8 @@ request's own max_tokens output tokens (EOS never stops either side).
   finishes together, so rows that asked for fewer tokens keep computing padding.
 - --device cpu (default) or cuda for both sides; float32 on both (the executor's default on CPU; on CUDA
   it is passed --dtype float32 so the two sides compute the same thing).
-- Torch threads: --threads for both (the executor gets OMP_NUM_THREADS; transformers torch.set_num_threads).
+- Torch threads: --threads for both (the executor gets --cpu-threads and OMP_NUM_THREADS; transformers
+  torch.set_num_threads).
   On the 2-core development machine 1 is the sane value: pagedserve's scheduler needs the other core, and
   two OpenMP threads on a shared 2-core box thrash (measured 5-9x slower forwards under load).
 - The limit (benchmarks/roofline.py), measured first in the same run on the same threads: the matmul peak on
@@ -125,6 +126,8 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
     """Timed runs of the services; `between` runs after each (the peer's run, interleaved)."""
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     ex_args = ["--model", str(model), "--device", args.device, "--cpu-kv-cache-space", str(args.cpu_kv_cache_space)]
+    if args.device == "cpu":  # the executor sizes its pool by --cpu-threads (default: every core), not OMP_NUM_THREADS
+        ex_args += ["--cpu-threads", str(args.threads)]
     if args.num_gpu_blocks:
         ex_args += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.device == "cuda":

@@ -1,7 +1,8 @@
 """The model's C++ CPU ops (csrc/): linear layers over packed weights and for skinny batches (packed.py), the
 fused RoPE + KV-cache write (rope_write_kv below), RMSNorm (alone or after the residual add) and the MLP's
-SiLU-and-multiply, each in one pass. One extension, built like the attention kernel (executor_service/kernels/build.py);
-where it cannot be built, the model keeps its torch path."""
+SiLU-and-multiply, each in one pass, and a sparse MoE block's experts in one call (moe_experts). One extension,
+built like the attention kernel (executor_service/kernels/build.py); where it cannot be built, the model keeps its
+torch path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from executor_service.kernels.build import try_build
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "packed_linear_cpu.cpp", CSRC / "skinny_linear_cpu.cpp", CSRC / "rope_kv_cpu.cpp",
-           CSRC / "rms_norm_cpu.cpp", CSRC / "silu_mul_cpu.cpp"]
+           CSRC / "rms_norm_cpu.cpp", CSRC / "silu_mul_cpu.cpp", CSRC / "moe_cpu.cpp"]
 CFLAGS = ("-ffp-contract=off",)  # products rounded before sums, as torch's separate ops do
 
 
@@ -60,3 +61,16 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of the fused gate/up projection's rows [tokens, 2 * intermediate] (float32 CPU) in one pass:
     a new contiguous [tokens, intermediate], equal to torch's up to rounding."""
     return torch.ops.pagedserve_model.silu_and_mul(gate_up)
+
+
+@functools.cache
+def moe_available() -> bool:
+    """Whether moe_experts can run here (the extension built, with AVX-512)."""
+    return load() and bool(torch.ops.pagedserve_model.has_moe())
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """sum over each token's experts ids [T, k] of weights [T, k] * expert(x row) (gate/up, silu * up, down), over
+    the experts' weights packed by model/moe.py's pack_experts (float32 CPU; equal to the torch loop up to the GEMMs'
+    rounding)."""
+    return torch.ops.pagedserve_model.moe_experts(x, ids, weights, w13, w2)

@@ -386,7 +386,17 @@ class LlamaForCausalLM(nn.Module):
         return calibrate(linears, requested, skinny_rows, cache) if linears else Packing(None, 0)
 
     def packable_linears(self) -> list[Linear]:
-        return [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight)]
+        """The linears pack_weights packs: float32 CPU ones, but for the experts pack_experts packs instead."""
+        fused = {id(m) for moe in self.fusable_moes() for m in moe.experts.modules()}
+        return [m for m in self.modules() if isinstance(m, Linear) and can_pack(m.weight) and id(m) not in fused]
+
+    def fusable_moes(self) -> list[SparseMoE]:
+        return [m for m in self.modules() if isinstance(m, SparseMoE) and m.can_fuse()]
+
+    def pack_experts(self) -> None:
+        """Pack the sparse MoE blocks' experts for the fused CPU kernel (model/moe.py), where it can run."""
+        for moe in self.fusable_moes():
+            moe.pack_experts()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits of `hidden`'s rows (gathered from every rank under tensor parallelism),

@@ -1,6 +1,7 @@
 """Mixture-of-experts MLPs. SparseMoE (Mixtral, Qwen2-MoE, Qwen3-MoE): a softmax router picks top_k experts per
 token (their weights renormalised where the family does), tokens are grouped by expert and each expert runs one
-GEMM pair over its tokens; an optional shared expert, scaled by a sigmoid gate, is added. Under tensor parallelism
+GEMM pair over its tokens (on the CPU in float32, once pack_experts() has packed the experts: all of them in one
+C++ call, cpu_ops.moe_experts); an optional shared expert, scaled by a sigmoid gate, is added. Under tensor parallelism
 each rank holds a slice of every expert's intermediate dimension (as the dense MLP), so the sum is all-reduced.
 OaiMoE (GPT-OSS): a biased router, softmax over the top_k logits, biased experts stored as in the checkpoint
 (x @ W, gate and up interleaved) with a clamped SwiGLU."""
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import silu
 
+from executor_service.model import cpu_ops
 from executor_service.model.families import MoEConfig
 from executor_service.model.parallel import Linear, ParallelContext
 
@@ -38,11 +40,29 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.renormalize = moe.renormalize
         self.num_experts = moe.num_experts
+        self.intermediate_size = inter
         self.parallel = parallel
         self.gate = Linear(hidden_size, moe.num_experts, False, dtype)
         self.experts = nn.ModuleList(Expert(hidden_size, inter, dtype) for _ in range(moe.num_experts))
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden_size, 1, False, dtype) if shared is not None else None
+        self.packed: tuple[Tensor, Tensor] | None = None
+
+    def can_fuse(self) -> bool:
+        """Whether pack_experts() can pack these experts for cpu_ops.moe_experts: float32 CPU weights, the
+        intermediate size a multiple of 16 and the hidden size of 32, and the kernel built here."""
+        weight = self.gate.weight
+        return (weight.device.type == "cpu" and weight.dtype == torch.float32 and self.intermediate_size % 16 == 0
+                and weight.shape[1] % 32 == 0 and cpu_ops.moe_available())
+
+    def pack_experts(self) -> None:
+        """Pack every expert's weights into moe_experts' panels (csrc/moe_cpu.cpp), from now on used by forward."""
+        if not self.can_fuse():
+            return
+        experts = [e for e in self.experts if isinstance(e, Expert)]
+        w13 = torch.stack([e.gate_up_proj.weight.detach() for e in experts])  # [E, 2I, H]
+        w2 = torch.stack([e.down_proj.weight.detach() for e in experts])  # [E, H, I]
+        self.packed = (pack_gate_up(w13, self.intermediate_size), pack_down(w2))
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's top_k experts [T, k] and their float32 weights [T, k]."""
@@ -54,14 +74,38 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         experts, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
-            y = self.experts[expert](x.index_select(0, rows)) * row_weights[:, None]
-            out.index_add_(0, rows, y.to(x.dtype))
+        if self.packed is not None and x.is_contiguous():
+            out = cpu_ops.moe_experts(x, experts, weights, *self.packed)
+        else:
+            out = self.run_experts(x, experts, weights)
         out = self.parallel.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+    def run_experts(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """The torch path: tokens grouped by expert, one GEMM pair per expert, scattered back weighted."""
+        out = torch.zeros_like(x)
+        for expert, rows, row_weights in group_by_expert(experts, weights, self.num_experts):
+            y = self.experts[expert](x.index_select(0, rows)) * row_weights[:, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+
+def pack_gate_up(w13: Tensor, inter: int) -> Tensor:
+    """[E, 2I, H] (gate rows, then up rows) -> [E, I / 16, H, 32]: panel p's row k holds column k of gate rows
+    16p..16p+15 then of the same up rows."""
+    num_experts, _, hidden = w13.shape
+    gate = w13[:, :inter].reshape(num_experts, inter // 16, 16, hidden)
+    up = w13[:, inter:].reshape(num_experts, inter // 16, 16, hidden)
+    return torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()
+
+
+def pack_down(w2: Tensor) -> Tensor:
+    """[E, H, I] -> [E, H / 32, I, 32]: panel q's row k holds column k of down rows 32q..32q+31."""
+    num_experts, hidden, inter = w2.shape
+    return w2.reshape(num_experts, hidden // 32, 32, inter).transpose(2, 3).contiguous()
 
 
 def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> list[tuple[int, Tensor, Tensor]]:

@@ -155,6 +155,7 @@ class TorchBackend:
         elif config.cpu_weight_prepack:
             with phases.phase("pack"):  # what the reading left to pack: packed beside it (PackWhileReading)
                 packing = choose_packing(config, model, parallel, pipeline)
+                model.pack_experts()
         parallel.wait_for_all()
         # every TP rank plans the same groups; the step channel carries a batch's per-layer metadata (its rings)
         layout = plan_layout(model_cfg.layer_windows, config.kv_window_release)

@@ -16,8 +16,9 @@ import torch
 
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
-from executor_service.model import ModelConfig
+from executor_service.model import ModelConfig, cpu_ops
 from executor_service.model.families import NormLayout, QKNorm
+from executor_service.model.moe import SparseMoE
 from executor_service.runner.torch_backend import TorchBackend
 from executor_service.server import serve
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -199,6 +200,17 @@ def test_bfloat16_logprobs_are_within_tolerance_of_transformers(served: Callable
     ours = torch.tensor([v for _, v in out.top_logprobs])
     theirs = expected[[t for t, _ in out.top_logprobs]]
     assert (ours - theirs).abs().max().item() < 0.15  # measured 0.03 - 0.08
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_sparse_moe_experts_are_packed_for_the_fused_cpu_kernel(served: Callable[[str], Served], name: str) -> None:
+    """The greedy and logprob tests above then check the fused kernel (csrc/moe_cpu.cpp) against transformers."""
+    if not cpu_ops.moe_available():
+        pytest.skip("the fused MoE kernel needs AVX-512 and a build")
+    moes = [m for m in served(name).backend.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.packed is not None for m in moes)
+    packed_linears = {id(m) for m in served(name).backend.model.packable_linears()}
+    assert not any(id(e.gate_up_proj) in packed_linears for m in moes for e in m.experts)
 
 
 def test_configs_name_the_family_features(served: Callable[[str], Served]) -> None:
