@@ -39,6 +39,7 @@ from executor_service.model import (
 from executor_service.model.calibration import PackWhileReading
 from executor_service.model.files import read_tokenizer_files
 from executor_service.model.packed import Packing
+from executor_service.runner.background_packing import BackgroundPacking
 from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
@@ -110,6 +111,8 @@ class TorchBackend:
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
         self.calibration: Future[Packing] = finished(Packing(None, 0))
         """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
+        self.packing_after_ready: BackgroundPacking | None = None
+        """A restart's packing, made after ready and swapped in between passes (runner/background_packing.py)."""
         self.draft: DraftModel | None = None
         """--draft-model: the model that proposes drafts for items with num_model_drafts (runner/draft_model.py)."""
 
@@ -132,7 +135,8 @@ class TorchBackend:
             ops = model_ops(device, dtype)
         compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
             and model_cfg.features.graphable
-        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config)) \
+        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+                                    defer=config.cpu_pack_after_ready) \
             if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
                            on_file=pipeline, converted=converted)
@@ -187,6 +191,8 @@ class TorchBackend:
                 backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts,
                                max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
+        if packing.deferred and packing.gemm is not None:
+            backend.packing_after_ready = BackgroundPacking(model.packable_linears(), packing.gemm).start()
         if packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
                                                     startup_cache(config))
@@ -202,6 +208,19 @@ class TorchBackend:
                  for i in range(WARM_UP_ROWS)]
         self.execute(items)
         self._last_decode = DecodeTime()
+
+    def install_packs(self) -> None:
+        """Swap in the linears packed after ready since the last pass (before a pass, never within one)."""
+        if self.packing_after_ready is not None and self.packing_after_ready.install():
+            self.packing_after_ready = None
+
+    def wait_for_packing(self, timeout: float | None = None) -> None:
+        """Wait for the packing after ready (a cold start's measurement, a restart's packs) and swap it all in:
+        for tests and benchmarks that time or compare passes, called while no pass runs."""
+        self.calibration.result(timeout)
+        if self.packing_after_ready is not None:
+            self.packing_after_ready.done.result(timeout)
+            self.install_packs()
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
@@ -289,6 +308,7 @@ class TorchBackend:
     def run_batch(self, batch: Batch) -> Tensor | None:
         """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
         every rank runs this on the same batch, in step."""
+        self.install_packs()
         with inference_mode():
             hidden = self.forward(batch)
             return self.model.compute_logits(hidden) if batch.sample_items or batch.prompt_rows else None
@@ -369,7 +389,8 @@ def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: Pa
     else:
         packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
                                      measure_later=parallel.world_size == 1)
-    log.info("linear weights packed for %s; skinny kernel up to %d rows%s", packing.gemm or "nothing (F.linear)",
+    done = "to be packed after ready" if packing.deferred else "packed"
+    log.info("linear weights %s for %s; skinny kernel up to %d rows%s", done, packing.gemm or "nothing (F.linear)",
              packing.skinny_rows, packing_origin(packing))
     return packing
 

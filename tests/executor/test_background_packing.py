@@ -1,0 +1,97 @@
+"""A restart packs its linears after ready (#33, runner/background_packing.py): the backend comes up with the start-up
+cache's choice over unpacked weights (F.linear above the skinny kernel's rows, bit-equal to an unpacked backend),
+the packs are made on a background thread and swapped in at the start of the next pass, never before it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.forward_steps import step_items
+from executor_service.backend import BatchItem
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.model import packed
+from executor_service.model.parallel import Linear
+from executor_service.runner.torch_backend import TorchBackend
+
+
+def backend(model: Path, cache_dir: Path, **settings: object) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
+                                              swap_space=0.01, startup_cache_dir=str(cache_dir), **settings))
+
+
+def linears(b: TorchBackend) -> list[Linear]:
+    return [m for m in b.model.modules() if isinstance(m, Linear)]
+
+
+def logits(b: TorchBackend, items: list[BatchItem]) -> torch.Tensor:
+    out = b.run_batch(b.prepare(items))
+    assert out is not None
+    return out
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
+
+
+@pytest.fixture
+def hold(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The packing after ready waits until this event is set (so the passes before it surely run unpacked)."""
+    release = threading.Event()
+    real_pack = packed.pack
+
+    def held(weight: torch.Tensor, gemm: packed.Gemm = "mkl") -> packed.PackedWeight:
+        assert release.wait(timeout=120)
+        return real_pack(weight, gemm)
+
+    monkeypatch.setattr("executor_service.runner.background_packing.pack", held)
+    return release
+
+
+def test_a_restart_serves_unpacked_then_swaps_the_packs_in_at_the_next_pass(
+        model: Path, tmp_path: Path, hold: threading.Event) -> None:
+    backend(model, tmp_path / "cache").wait_for_packing(timeout=120)  # the cold start measures and caches the choice
+    plain = backend(model, tmp_path / "cache", cpu_weight_prepack=False)
+    warm = backend(model, tmp_path / "cache")
+    assert warm.packing_after_ready is not None
+    chosen = {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None}
+    assert len(chosen) >= 1 and all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows: over any skinny row count, so every linear is F.linear
+    assert torch.equal(logits(warm, wide), logits(plain, wide))
+    hold.set()
+    warm.packing_after_ready.done.result(timeout=120)
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))  # packed, not yet swapped
+    after = logits(warm, wide)  # the swap comes at the start of this pass
+    assert warm.packing_after_ready is None
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
+    assert {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None} == chosen
+    torch.testing.assert_close(after, logits(plain, wide), rtol=1e-4, atol=1e-4)
+
+
+def test_small_batches_take_the_same_kernels_before_and_after_the_packing(
+        model: Path, tmp_path: Path, hold: threading.Event) -> None:
+    rows = 8 if packed.skinny_available() else 0
+    backend(model, tmp_path / "cache", cpu_skinny_rows=rows).wait_for_packing(timeout=120)
+    warm = backend(model, tmp_path / "cache", cpu_skinny_rows=rows)
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    steps = [step_items("decode", 1, 9, 512, 2)]  # one row: F.linear, packed or not
+    if packed.skinny_available():
+        steps.append(step_items("decode", 4, 9, 512, 2))  # 4 rows: the skinny kernel, packed or not
+    before = [logits(warm, items) for items in steps]
+    hold.set()
+    warm.wait_for_packing(timeout=120)
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
+    for items, first in zip(steps, before, strict=True):
+        assert torch.equal(logits(warm, items), first)
+
+
+def test_without_pack_after_ready_a_restart_packs_before_ready(model: Path, tmp_path: Path) -> None:
+    backend(model, tmp_path / "cache").wait_for_packing(timeout=120)
+    warm = backend(model, tmp_path / "cache", cpu_pack_after_ready=False)
+    assert warm.packing_after_ready is None
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
