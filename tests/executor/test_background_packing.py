@@ -55,13 +55,14 @@ def hold(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 def test_a_restart_serves_unpacked_then_swaps_the_packs_in_at_the_next_pass(
         model: Path, tmp_path: Path, hold: threading.Event) -> None:
-    backend(model, tmp_path / "cache").wait_for_packing(timeout=120)  # the cold start measures and caches the choice
-    plain = backend(model, tmp_path / "cache", cpu_weight_prepack=False)
-    warm = backend(model, tmp_path / "cache")
+    cache = tmp_path / "cache"  # no skinny kernel: every pass of 2+ rows is F.linear until the packs are in
+    backend(model, cache, cpu_skinny_rows=0).wait_for_packing(timeout=120)  # the cold start measures the GEMM
+    plain = backend(model, cache, cpu_weight_prepack=False)
+    warm = backend(model, cache, cpu_skinny_rows=0)
     assert warm.packing_after_ready is not None
     chosen = {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None}
-    assert len(chosen) >= 1 and all(m.packed is not None and m.packed.panels is None for m in linears(warm))
-    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows: over any skinny row count, so every linear is F.linear
+    assert len(chosen) == 1 and all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows through the layers, 4 through the LM head
     assert torch.equal(logits(warm, wide), logits(plain, wide))
     hold.set()
     warm.packing_after_ready.done.result(timeout=120)
