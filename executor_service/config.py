@@ -54,9 +54,10 @@ class ExecutorConfig:
         " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
         " 0: off)"))
     cpu_pack_after_ready: bool = field(default=True, metadata=flag(
-        "with --cpu-weight-prepack and the packing choice in the start-up cache (a restart), pack the linear weights"
-        " after ready on a low-priority thread, swapped in between steps: until then batches over the skinny"
-        " kernel's rows take F.linear (equal up to rounding); off: pack before ready"))
+        "with --cpu-weight-prepack (and --cpu-gemm or --cpu-skinny-rows auto), pack the linear weights after ready"
+        " on a low-priority thread (and measure the choice there where the start-up cache has none), swapped in"
+        " between steps: until then batches over the skinny kernel's rows take F.linear (equal up to rounding);"
+        " off: pack before ready"))
     cpu_threads: int = field(default=0, metadata=flag(
         "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"

@@ -1,12 +1,14 @@
-"""Packing a restart's linears after ready (#33): the start-up cache already knows the packing choice, so the start
-leaves the weights unpacked (model/calibration.py's defer_choice: the skinny kernel up to its rows, F.linear above
-them) and reports ready; a low-priority thread then packs each linear and the forward thread swaps the packs in
-between steps (install(), at the start of a pass), never within one, so each pass runs on one set of weights.
+"""Packing the linears after ready (#33): the start leaves the weights unpacked (model/calibration.py's defer_choice:
+the skinny kernel up to the choice's rows, F.linear above them) and reports ready; a low-priority thread then packs
+each linear for the start-up cache's choice (or, on a first start, the rule's, and then measures the choice on the
+model's own weights, repacks where the measurement chose otherwise and keeps it in the cache). The forward thread
+swaps the packs in between passes (install(), at the start of a pass), never within one, so a pass runs on one set
+of weights.
 
-A first token needs no packed weight: one row takes F.linear and 2 to skinny_rows rows the skinny kernel either
-way, so the reorder of every linear weight into oneDNN's or MKL's panels (0.8 - 1.7 s for 2 GB on two cores) leaves
-the path to the first token. Until a linear is swapped in, a batch of more rows computes F.linear: equal to the
-packed GEMM up to rounding (as with --no-cpu-weight-prepack)."""
+A first token needs no packed weight: one row takes F.linear and 2 to skinny_rows rows the skinny kernel either way,
+so the reorder of every linear weight into oneDNN's or MKL's panels (0.8 - 1.7 s for 2 GB on two cores) leaves the
+path to the first token. Until a linear is swapped in, a batch of more rows computes F.linear: equal to the packed
+GEMM up to rounding (as with --no-cpu-weight-prepack)."""
 
 from __future__ import annotations
 
@@ -17,23 +19,33 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 
-from executor_service.model.calibration import lower_thread_priority
-from executor_service.model.packed import Gemm, PackedWeight, pack
+from executor_service.model.calibration import (
+    lower_thread_priority,
+    measure_gemm,
+    measure_skinny_rows,
+    store_choice,
+)
+from executor_service.model.packed import Gemm, PackedWeight, Packing, can_skinny, pack
 from executor_service.model.parallel import Linear
+from executor_service.startup import MeasureCache
 
 log = logging.getLogger("pagedserve.executor")
 
 
 class BackgroundPacking:
-    """Packs `linears` for `gemm` on a daemon thread at the lowest priority; install() swaps in what is packed."""
+    """Packs `linears` for `packing` on a daemon thread at the lowest priority (measuring the choice first where it is
+    provisional: `requested`, `skinny_rows` and `cache` as for the measurement at load); install() swaps in what is
+    packed. `done` has the final choice once every pack is made (not yet installed: see install())."""
 
-    def __init__(self, linears: Sequence[Linear], gemm: Gemm) -> None:
-        self.gemm = gemm
-        self.todo = [(m, m.packed.skinny_rows if m.packed is not None else 0) for m in linears]
-        self.ready: list[tuple[Linear, PackedWeight]] = []
+    def __init__(self, linears: Sequence[Linear], packing: Packing, requested: str, skinny_rows: int,
+                 cache: MeasureCache | None) -> None:
+        self.linears, self.packing = list(linears), packing
+        self.requested, self.skinny_rows, self.cache = requested, skinny_rows, cache
+        self.latest: dict[int, PackedWeight] = {}
+        """The newest pack of each linear (by id), installed or not."""
+        self.queue: list[tuple[Linear, PackedWeight]] = []
         self.lock = threading.Lock()
-        self.done: Future[float] = Future()
-        """The seconds the packing took, once every linear is packed (not yet installed: see install())."""
+        self.done: Future[Packing] = Future()
 
     def start(self) -> BackgroundPacking:
         threading.Thread(target=self.run, name="pack-after-ready", daemon=True).start()
@@ -43,25 +55,55 @@ class BackgroundPacking:
         lower_thread_priority()
         t0 = time.perf_counter()
         try:
-            for module, rows in self.todo:
-                packed = replace(pack(module.weight.detach(), self.gemm), skinny_rows=rows)
-                with self.lock:
-                    self.ready.append((module, packed))
-        except Exception as exc:  # the unpacked weights stay: correct, only slower above the skinny rows
-            log.warning("packing the linear weights after ready failed (%s); they stay on F.linear", exc)
+            packing = self.packing
+            if packing.gemm is not None:
+                self.pack_for(packing.gemm, packing.skinny_rows)
+            if packing.provisional:
+                packing = self.measure(packing)
+        except Exception as exc:  # what is installed stays: correct, only perhaps slower
+            log.warning("packing the linear weights after ready failed (%s); keeping what is packed", exc)
             self.done.set_exception(exc)
             return
-        seconds = time.perf_counter() - t0
-        log.info("linear weights packed for %s after ready, in the background: %d in %.2f s", self.gemm,
-                 len(self.todo), seconds)
-        self.done.set_result(seconds)
+        log.info("linear weights packed for %s after ready, in the background (%.2f s): skinny kernel up to %d "
+                 "rows%s", packing.gemm or "nothing (F.linear)", time.perf_counter() - t0, packing.skinny_rows,
+                 " (measured; kept for the next start)" if self.packing.provisional else "")
+        self.done.set_result(packing)
+
+    def pack_for(self, gemm: Gemm, rows: int) -> None:
+        for module in self.linears:
+            self.put(module, replace(pack(module.weight.detach(), gemm), skinny_rows=self.rows_of(module, rows)))
+
+    def measure(self, provisional: Packing) -> Packing:
+        """The choice measured on the model's own weights (repacked where it differs from the rule's), kept in the
+        start-up cache."""
+        gemm = measure_gemm(self.linears, self.requested)
+        if gemm is None:  # neither GEMM can run: nothing to measure (the rule found none either)
+            return provisional
+        if gemm != provisional.gemm:
+            self.pack_for(gemm, provisional.skinny_rows)
+        rows = measure_skinny_rows(self.linears, self.latest, self.skinny_rows)
+        if rows != provisional.skinny_rows:
+            for module in self.linears:
+                self.put(module, replace(self.latest[id(module)], skinny_rows=self.rows_of(module, rows)))
+        measured = Packing(gemm, rows)
+        store_choice(self.cache, self.linears, self.requested, self.skinny_rows, measured)
+        return measured
+
+    @staticmethod
+    def rows_of(module: Linear, rows: int) -> int:
+        return rows if can_skinny(module.weight) else 0
+
+    def put(self, module: Linear, packed: PackedWeight) -> None:
+        with self.lock:
+            self.latest[id(module)] = packed
+            self.queue.append((module, packed))
 
     def install(self) -> bool:
-        """Swap in the packs made since the last call (on the forward thread, between passes); True once every
-        linear's is in, or the packing has failed (nothing more will come)."""
-        if self.ready:
+        """Swap in the packs made since the last call (on the forward thread, between passes); True once every one
+        is in, or the packing has failed (nothing more will come)."""
+        if self.queue:
             with self.lock:
-                ready, self.ready = self.ready, []
+                ready, self.queue = self.queue, []
             for module, packed in ready:
                 module.packed = packed
-        return self.done.done() and not self.ready
+        return self.done.done() and not self.queue

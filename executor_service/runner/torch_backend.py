@@ -110,9 +110,10 @@ class TorchBackend:
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
         self.calibration: Future[Packing] = finished(Packing(None, 0))
-        """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
+        """The background measurement of a cold start's packing choice (runner/background_packing.py, or with
+        --no-cpu-pack-after-ready runner/calibration.py); done otherwise."""
         self.packing_after_ready: BackgroundPacking | None = None
-        """A restart's packing, made after ready and swapped in between passes (runner/background_packing.py)."""
+        """The packing made after ready, swapped in between passes (runner/background_packing.py)."""
         self.draft: DraftModel | None = None
         """--draft-model: the model that proposes drafts for items with num_model_drafts (runner/draft_model.py)."""
 
@@ -191,9 +192,13 @@ class TorchBackend:
                 backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts,
                                max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
-        if packing.deferred and packing.gemm is not None:
-            backend.packing_after_ready = BackgroundPacking(model.packable_linears(), packing.gemm).start()
-        if packing.provisional:
+        if packing.deferred:
+            background = BackgroundPacking(model.packable_linears(), packing, config.cpu_gemm, config.cpu_skinny_rows,
+                                           startup_cache(config))
+            backend.packing_after_ready = background.start()
+            if packing.provisional:
+                backend.calibration = background.done
+        elif packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
                                                     startup_cache(config))
         return backend
@@ -215,8 +220,8 @@ class TorchBackend:
             self.packing_after_ready = None
 
     def wait_for_packing(self, timeout: float | None = None) -> None:
-        """Wait for the packing after ready (a cold start's measurement, a restart's packs) and swap it all in:
-        for tests and benchmarks that time or compare passes, called while no pass runs."""
+        """Wait for the packing after ready (and a first start's measurement) and swap it all in: for tests and
+        benchmarks that time or compare passes, called while no pass runs."""
         self.calibration.result(timeout)
         if self.packing_after_ready is not None:
             self.packing_after_ready.done.result(timeout)

@@ -24,6 +24,13 @@ def backend(model: Path, cache_dir: Path, **settings: object) -> TorchBackend:
                                               swap_space=0.01, startup_cache_dir=str(cache_dir), **settings))
 
 
+def first_start(model: Path, cache_dir: Path, **settings: object) -> None:
+    """A start that measures the packing choice and keeps it in the cache (packing before ready, so that `hold`
+    does not hold it)."""
+    backend(model, cache_dir, cpu_pack_after_ready=False, **settings).wait_for_packing(timeout=120)
+    assert (cache_dir / "packing.json").is_file()
+
+
 def linears(b: TorchBackend) -> list[Linear]:
     return [m for m in b.model.modules() if isinstance(m, Linear)]
 
@@ -56,7 +63,7 @@ def hold(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 def test_a_restart_serves_unpacked_then_swaps_the_packs_in_at_the_next_pass(
         model: Path, tmp_path: Path, hold: threading.Event) -> None:
     cache = tmp_path / "cache"  # no skinny kernel: every pass of 2+ rows is F.linear until the packs are in
-    backend(model, cache, cpu_skinny_rows=0).wait_for_packing(timeout=120)  # the cold start measures the GEMM
+    first_start(model, cache, cpu_skinny_rows=0)
     plain = backend(model, cache, cpu_weight_prepack=False)
     warm = backend(model, cache, cpu_skinny_rows=0)
     assert warm.packing_after_ready is not None
@@ -77,7 +84,7 @@ def test_a_restart_serves_unpacked_then_swaps_the_packs_in_at_the_next_pass(
 def test_small_batches_take_the_same_kernels_before_and_after_the_packing(
         model: Path, tmp_path: Path, hold: threading.Event) -> None:
     rows = 8 if packed.skinny_available() else 0
-    backend(model, tmp_path / "cache", cpu_skinny_rows=rows).wait_for_packing(timeout=120)
+    first_start(model, tmp_path / "cache", cpu_skinny_rows=rows)
     warm = backend(model, tmp_path / "cache", cpu_skinny_rows=rows)
     assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
     steps = [step_items("decode", 1, 9, 512, 2)]  # one row: F.linear, packed or not
@@ -92,7 +99,7 @@ def test_small_batches_take_the_same_kernels_before_and_after_the_packing(
 
 
 def test_without_pack_after_ready_a_restart_packs_before_ready(model: Path, tmp_path: Path) -> None:
-    backend(model, tmp_path / "cache").wait_for_packing(timeout=120)
+    first_start(model, tmp_path / "cache")
     warm = backend(model, tmp_path / "cache", cpu_pack_after_ready=False)
     assert warm.packing_after_ready is None
     assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
