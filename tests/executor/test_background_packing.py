@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,12 +20,12 @@ from executor_service.model.parallel import Linear
 from executor_service.runner.torch_backend import TorchBackend
 
 
-def backend(model: Path, cache_dir: Path, **settings: object) -> TorchBackend:
+def backend(model: Path, cache_dir: Path, **settings: Any) -> TorchBackend:
     return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
                                               swap_space=0.01, startup_cache_dir=str(cache_dir), **settings))
 
 
-def first_start(model: Path, cache_dir: Path, **settings: object) -> None:
+def first_start(model: Path, cache_dir: Path, **settings: Any) -> None:
     """A start that measures the packing choice and keeps it in the cache (packing before ready, so that `hold`
     does not hold it)."""
     backend(model, cache_dir, cpu_pack_after_ready=False, **settings).wait_for_packing(timeout=120)
