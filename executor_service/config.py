@@ -56,8 +56,8 @@ class ExecutorConfig:
     cpu_pack_after_ready: bool = field(default=True, metadata=flag(
         "with --cpu-weight-prepack (and --cpu-gemm or --cpu-skinny-rows auto), pack the linear weights after ready"
         " on a low-priority thread (and measure the choice there where the start-up cache has none), swapped in"
-        " between steps: until then batches over the skinny kernel's rows take F.linear (equal up to rounding);"
-        " off: pack before ready"))
+        " between steps (a step over the skinny kernel's rows before then packs the rest itself first); off: pack"
+        " before ready"))
     cpu_threads: int = field(default=0, metadata=flag(
         "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"

@@ -7,8 +7,10 @@ of weights.
 
 A first token needs no packed weight: one row takes F.linear and 2 to skinny_rows rows the skinny kernel either way,
 so the reorder of every linear weight into oneDNN's or MKL's panels (0.8 - 1.7 s for 2 GB on two cores) leaves the
-path to the first token. Until a linear is swapped in, a batch of more rows computes F.linear: equal to the packed
-GEMM up to rounding (as with --no-cpu-weight-prepack)."""
+path to the first token. A pass of more rows than that (a long prompt right after ready, where F.linear would cost
+up to 2 - 3.5x the packed GEMM) first packs what is left itself, at the forward thread's priority, beside the
+background thread (finish_first_packs): it waits at most what packing before ready would have cost, and such passes
+always run on the packed GEMM. Greedy outputs are those of a start that packed before ready."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from executor_service.model.calibration import (
     measure_skinny_rows,
     store_choice,
 )
-from executor_service.model.packed import Gemm, PackedWeight, Packing, can_skinny, pack
+from executor_service.model.packed import MIN_ROWS, Gemm, PackedWeight, Packing, can_skinny, pack
 from executor_service.model.parallel import Linear
 from executor_service.startup import MeasureCache
 
@@ -45,6 +47,13 @@ class BackgroundPacking:
         """The newest pack of each linear (by id), installed or not."""
         self.queue: list[tuple[Linear, PackedWeight]] = []
         self.lock = threading.Lock()
+        self.unpacked = list(reversed(self.linears)) if packing.gemm is not None else []
+        """Linears not yet taken for the first packs (for packing.gemm), popped from the end in model order."""
+        self.in_flight = 0
+        self.first_packs = threading.Event()
+        """Set once every linear's first pack is made (where there is nothing to pack: at once)."""
+        if not self.unpacked:
+            self.first_packs.set()
         self.done: Future[Packing] = Future()
 
     def start(self) -> BackgroundPacking:
@@ -56,8 +65,7 @@ class BackgroundPacking:
         t0 = time.perf_counter()
         try:
             packing = self.packing
-            if packing.gemm is not None:
-                self.pack_for(packing.gemm, packing.skinny_rows)
+            self.pack_unpacked()
             if packing.provisional:
                 packing = self.measure(packing)
         except Exception as exc:  # what is installed stays: correct, only perhaps slower
@@ -68,6 +76,38 @@ class BackgroundPacking:
                  "rows%s", packing.gemm or "nothing (F.linear)", time.perf_counter() - t0, packing.skinny_rows,
                  " (measured; kept for the next start)" if self.packing.provisional else "")
         self.done.set_result(packing)
+
+    def pack_unpacked(self) -> None:
+        """Make the first packs (for self.packing) of the linears no thread has taken yet; called by the background
+        thread and by a pass that needs them all (finish_first_packs): each linear is taken by one of them."""
+        gemm, rows = self.packing.gemm, self.packing.skinny_rows
+        while gemm is not None:
+            with self.lock:
+                if not self.unpacked:
+                    return
+                module = self.unpacked.pop()
+                self.in_flight += 1
+            try:
+                self.put(module, replace(pack(module.weight.detach(), gemm), skinny_rows=self.rows_of(module, rows)))
+            finally:  # a linear whose pack failed stays on F.linear: nothing more will come for it
+                with self.lock:
+                    self.in_flight -= 1
+                    if not self.unpacked and not self.in_flight:
+                        self.first_packs.set()
+
+    def finish_first_packs(self) -> None:
+        """Pack what is left of the first packs on this thread (beside the background one) and wait for those under
+        way: for a pass that would otherwise run F.linear over rows the packed GEMM does faster."""
+        try:
+            self.pack_unpacked()
+        except Exception as exc:  # that linear stays on F.linear: correct, only slower
+            log.warning("packing a linear weight before a pass failed (%s); it stays on F.linear", exc)
+        self.first_packs.wait()
+
+    def needs_packs(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows would run F.linear where the packed GEMM would be used (more rows than the
+        skinny kernel takes) while first packs are still missing."""
+        return rows >= MIN_ROWS and rows > self.packing.skinny_rows and not self.first_packs.is_set()
 
     def pack_for(self, gemm: Gemm, rows: int) -> None:
         for module in self.linears:

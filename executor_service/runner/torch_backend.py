@@ -214,9 +214,15 @@ class TorchBackend:
         self.execute(items)
         self._last_decode = DecodeTime()
 
-    def install_packs(self) -> None:
-        """Swap in the linears packed after ready since the last pass (before a pass, never within one)."""
-        if self.packing_after_ready is not None and self.packing_after_ready.install():
+    def install_packs(self, rows: int = 0) -> None:
+        """Swap in the linears packed after ready since the last pass (before a pass, never within one); before a
+        pass of `rows` rows that the packed GEMM would serve, pack what is left first (on this thread too)."""
+        background = self.packing_after_ready
+        if background is None:
+            return
+        if background.needs_packs(rows):
+            background.finish_first_packs()
+        if background.install():
             self.packing_after_ready = None
 
     def wait_for_packing(self, timeout: float | None = None) -> None:
@@ -313,7 +319,7 @@ class TorchBackend:
     def run_batch(self, batch: Batch) -> Tensor | None:
         """The forward pass and the logits of the rows to sample (None if none). Under tensor parallelism
         every rank runs this on the same batch, in step."""
-        self.install_packs()
+        self.install_packs(batch.input_ids.shape[0])
         with inference_mode():
             hidden = self.forward(batch)
             return self.model.compute_logits(hidden) if batch.sample_items or batch.prompt_rows else None

@@ -1,6 +1,7 @@
 """A restart packs its linears after ready (#33, runner/background_packing.py): the backend comes up with the start-up
-cache's choice over unpacked weights (F.linear above the skinny kernel's rows, bit-equal to an unpacked backend),
-the packs are made on a background thread and swapped in at the start of the next pass, never before it."""
+cache's choice over unpacked weights; passes of 1 row and up to the skinny kernel's rows run on them (the same
+kernels as after the packing), the packs are made on a background thread and swapped in at the start of the next
+pass, never within one, and a pass of more rows packs what is left itself first."""
 
 from __future__ import annotations
 
@@ -49,54 +50,56 @@ def model(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def hold(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The packing after ready waits until this event is set (so the passes before it surely run unpacked)."""
+    """The background packing thread starts only once this event is set (so the passes before it surely find the
+    weights unpacked, and what gets packed meanwhile is packed by the passes themselves)."""
     release = threading.Event()
-    real_pack = packed.pack
 
-    def held(weight: torch.Tensor, gemm: packed.Gemm = "mkl") -> packed.PackedWeight:
+    def held() -> None:
         assert release.wait(timeout=120)
-        return real_pack(weight, gemm)
 
-    monkeypatch.setattr("executor_service.runner.background_packing.pack", held)
+    monkeypatch.setattr("executor_service.runner.background_packing.lower_thread_priority", held)
     return release
 
 
-def test_a_restart_serves_unpacked_then_swaps_the_packs_in_at_the_next_pass(
-        model: Path, tmp_path: Path, hold: threading.Event) -> None:
-    cache = tmp_path / "cache"  # no skinny kernel: every pass of 2+ rows is F.linear until the packs are in
+def test_a_pass_over_the_skinny_rows_packs_what_is_left_first(model: Path, tmp_path: Path,
+                                                              hold: threading.Event) -> None:
+    cache = tmp_path / "cache"  # no skinny kernel: every pass of 2+ rows wants the packed GEMM
     first_start(model, cache, cpu_skinny_rows=0)
     plain = backend(model, cache, cpu_weight_prepack=False)
     warm = backend(model, cache, cpu_skinny_rows=0)
     assert warm.packing_after_ready is not None
     chosen = {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None}
     assert len(chosen) == 1 and all(m.packed is not None and m.packed.panels is None for m in linears(warm))
-    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows through the layers, 4 through the LM head
-    assert torch.equal(logits(warm, wide), logits(plain, wide))
-    hold.set()
-    warm.packing_after_ready.done.result(timeout=120)
-    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))  # packed, not yet swapped
-    after = logits(warm, wide)  # the swap comes at the start of this pass
-    assert warm.packing_after_ready is None
+    one_row = step_items("decode", 1, 9, 512, 2)  # F.linear, packed or not: packs nothing
+    assert torch.equal(logits(warm, one_row), logits(plain, one_row))
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows: packed first, on this thread (the background one waits)
+    torch.testing.assert_close(logits(warm, wide), logits(plain, wide), rtol=1e-4, atol=1e-4)
+    assert warm.packing_after_ready is None and not hold.is_set()
     assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
     assert {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None} == chosen
-    torch.testing.assert_close(after, logits(plain, wide), rtol=1e-4, atol=1e-4)
+    hold.set()
 
 
-def test_small_batches_take_the_same_kernels_before_and_after_the_packing(
+def test_small_batches_run_unpacked_and_the_packs_come_in_at_the_next_pass(
         model: Path, tmp_path: Path, hold: threading.Event) -> None:
     rows = 8 if packed.skinny_available() else 0
     first_start(model, tmp_path / "cache", cpu_skinny_rows=rows)
     warm = backend(model, tmp_path / "cache", cpu_skinny_rows=rows)
-    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
     steps = [step_items("decode", 1, 9, 512, 2)]  # one row: F.linear, packed or not
     if packed.skinny_available():
         steps.append(step_items("decode", 4, 9, 512, 2))  # 4 rows: the skinny kernel, packed or not
     before = [logits(warm, items) for items in steps]
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
     hold.set()
-    warm.wait_for_packing(timeout=120)
+    assert warm.packing_after_ready is not None
+    warm.packing_after_ready.done.result(timeout=120)
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))  # packed, not yet swapped
+    after = [logits(warm, items) for items in steps]  # swapped in at the start of the first of these passes
+    assert warm.packing_after_ready is None
     assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
-    for items, first in zip(steps, before, strict=True):
-        assert torch.equal(logits(warm, items), first)
+    for first, second in zip(before, after, strict=True):
+        assert torch.equal(first, second)
 
 
 def test_without_pack_after_ready_a_restart_packs_before_ready(model: Path, tmp_path: Path) -> None:
