@@ -66,6 +66,7 @@ class BackgroundPacking:
         try:
             packing = self.packing
             self.pack_unpacked()
+            self.first_packs.wait()  # a pass may still be packing one: its pack comes before any repack
             if packing.provisional:
                 packing = self.measure(packing)
         except Exception as exc:  # what is installed stays: correct, only perhaps slower
