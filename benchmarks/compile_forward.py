@@ -174,7 +174,7 @@ def greedy_check(model_dir: Path, eager: TorchBackend, compiled: TorchBackend, s
 def make_backend(model_dir: Path, prepack: bool = True) -> TorchBackend:
     backend = TorchBackend.create(ExecutorConfig(model=str(model_dir), device="cpu", num_gpu_blocks=NUM_BLOCKS,
                                                  cpu_weight_prepack=prepack))
-    backend.calibration.result()  # the packing (and a cold start's measurement) after ready: done before timing
+    backend.wait_for_packing()  # the packing (and a cold start's measurement) after ready: done before timing
     return backend
 
 

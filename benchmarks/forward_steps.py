@@ -74,7 +74,7 @@ def make_backends(model: Path, attention: list[str]) -> dict[str, TorchBackend]:
         for name in attention:
             os.environ[ENV_VAR] = name
             backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=NUM_BLOCKS))
-            backend.calibration.result()  # a cold start's packing measurement: done (and swapped in) before timing
+            backend.wait_for_packing()  # the packing after ready: done and swapped in before timing
             backends[name or "default"] = backend
     finally:
         if saved is None:

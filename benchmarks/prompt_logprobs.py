@@ -72,7 +72,7 @@ def main() -> None:
         median = statistics.median(values)
         print(f"  {name:<12} best {min(values) * 1e3:8.2f} ms  median {median * 1e3:8.2f} ms  "
               f"ratio {median / base:5.3f}")
-    backend.calibration.result()  # the start-up measurement thread ends before the interpreter does
+    backend.wait_for_packing()  # the start-up threads end before the interpreter does
 
 
 if __name__ == "__main__":

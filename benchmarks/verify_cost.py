@@ -89,7 +89,7 @@ def main() -> None:
         print(f"  batch {n:3}: plain {p * 1e3:7.2f} ms  verify {v * 1e3:7.2f} ms  ratio {v / p:5.2f}  "
               f"per draft token {(v - p) / (n * args.drafts) / p:6.3f} plain steps  "
               f"bookkeeping {bookkeeping_s(verify) * 1e6:7.1f} us")
-    backend.calibration.result()  # the start-up measurement thread ends before the interpreter does
+    backend.wait_for_packing()  # the start-up threads end before the interpreter does
 
 
 if __name__ == "__main__":

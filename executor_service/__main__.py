@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from executor_service.converted import ConvertedWeights
 
 log = logging.getLogger("pagedserve.executor")
+FREEZE_HEAP_AFTER_S = 2.0
 
 
 def build_backend(config: ExecutorConfig, converted: ConvertedWeights | None = None) -> Backend:
@@ -109,9 +110,17 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> N
     log.info("executor ready on %s (port %d): model=%s device=%s dtype=%s blocks=%d swap_blocks=%d; per step at "
              "most %d tokens, %d requests", config.listen, serving.port, info.model_id, info.device, info.dtype,
              info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)
+    gc.set_threshold(20_000, 50, 1000)
+    asyncio.get_running_loop().call_later(FREEZE_HEAP_AFTER_S, freeze_heap)
+
+
+def freeze_heap() -> None:
+    """Collect the start's garbage, then move what is left out of the collector's sight (gc.freeze), so that
+    collections while serving do not traverse the model's and the imports' objects. Run a moment after ready, not
+    at it: the collection holds the event loop (0.05 - 0.1 s), which would delay the answer to the scheduler's held
+    Describe and so the first token."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 50, 1000)
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -53,6 +53,11 @@ class ExecutorConfig:
         "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
         " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
         " 0: off)"))
+    cpu_pack_after_ready: bool = field(default=True, metadata=flag(
+        "with --cpu-weight-prepack (and --cpu-gemm or --cpu-skinny-rows auto), pack the linear weights after ready"
+        " on a low-priority thread (and measure the choice there where the start-up cache has none), swapped in"
+        " between steps (a step over the skinny kernel's rows before then packs the rest itself first); off: pack"
+        " before ready"))
     cpu_threads: int = field(default=0, metadata=flag(
         "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"

@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from executor_service.model.packed import (
     GEMMS,
     PACK_THREADS,
     Gemm,
+    PackedWeight,
     Packing,
     available,
     calibration_bytes,
@@ -85,24 +87,52 @@ def apply_choice(linears: Sequence[Linear], packing: Packing) -> None:
         for module in linears:
             module.packed = None
         return
-    pack_all([m for m in linears if m.packed is None or m.packed.gemm != packing.gemm], packing.gemm)
+    pack_all([m for m in linears if m.packed is None or m.packed.panels is None or m.packed.gemm != packing.gemm],
+             packing.gemm)
     for module in linears:
         if module.packed is not None and can_skinny(module.weight):
             module.allow_skinny(module.packed, packing.skinny_rows)
 
 
+def defer_choice(linears: Sequence[Linear], packing: Packing) -> Packing:
+    """Leave the linears unpacked (to be packed after ready) with the choice's skinny rows: until a linear is packed,
+    dense() takes the skinny kernel up to those rows (as it will after) and F.linear above them."""
+    for module in linears:
+        rows = packing.skinny_rows if can_skinny(module.weight) else 0
+        module.packed = PackedWeight(packing.gemm, None, rows) if packing.gemm is not None else None
+    return replace(packing, deferred=packing.gemm is not None)
+
+
+def measure_gemm(linears: Sequence[Linear], requested: str) -> Gemm | None:
+    """choose_gemm on the linears' shapes, timed on their own weights."""
+    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
+    own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
+    return choose_gemm(shapes, requested, own)
+
+
+def measure_skinny_rows(linears: Sequence[Linear], packs: dict[int, PackedWeight], skinny_rows: int) -> int:
+    """choose_skinny_rows over the linears that can take the skinny kernel and have a pack in `packs` (by id)."""
+    skinny = [m for m in linears if can_skinny(m.weight) and id(m) in packs]
+    return choose_skinny_rows([m.weight.detach() for m in skinny], [packs[id(m)] for m in skinny], skinny_rows)
+
+
+def store_choice(cache: MeasureCache | None, linears: Sequence[Linear], requested: str, skinny_rows: int,
+                 packing: Packing) -> None:
+    """Keep a measured choice in the start-up cache for the next start."""
+    key = packing_key_of(linears, requested, skinny_rows)
+    if cache is not None and key is not None:
+        cache.put("packing", key, {"gemm": packing.gemm, "skinny_rows": packing.skinny_rows})
+
+
 def measure_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) -> Packing:
     """Measure the GEMM on the linears' own weights, pack them for it (apply_choice), then measure the skinny
     kernel's rows against those packs and let the linears use it."""
-    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
-    own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
-    gemm = choose_gemm(shapes, requested, own)
+    gemm = measure_gemm(linears, requested)
     current = next((m.packed.skinny_rows for m in linears if m.packed is not None and m.packed.gemm == gemm), 0)
     apply_choice(linears, Packing(gemm, current))
     if gemm is None:
         return Packing(None, 0)
-    skinny = [m for m in linears if m.packed is not None and can_skinny(m.weight)]
-    rows = choose_skinny_rows([m.weight.detach() for m in skinny], [m.packed for m in skinny if m.packed], skinny_rows)
+    rows = measure_skinny_rows(linears, {id(m): m.packed for m in linears if m.packed is not None}, skinny_rows)
     apply_choice(linears, Packing(gemm, rows))
     return Packing(gemm, rows)
 
@@ -110,9 +140,7 @@ def measure_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) 
 def calibrate(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None) -> Packing:
     """measure_choice, kept in the cache for the next start."""
     packing = measure_choice(linears, requested, skinny_rows)
-    key = packing_key_of(linears, requested, skinny_rows)
-    if cache is not None and key is not None:
-        cache.put("packing", key, {"gemm": packing.gemm, "skinny_rows": packing.skinny_rows})
+    store_choice(cache, linears, requested, skinny_rows, packing)
     return packing
 
 
@@ -144,10 +172,14 @@ class PackWhileReading:
     """The loader's on_file hook: packs each linear once the loader has filled its weight, on threads beside the
     reading (one core fewer than the machine has, so the reading keeps one; #33), for the choice planned_choice
     makes (the cache's, the forced settings', else the rule's). finish() waits for the packs under way, packs what
-    is left and sets the skinny kernel's rows."""
+    is left and sets the skinny kernel's rows.
 
-    def __init__(self, requested: str, skinny_rows: int, cache: MeasureCache | None) -> None:
-        self.requested, self.skinny_rows, self.cache = requested, skinny_rows, cache
+    With `defer`, the cache's or the rule's choice is not packed here at all: finish() sets each linear's skinny
+    rows over an unpacked weight (defer_choice) and the runner packs (and measures the rule's choice) after ready
+    (runner/background_packing.py)."""
+
+    def __init__(self, requested: str, skinny_rows: int, cache: MeasureCache | None, defer: bool = False) -> None:
+        self.requested, self.skinny_rows, self.cache, self.defer = requested, skinny_rows, cache, defer
         self.packing: Packing | None = None
         beside = max(1, min(PACK_THREADS, (os.cpu_count() or 1) - 1))  # a core is left to the reading
         self.pool = ThreadPoolExecutor(max_workers=beside, thread_name_prefix="pack")
@@ -158,7 +190,7 @@ class PackWhileReading:
         if self.packing is None:
             self.packing = self.plan(linears)
         gemm = self.packing.gemm if self.packing is not None else None
-        if gemm is None:
+        if gemm is None or self.deferring(self.packing):
             return
         names = {id(p): name for name, p in model.named_parameters()}
         for module in linears:
@@ -175,8 +207,16 @@ class PackWhileReading:
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
         packing = self.packing or self.plan(linears)
+        if self.deferring(packing):
+            return defer_choice(linears, packing)
         apply_choice(linears, packing)
         return packing
+
+    def deferring(self, packing: Packing | None) -> bool:
+        """Whether the packing waits until after ready: asked for, and the choice is the cache's or the rule's (to
+        be measured after ready), not one forced by the settings."""
+        return self.defer and packing is not None and (packing.cached or packing.provisional) \
+            and packing.gemm is not None
 
     def plan(self, linears: Sequence[Linear]) -> Packing:
         """planned_choice (which always chooses with measure_later); nothing to pack where no linear can be."""

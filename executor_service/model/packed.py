@@ -54,7 +54,9 @@ PACK_THREADS = 4
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     gemm: Gemm
-    panels: Tensor
+    panels: Tensor | None
+    """None until the weight is packed (a start that packs after ready): batches of more than skinny_rows rows
+    take F.linear meanwhile."""
     skinny_rows: int = 0
 
 
@@ -68,6 +70,8 @@ class Packing:
     """Whether the choice came from the start-up cache (not measured at this start)."""
     provisional: bool = False
     """Whether the choice is model/calibration.py's rule, to be measured after the start."""
+    deferred: bool = False
+    """Whether the linears are left unpacked (the skinny kernel's rows set) and packed after ready."""
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -137,11 +141,13 @@ def packing_key(shapes: list[tuple[int, int]], skinny_shapes: list[tuple[int, in
 
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
     """F.linear(x, weight, bias); over `packed` (pack(weight)) when x is a matrix of at least MIN_ROWS rows, with the
-    skinny kernel up to packed.skinny_rows rows."""
+    skinny kernel up to packed.skinny_rows rows (and F.linear above them while packed.panels is None)."""
     if packed is None or x.dim() != 2 or x.shape[0] < MIN_ROWS or x.stride(1) != 1:
         return linear(x, weight, bias)
     if x.shape[0] <= packed.skinny_rows and x.is_contiguous():
         return torch.ops.pagedserve_model.skinny_linear(x, weight, bias)
+    if packed.panels is None:
+        return linear(x, weight, bias)
     if packed.gemm == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.panels, bias, "none", [], "")
     return torch.ops.pagedserve_model.linear(x, packed.panels, weight, bias)

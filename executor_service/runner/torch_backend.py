@@ -39,6 +39,7 @@ from executor_service.model import (
 from executor_service.model.calibration import PackWhileReading
 from executor_service.model.files import read_tokenizer_files
 from executor_service.model.packed import Packing
+from executor_service.runner.background_packing import BackgroundPacking
 from executor_service.runner.calibration import finished, start_calibration
 from executor_service.runner.compiled import CompiledForward
 from executor_service.runner.cuda_graphs import DecodeGraphs
@@ -121,7 +122,10 @@ class TorchBackend:
         self._last_decode = DecodeTime()
         self._on_thread: Future[list[SampleOutput | None]] = done_future()
         self.calibration: Future[Packing] = finished(Packing(None, 0))
-        """The background measurement of a cold start's packing choice (runner/calibration.py); done otherwise."""
+        """The background measurement of a cold start's packing choice (runner/background_packing.py, or with
+        --no-cpu-pack-after-ready runner/calibration.py); done otherwise."""
+        self.packing_after_ready: BackgroundPacking | None = None
+        """The packing made after ready, swapped in between passes (runner/background_packing.py)."""
         self.draft: DraftModel | None = None
         """--draft-model: the model that proposes drafts for items with num_model_drafts (runner/draft_model.py)."""
 
@@ -144,7 +148,8 @@ class TorchBackend:
             ops = model_ops(device, dtype)
         compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
             and model_cfg.features.graphable
-        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config)) \
+        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+                                    defer=config.cpu_pack_after_ready) \
             if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
                            on_file=pipeline, converted=converted)
@@ -200,7 +205,13 @@ class TorchBackend:
                 backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts,
                                max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
-        if packing.provisional:
+        if packing.deferred:
+            background = BackgroundPacking(model.packable_linears(), packing, config.cpu_gemm, config.cpu_skinny_rows,
+                                           startup_cache(config))
+            backend.packing_after_ready = background.start()
+            if packing.provisional:
+                backend.calibration = background.done
+        elif packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
                                                     startup_cache(config))
         return backend
@@ -215,6 +226,25 @@ class TorchBackend:
                  for i in range(WARM_UP_ROWS)]
         self.execute(items)
         self._last_decode = DecodeTime()
+
+    def install_packs(self, rows: int = 0) -> None:
+        """Swap in the linears packed after ready since the last pass (before a pass, never within one); before a
+        pass of `rows` rows that the packed GEMM would serve, pack what is left first (on this thread too)."""
+        background = self.packing_after_ready
+        if background is None:
+            return
+        if background.needs_packs(rows):
+            background.finish_first_packs()
+        if background.install():
+            self.packing_after_ready = None
+
+    def wait_for_packing(self, timeout: float | None = None) -> None:
+        """Wait for the packing after ready (and a first start's measurement) and swap it all in: for tests and
+        benchmarks that time or compare passes, called while no pass runs."""
+        self.calibration.result(timeout)
+        if self.packing_after_ready is not None:
+            self.packing_after_ready.done.result(timeout)
+            self.install_packs()
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)
@@ -304,6 +334,7 @@ class TorchBackend:
         """The forward pass and the logits of the rows to sample (None if none); the prompt rows' logprobs go to
         batch.prompt_result, computed a slice of rows at a time. Under tensor parallelism every rank runs this on
         the same batch, in step."""
+        self.install_packs(batch.input_ids.shape[0])
         with inference_mode():
             hidden = self.forward(batch)
             if batch.prompt_rows:
@@ -385,7 +416,8 @@ def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: Pa
     else:
         packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
                                      measure_later=parallel.world_size == 1)
-    log.info("linear weights packed for %s; skinny kernel up to %d rows%s", packing.gemm or "nothing (F.linear)",
+    done = "to be packed after ready" if packing.deferred else "packed"
+    log.info("linear weights %s for %s; skinny kernel up to %d rows%s", done, packing.gemm or "nothing (F.linear)",
              packing.skinny_rows, packing_origin(packing))
     return packing
 

@@ -323,3 +323,22 @@ async def test_while_loading_describe_waits_for_the_backend_and_health_says_not_
             assert checked.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await serving.server.stop(None)
+
+
+async def test_ready_leaves_the_heap_collection_to_a_moment_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ready() attaches the backend and returns without collecting the heap (gc.collect holds the event loop for
+    tens of ms on a loaded model's heap, which would delay the answer to the scheduler's held Describe); the
+    collection and gc.freeze run a moment later, from the event loop."""
+    from executor_service import __main__ as executor_main
+    frozen = asyncio.Event()
+    monkeypatch.setattr(executor_main, "freeze_heap", frozen.set)
+    monkeypatch.setattr(executor_main, "FREEZE_HEAP_AFTER_S", 0.0)
+    monkeypatch.setattr(executor_main.gc, "set_threshold", lambda *thresholds: None)  # leave pytest's alone
+    serving = await start_serving("127.0.0.1:0")
+    try:
+        config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+        await executor_main.ready(config, SimulatedBackend(config), serving)
+        assert not frozen.is_set()
+        await asyncio.wait_for(frozen.wait(), timeout=30)
+    finally:
+        await serving.server.stop(None)

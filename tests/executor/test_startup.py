@@ -192,6 +192,7 @@ def test_logits_are_the_same_with_the_choice_from_the_cache(tmp_path: Path) -> N
     measured = backend(model, tmp_path / "cache")
     measured.calibration.result(timeout=120)
     cached = backend(model, tmp_path / "cache")
+    cached.wait_for_packing(timeout=120)  # a restart packs after ready: compare the packed passes
     for kind, n, length in (("prefill", 3, 9), ("decode", 4, 12), ("decode", 1, 5)):
         items = step_items(kind, n, length, 512, 2)
         logits = [b.run_batch(b.prepare(items)) for b in (measured, cached)]
@@ -247,14 +248,15 @@ def test_a_cold_start_packs_by_the_rule_serves_and_swaps_in_what_it_measures(
     cold = backend(model, tmp_path / "cache")
     linear = cold.model.get_submodule("model.layers.0.mlp.gate_up_proj")
     assert isinstance(linear, Linear) and linear.packed is not None and linear.packed.gemm == rule
+    assert linear.packed.panels is None  # packed after ready, swapped in at the start of a pass
     items = step_items("decode", 4, 12, 512, 2)
     before = cold.run_batch(cold.prepare(items))
     assert not cold.calibration.done() and not (tmp_path / "cache" / "packing.json").exists()
     release.set()
     chosen = cold.calibration.result(timeout=120)
-    assert linear.packed is not None and linear.packed.gemm == chosen.gemm
     assert json.loads((tmp_path / "cache" / "packing.json").read_text())["value"]["gemm"] == chosen.gemm
-    after = cold.run_batch(cold.prepare(items))
+    after = cold.run_batch(cold.prepare(items))  # the packs are swapped in at the start of a pass
+    assert linear.packed is not None and linear.packed.gemm == chosen.gemm and linear.packed.panels is not None
     assert before is not None and after is not None
     torch.testing.assert_close(before, after, rtol=1e-4, atol=1e-4)
 

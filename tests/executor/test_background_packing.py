@@ -1,0 +1,111 @@
+"""A restart packs its linears after ready (#33, runner/background_packing.py): the backend comes up with the start-up
+cache's choice over unpacked weights; passes of 1 row and up to the skinny kernel's rows run on them (the same
+kernels as after the packing), the packs are made on a background thread and swapped in at the start of the next
+pass, never within one, and a pass of more rows packs what is left itself first."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.forward_steps import step_items
+from executor_service.backend import BatchItem
+from executor_service.config import ExecutorConfig
+from executor_service.default_model.model import make_model
+from executor_service.model import packed
+from executor_service.model.parallel import Linear
+from executor_service.runner.torch_backend import TorchBackend
+
+
+def backend(model: Path, cache_dir: Path, **settings: Any) -> TorchBackend:
+    return TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", cpu_kv_cache_space=0.01,
+                                              swap_space=0.01, startup_cache_dir=str(cache_dir), **settings))
+
+
+def first_start(model: Path, cache_dir: Path, **settings: Any) -> None:
+    """A start that measures the packing choice and keeps it in the cache (packing before ready, so that `hold`
+    does not hold it)."""
+    backend(model, cache_dir, cpu_pack_after_ready=False, **settings).wait_for_packing(timeout=120)
+    assert (cache_dir / "packing.json").is_file()
+
+
+def linears(b: TorchBackend) -> list[Linear]:
+    return [m for m in b.model.modules() if isinstance(m, Linear)]
+
+
+def logits(b: TorchBackend, items: list[BatchItem]) -> torch.Tensor:
+    out = b.run_batch(b.prepare(items))
+    assert out is not None
+    return out
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
+
+
+@pytest.fixture
+def hold(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The background packing thread starts only once this event is set (so the passes before it surely find the
+    weights unpacked, and what gets packed meanwhile is packed by the passes themselves)."""
+    release = threading.Event()
+
+    def held() -> None:
+        assert release.wait(timeout=120)
+
+    monkeypatch.setattr("executor_service.runner.background_packing.lower_thread_priority", held)
+    return release
+
+
+def test_a_pass_over_the_skinny_rows_packs_what_is_left_first(model: Path, tmp_path: Path,
+                                                              hold: threading.Event) -> None:
+    cache = tmp_path / "cache"  # no skinny kernel: every pass of 2+ rows wants the packed GEMM
+    first_start(model, cache, cpu_skinny_rows=0)
+    plain = backend(model, cache, cpu_weight_prepack=False)
+    warm = backend(model, cache, cpu_skinny_rows=0)
+    assert warm.packing_after_ready is not None
+    chosen = {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None}
+    assert len(chosen) == 1 and all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    one_row = step_items("decode", 1, 9, 512, 2)  # F.linear, packed or not: packs nothing
+    assert torch.equal(logits(warm, one_row), logits(plain, one_row))
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    wide = step_items("prefill", 4, 20, 512, 2)  # 80 rows: packed first, on this thread (the background one waits)
+    torch.testing.assert_close(logits(warm, wide), logits(plain, wide), rtol=1e-4, atol=1e-4)
+    assert not hold.is_set()  # the background thread has not begun: this pass packed every linear
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
+    assert {(m.packed.gemm, m.packed.skinny_rows) for m in linears(warm) if m.packed is not None} == chosen
+    hold.set()
+    warm.wait_for_packing(timeout=120)  # the background thread finds nothing left to pack
+    assert warm.packing_after_ready is None
+
+
+def test_small_batches_run_unpacked_and_the_packs_come_in_at_the_next_pass(
+        model: Path, tmp_path: Path, hold: threading.Event) -> None:
+    rows = 8 if packed.skinny_available() else 0
+    first_start(model, tmp_path / "cache", cpu_skinny_rows=rows)
+    warm = backend(model, tmp_path / "cache", cpu_skinny_rows=rows)
+    steps = [step_items("decode", 1, 9, 512, 2)]  # one row: F.linear, packed or not
+    if packed.skinny_available():
+        steps.append(step_items("decode", 4, 9, 512, 2))  # 4 rows: the skinny kernel, packed or not
+    before = [logits(warm, items) for items in steps]
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))
+    hold.set()
+    assert warm.packing_after_ready is not None
+    warm.packing_after_ready.done.result(timeout=120)
+    assert all(m.packed is not None and m.packed.panels is None for m in linears(warm))  # packed, not yet swapped
+    after = [logits(warm, items) for items in steps]  # swapped in at the start of the first of these passes
+    assert warm.packing_after_ready is None
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
+    for first, second in zip(before, after, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_without_pack_after_ready_a_restart_packs_before_ready(model: Path, tmp_path: Path) -> None:
+    first_start(model, tmp_path / "cache")
+    warm = backend(model, tmp_path / "cache", cpu_pack_after_ready=False)
+    assert warm.packing_after_ready is None
+    assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
