@@ -21,6 +21,17 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def parse_spin_count(text: str) -> int:
+    """--cpu-omp-spin-count: -1 (the wait policy's) or a count >= 0."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if count < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (the wait policy's) or >= 0, got {count}")
+    return count
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     listen: str = field(default="127.0.0.1:50061", metadata=flag(
@@ -63,6 +74,10 @@ class ExecutorConfig:
         " (they spin: lowest latency on dedicated cores), auto (passive unless --cpu-cores gives the executor cores"
         " of its own or OMP_WAIT_POLICY is set; with --cpu-cores, libgomp's default: spin ~3 ms, then sleep)",
         choices=["auto", "active", "passive"]))
+    cpu_omp_spin_count: int = field(default=-1, metadata=flag(
+        "CPU: GOMP_SPINCOUNT, how many times an idle forward thread polls for work (about 22 ns each on the"
+        " benchmark box) before it sleeps, set before torch loads; overrides the wait policy's (passive 0, active"
+        " unbounded, libgomp's default 300,000); -1: the wait policy's", parse=parse_spin_count))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

@@ -64,34 +64,52 @@ def test_the_flags_reach_the_config() -> None:
     assert ExecutorConfig.from_args([]).cpu_threads == 0
 
 
-def test_the_wait_policy_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_openmp_environment_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert placement.set_wait_policy("") and "OMP_WAIT_POLICY" not in os.environ
-    assert not placement.set_wait_policy("passive")  # this process has torch loaded: too late, left alone
+    assert placement.set_omp_environment({}) and "OMP_WAIT_POLICY" not in os.environ
+    assert not placement.set_omp_environment({"OMP_WAIT_POLICY": "PASSIVE"})  # torch is loaded here: too late
     assert "OMP_WAIT_POLICY" not in os.environ
-    script = ("import os, sys; from executor_service import placement; ok = placement.set_wait_policy('passive'); "
-              "print(ok, os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    script = ("import os, sys; from executor_service import placement; "
+              "ok = placement.set_omp_environment({'OMP_WAIT_POLICY': 'PASSIVE', 'GOMP_SPINCOUNT': '5'}); "
+              "print(ok, os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.stdout.split() == ["True", "PASSIVE", "False"]
-    assert ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive"]).cpu_omp_wait_policy == "passive"
+    assert out.stdout.split() == ["True", "PASSIVE", "5", "False"]
+    config = ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive", "--cpu-omp-spin-count", "20000"])
+    assert (config.cpu_omp_wait_policy, config.cpu_omp_spin_count) == ("passive", 20000)
+
+
+def test_a_spin_count_below_minus_one_or_not_a_number_is_refused_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-2", "lots"):
+        with pytest.raises(SystemExit):
+            ExecutorConfig.from_args(["--cpu-omp-spin-count", bad])
+        assert "--cpu-omp-spin-count" in capsys.readouterr().err
+    assert ExecutorConfig.from_args(["--cpu-omp-spin-count", "0"]).cpu_omp_spin_count == 0
 
 
 def test_auto_is_passive_on_shared_cores_and_leaves_dedicated_ones_and_the_environment_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert placement.choose_wait_policy("auto", "") == "passive"
-    assert placement.choose_wait_policy("auto", "0-3") == ""
-    assert placement.choose_wait_policy("active", "") == "active"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert placement.omp_environment("auto", -1, "") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert placement.omp_environment("auto", -1, "0-3") == {}
+    assert placement.omp_environment("active", -1, "") == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert placement.omp_environment("passive", 1000, "") == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert placement.choose_wait_policy("auto", "") == ""
-    assert ExecutorConfig.from_args([]).cpu_omp_wait_policy == "auto"
+    assert placement.omp_environment("auto", -1, "") == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    assert placement.omp_environment("auto", -1, "") == {}
+    config = ExecutorConfig.from_args([])
+    assert (config.cpu_omp_wait_policy, config.cpu_omp_spin_count) == ("auto", -1)
 
 
 IDLE_SPIN = """
 import os, sys, threading, time
 from executor_service import placement
-placement.set_wait_policy(placement.choose_wait_policy(sys.argv[1], ""))
+if sys.argv[1] != "libgomp":
+    placement.set_omp_environment(placement.omp_environment(sys.argv[1], int(sys.argv[2]), ""))
 import torch
 torch.set_num_threads(2)
 x = torch.ones(1 << 22)
@@ -111,12 +129,13 @@ print(sorted(idle)[3] / 1e6)
 """
 
 
-def idle_ms(policy: str) -> float:
-    """Median CPU ms the process's other threads (the OpenMP worker) use in 50 ms after a parallel region."""
+def idle_ms(policy: str, spin_count: int = -1) -> float:
+    """Median CPU ms the process's other threads (the OpenMP worker) use in 50 ms after a parallel region, under the
+    executor's OpenMP environment for --cpu-omp-wait-policy `policy` ('libgomp': none, libgomp's own default)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run([sys.executable, "-c", IDLE_SPIN, policy], capture_output=True, text=True, check=True,
-                         env=env)
+    out = subprocess.run([sys.executable, "-c", IDLE_SPIN, policy, str(spin_count)], capture_output=True, text=True,
+                         check=True, env=env)
     return float(out.stdout.split()[-1])
 
 
@@ -124,5 +143,5 @@ def test_by_default_idle_forward_threads_sleep_instead_of_spinning_on_shared_cor
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     # libgomp's own default (the executor's before auto): the worker spins on after each region
-    assert idle_ms("") > 0.5
+    assert idle_ms("libgomp") > 0.5
     assert idle_ms("auto") < 0.3
