@@ -236,7 +236,7 @@ def apply_wait_policy(requested: str, spin_count: int) -> str:
     if requested == "default":
         wanted = {"GOMP_SPINCOUNT": str(spin_count)} if spin_count >= 0 else {}
     else:  # what the executor runs under: the environment, plus what its flags set
-        wanted = current | omp_environment(requested, spin_count, "")
+        wanted = current | omp_environment(requested, spin_count)
     if current != wanted and not os.environ.get(REEXEC_ENV):
         env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | wanted | {REEXEC_ENV: "1"}
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.forward_steps", *sys.argv[1:]], env)

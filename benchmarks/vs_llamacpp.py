@@ -194,9 +194,12 @@ def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...],
 
 def one_round(model: Path, server: Path, gguf: Path, threads: int, slots: list[int], reqs: list[BenchRequest],
               log_dir: Path, configs: Configs, round_no: int) -> dict[str, dict[str, Any]]:
-    """Every pagedserve configuration, then llama-server at each slot count, one after another: their runs."""
+    """Every pagedserve configuration (in an order rotated by the round number, so that none is always the one that
+    follows another), then llama-server at each slot count, one after another: their runs."""
     runs: dict[str, dict[str, Any]] = {}
-    for label, (extra, scheduler_extra) in configs.items():
+    labels = list(configs)
+    for label in labels[round_no % len(labels):] + labels[:round_no % len(labels)]:
+        extra, scheduler_extra = configs[label]
         with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
             runs[label] = asyncio.run(serve_run(url, reqs, pids))
         print(json.dumps({"threads": threads, "round": round_no, "server": label, **runs[label]}), flush=True)

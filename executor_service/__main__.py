@@ -121,8 +121,7 @@ def run(argv: list[str] | None = None) -> int:
     prefetch, cache = None, cache_for(config) if converted is not None else None
     if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports
         prefetch = prefetch_weights(config.model, converted, cache)
-    set_omp_environment(omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count,
-                                        config.cpu_cores))  # before torch (libgomp) loads
+    set_omp_environment(omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count))  # before torch loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from executor_service.parallel.launch import launch

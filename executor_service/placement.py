@@ -51,18 +51,22 @@ def cgroup_quota() -> float | None:
 OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def omp_environment(requested: str, spin_count: int, cpu_cores: str) -> dict[str, str]:
-    """The OpenMP environment for --cpu-omp-wait-policy `requested` and --cpu-omp-spin-count `spin_count` (-1: by the
-    policy). auto leaves an environment that already sets either variable alone; else, without --cpu-cores (cores
-    shared with the scheduler side and the executor's event loop), passive, and with --cpu-cores (the operator's
-    cores for the executor alone) libgomp's default: spin ~300,000 times (about 7 ms here) after a region, then
-    sleep. A spinning thread holds a core that another runnable thread wants; on a loaded 2-core box each parallel
-    region then waited milliseconds for the team, where a sleeping one costs a futex wake (BENCHMARKS.md 17)."""
+AUTO_SPIN_COUNT = 100_000  # polls before an idle OpenMP thread sleeps under auto: ~2.2 ms on the benchmark box
+
+
+def omp_environment(requested: str, spin_count: int) -> dict[str, str]:
+    """The OpenMP environment for --cpu-omp-wait-policy `requested` and --cpu-omp-spin-count `spin_count` (-1: the
+    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps (libgomp's own default is 300,000),
+    so the team stays awake through a busy server's back-to-back parallel regions and steps, sleeps when it idles,
+    and a step does not pay a futex wake per region; the 128-request benchmark at 2 threads ran 5 - 12% faster than
+    passive and as fast as active (BENCHMARKS.md section 17, fifth session). An OMP_WAIT_POLICY or GOMP_SPINCOUNT
+    already in the environment is kept under auto. passive suits cores shared with other busy processes: a polling
+    thread holds a core another runnable thread wants."""
     env: dict[str, str] = {}
     if requested != "auto":
         env["OMP_WAIT_POLICY"] = requested.upper()
-    elif not any(os.environ.get(name) for name in OMP_VARIABLES) and not cpu_cores:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif spin_count < 0 and not any(os.environ.get(name) for name in OMP_VARIABLES):
+        spin_count = AUTO_SPIN_COUNT
     if spin_count >= 0:
         env["GOMP_SPINCOUNT"] = str(spin_count)
     return env
