@@ -69,15 +69,15 @@ class ExecutorConfig:
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"
         " cores between ranks instead"))
     cpu_omp_wait_policy: str = field(default="auto", metadata=flag(
-        "CPU: how the forward pool's idle OpenMP threads wait, set before torch loads: auto (poll 100,000 times,"
-        " about 2 ms, then sleep: awake through a busy server's steps, asleep when it idles; an OMP_WAIT_POLICY or"
-        " GOMP_SPINCOUNT in the environment is kept; BENCHMARKS.md section 17), passive (sleep at once: for cores"
-        " shared with other busy processes), active (poll for minutes, also while the server idles)",
-        choices=["auto", "active", "passive"]))
+        "CPU: how the forward pool's idle OpenMP threads wait, set before torch loads: auto (poll 300,000 times,"
+        " about 4 ms of CPU on the benchmark box, then sleep: awake between a step's parallel regions, asleep when"
+        " the server idles; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept; BENCHMARKS.md section"
+        " 17), passive (sleep at once: for cores shared with other busy processes), active (poll for minutes, also"
+        " while the server idles)", choices=["auto", "active", "passive"]))
     cpu_omp_spin_count: int = field(default=-1, metadata=flag(
-        "CPU: GOMP_SPINCOUNT, how many times an idle forward thread polls for work (about 22 ns each on the"
-        " benchmark box) before it sleeps, set before torch loads; overrides the wait policy's (auto 100,000, passive"
-        " 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
+        "CPU: GOMP_SPINCOUNT, how many times an idle forward thread polls for work before it sleeps (on the"
+        " benchmark box 100,000: 0.1 - 0.4 ms, 300,000: ~4 ms), set before torch loads; overrides the wait"
+        " policy's (auto 300,000, passive 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

@@ -51,12 +51,12 @@ def cgroup_quota() -> float | None:
 OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-AUTO_SPIN_COUNT = 100_000  # polls before an idle OpenMP thread sleeps under auto: ~2.2 ms on the benchmark box
+AUTO_SPIN_COUNT = 300_000  # polls before an idle OpenMP thread sleeps under auto: ~4 ms of CPU on the benchmark box
 
 
 def omp_environment(requested: str, spin_count: int) -> dict[str, str]:
     """The OpenMP environment for --cpu-omp-wait-policy `requested` and --cpu-omp-spin-count `spin_count` (-1: the
-    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps (libgomp's own default is 300,000),
+    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps (libgomp's nominal default, set),
     so the team stays awake through a busy server's back-to-back parallel regions and steps, sleeps when it idles,
     and a step does not pay a futex wake per region; the 128-request benchmark at 2 threads ran 5 - 12% faster than
     passive and as fast as active (BENCHMARKS.md section 17, fifth session). An OMP_WAIT_POLICY or GOMP_SPINCOUNT
