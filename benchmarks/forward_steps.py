@@ -14,8 +14,9 @@ One thread (torch.set_num_threads(1)), unless --threads (#29): then each of THRE
 time at each thread count, the counts interleaved round by round, with the speedup over the first count and the
 serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), and the speedups that fraction
 predicts at 16 and 64 threads (two controls first: a torch GEMM, what a second thread adds to compute, and a
-256 MB read, what it adds to memory bandwidth), under --omp-wait-policy (default auto: the executor's default,
-passive here; the benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
+256 MB read, what it adds to memory bandwidth), under --omp-wait-policy and --omp-spin-count (default: the executor's
+defaults; the benchmark re-executes itself with OMP_WAIT_POLICY / GOMP_SPINCOUNT set, since libgomp reads them once,
+when torch loads).
 --split adds, per step and thread count, the time inside the model's linears and its attention calls during the
 best execute and the rest (the serial part: Python between the kernels, serial kernels, batch building, sampler).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
@@ -256,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", action="store_true", help="with --threads: also time the model's linears and attention "
                    "calls inside each best step (timers around them) and print them and the rest (the serial part)")
     p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "active", "passive", "default"],
-                   help="as the executor's --cpu-omp-wait-policy (auto: passive, or OMP_WAIT_POLICY if set); "
-                   "default: libgomp's own (spin 300,000 times after each region)")
+                   help="as the executor's --cpu-omp-wait-policy (auto: poll 300,000 times, or the environment's "
+                   "settings); default: no variables at all, libgomp's own")
     p.add_argument("--omp-spin-count", type=int, default=-1,
                    help="as the executor's --cpu-omp-spin-count (GOMP_SPINCOUNT; -1: the wait policy's)")
     args = p.parse_args(argv)
