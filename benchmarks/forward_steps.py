@@ -14,8 +14,9 @@ One thread (torch.set_num_threads(1)), unless --threads (#29): then each of THRE
 time at each thread count, the counts interleaved round by round, with the speedup over the first count and the
 serial fraction that speedup implies (Amdahl: s = (n / speedup - 1) / (n - 1)), and the speedups that fraction
 predicts at 16 and 64 threads (two controls first: a torch GEMM, what a second thread adds to compute, and a
-256 MB read, what it adds to memory bandwidth), under --omp-wait-policy (default auto: the executor's default,
-passive here; the benchmark re-executes itself with OMP_WAIT_POLICY set, since libgomp reads it once, when torch loads).
+256 MB read, what it adds to memory bandwidth), under --omp-wait-policy and --omp-spin-count (default: the executor's
+defaults; the benchmark re-executes itself with OMP_WAIT_POLICY / GOMP_SPINCOUNT set, since libgomp reads them once,
+when torch loads).
 --split adds, per step and thread count, the time inside the model's linears and its attention calls during the
 best execute and the rest (the serial part: Python between the kernels, serial kernels, batch building, sampler).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
@@ -44,7 +45,7 @@ from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.model import ModelOps
 from executor_service.model.parallel import Linear
-from executor_service.placement import choose_wait_policy
+from executor_service.placement import OMP_VARIABLES, omp_environment
 from executor_service.runner.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
@@ -228,18 +229,19 @@ def run_threads(model: Path, threads: list[int], repeats: int, split: bool = Fal
 REEXEC_ENV = "PAGEDSERVE_FORWARD_STEPS_REEXEC"
 
 
-def apply_wait_policy(requested: str) -> str:
-    """Run this benchmark under the executor's OMP_WAIT_POLICY for `requested` ('default': libgomp's own): re-execute
-    the process with it set where it differs, since this process's libgomp has read it already. Returns it."""
-    wanted = ""
-    if requested != "default":
-        wanted = choose_wait_policy(requested, "").upper() or os.environ.get("OMP_WAIT_POLICY", "")
-    if os.environ.get("OMP_WAIT_POLICY", "") != wanted and not os.environ.get(REEXEC_ENV):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {REEXEC_ENV: "1"}
-        if wanted:
-            env["OMP_WAIT_POLICY"] = wanted
+def apply_wait_policy(requested: str, spin_count: int) -> str:
+    """Run this benchmark under the executor's OpenMP environment for `requested` and `spin_count` ('default':
+    libgomp's own): re-execute the process with it where it differs, since this process's libgomp has read it
+    already. Returns it, as text."""
+    current = {k: os.environ[k] for k in OMP_VARIABLES if os.environ.get(k)}
+    if requested == "default":
+        wanted = {"GOMP_SPINCOUNT": str(spin_count)} if spin_count >= 0 else {}
+    else:  # what the executor runs under: the environment, plus what its flags set
+        wanted = current | omp_environment(requested, spin_count)
+    if current != wanted and not os.environ.get(REEXEC_ENV):
+        env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | wanted | {REEXEC_ENV: "1"}
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.forward_steps", *sys.argv[1:]], env)
-    return os.environ.get("OMP_WAIT_POLICY", "") or "libgomp default"
+    return " ".join(f"{k}={v}" for k, v in current.items()) or "libgomp default"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,12 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", action="store_true", help="with --threads: also time the model's linears and attention "
                    "calls inside each best step (timers around them) and print them and the rest (the serial part)")
     p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "active", "passive", "default"],
-                   help="as the executor's --cpu-omp-wait-policy (auto: passive, or OMP_WAIT_POLICY if set); "
-                   "default: libgomp's own (spin ~3 ms after each region)")
+                   help="as the executor's --cpu-omp-wait-policy (auto: poll 300,000 times, or the environment's "
+                   "settings); default: no variables at all, libgomp's own")
+    p.add_argument("--omp-spin-count", type=int, default=-1,
+                   help="as the executor's --cpu-omp-spin-count (GOMP_SPINCOUNT; -1: the wait policy's)")
     args = p.parse_args(argv)
     model = ensure_model(args.model)
     if args.threads:
-        policy = apply_wait_policy(args.omp_wait_policy)
+        policy = apply_wait_policy(args.omp_wait_policy, args.omp_spin_count)
         load = os.getloadavg()
         print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
         rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats, args.split)

@@ -1,7 +1,7 @@
 """pagedserve against llama.cpp's llama-server on the CPU, both over OpenAI /v1/completions streaming (#29).
 
     python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--dedicated]
-        [--executor-args ...] [--scheduler-args ...] [--no-build]
+        [--executor-args ...] [--scheduler-args ...] [--variant 'LABEL=EXECUTOR FLAGS' ...] [--rounds N] [--no-build]
 
 Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
 under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
@@ -10,8 +10,10 @@ float32 safetensors) to GGUF f32 with llama.cpp's own converter. Then, per threa
 sent the same ShareGPT-like requests (lognormal prompt and output lengths, the prompts as token ids, ignore_eos, all at
 once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
 tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
-a pagedserve run with the documented settings for a machine that runs nothing but the server. Greedy equality
-first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts compared). Prints one
+a pagedserve run with the documented settings for a machine that runs nothing but the server, and each --variant
+one with those executor flags; --rounds N repeats every run N times, interleaved, and reports each one's mean.
+Greedy equality first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts
+compared). Prints one
 JSON line per run and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly
 (exit 0, a JSON line saying why) where llama-server cannot be found or built, or the model cannot be converted.
 """
@@ -171,35 +173,58 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
 DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
 
 
-def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...],
-                       dedicated: bool) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags), and with
-    --dedicated also the documented settings for a machine that runs nothing but the server."""
+Configs = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]  # label -> (executor flags, scheduler flags)
+
+
+def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...], dedicated: bool,
+                       variants: tuple[str, ...] | list[str] = ()) -> Configs:
+    """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags); with --dedicated
+    also the documented settings for a machine that runs nothing but the server; and each --variant
+    'LABEL=EXECUTOR FLAGS' (the defaults' flags plus those)."""
     configs = {"pagedserve": (extra, scheduler_extra)}
     if dedicated:
         configs["pagedserve dedicated"] = ((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
+    for variant in variants:
+        label, sep, flags = variant.partition("=")
+        if not sep or not label.strip():
+            raise SystemExit(f"--variant wants LABEL=EXECUTOR FLAGS, got {variant!r}")
+        configs[f"pagedserve {label.strip()}"] = ((*extra, *flags.split()), scheduler_extra)
     return configs
+
+
+def one_round(model: Path, server: Path, gguf: Path, threads: int, slots: list[int], reqs: list[BenchRequest],
+              log_dir: Path, configs: Configs, round_no: int) -> dict[str, dict[str, Any]]:
+    """Every pagedserve configuration (in an order rotated by the round number, so that none is always the one that
+    follows another), then llama-server at each slot count, one after another: their runs."""
+    runs: dict[str, dict[str, Any]] = {}
+    labels = list(configs)
+    for label in labels[round_no % len(labels):] + labels[:round_no % len(labels)]:
+        extra, scheduler_extra = configs[label]
+        with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
+            runs[label] = asyncio.run(serve_run(url, reqs, pids))
+        print(json.dumps({"threads": threads, "round": round_no, "server": label, **runs[label]}), flush=True)
+    for n in slots:
+        with llama_server(server, gguf, threads, n, log_dir) as (url, pids):
+            runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs, pids))
+        print(json.dumps({"threads": threads, "round": round_no, "server": f"llama.cpp np={n}",
+                          **runs[f"llama.cpp np={n}"]}), flush=True)
+    return runs
 
 
 def one_thread_count(model: Path, server: Path, gguf: Path, threads: int, slots: list[int],
                      reqs: list[BenchRequest], log_dir: Path,
-                     configs: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]) -> dict[str, object]:
-    runs: dict[str, dict[str, Any]] = {}
-    for label, (extra, scheduler_extra) in configs.items():
-        with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
-            runs[label] = asyncio.run(serve_run(url, reqs, pids))
-        print(json.dumps({"threads": threads, "server": label, **runs[label]}), flush=True)
-    for n in slots:
-        with llama_server(server, gguf, threads, n, log_dir) as (url, pids):
-            runs[f"llama.cpp np={n}"] = asyncio.run(serve_run(url, reqs, pids))
-        print(json.dumps({"threads": threads, "server": f"llama.cpp np={n}", **runs[f"llama.cpp np={n}"]}),
-              flush=True)
-    row: dict[str, object] = {"threads": threads, **{f"{k}_tok_s": runs[k]["output_tok_s"] for k in configs}}
+                     configs: Configs, rounds: int = 1) -> dict[str, object]:
+    """`rounds` interleaved rounds of every run; each run's tok/s by round and their mean, and the ratio of each
+    pagedserve configuration's mean to llama.cpp's best mean."""
+    by_round = [one_round(model, server, gguf, threads, slots, reqs, log_dir, configs, r) for r in range(rounds)]
+    mean = {k: round(sum(r[k]["output_tok_s"] for r in by_round) / rounds, 1) for k in by_round[0]}
+    row: dict[str, object] = {"threads": threads, "rounds": rounds, **{f"{k}_tok_s": mean[k] for k in configs}}
+    if rounds > 1:
+        row["by_round"] = {k: [r[k]["output_tok_s"] for r in by_round] for k in by_round[0]}
     if slots:
-        best = max((k for k in runs if k not in configs), key=lambda k: runs[k]["output_tok_s"])
-        row.update({"llamacpp_best": best, "llamacpp_tok_s": runs[best]["output_tok_s"]})
-        row.update({f"ratio {k}": round(runs[k]["output_tok_s"] / max(runs[best]["output_tok_s"], 1e-9), 2)
-                    for k in configs})
+        best = max((k for k in mean if k not in configs), key=lambda k: mean[k])
+        row.update({"llamacpp_best": best, "llamacpp_tok_s": mean[best]})
+        row.update({f"ratio {k}": round(mean[k] / max(mean[best], 1e-9), 2) for k in configs})
     return row
 
 
@@ -216,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dedicated", action="store_true", help="also run pagedserve as docs/operations.md says for a "
                    "machine that runs nothing but the server (executor --cpu-omp-wait-policy active, scheduler "
                    "--cpu-nice 10)")
+    p.add_argument("--variant", action="append", default=[], help="LABEL=EXECUTOR FLAGS: one more pagedserve run "
+                   "with these executor flags added (repeatable), e.g. 'spin=--cpu-omp-spin-count 50000'")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every run at each thread count "
+                   "(tok/s by round and the mean)")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -234,8 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
         configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
-                                     args.dedicated)
-        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs)
+                                     args.dedicated, args.variant)
+        rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs, max(1, args.rounds))
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,
                       "requests": len(reqs), "greedy": greedy, "rows": rows, "machine": machine()}))

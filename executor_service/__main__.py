@@ -20,7 +20,7 @@ from client.port_file import PortFile, check_port_file
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
-from executor_service.placement import bind_cores, choose_wait_policy, set_wait_policy
+from executor_service.placement import bind_cores, omp_environment, set_omp_environment
 from executor_service.prefetch import cache_for, conversion_for, finish_prefetch, prefetch_weights
 from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
@@ -131,7 +131,7 @@ def run(argv: list[str] | None = None) -> int:
     prefetch, cache = None, cache_for(config) if converted is not None else None
     if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports
         prefetch = prefetch_weights(config.model, converted, cache)
-    set_wait_policy(choose_wait_policy(config.cpu_omp_wait_policy, config.cpu_cores))  # before torch (libgomp) loads
+    set_omp_environment(omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count))  # before torch loads
     try:
         if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from executor_service.parallel.launch import launch

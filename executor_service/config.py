@@ -21,6 +21,17 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def parse_spin_count(text: str) -> int:
+    """--cpu-omp-spin-count: -1 (the wait policy's) or a count >= 0."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if count < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (the wait policy's) or >= 0, got {count}")
+    return count
+
+
 @dataclass(slots=True)
 class ExecutorConfig:
     listen: str = field(default="127.0.0.1:50061", metadata=flag(
@@ -63,11 +74,15 @@ class ExecutorConfig:
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"
         " cores between ranks instead"))
     cpu_omp_wait_policy: str = field(default="auto", metadata=flag(
-        "CPU: OpenMP's OMP_WAIT_POLICY for the forward pool, set before torch loads: passive (idle threads sleep at"
-        " once: far better where the cores are shared with other busy processes, BENCHMARKS.md section 17), active"
-        " (they spin: lowest latency on dedicated cores), auto (passive unless --cpu-cores gives the executor cores"
-        " of its own or OMP_WAIT_POLICY is set; with --cpu-cores, libgomp's default: spin ~3 ms, then sleep)",
-        choices=["auto", "active", "passive"]))
+        "CPU: how the forward pool's idle OpenMP threads wait, set before torch loads: auto (poll 300,000 times,"
+        " about 4 ms of CPU on the benchmark box, then sleep: awake between a step's parallel regions, asleep when"
+        " the server idles; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept; BENCHMARKS.md section"
+        " 17), passive (sleep at once: for cores shared with other busy processes), active (poll for minutes, also"
+        " while the server idles)", choices=["auto", "active", "passive"]))
+    cpu_omp_spin_count: int = field(default=-1, metadata=flag(
+        "CPU: GOMP_SPINCOUNT, how many times an idle forward thread polls for work before it sleeps (on the"
+        " benchmark box 100,000: 0.1 - 0.4 ms, 300,000: ~4 ms), set before torch loads; overrides the wait"
+        " policy's (auto 300,000, passive 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

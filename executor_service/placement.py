@@ -48,31 +48,42 @@ def cgroup_quota() -> float | None:
     return None
 
 
-def choose_wait_policy(requested: str, cpu_cores: str) -> str:
-    """The OMP_WAIT_POLICY to set for --cpu-omp-wait-policy `requested` ('' = leave libgomp's default). auto:
-    passive where the executor's cores are shared (no --cpu-cores: the scheduler side, other services and its own
-    event loop run on them), unless the environment already says; with --cpu-cores (cores the operator gave it
-    alone) libgomp's default, which spins ~300,000 times (about 3 ms) before it sleeps. A spinning OpenMP thread
-    holds a core that another runnable thread wants; on a loaded 2-core box each parallel region then waited
-    milliseconds for the team (BENCHMARKS.md section 17), where a sleeping one costs a futex wake (25 - 75 us)."""
+OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+AUTO_SPIN_COUNT = 300_000  # polls before an idle OpenMP thread sleeps under auto: ~4 ms of CPU on the benchmark box
+
+
+def omp_environment(requested: str, spin_count: int) -> dict[str, str]:
+    """The OpenMP environment for --cpu-omp-wait-policy `requested` and --cpu-omp-spin-count `spin_count` (-1: the
+    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps (libgomp's nominal default, set),
+    so the team stays awake through a busy server's back-to-back parallel regions and steps, sleeps when it idles,
+    and a step does not pay a futex wake per region; the 128-request benchmark at 2 threads ran 5 - 12% faster than
+    passive and as fast as active (BENCHMARKS.md section 17, fifth session). An OMP_WAIT_POLICY or GOMP_SPINCOUNT
+    already in the environment is kept under auto. passive suits cores shared with other busy processes: a polling
+    thread holds a core another runnable thread wants."""
+    env: dict[str, str] = {}
     if requested != "auto":
-        return requested
-    if os.environ.get("OMP_WAIT_POLICY") or cpu_cores:
-        return ""
-    return "passive"
+        env["OMP_WAIT_POLICY"] = requested.upper()
+    elif spin_count < 0 and not any(os.environ.get(name) for name in OMP_VARIABLES):
+        spin_count = AUTO_SPIN_COUNT
+    if spin_count >= 0:
+        env["GOMP_SPINCOUNT"] = str(spin_count)
+    return env
 
 
-def set_wait_policy(policy: str) -> bool:
-    """OMP_WAIT_POLICY=policy for the OpenMP runtime torch loads; False (and a warning) if torch is loaded already,
-    since libgomp reads it once, when it starts."""
+def set_omp_environment(env: dict[str, str]) -> bool:
+    """Set `env` for the OpenMP runtime torch loads; False (and a warning) if torch is loaded already, since libgomp
+    reads it once, when it starts."""
     import sys
 
-    if not policy:
+    if not env:
         return True
     if "torch" in sys.modules:
-        log.warning("--cpu-omp-wait-policy %s ignored: torch is already loaded", policy)
+        log.warning("OpenMP settings %s ignored: torch is already loaded", env)
         return False
-    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    os.environ.update(env)
+    log.info("OpenMP: %s", " ".join(f"{k}={v}" for k, v in env.items()))
     return True
 
 

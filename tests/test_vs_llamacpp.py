@@ -43,3 +43,13 @@ def test_dedicated_adds_a_run_with_the_documented_server_only_settings() -> None
     assert configs["pagedserve"] == (("--x",), ())
     assert configs["pagedserve dedicated"] == (("--x", "--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))
     assert list(vs_llamacpp.pagedserve_configs((), (), dedicated=False)) == ["pagedserve"]
+
+
+def test_each_variant_adds_a_run_with_its_executor_flags_and_a_malformed_one_is_refused() -> None:
+    configs = vs_llamacpp.pagedserve_configs(("--x",), ("--y",), dedicated=False,
+                                             variants=["spin=--cpu-omp-spin-count 50000", "active=--a b"])
+    assert configs["pagedserve spin"] == (("--x", "--cpu-omp-spin-count", "50000"), ("--y",))
+    assert configs["pagedserve active"] == (("--x", "--a", "b"), ("--y",))
+    for bad in ("no equals sign", "=--flag"):
+        with pytest.raises(SystemExit, match="--variant"):
+            vs_llamacpp.pagedserve_configs((), (), dedicated=False, variants=[bad])

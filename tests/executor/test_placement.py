@@ -64,34 +64,50 @@ def test_the_flags_reach_the_config() -> None:
     assert ExecutorConfig.from_args([]).cpu_threads == 0
 
 
-def test_the_wait_policy_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_openmp_environment_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert placement.set_wait_policy("") and "OMP_WAIT_POLICY" not in os.environ
-    assert not placement.set_wait_policy("passive")  # this process has torch loaded: too late, left alone
+    assert placement.set_omp_environment({}) and "OMP_WAIT_POLICY" not in os.environ
+    assert not placement.set_omp_environment({"OMP_WAIT_POLICY": "PASSIVE"})  # torch is loaded here: too late
     assert "OMP_WAIT_POLICY" not in os.environ
-    script = ("import os, sys; from executor_service import placement; ok = placement.set_wait_policy('passive'); "
-              "print(ok, os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    script = ("import os, sys; from executor_service import placement; "
+              "ok = placement.set_omp_environment({'OMP_WAIT_POLICY': 'PASSIVE', 'GOMP_SPINCOUNT': '5'}); "
+              "print(ok, os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert out.stdout.split() == ["True", "PASSIVE", "False"]
-    assert ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive"]).cpu_omp_wait_policy == "passive"
+    assert out.stdout.split() == ["True", "PASSIVE", "5", "False"]
+    config = ExecutorConfig.from_args(["--cpu-omp-wait-policy", "passive", "--cpu-omp-spin-count", "20000"])
+    assert (config.cpu_omp_wait_policy, config.cpu_omp_spin_count) == ("passive", 20000)
 
 
-def test_auto_is_passive_on_shared_cores_and_leaves_dedicated_ones_and_the_environment_alone(
+def test_a_spin_count_below_minus_one_or_not_a_number_is_refused_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-2", "lots"):
+        with pytest.raises(SystemExit):
+            ExecutorConfig.from_args(["--cpu-omp-spin-count", bad])
+        assert "--cpu-omp-spin-count" in capsys.readouterr().err
+    assert ExecutorConfig.from_args(["--cpu-omp-spin-count", "0"]).cpu_omp_spin_count == 0
+
+
+def test_auto_polls_a_bounded_while_and_the_flags_and_the_environment_override_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert placement.choose_wait_policy("auto", "") == "passive"
-    assert placement.choose_wait_policy("auto", "0-3") == ""
-    assert placement.choose_wait_policy("active", "") == "active"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert placement.choose_wait_policy("auto", "") == ""
-    assert ExecutorConfig.from_args([]).cpu_omp_wait_policy == "auto"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert placement.omp_environment("auto", -1) == {"GOMP_SPINCOUNT": str(placement.AUTO_SPIN_COUNT)}
+    assert placement.omp_environment("auto", 50000) == {"GOMP_SPINCOUNT": "50000"}
+    assert placement.omp_environment("active", -1) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert placement.omp_environment("passive", 1000) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "7")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert placement.omp_environment("auto", -1) == {}  # the operator's environment stands
+    config = ExecutorConfig.from_args([])
+    assert (config.cpu_omp_wait_policy, config.cpu_omp_spin_count) == ("auto", -1)
 
 
 IDLE_SPIN = """
 import os, sys, threading, time
 from executor_service import placement
-placement.set_wait_policy(placement.choose_wait_policy(sys.argv[1], ""))
+placement.set_omp_environment(placement.omp_environment(sys.argv[1], int(sys.argv[2])))
 import torch
 torch.set_num_threads(2)
 x = torch.ones(1 << 22)
@@ -105,24 +121,27 @@ idle = []
 for _ in range(7):
     x.add_(1.0)  # a parallel region on both threads
     before = others_ns()
-    time.sleep(0.05)
+    time.sleep(0.1)
     idle.append(others_ns() - before)
 print(sorted(idle)[3] / 1e6)
 """
 
 
-def idle_ms(policy: str) -> float:
-    """Median CPU ms the process's other threads (the OpenMP worker) use in 50 ms after a parallel region."""
+def idle_ms(policy: str, spin_count: int = -1) -> float:
+    """Median CPU ms the process's other threads (the OpenMP worker) use in 100 ms after a parallel region, under the
+    executor's OpenMP environment for --cpu-omp-wait-policy `policy` and --cpu-omp-spin-count `spin_count`."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run([sys.executable, "-c", IDLE_SPIN, policy], capture_output=True, text=True, check=True,
-                         env=env)
+    out = subprocess.run([sys.executable, "-c", IDLE_SPIN, policy, str(spin_count)], capture_output=True, text=True,
+                         check=True, env=env)
     return float(out.stdout.split()[-1])
 
 
-def test_by_default_idle_forward_threads_sleep_instead_of_spinning_on_shared_cores() -> None:
+def test_the_spin_count_reaches_libgomp_bounded_and_passive_sleeps_at_once() -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
-    # libgomp's own default (the executor's before auto): the worker spins on after each region
-    assert idle_ms("") > 0.5
-    assert idle_ms("auto") < 0.3
+    # CPU the idle worker spends in the 100 ms after a region: polls for a while, then sleeps (active would poll on);
+    # 3M polls were 67 ms on the benchmark box, 300,000 (auto's) ~4 ms, 100,000 0.1 - 0.4 ms
+    assert 5 < idle_ms("auto", 3_000_000) < 100
+    assert idle_ms("auto", 0) < 0.3
+    assert idle_ms("passive") < 0.3
