@@ -49,6 +49,7 @@ def test_a_single_row_takes_f_linear() -> None:
 def test_bad_operands_are_refused() -> None:
     weight = torch.randn(64, 32)
     weights = packed.pack(weight)
+    assert weights.panels is not None
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.pagedserve_model.linear(torch.randn(20, 31), weights.panels, weight, None)
     with pytest.raises(RuntimeError, match="packed"):
