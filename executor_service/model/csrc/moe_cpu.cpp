@@ -33,6 +33,10 @@ namespace {
 constexpr int64_t kRows = 8;    // rows per tile: 16 accumulators of 32
 constexpr int64_t kPanel = 32;  // outputs per panel
 
+struct Shapes {
+  int64_t T, H, I, E, k;
+};
+
 #ifdef __AVX512F__
 
 ALWAYS_INLINE __m512 silu_mul16(__m512 g, __m512 u) {
@@ -104,10 +108,6 @@ struct Down {
   static void run(int64_t r, const float* act, int64_t I, const float* panel, const float* scale, float* const* out) {
     down_tile<R>(act + r * I, I, panel, scale + r, out + r);
   }
-};
-
-struct Shapes {
-  int64_t T, H, I, E, k;
 };
 
 // One expert over its m rows: slots[j] (token * k + choice) with routing weights scale[j]; writes ys rows `slots`.
