@@ -63,7 +63,7 @@ class SchedulerServiceConfig(CoreConfig):
         "connection is dropped and its requests aborted, their KV blocks freed"))
     grpc_write_timeout: float = field(default=30.0, metadata=flag(
         "seconds a Generate response may wait for its gRPC client to read (flow control holding the write) before "
-        "the call ends RESOURCE_EXHAUSTED and its request is aborted"))
+        "the call's handler is cancelled and its request aborted, its KV blocks freed"))
     http_send_buffer: int = field(default=256 * 1024, metadata=flag(
         "bytes of an HTTP response the kernel holds unread per connection (SO_SNDBUF; as many again in the server) "
         "before writes wait; 0 leaves the kernel's autotuned size (up to ~4 MB)"))
