@@ -5,7 +5,8 @@ transformers' greedy tokens for prompts longer than the family's sliding window.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,21 @@ async def test_a_real_executor_server_describes_and_serves_gemma2(served: Callab
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
+@contextmanager
+def tensor_parallel_executor(model: Served, tmp_path: Path) -> Iterator[str]:
+    """An executor process serving `model` at --tensor-parallel-size 2; yields its address, stops it cleanly."""
+    log = tmp_path / "executor.log"
+    proc, ports = start_listening("executor_service", [
+        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
+        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4", "--no-kv-window-release"], log)
+    address = loopback(ports["listen"])
+    try:
+        wait_healthy(address, proc)
+        yield address
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
                                                             tmp_path: Path) -> None:
@@ -287,15 +303,8 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
     (GPT-OSS)."""
     model = served(name)
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
-    proc, ports = start_listening("executor_service", [
-        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
-        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4", "--no-kv-window-release"], tmp_path / "executor.log")
-    address = loopback(ports["listen"])
-    try:
-        wait_healthy(address, proc)
+    with tensor_parallel_executor(model, tmp_path) as address:
         info, tokens = await greedy_over_grpc(address, prompt)
-    finally:
-        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
     assert info.architecture == model.hf.config.architectures[0]
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
@@ -310,12 +319,7 @@ async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[
                       SamplingConfig(temperature=0.0, prompt_logprobs=3))
     model.backend.execute([whole])
     assert whole.prompt_out is not None
-    proc, ports = start_listening("executor_service", [
-        "--model", str(model.path), "--device", "cpu", "--tensor-parallel-size", "2", "--block-size", "8",
-        "--num-gpu-blocks", "32", "--num-cpu-blocks", "4", "--no-kv-window-release"], tmp_path / "executor.log")
-    address = loopback(ports["listen"])
-    try:
-        wait_healthy(address, proc)
+    with tensor_parallel_executor(model, tmp_path) as address:
         async with grpc.aio.insecure_channel(address) as channel:
             call = executor_pb2_grpc.ExecutorStub(channel).Execute()
             await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[executor_pb2.NewRequest(
@@ -323,8 +327,6 @@ async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[
                 block_ids=list(range(7)), sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=3))]))
             result = await call.read()
             await call.done_writing()
-    finally:
-        assert stop(proc) == 0, (tmp_path / "executor.log").read_text()[-3000:]
     assert not result.error and len(result.prompt_logprobs) == 1
     got = result.prompt_logprobs[0]
     assert got.first_position == whole.prompt_out.first_position == 1
