@@ -8,6 +8,7 @@ connection, counted among the open calls: with the limit's worth of them (here 2
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from tests.support.procs import Stack, run, running_stack, wait_until
 
 STALLED_TOKENS = 90_000  # ~90 s of 1 ms steps: run to its end, it would outlast the test's wait
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]  # its window never grows
+
+
+def left_the_queue(stack: Stack, calls: int) -> bool:
+    """Whether `calls` requests have left the waiting queue: running, or already aborted."""
+    metrics = stack.metrics()
+    return metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:request_success_total{abort}", 0) == calls
 
 
 @pytest.fixture
@@ -41,6 +48,8 @@ async def test_calls_whose_client_stops_reading_end_and_free_their_place(stack: 
             request.sampling.ignore_eos = True
             calls.append(generation_pb2_grpc.GenerationStub(channel).Generate(request))
             await calls[-1].initial_metadata()  # the call is open; its responses are never read
+            # the first leaves the 1-long waiting queue (running, or already aborted) before the second arrives
+            wait_until(functools.partial(left_the_queue, stack, i + 1), what="the call's request out of the queue")
         wait_until(lambda: stack.metrics().get("vllm:request_success_total{abort}", 0) == 2 and stack.idle(),
                    timeout=60, what="both stalled requests aborted and their blocks freed")
         async with PagedServeClient(stack.address) as client:  # the calls left the open-call count as they ended
