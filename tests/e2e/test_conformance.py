@@ -3,8 +3,9 @@
 With `PAGEDSERVE_EXECUTOR=HOST:PORT[,HOST:PORT...]` set, the suite tests those addresses only, each in turn
 (every executor of a pool: docs/operations.md shows how on Kubernetes). Otherwise it starts the
 simulated executor, the torch executor on the embedded default model (small pools) and the same with
---tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test
-opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
+--tensor-parallel-size 2 as real processes on loopback and runs every test against each (the window-ring tests
+against two simulated executors with rings: one whose every layer slides, Capabilities.kv_window_only, one not).
+Every test opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
 uses greedy, seeded requests, so two runs of the same request are comparable token for token.
 """
 
