@@ -3,8 +3,9 @@
 With `PAGEDSERVE_EXECUTOR=HOST:PORT[,HOST:PORT...]` set, the suite tests those addresses only, each in turn
 (every executor of a pool: docs/operations.md shows how on Kubernetes). Otherwise it starts the
 simulated executor, the torch executor on the embedded default model (small pools) and the same with
---tensor-parallel-size 2 as real processes on loopback and runs every test against each. Every test
-opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
+--tensor-parallel-size 2 as real processes on loopback and runs every test against each (the window-ring tests
+against two simulated executors with rings: one whose every layer slides, Capabilities.kv_window_only, one not).
+Every test opens its own Execute stream (a new stream drops all state, so tests cannot leak into each other) and
 uses greedy, seeded requests, so two runs of the same request are comparable token for token.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from protos.contract import ring_blocks
 from protos.pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from tests.support.procs import loopback, start_listening, stop, wait_healthy
 
@@ -33,27 +35,44 @@ EXECUTORS: dict[str, list[str]] = {
     # two ranks over gloo (a CUDA run needs two devices: benchmarks/gpu_check.sh does that one)
     "torch-tp2": ["--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--device", "cpu", "--tensor-parallel-size", "2"],
 }
+# Executors with sliding-window rings (Capabilities.kv_window_ring), for the window tests only: the rest of the suite
+# sends block tables alone. One where every layer slides (kv_window_only) and one where some layer reads the table.
+SIM_WINDOW = ["--simulated", "--num-gpu-blocks", "64", "--num-cpu-blocks", "64", "--block-size", "16",
+              "--sim-kv-window", "24", "--sim-kv-window-groups", "1", "--sim-kv-window-ring"]
+WINDOW_EXECUTORS: dict[str, list[str]] = {"simulated-window-only": [*SIM_WINDOW, "--sim-kv-window-only"],
+                                          "simulated-window-ring": SIM_WINDOW}
 
 
-def targets() -> list[str]:
-    """Every address in PAGEDSERVE_EXECUTOR (comma-separated: each executor of a pool), else our own two."""
+def targets(ours: dict[str, list[str]]) -> list[str]:
+    """Every address in PAGEDSERVE_EXECUTOR (comma-separated: each executor of a pool), else our own."""
     external = [a.strip() for a in os.environ.get(ENV, "").split(",") if a.strip()]
-    return [f"external:{a}" for a in external] or list(EXECUTORS)
+    return [f"external:{a}" for a in external] or list(ours)
 
 
-@pytest.fixture(scope="module", params=targets())
-def executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if request.param.startswith("external:"):
-        yield request.param.removeprefix("external:")
+def serve_target(target: str, ours: dict[str, list[str]], tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[str]:
+    """The address of an external target, or of one of ours started for the module."""
+    if target.startswith("external:"):
+        yield target.removeprefix("external:")
         return
-    log = tmp_path_factory.mktemp(f"executor-{request.param}") / "executor.log"
-    proc, ports = start_listening("executor_service", EXECUTORS[request.param], log)
+    log = tmp_path_factory.mktemp(f"executor-{target}") / "executor.log"
+    proc, ports = start_listening("executor_service", ours[target], log)
     address = loopback(ports["listen"])
     try:
         wait_healthy(address, proc)
         yield address
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="module", params=targets(EXECUTORS))
+def executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve_target(request.param, EXECUTORS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=targets(WINDOW_EXECUTORS))
+def window_executor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve_target(request.param, WINDOW_EXECUTORS, tmp_path_factory)
 
 
 # ---- a minimal scheduler speaking the protocol -------------------------------------------------
@@ -68,6 +87,7 @@ class Seq:
     num_prompt: int
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    ring: list[int] = field(default_factory=list)  # its window ring, on an executor with kv_window_ring
     swap_blocks: list[int] = field(default_factory=list)
     live: bool = False  # the executor holds its state
     resume: bool = False  # swapped back in: the next step sends its whole table with resumed=True
@@ -86,13 +106,20 @@ class Running:
     new_block_ids: list[int]
     num_scheduled_tokens: int
     resumed: bool = False
+    new_ring_ids: list[int] = field(default_factory=list)  # blocks its window ring grows by
 
 
-def columns(running: list[Running]) -> executor_pb2.RunningRequests:
-    return executor_pb2.RunningRequests(
+def columns(running: list[Running], rings: bool = False) -> executor_pb2.RunningRequests:
+    """The RunningRequests columns; with rings (Capabilities.kv_window_ring, one window group) the window columns."""
+    run = executor_pb2.RunningRequests(
         request_ids=[r.request_id for r in running], num_scheduled_tokens=[r.num_scheduled_tokens for r in running],
         num_new_blocks=[len(r.new_block_ids) for r in running],
         new_block_ids=[b for r in running for b in r.new_block_ids], resumed=[r.resumed for r in running])
+    if rings:
+        run.num_new_window_blocks.extend(len(r.new_ring_ids) for r in running)
+        run.new_window_block_ids.extend(b for r in running for b in r.new_ring_ids)
+        run.window_block_start.extend(0 for _ in running)
+    return run
 
 
 def sampled_tokens(result: executor_pb2.StepResult) -> dict[str, list[int]]:
@@ -136,7 +163,8 @@ class Session:
 
     async def step(self, running_requests: list[Running] = (), **fields: object) -> executor_pb2.StepResult:  # type: ignore[assignment]
         self.step_id += 1
-        step = executor_pb2.StepRequest(step_id=self.step_id, running=columns(running_requests), **fields)  # type: ignore[arg-type]
+        rings = self.describe.capabilities.kv_window_ring
+        step = executor_pb2.StepRequest(step_id=self.step_id, running=columns(running_requests, rings), **fields)  # type: ignore[arg-type]
         await self.call.write(step)
         result = await asyncio.wait_for(self.call.read(), STEP_TIMEOUT_S)
         assert result is not grpc.aio.EOF, "the executor closed the stream"
@@ -146,16 +174,29 @@ class Session:
     def work(self, seq: Seq, n: int, extra_slots: int = 0,
              avoid: set[int] | frozenset[int] = frozenset()
              ) -> executor_pb2.NewRequest | Running:
-        """The message that schedules n tokens of seq, growing its table as a scheduler would."""
-        added = self.take(max(0, self.blocks_for(seq.computed + n + extra_slots) - len(seq.blocks)), avoid)
+        """The message that schedules n tokens of seq, growing its table (and its window ring, on an executor with
+        rings; the ring alone where every layer slides, Capabilities.kv_window_only) as a scheduler would."""
+        caps = self.describe.capabilities
+        end = seq.computed + n + extra_slots
+        added = [] if caps.kv_window_only else self.take(max(0, self.blocks_for(end) - len(seq.blocks)), avoid)
         seq.blocks += added
+        ring = self.grow_ring(seq, end, avoid) if caps.kv_window_ring else []
         if not seq.live:
             return executor_pb2.NewRequest(
                 request_id=seq.rid, token_ids=seq.tokens, num_prompt_tokens=seq.num_prompt,
-                num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks, sampling=seq.sampling)
+                num_computed_tokens=seq.computed, num_scheduled_tokens=n, block_ids=seq.blocks,
+                window_block_ids=seq.ring, sampling=seq.sampling)
         if seq.resume:
             return Running(seq.rid, seq.blocks, n, resumed=True)
-        return Running(seq.rid, added, n)
+        return Running(seq.rid, added, n, new_ring_ids=ring)
+
+    def grow_ring(self, seq: Seq, end: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """The blocks seq's window ring grows by to hold positions below `end`: it grows until it has
+        ceil(kv_window / block_size) + 1 blocks or covers the request (Capabilities.kv_window_ring)."""
+        size = ring_blocks(self.describe.capabilities.kv_window, self.block_size)
+        added = self.take(max(0, min(size, self.blocks_for(end)) - len(seq.ring)), avoid)
+        seq.ring += added
+        return added
 
     async def run(self, work: list[tuple[Seq, int]], num_steps: int = 1,
                   avoid: set[int] | frozenset[int] = frozenset(), **fields: object) -> executor_pb2.StepResult:
@@ -193,8 +234,8 @@ class Session:
 
     def finish(self, seq: Seq) -> str:
         """Forget seq here and return its id for finished_ids; its blocks go back to the free list."""
-        self.free = seq.blocks + self.free
-        seq.blocks, seq.live = [], False
+        self.free = seq.blocks + seq.ring + self.free
+        seq.blocks, seq.ring, seq.live = [], [], False
         return seq.rid
 
     def swap_out(self, seq: Seq) -> list[executor_pb2.BlockMapping]:
@@ -216,6 +257,17 @@ class Session:
 
 @pytest.fixture
 async def session(executor: str) -> AsyncIterator[Session]:
+    async for s in open_session(executor):
+        yield s
+
+
+@pytest.fixture
+async def window_session(window_executor: str) -> AsyncIterator[Session]:
+    async for s in open_session(window_executor):
+        yield s
+
+
+async def open_session(executor: str) -> AsyncIterator[Session]:
     async with grpc.aio.insecure_channel(executor) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         describe = await stub.Describe(executor_pb2.DescribeRequest(), timeout=30)
@@ -603,6 +655,73 @@ async def test_window_tables_to_an_executor_without_window_groups_are_refused(se
     assert "kv_window_groups" in result.error and not sampled_tokens(result)
     await session.decode([a], 2)
     assert len(a.outputs) == 4
+
+
+def ring_executor(session: Session, window_only: bool) -> int:
+    """The ring size R = ceil(kv_window / block_size) + 1 of an executor with rings that does (or does not) say
+    kv_window_only; the test is skipped for any other."""
+    caps = session.describe.capabilities
+    if not caps.kv_window_ring or caps.kv_window_only != window_only:
+        pytest.skip(f"the executor does not keep window rings with kv_window_only {window_only}")
+    assert caps.kv_window_groups >= 1 and caps.kv_window >= 1
+    if caps.kv_window_only:  # every layer slides: they are all one window group
+        assert caps.kv_window_groups == 1
+    return ring_blocks(caps.kv_window, session.block_size)
+
+
+async def prefill_whole_and_in_chunks(session: Session, length: int, outputs: int) -> tuple[Seq, Seq]:
+    """One prompt longer than the ring's span, prefilled whole and, as another request, a block a step, then decoded
+    past it; each holds at most its ring (and table) and gets one token a step."""
+    whole, chunked = session.seq("whole", length, seed=41), session.seq("chunked", length, seed=41)
+    await session.generate(whole, outputs)
+    while chunked.computed < chunked.num_prompt:
+        await session.run([(chunked, min(session.block_size, chunked.num_prompt - chunked.computed))])
+    await session.decode([chunked], outputs - 1)
+    assert whole.outputs == chunked.outputs, "a ring prefilled in chunks gives the tokens of one prefilled whole"
+    assert len(whole.outputs) == outputs
+    return whole, chunked
+
+
+async def test_a_window_only_executor_is_sent_its_rings_alone(window_session: Session) -> None:
+    """Capabilities.kv_window_only (every layer slides): each request is sent its window ring of R blocks and no
+    block table; it runs past the ring's span, whole or in prefill chunks alike, holding R blocks. A block table
+    sent beside a ring is refused, that request alone, naming block_ids; the stream goes on."""
+    session = window_session
+    size = ring_executor(session, window_only=True)
+    span = size * session.block_size
+    whole, chunked = await prefill_whole_and_in_chunks(session, span + session.block_size // 2, span)
+    assert (len(whole.ring), whole.blocks, len(chunked.ring), chunked.blocks) == (size, [], size, [])
+    lone = session.seq("lone", 6, seed=42)
+    table, ring = session.take(1), session.take(1)
+    both = executor_pb2.NewRequest(request_id="both", token_ids=lone.tokens, num_prompt_tokens=6,
+                                   num_scheduled_tokens=6, block_ids=table, window_block_ids=ring, sampling=SAMPLING)
+    result = await session.step(new_requests=[both], running_requests=[Running("whole", [], 1)])
+    assert refused(result, "both") and not result.error, result
+    assert "block_ids" in result.errors[0].message and "kv_window_only" in result.errors[0].message
+    assert len(sampled_tokens(result)["whole"]) == 1, "the other request of the step runs"
+    session.free += table + ring
+    await session.step(finished_ids=[session.finish(whole), session.finish(chunked)])
+    await session.generate(lone, 2)
+    assert (len(lone.outputs), len(lone.ring), lone.blocks) == (2, 1, [])
+
+
+async def test_an_executor_with_rings_but_not_window_only_is_sent_a_block_table_too(window_session: Session) -> None:
+    """Capabilities.kv_window_ring without kv_window_only (some layer reads the block table): a request sent its
+    ring alone is refused, naming the block table; sent its table and its ring, it runs past the window, whole or in
+    prefill chunks alike, its ring holding R blocks while its table covers the sequence."""
+    session = window_session
+    size = ring_executor(session, window_only=False)
+    span = size * session.block_size
+    ring = session.take(size)
+    lone = session.seq("ring-alone", span, seed=43)
+    alone = executor_pb2.NewRequest(request_id="ring-alone", token_ids=lone.tokens, num_prompt_tokens=span,
+                                    num_scheduled_tokens=span, window_block_ids=ring, sampling=SAMPLING)
+    result = await session.step(new_requests=[alone])
+    assert refused(result, "ring-alone") and "block table" in result.errors[0].message, result
+    session.free += ring
+    whole, chunked = await prefill_whole_and_in_chunks(session, span + session.block_size // 2, span)
+    for seq in (whole, chunked):
+        assert len(seq.ring) == size and len(seq.blocks) == session.blocks_for(len(seq.tokens) - 1)
 
 
 # ---- prompt logprobs (#30) ------------------------------------------------------------------------------------
