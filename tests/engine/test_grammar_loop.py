@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +17,18 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.messages import QueueFull
-from tests.support.engine_loop import collect
+from tests.support.engine_loop import collect, simulated_executor
 
 PATTERN = "[a-c]{12}(x|yz)"
 
 
-@pytest.fixture
-def executor_args() -> list[str]:
-    return ["--sim-step-latency-ms", "2"]
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One simulated executor for the module: each test's engine loop opens a stream of its own, and the executor
+    clears its request state at each new stream (it keeps nothing else per request)."""
+    log = tmp_path_factory.mktemp("grammar") / "executor.log"
+    with simulated_executor(log, "--sim-step-latency-ms", "2") as address:
+        yield address
 
 
 def constrained(rid: str, seed: int) -> Request:
