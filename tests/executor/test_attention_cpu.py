@@ -7,7 +7,6 @@ import functools
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from tests.executor.test_attention import (
     dense_attention,
     make_batch,
 )
+from tests.support.syntax_checks import SyntaxChecks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,39 +97,13 @@ def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
     assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
 
 
-SYNTAX_SOURCES = [cpu.SOURCE, *cpu_ops.SOURCES]
-
-
-@pytest.fixture(scope="module")
-def syntax_checks() -> Iterator[dict[Path, subprocess.Popen[str]]]:
-    """One `g++ -fsyntax-only -march=x86-64-v3` per kernel source, all started at once (each parses torch's
-    headers alone, ~7 s of one core: one after another they left the other core idle); each test reads its own."""
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    includes = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]  # torch's own warnings
-    includes.append(f"-I{cpu_build.SHARED_HEADERS}")
-    command = [os.environ.get("CXX", "g++"), "-std=c++17", "-march=x86-64-v3", "-fopenmp-simd", "-Wall",
-               "-Werror=unused-parameter", "-fsyntax-only", *includes]
-    started = {source: subprocess.Popen([*command, str(source)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True) for source in SYNTAX_SOURCES}
-    try:
-        yield started
-    finally:
-        for proc in started.values():
-            proc.kill()
-            proc.communicate()
-
-
-@pytest.mark.parametrize("source", SYNTAX_SOURCES, ids=lambda p: p.name)
-def test_the_source_compiles_for_a_cpu_without_avx512(source: Path,
-                                                      syntax_checks: dict[Path, subprocess.Popen[str]]) -> None:
+@pytest.mark.parametrize("source", [cpu.SOURCE, *cpu_ops.SOURCES], ids=lambda p: p.name)
+def test_the_source_compiles_for_a_cpu_without_avx512(source: Path, syntax_checks: SyntaxChecks) -> None:
     """Builds elsewhere get only the portable attention tile (tested here through paged_attention_portable) and no
-    skinny linear (has_skinny() false)."""
-    proc = syntax_checks[source]
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-2000:]
+    skinny linear (has_skinny() false). The checks run in the background from the start of the session
+    (tests/support/syntax_checks.py)."""
+    returncode, stderr = syntax_checks.result(source)
+    assert returncode == 0, stderr
 
 
 def test_split_sends_long_chunks_behind_a_long_prefix_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
