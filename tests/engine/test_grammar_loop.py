@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,18 +16,14 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.messages import QueueFull
-from tests.support.engine_loop import collect, simulated_executor
+from tests.support.engine_loop import collect
 
 PATTERN = "[a-c]{12}(x|yz)"
 
 
 @pytest.fixture(scope="module")
-def executor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One simulated executor for the module: each test's engine loop opens a stream of its own, and the executor
-    clears its request state at each new stream (it keeps nothing else per request)."""
-    log = tmp_path_factory.mktemp("grammar") / "executor.log"
-    with simulated_executor(log, "--sim-step-latency-ms", "2") as address:
-        yield address
+def executor_args() -> list[str]:
+    return ["--sim-step-latency-ms", "2"]
 
 
 def constrained(rid: str, seed: int) -> Request:
