@@ -30,5 +30,9 @@ async def test_a_second_keys_request_runs_second_not_behind_the_first_keys_flood
         await asyncio.to_thread(wait_until, lambda: stack.metrics()["vllm:num_requests_waiting"] == FLOOD - 1,
                                 timeout=60, what="the flood queued")
         await call("B", "b", 4)
-        await asyncio.gather(*flood)
+        # B's place is settled once it ends (later finishes are appended after it), so the flood requests still
+        # queued (~16 s of steps) are cancelled rather than waited for.
         assert finished.index("b") == 1, finished
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -160,6 +161,21 @@ def process(module: str, args: list[str], log: Path) -> Iterator[tuple[str, dict
         stop(proc)
 
 
+@contextmanager
+def loading(module: str, args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """The service started, its port bound, maybe still loading its model: its address and process."""
+    proc, ports = start_listening(module, args, log)
+    try:
+        yield loopback(ports["listen"]), proc
+    finally:
+        stop(proc)
+
+
+def wait_loaded(address: str, proc: subprocess.Popen[bytes]) -> str:
+    wait_healthy(address, proc)
+    return address
+
+
 def serve(executor: str, scheduler_args: list[str], log: Path, rounds: int = 1, must_see: str | None = None,
           parallel: bool = False) -> Run:
     """Start a scheduler on executor, run the batch `rounds` times (more, up to MAX_ROUNDS, until must_see
@@ -187,15 +203,18 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp(f"grpc-{name}")
     path = make_model(root / name, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       vocab_size=TOKENIZER_VOCAB_SIZE, init_std=0.2, **MODELS[name])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     device = os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")
     model = ["--model", str(path), "--device", device, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
-    with process("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as (executor, _):
+    with loading("executor_service", [*model, *PLENTY], root / "executor-plenty.log") as plenty, \
+            loading("executor_service", [*model, *TIGHT], root / "executor-tight.log") as tight:
+        # both executors load while transformers computes the reference
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+        executor = wait_loaded(*plenty)
         runs["plenty"] = serve(executor, [], root / "scheduler-plenty.log", rounds=2, parallel=True)
         runs["plenty-nocache"] = serve(executor, NO_CACHE, root / "scheduler-plenty-nocache.log", parallel=True)
-    with process("executor_service", [*model, *TIGHT], root / "executor-tight.log") as (executor, _):
+        executor = wait_loaded(*tight)
         for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
             for suffix, flags in (("", []), ("-nocache", NO_CACHE)):
                 runs[mode + suffix] = serve(executor, ["--preemption-mode", mode, *flags],

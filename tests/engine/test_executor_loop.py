@@ -14,7 +14,16 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from tests.support.engine_loop import collect
-from tests.support.procs import free_port, loopback, refusing_address, start, start_listening, stop, wait_healthy
+from tests.support.procs import (
+    free_port,
+    loopback,
+    refusing_address,
+    start,
+    start_listening,
+    stop,
+    wait_healthy,
+    wait_until,
+)
 
 
 async def test_a_failing_step_fails_its_requests_and_the_engine_carries_on(executor: str) -> None:
@@ -167,17 +176,20 @@ async def test_every_kind_of_stream_failure_is_a_lost_executor(executor: str) ->
 
 async def test_a_loading_executor_is_waited_for_with_one_info_line_and_no_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The executor's port answers nothing for longer than one Describe's 5 s deadline (a model loading), then
-    the executor comes up: one INFO line says it is loading, none is a warning, and its start-up time becomes
-    pagedserve:executor_startup_seconds. (The scheduler dials the address before the executor exists: a port
-    picked before it starts, free_port.)"""
+    """The executor's port answers nothing for longer than one Describe's deadline (a model loading; the deadline
+    cut from 5 s to 1 s here), then the executor comes up: one INFO line says it is loading, none is a warning, and
+    its start-up time becomes pagedserve:executor_startup_seconds. (The scheduler dials the address before the
+    executor exists: a port picked before it starts, free_port.)"""
     address = f"127.0.0.1:{free_port()}"
     engine = ExecutorLoop(CoreConfig(), address, max_queue_len=100)
+    describe = engine.connection.describe
+    engine.connection.describe = lambda timeout=5.0: describe(timeout=1.0)  # type: ignore[method-assign]
     proc = None
     with caplog.at_level(logging.INFO, "pagedserve.engine"):
         starting = asyncio.create_task(engine.start())
-        try:
-            await asyncio.sleep(6.0)
+        try:  # the executor starts once a Describe went unanswered past its deadline (the loading line)
+            await asyncio.to_thread(wait_until, lambda: any("loading, " in r.getMessage() for r in caplog.records),
+                                    timeout=60, what="the loading line")
             proc = start("executor_service", ["--simulated", "--listen", address], tmp_path / "executor.log")
             await asyncio.wait_for(starting, 60)
             assert engine.metrics is not None

@@ -21,7 +21,7 @@ from tests.support.engine_loop import collect
 PATTERN = "[a-c]{12}(x|yz)"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def executor_args() -> list[str]:
     return ["--sim-step-latency-ms", "2"]
 

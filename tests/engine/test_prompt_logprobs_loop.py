@@ -18,7 +18,7 @@ from scheduler_service.engine.executor_loop import ExecutorLoop
 PROMPT = [40 + (i * 7) % 50 for i in range(37)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def executor_args() -> list[str]:
     return ["--sim-step-latency-ms", "1"]
 

@@ -29,7 +29,7 @@ def test_budgets_are_the_smaller_of_the_flags_and_the_executors_limits() -> None
     assert step_budgets(flags, describe(0, 0, 0)) is flags, "0: the executor advertises no limit"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def executor_args() -> list[str]:
     return ["--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
 

@@ -24,6 +24,7 @@ from tests.executor.test_attention import (
     dense_attention,
     make_batch,
 )
+from tests.support.syntax_checks import SyntaxChecks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,19 +98,12 @@ def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
 
 
 @pytest.mark.parametrize("source", [cpu.SOURCE, *cpu_ops.SOURCES], ids=lambda p: p.name)
-def test_the_source_compiles_for_a_cpu_without_avx512(source: Path) -> None:
+def test_the_source_compiles_for_a_cpu_without_avx512(source: Path, syntax_checks: SyntaxChecks) -> None:
     """Builds elsewhere get only the portable attention tile (tested here through paged_attention_portable) and no
-    skinny linear (has_skinny() false)."""
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    includes = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]  # torch's own warnings
-    includes.append(f"-I{cpu_build.SHARED_HEADERS}")
-    done = subprocess.run([os.environ.get("CXX", "g++"), "-std=c++17", "-march=x86-64-v3", "-fopenmp-simd", "-Wall",
-                           "-Werror=unused-parameter", "-fsyntax-only", *includes, str(source)],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    skinny linear (has_skinny() false). The checks run in the background from the end of collection
+    (tests/support/syntax_checks.py)."""
+    returncode, stderr = syntax_checks.result(source)
+    assert returncode == 0, stderr
 
 
 def test_split_sends_long_chunks_behind_a_long_prefix_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

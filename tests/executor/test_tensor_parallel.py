@@ -265,14 +265,19 @@ def hf_greedy(path: Path) -> list[list[int]]:
 
 
 @contextmanager
-def executor(args: list[str], log: Path) -> Iterator[str]:
+def loading(args: list[str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """An executor started, its port bound, maybe still loading its model: its address and process; it must stop
+    cleanly."""
     proc, ports = start_listening("executor_service", args, log)
-    address = loopback(ports["listen"])
     try:
-        wait_healthy(address, proc)
-        yield address
+        yield loopback(ports["listen"]), proc
     finally:
         assert stop(proc) == 0, f"executor did not stop cleanly; see {log}"
+
+
+def wait_loaded(address: str, proc: subprocess.Popen[bytes]) -> str:
+    wait_healthy(address, proc)
+    return address
 
 
 def serve(address: str, scheduler_args: list[str], log_dir: Path, must_see: str | None = None) -> Run:
@@ -310,14 +315,16 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     model = ["--model", str(path), "--device", DEVICE, "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     runs: dict[str, Run] = {}
     (root / "tp1").mkdir()
-    with executor([*model, *PLENTY], root / "tp1" / "executor.log") as address:
-        runs["tp1"] = serve(address, [], root / "tp1")
-    with executor([*model, *TIGHT, *TP2], root / "executor-tight.log") as address:
+    with loading([*model, *PLENTY], root / "tp1" / "executor.log") as tp1, \
+            loading([*model, *TIGHT, *TP2], root / "executor-tight.log") as tp2:
+        reference = hf_greedy(path)  # while both executors load
+        runs["tp1"] = serve(wait_loaded(*tp1), [], root / "tp1")
+        address = wait_loaded(*tp2)
         for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
             log_dir = root / mode
             log_dir.mkdir()
             runs[mode] = serve(address, ["--preemption-mode", mode], log_dir, key)
-    return Case(hf_greedy(path), runs)
+    return Case(reference, runs)
 
 
 @pytest.mark.slow

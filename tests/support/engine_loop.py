@@ -32,3 +32,9 @@ async def collect(queue: asyncio.Queue[RequestDelta]) -> tuple[list[int], Reques
         tokens += delta.new_token_ids
         if delta.finish_reason is not None:
             return tokens, delta
+
+
+def streams_open(log_path: Path) -> int:
+    """Execute streams a simulated executor holds open, from its log (it logs each one's start and end)."""
+    text = log_path.read_text()
+    return text.count(" connected (stream ") - text.count(" disconnected (stream ")
