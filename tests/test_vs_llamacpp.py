@@ -64,3 +64,13 @@ def test_a_baseline_tree_adds_a_run_of_that_trees_executor_and_a_tree_without_on
     assert configs["pagedserve baseline"] == vs_llamacpp.Config(("--x",), ("--y",), tmp_path.resolve())
     with pytest.raises(SystemExit, match="--baseline-tree"):
         vs_llamacpp.pagedserve_configs((), (), dedicated=False, baseline_tree=tmp_path / "nothing")
+
+
+def test_the_background_packings_measured_choice_counts_as_calibrated(tmp_path: Path) -> None:
+    log = tmp_path / "executor.log"
+    log.write_text("linear weights to be packed after ready for onednn; skinny kernel up to 0 rows (provisional: "
+                   "measuring in the background after ready)\n")
+    assert not vs_llamacpp.wait_calibrated(log, timeout=0.0)
+    log.write_text(log.read_text() + "linear weights packed for onednn after ready, in the background (2.13 s): "
+                   "skinny kernel up to 4 rows (measured; kept for the next start)\n")
+    assert vs_llamacpp.wait_calibrated(log, timeout=5.0)
