@@ -2,6 +2,7 @@
 
     python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--dedicated]
         [--executor-args ...] [--scheduler-args ...] [--variant 'LABEL=EXECUTOR FLAGS' ...] [--rounds N] [--no-build]
+        [--baseline-tree DIR]
 
 Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
 under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
@@ -11,7 +12,9 @@ sent the same ShareGPT-like requests (lognormal prompt and output lengths, the p
 once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
 tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
 a pagedserve run with the documented settings for a machine that runs nothing but the server, and each --variant
-one with those executor flags; --rounds N repeats every run N times, interleaved, and reports each one's mean.
+one with those executor flags; --baseline-tree DIR one whose executor runs another tree's code (from DIR, with
+PYTHONPATH=DIR; e.g. a `git archive` of main: two trees' executors in one run); --rounds N repeats every run N
+times, interleaved, and reports each one's mean.
 Greedy equality first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts
 compared). Prints one
 JSON line per run and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly
@@ -30,7 +33,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ from client.bench.openai_backend import OpenAIBenchClient
 from client.bench.record import machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.bench.stats import SLO, compute_metrics
-from client.local import child_pids, free_port, service
+from client.local import ROOT, child_pids, free_port, service
 
 CTX_PER_SLOT = 640  # the longest request (256 + 256 tokens) and llama.cpp's BOS, with room
 
@@ -96,16 +99,20 @@ async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
 
 
 @contextlib.contextmanager
-def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = (),
-               scheduler_extra: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, int]]]:
+def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = (), scheduler_extra: tuple[str, ...] = (),
+               executor_tree: Path = ROOT) -> Iterator[tuple[str, dict[str, int]]]:
+    """The executor (its code from executor_tree: this repository's by default) and the scheduler with an HTTP
+    front-end; yields the front-end's URL and the processes by role."""
     http_port = free_port()
     executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
                      "--cpu-threads", str(threads), *extra]
-    with service("executor_service", executor_args, name="executor") as executor, \
+    env = {"PYTHONPATH": str(executor_tree)} if executor_tree != ROOT else None
+    with service("executor_service", executor_args, env=env, name="executor", cwd=executor_tree) as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
                                           "--http-listen", f"127.0.0.1:{http_port}", *scheduler_extra],
                  name="scheduler") as core:
-        wait_calibrated(executor.log)
+        if not wait_calibrated(executor.log):
+            print(json.dumps({"warning": "the executor's packing was not final in time; timing anyway"}), flush=True)
         yield f"http://127.0.0.1:{http_port}", processes(executor.proc.pid, core.proc.pid)
 
 
@@ -117,16 +124,19 @@ def processes(executor: int, core: int) -> dict[str, int]:
             **{f"api server {i}": pid for i, pid in enumerate(servers)}}
 
 
-def wait_calibrated(log: Path, timeout: float = 600.0) -> None:
+def wait_calibrated(log: Path, timeout: float = 600.0) -> bool:
     """Until the executor's packing choice is final: from the start-up cache, or measured after ready (its log says
-    which), so that the timed runs do not share the cores with the measurement or see its swap."""
+    which: "packing measured", or the background packing's "(measured; kept for the next start)"), so that the
+    timed runs do not share the cores with the measurement or see its swap. False if it was not in time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.is_file() else ""
         packed = "linear weights packed" in text
-        if "packing measured" in text or (packed and "measuring in the background" not in text):
-            return
+        measured = "packing measured" in text or "(measured; kept for the next start)" in text
+        if measured or (packed and "measuring in the background" not in text):
+            return True
         time.sleep(0.5)  # polling another process's log; not a test
+    return False
 
 
 @contextlib.contextmanager
@@ -173,22 +183,35 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
 DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
 
 
-Configs = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]  # label -> (executor flags, scheduler flags)
+@dataclass(frozen=True)
+class Config:
+    """One pagedserve configuration: executor and scheduler flags, and the tree whose executor code runs."""
+    executor: tuple[str, ...]
+    scheduler: tuple[str, ...]
+    executor_tree: Path = ROOT
+
+
+Configs = dict[str, Config]  # by label
 
 
 def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...], dedicated: bool,
-                       variants: tuple[str, ...] | list[str] = ()) -> Configs:
+                       variants: tuple[str, ...] | list[str] = (), baseline_tree: Path | None = None) -> Configs:
     """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags); with --dedicated
-    also the documented settings for a machine that runs nothing but the server; and each --variant
-    'LABEL=EXECUTOR FLAGS' (the defaults' flags plus those)."""
-    configs = {"pagedserve": (extra, scheduler_extra)}
+    also the documented settings for a machine that runs nothing but the server; each --variant
+    'LABEL=EXECUTOR FLAGS' (the defaults' flags plus those); and with --baseline-tree the defaults with the
+    executor's code from that tree."""
+    configs = {"pagedserve": Config(extra, scheduler_extra)}
+    if baseline_tree is not None:
+        if not (baseline_tree / "executor_service" / "__main__.py").is_file():
+            raise SystemExit(f"--baseline-tree {baseline_tree} has no executor_service/__main__.py")
+        configs["pagedserve baseline"] = Config(extra, scheduler_extra, baseline_tree.resolve())
     if dedicated:
-        configs["pagedserve dedicated"] = ((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
+        configs["pagedserve dedicated"] = Config((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
     for variant in variants:
         label, sep, flags = variant.partition("=")
         if not sep or not label.strip():
             raise SystemExit(f"--variant wants LABEL=EXECUTOR FLAGS, got {variant!r}")
-        configs[f"pagedserve {label.strip()}"] = ((*extra, *flags.split()), scheduler_extra)
+        configs[f"pagedserve {label.strip()}"] = Config((*extra, *flags.split()), scheduler_extra)
     return configs
 
 
@@ -199,8 +222,8 @@ def one_round(model: Path, server: Path, gguf: Path, threads: int, slots: list[i
     runs: dict[str, dict[str, Any]] = {}
     labels = list(configs)
     for label in labels[round_no % len(labels):] + labels[:round_no % len(labels)]:
-        extra, scheduler_extra = configs[label]
-        with pagedserve(model, threads, extra, scheduler_extra) as (url, pids):
+        config = configs[label]
+        with pagedserve(model, threads, config.executor, config.scheduler, config.executor_tree) as (url, pids):
             runs[label] = asyncio.run(serve_run(url, reqs, pids))
         print(json.dumps({"threads": threads, "round": round_no, "server": label, **runs[label]}), flush=True)
     for n in slots:
@@ -245,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                    "with these executor flags added (repeatable), e.g. 'spin=--cpu-omp-spin-count 50000'")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every run at each thread count "
                    "(tok/s by round and the mean)")
+    p.add_argument("--baseline-tree", type=Path, default=None, help="also run pagedserve with the executor's code "
+                   "from this tree (PYTHONPATH), e.g. `git archive main | tar -x -C DIR`: two trees in one run")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -263,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
         configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
-                                     args.dedicated, args.variant)
+                                     args.dedicated, args.variant, args.baseline_tree)
         rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs, max(1, args.rounds))
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,

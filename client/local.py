@@ -68,11 +68,11 @@ def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def start(module: str, args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    """`python -m module *args` from the repository root, stdout and stderr to log_path."""
+def start(module: str, args: list[str], log_path: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    """`python -m module *args` from the repository root (or cwd: another tree's), stdout and stderr to log_path."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
 
 
@@ -160,9 +160,9 @@ class Service:
 
 @contextlib.contextmanager
 def service(module: str, args: list[str], log_dir: Path | None = None, env: dict[str, str] | None = None,
-            name: str | None = None) -> Iterator[Service]:
-    """Start `python -m module --listen 127.0.0.1:0 *args` (the port it binds read from its --port-file), wait
-    until healthy, stop it afterwards."""
+            name: str | None = None, cwd: Path = ROOT) -> Iterator[Service]:
+    """Start `python -m module --listen 127.0.0.1:0 *args` (the port it binds read from its --port-file; from cwd,
+    whose package `module` is, the repository root by default), wait until healthy, stop it afterwards."""
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedserve-")))
@@ -170,7 +170,7 @@ def service(module: str, args: list[str], log_dir: Path | None = None, env: dict
         saved = dict(os.environ)
         try:
             os.environ.update(env or {})
-            proc = start(module, ["--listen", "127.0.0.1:0", "--port-file", str(port_file_of(log)), *args], log)
+            proc = start(module, ["--listen", "127.0.0.1:0", "--port-file", str(port_file_of(log)), *args], log, cwd)
         finally:
             os.environ.clear()
             os.environ.update(saved)

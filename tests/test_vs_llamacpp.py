@@ -40,16 +40,37 @@ def test_cpu_per_1k_tokens_divides_each_process_by_the_tokens() -> None:
 
 def test_dedicated_adds_a_run_with_the_documented_server_only_settings() -> None:
     configs = vs_llamacpp.pagedserve_configs(("--x",), (), dedicated=True)
-    assert configs["pagedserve"] == (("--x",), ())
-    assert configs["pagedserve dedicated"] == (("--x", "--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))
+    assert configs["pagedserve"] == vs_llamacpp.Config(("--x",), ())
+    assert configs["pagedserve dedicated"] == vs_llamacpp.Config(("--x", "--cpu-omp-wait-policy", "active"),
+                                                                 ("--cpu-nice", "10"))
     assert list(vs_llamacpp.pagedserve_configs((), (), dedicated=False)) == ["pagedserve"]
 
 
 def test_each_variant_adds_a_run_with_its_executor_flags_and_a_malformed_one_is_refused() -> None:
     configs = vs_llamacpp.pagedserve_configs(("--x",), ("--y",), dedicated=False,
                                              variants=["spin=--cpu-omp-spin-count 50000", "active=--a b"])
-    assert configs["pagedserve spin"] == (("--x", "--cpu-omp-spin-count", "50000"), ("--y",))
-    assert configs["pagedserve active"] == (("--x", "--a", "b"), ("--y",))
+    assert configs["pagedserve spin"] == vs_llamacpp.Config(("--x", "--cpu-omp-spin-count", "50000"), ("--y",))
+    assert configs["pagedserve active"] == vs_llamacpp.Config(("--x", "--a", "b"), ("--y",))
     for bad in ("no equals sign", "=--flag"):
         with pytest.raises(SystemExit, match="--variant"):
             vs_llamacpp.pagedserve_configs((), (), dedicated=False, variants=[bad])
+
+
+def test_a_baseline_tree_adds_a_run_of_that_trees_executor_and_a_tree_without_one_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "executor_service").mkdir()
+    (tmp_path / "executor_service" / "__main__.py").write_text("")
+    configs = vs_llamacpp.pagedserve_configs(("--x",), ("--y",), dedicated=False, baseline_tree=tmp_path)
+    assert configs["pagedserve"].executor_tree == vs_llamacpp.ROOT
+    assert configs["pagedserve baseline"] == vs_llamacpp.Config(("--x",), ("--y",), tmp_path.resolve())
+    with pytest.raises(SystemExit, match="--baseline-tree"):
+        vs_llamacpp.pagedserve_configs((), (), dedicated=False, baseline_tree=tmp_path / "nothing")
+
+
+def test_the_background_packings_measured_choice_counts_as_calibrated(tmp_path: Path) -> None:
+    log = tmp_path / "executor.log"
+    log.write_text("linear weights to be packed after ready for onednn; skinny kernel up to 0 rows (provisional: "
+                   "measuring in the background after ready)\n")
+    assert not vs_llamacpp.wait_calibrated(log, timeout=0.0)
+    log.write_text(log.read_text() + "linear weights packed for onednn after ready, in the background (2.13 s): "
+                   "skinny kernel up to 4 rows (measured; kept for the next start)\n")
+    assert vs_llamacpp.wait_calibrated(log, timeout=5.0)
