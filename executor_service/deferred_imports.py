@@ -20,7 +20,6 @@ import runs then. Off with PAGEDSERVE_LAZY_TORCH_IMPORT=0 or --no-lazy-torch-imp
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
@@ -33,7 +32,10 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 log = logging.getLogger("pagedserve.executor")
 ENV = "PAGEDSERVE_LAZY_TORCH_IMPORT"
@@ -74,7 +76,7 @@ def torch_version_on_disk() -> tuple[int, int] | None:
 class Pending:
     """What a DeferredModule needs to run: its real loader, the spec's own loader_state, the shared lock."""
 
-    loader: importlib.abc.Loader
+    loader: Loader
     loader_state: Any
     finder: DeferredImports
 
@@ -92,10 +94,10 @@ class DeferredModule(types.ModuleType):
         return types.ModuleType.__getattribute__(self, attr)
 
 
-class DeferredLoader(importlib.abc.Loader):
+class DeferredLoader:
     """Creates the module as `real` would and leaves its execution to the first use (DeferredModule)."""
 
-    def __init__(self, real: importlib.abc.Loader, finder: DeferredImports) -> None:
+    def __init__(self, real: Loader, finder: DeferredImports) -> None:
         self.real, self.finder = real, finder
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
@@ -112,7 +114,7 @@ class DeferredLoader(importlib.abc.Loader):
         self.finder.deferred.append(module)
 
 
-class DeferredImports(importlib.abc.MetaPathFinder):
+class DeferredImports:
     """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported."""
 
     def __init__(self, names: Sequence[str]) -> None:
@@ -132,7 +134,7 @@ class DeferredImports(importlib.abc.MetaPathFinder):
             return None
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = DeferredLoader(spec.loader, self)
+        spec.loader = cast("Loader", DeferredLoader(spec.loader, self))  # a duck: importlib.abc costs 10 ms
         return spec
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
