@@ -1,21 +1,23 @@
 """Parts of torch's import that eager inference does not need before its first token, run after ready (#33).
 
-A warm start is mostly `import torch` (1.3 - 2 s on two cores), and about 40% of that is modules torch's
+A warm start is mostly `import torch` (1.1 - 2 s on two cores), and 0.3 - 0.5 s of that is modules torch's
 `__init__` imports for what an eager forward never calls: its Python meta kernels (`torch._meta_registrations`,
-which pulls in `torch._decomp`, `torch._prims` and `torch._refs`: for meta and fake tensors, i.e. torch.compile
-and torch.export), `torch.export` itself and `torch.nested`. install() puts a finder in front of sys.meta_path
-just before torch is imported; for those names it lets the import create the module but not run its code (the
-module is a DeferredModule). The first access to anything but a module's import metadata (__name__, __file__,
-__spec__, ...) runs its code, under a lock, as the import would have: `torch.export.export(...)`,
-`from torch.export import ...` and `import torch.nested._internal` all find the real module. run_deferred()
-runs whatever is still deferred, in the order the imports came, and removes the finder: the process is then in
-the state a plain `import torch` leaves (the same modules, registrations and attributes). The executor calls it
-on a low-priority thread a moment after ready (__main__.py), and before anything that traces or uses fake tensors
-(runner/compiled.py).
+which pulls in `torch._decomp` and `torch._refs`: for meta and fake tensors, i.e. torch.compile and
+torch.export), `torch.export` itself and `torch.nested`. install() puts a finder in front of sys.meta_path just
+before torch is imported; for those names it lets the import create the module but not run its code (the module
+is a DeferredModule). The first access to anything but a module's import metadata (__name__, __file__, __spec__,
+...) runs its code, under a lock, as the import would have: `torch.export.export(...)`, `from torch.export
+import ...` and `import torch.nested._internal` all find the real module. What eager code needs of their side
+effects is imported right after torch (EAGER_AFTER_TORCH: torch._prims' rng_prims, for torch.Generator).
+run_deferred() runs whatever is still deferred, in the order the imports came, and removes the finder: the
+process is then in the state a plain `import torch` leaves (the same modules, registrations and attributes).
+The executor runs them on a low-priority thread a moment after ready (__main__.py), and before anything that
+traces or uses fake tensors (runner/compiled.py).
 
-Robust to a torch that names or imports these differently: a name the path finder does not find, or a module
-whose loader cannot split creation from execution, is imported as usual; a module torch touches during its own
-import runs then. Off with PAGEDSERVE_LAZY_TORCH_IMPORT=0 or --no-lazy-torch-import."""
+Robust to a torch that names or imports these differently: only a tested torch version is deferred
+(TESTED_TORCH); a name the path finder does not find, or a module whose loader cannot split creation from
+execution, is imported as usual; a module torch touches during its own import runs then. Off with
+PAGEDSERVE_LAZY_TORCH_IMPORT=0 or --no-lazy-torch-import."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ DEFERRED_TORCH_MODULES = (
     "torch.export",
     "torch.nested",
 )
+EAGER_AFTER_TORCH = ("torch._prims.rng_prims",)
+"""What a deferred module imports whose side effects eager code needs, imported right after torch's own import:
+in torch 2.13 torch.Generator() needs the metaclass rng_prims sets (imported by _meta_registrations' _decomp)."""
 METADATA = frozenset({"__name__", "__file__", "__spec__", "__loader__", "__package__", "__cached__", "__class__"})
 """What the import system, inspect.getmodule and a module's repr read of every module in sys.modules: reading
 these does not run a deferred module (its __path__ does: a submodule's import runs its package first)."""
@@ -114,18 +119,41 @@ class DeferredLoader:
         self.finder.deferred.append(module)
 
 
-class DeferredImports:
-    """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported."""
+class ThenImport:
+    """Runs `real`'s module, then imports `names` (a name that does not import is logged and left out)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, real: Loader, names: Sequence[str]) -> None:
+        self.real, self.names = real, tuple(names)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        module.__loader__ = self.real
+        self.real.exec_module(module)
+        for name in self.names:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                log.info("%s not imported after %s (%s)", name, module.__name__, exc)
+
+
+class DeferredImports:
+    """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported.
+    `then`: modules to import right after a module's own import (by its name), deferring nothing of theirs."""
+
+    def __init__(self, names: Sequence[str], then: dict[str, Sequence[str]] | None = None) -> None:
         self.names = frozenset(names)
+        self.then = dict(then or {})
         self.deferred: list[types.ModuleType] = []
         self.lock = threading.RLock()
         self.running: set[int] = set()
 
     def find_spec(self, name: str, path: Sequence[str] | None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in self.names:
+        if name not in self.names and name not in self.then:
             return None
         try:
             spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -134,7 +162,9 @@ class DeferredImports:
             return None
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        spec.loader = cast("Loader", DeferredLoader(spec.loader, self))  # a duck: importlib.abc costs 10 ms
+        # ducks, not importlib.abc.Loader subclasses: importlib.abc costs 10 ms to import
+        wrapped = DeferredLoader(spec.loader, self) if name in self.names else ThenImport(spec.loader, self.then[name])
+        spec.loader = cast("Loader", wrapped)
         return spec
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
@@ -166,9 +196,10 @@ class DeferredImports:
             return count
 
 
-def install(names: Sequence[str]) -> DeferredImports:
-    """Defer `names` in the imports to come (a module already imported stays as it is)."""
-    finder = DeferredImports(names)
+def install(names: Sequence[str], then: dict[str, Sequence[str]] | None = None) -> DeferredImports:
+    """Defer `names` in the imports to come (a module already imported stays as it is); `then` as for
+    DeferredImports."""
+    finder = DeferredImports(names, then)
     sys.meta_path.insert(0, finder)
     return finder
 
@@ -183,7 +214,7 @@ def defer_torch_imports() -> DeferredImports | None:
         log.info("torch %s: its import is not deferred (tested on %s)", version,
                  ", ".join(f"{major}.{minor}" for major, minor in TESTED_TORCH))
         return None
-    return install(DEFERRED_TORCH_MODULES)
+    return install(DEFERRED_TORCH_MODULES, {"torch": EAGER_AFTER_TORCH})
 
 
 def run_in_background(finder: DeferredImports, then: Callable[[], object]) -> threading.Thread:

@@ -78,14 +78,21 @@ def test_run_deferred_runs_what_is_left_in_import_order_and_stops_deferring(pack
     assert dpkg.seen.ran == ["first", "second", "third"]
 
 
+def test_then_imports_a_module_right_after_its_package_and_nothing_of_it_is_deferred(package: Path) -> None:
+    install(["dpkg.first"], {"dpkg": ["dpkg.third", "dpkg.absent"]})  # (torch: rng_prims, for torch.Generator)
+    import dpkg
+    assert dpkg.seen.ran == ["second", "third"] and type(sys.modules["dpkg.third"]) is types.ModuleType
+    assert isinstance(dpkg.__loader__, importlib.machinery.SourceFileLoader) and "dpkg.absent" not in sys.modules
+
+
 def test_a_submodule_import_runs_its_deferred_package_first_and_a_missing_name_fails_as_usual(
         package: Path) -> None:
     install(["dpkg.inner", "dpkg.missing"])
     import dpkg
     import dpkg.inner
-    assert dpkg.seen.ran == []
+    assert dpkg.seen.ran == ["first", "second"] and type(dpkg.inner) is DeferredModule
     import dpkg.inner.child
-    assert dpkg.seen.ran == ["inner", "child"]
+    assert dpkg.seen.ran == ["first", "second", "inner", "child"]
     with pytest.raises(ModuleNotFoundError, match=r"dpkg\.missing"):
         import dpkg.missing
 
@@ -102,8 +109,9 @@ def test_torch_is_deferred_only_where_it_is_not_imported_yet_and_of_a_tested_ver
 
 
 BACKEND_SCRIPT = """
-import hashlib, json, sys
+import hashlib, json, os, sys
 from executor_service.__main__ import deferral_for
+from executor_service.config import ExecutorConfig
 config = ExecutorConfig.from_args(sys.argv[1:])
 deferred = deferral_for(config)
 from benchmarks.forward_steps import step_items
@@ -118,6 +126,8 @@ before = logits()
 ran = deferred.run_all() if deferred is not None else 0
 print(json.dumps({"at_ready": at_ready, "ran": ran, "logits": [before, logits()], "modules": sorted(sys.modules),
                   "deferred_left": [n for n, m in sys.modules.items() if type(m).__name__ == "DeferredModule"]}))
+sys.stdout.flush()
+os._exit(0)  # as the executor exits (exit_quietly): the packing thread may still run
 """
 
 
@@ -147,6 +157,7 @@ def test_compile_sizes_run_the_deferred_imports_before_tracing(tmp_path: Path) -
 import json, sys, torch
 from executor_service.deferred_imports import DeferredModule
 import executor_service.runner.torch_backend as tb
+from executor_service.config import ExecutorConfig
 deferred = [n for n, m in sys.modules.items() if type(m) is DeferredModule]
 backend = tb.TorchBackend.create(ExecutorConfig.from_args(sys.argv[1:]))
 from benchmarks.forward_steps import step_items
@@ -168,6 +179,7 @@ print(json.dumps({"deferred": deferred, "left": [n for n, m in sys.modules.items
 def served_tokens(tmp_path: Path, extra: list[str]) -> tuple[list[list[int]], str]:
     """Greedy tokens of a few prompts through a scheduler and the embedded model's executor started with `extra`,
     and the executor's log once the deferred imports (if any) have run."""
+    tmp_path.mkdir()
     with running_stack(tmp_path, ["--startup-cache-dir", "", *extra]) as stack:
         log_path = stack.log_dir / "executor.log"
         outputs = asyncio.run(generate_all(stack.address, num=3, max_tokens=6))
