@@ -176,8 +176,8 @@ def distributed(config: ExecutorConfig) -> bool:
 
 def deferral_for(config: ExecutorConfig) -> DeferredImports | None:
     """Defer torch's imports that an eager forward does not use (deferred_imports.py), unless they are off
-    (--no-lazy-torch-import, PAGEDSERVE_LAZY_TORCH_IMPORT=0) or the start needs them (--compile-sizes traces with
-    fake tensors at load) or is not a plain single-process one (simulated, tensor parallelism)."""
+    (--no-lazy-torch-import, PAGEDSERVE_LAZY_TORCH_IMPORT=0) or the process will need them (--compile-sizes
+    traces with fake tensors) or is not a plain single-process one (simulated, tensor parallelism)."""
     if not config.lazy_torch_import or not enabled_by_environment():
         return None
     if config.simulated or config.compile_sizes or distributed(config):

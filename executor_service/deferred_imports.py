@@ -1,6 +1,6 @@
 """Parts of torch's import that eager inference does not need before its first token, run after ready (#33).
 
-A warm start is mostly `import torch` (1.1 - 2 s on two cores), and 0.3 - 0.5 s of that is modules torch's
+A warm start is mostly `import torch` (1.1 - 2 s on two cores), and 0.25 - 0.5 s of that is modules torch's
 `__init__` imports for what an eager forward never calls: its Python meta kernels (`torch._meta_registrations`,
 which pulls in `torch._decomp` and `torch._refs`: for meta and fake tensors, i.e. torch.compile and
 torch.export), `torch.export` itself and `torch.nested`. install() puts a finder in front of sys.meta_path just
