@@ -79,7 +79,7 @@ def torch_version_on_disk() -> tuple[int, int] | None:
 
 @dataclass
 class Pending:
-    """What a DeferredModule needs to run: its real loader, the spec's own loader_state, the shared lock."""
+    """What a DeferredModule needs to run: its real loader, the spec's own loader_state, the finder (its lock)."""
 
     loader: Loader
     loader_state: Any
