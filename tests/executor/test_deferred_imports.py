@@ -108,6 +108,10 @@ def test_torch_is_deferred_only_where_it_is_not_imported_yet_and_of_a_tested_ver
     assert not any(isinstance(f, deferred_imports.DeferredImports) for f in sys.meta_path)
 
 
+FORCED_PACKING = ["--cpu-gemm", "onednn", "--cpu-skinny-rows", "0"]
+"""Linears packed before ready for a choice made here: a choice measured after ready is swapped in between passes
+whenever the measurement ends, and could change the last bits of a pass's logits in one process and not the other."""
+
 BACKEND_SCRIPT = """
 import hashlib, json, os, sys
 from executor_service.__main__ import deferral_for
@@ -142,7 +146,7 @@ def run_backend(args: list[str], lazy: bool) -> dict[str, Any]:
 def test_the_backend_is_ready_before_torchs_meta_kernels_run_and_ends_as_a_plain_import(tmp_path: Path) -> None:
     model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, vocab_size=512, init_std=0.2)
     args = ["--model", str(model), "--device", "cpu", "--block-size", "8", "--num-gpu-blocks", "64",
-            "--startup-cache-dir", ""]
+            "--startup-cache-dir", "", *FORCED_PACKING]
     lazy, plain = run_backend(args, lazy=True), run_backend(args, lazy=False)
     assert {"torch._meta_registrations", "torch.export"} <= set(lazy["at_ready"])
     assert plain["at_ready"] == [] and plain["ran"] == 0
@@ -180,7 +184,7 @@ def served_tokens(tmp_path: Path, extra: list[str]) -> tuple[list[list[int]], st
     """Greedy tokens of a few prompts through a scheduler and the embedded model's executor started with `extra`,
     and the executor's log once the deferred imports (if any) have run."""
     tmp_path.mkdir()
-    with running_stack(tmp_path, ["--startup-cache-dir", "", *extra]) as stack:
+    with running_stack(tmp_path, ["--startup-cache-dir", "", *FORCED_PACKING, *extra]) as stack:
         log_path = stack.log_dir / "executor.log"
         outputs = asyncio.run(generate_all(stack.address, num=3, max_tokens=6))
         if "deferred until after ready" in log_path.read_text():
