@@ -20,6 +20,12 @@ from client.port_file import PortFile, check_port_file
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
+from executor_service.deferred_imports import (
+    DeferredImports,
+    defer_torch_imports,
+    enabled_by_environment,
+    run_in_background,
+)
 from executor_service.placement import bind_cores, omp_environment, set_omp_environment
 from executor_service.prefetch import cache_for, conversion_for, finish_prefetch, prefetch_weights
 from executor_service.server import Serving, start_serving
@@ -47,10 +53,10 @@ def build_backend(config: ExecutorConfig, converted: ConvertedWeights | None = N
 
 
 async def main(config: ExecutorConfig, backend: Backend | None = None,
-               converted: ConvertedWeights | None = None) -> None:
+               converted: ConvertedWeights | None = None, deferred: DeferredImports | None = None) -> None:
     """Serve the Executor API until SIGINT/SIGTERM; `backend` is rank 0's under tensor parallelism. Without one,
     the port is open (Describe waits, health NOT_SERVING) while the model loads on another thread (`converted`:
-    the prefetch thread's float32 tensors, for the loader)."""
+    the prefetch thread's float32 tensors, for the loader; `deferred`: torch's imports left until after ready)."""
     credentials = None
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
@@ -69,7 +75,7 @@ async def main(config: ExecutorConfig, backend: Backend | None = None,
     try:
         backend = backend or await load_until_stopped(config, stop, converted)
         if backend is not None:
-            await ready(config, backend, serving)
+            await ready(config, backend, serving, deferred)
             await stop.wait()
         else:
             log.info("executor stopped while loading its model")
@@ -99,10 +105,14 @@ async def load_until_stopped(config: ExecutorConfig, stop: asyncio.Event,
     return loading.result() if loading.done() else None
 
 
-async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> None:
-    """Report ready: the seconds since the process started in Describe and the log, then serve `backend`."""
+async def ready(config: ExecutorConfig, backend: Backend, serving: Serving,
+                deferred: DeferredImports | None = None) -> None:
+    """Report ready: the seconds since the process started in Describe and the log, then serve `backend`; a moment
+    later run the `deferred` imports (on a low-priority thread), then freeze the heap."""
     started = process_start_time()
     info = backend.info = replace(backend.info, startup_seconds=round(max(0.0, time.time() - started), 3))
+    if deferred is not None:  # before it answers: a test reads this line once the executor is healthy
+        log.info("torch imports deferred until after ready: %s", ", ".join(deferred.pending_names()) or "none")
     await serving.attach(backend)
     limits = serving.servicer.limits
     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in info.startup_phases) or "none"
@@ -111,7 +121,17 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving) -> N
              "most %d tokens, %d requests", config.listen, serving.port, info.model_id, info.device, info.dtype,
              info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)
     gc.set_threshold(20_000, 50, 1000)
-    asyncio.get_running_loop().call_later(FREEZE_HEAP_AFTER_S, freeze_heap)
+    loop = asyncio.get_running_loop()
+    loop.call_later(FREEZE_HEAP_AFTER_S, finish_start, deferred, loop)
+
+
+def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLoop) -> None:
+    """After ready and its first answers: the deferred imports on their thread, then freeze_heap on the event loop
+    (so the heap it freezes holds their objects too)."""
+    if deferred is None:
+        freeze_heap()
+        return
+    run_in_background(deferred, lambda: loop.call_soon_threadsafe(freeze_heap))
 
 
 def freeze_heap() -> None:
@@ -127,16 +147,17 @@ def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ExecutorConfig.from_args(argv)
     check_port_file(config.port_file)
+    deferred = deferral_for(config)  # before anything imports torch
     converted = conversion_for(config)
     prefetch, cache = None, cache_for(config) if converted is not None else None
     if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports
         prefetch = prefetch_weights(config.model, converted, cache)
     set_omp_environment(omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count))  # before torch loads
     try:
-        if config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if distributed(config):
             from executor_service.parallel.launch import launch
             return launch(config, lambda backend: uvloop.run(main(config, backend)))
-        uvloop.run(main(config, converted=converted))
+        uvloop.run(main(config, converted=converted, deferred=deferred))
         finish_prefetch(prefetch, cache)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed (loading the model)
         log.info("executor interrupted while starting")
@@ -147,6 +168,21 @@ def run(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     return 0
+
+
+def distributed(config: ExecutorConfig) -> bool:
+    return config.tensor_parallel_size > 1 or config.nnodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def deferral_for(config: ExecutorConfig) -> DeferredImports | None:
+    """Defer torch's imports that an eager forward does not use (deferred_imports.py), unless they are off
+    (--no-lazy-torch-import, PAGEDSERVE_LAZY_TORCH_IMPORT=0) or the process will need them (--compile-sizes
+    traces with fake tensors) or is not a plain single-process one (simulated, tensor parallelism)."""
+    if not config.lazy_torch_import or not enabled_by_environment():
+        return None
+    if config.simulated or config.compile_sizes or distributed(config):
+        return None
+    return defer_torch_imports()
 
 
 def exit_quietly(code: int) -> None:

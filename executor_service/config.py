@@ -69,6 +69,11 @@ class ExecutorConfig:
         " on a low-priority thread (and measure the choice there where the start-up cache has none), swapped in"
         " between steps (a step over the skinny kernel's rows before then packs the rest itself first); off: pack"
         " before ready"))
+    lazy_torch_import: bool = field(default=True, metadata=flag(
+        "run the parts of torch's import that an eager forward does not use (its Python meta kernels with"
+        " torch._decomp/_prims/_refs, torch.export, torch.nested: 0.3 - 0.5 s of a start) on a low-priority thread"
+        " after ready instead of before it; the first use of one of them (torch.compile, meta tensors) runs it at"
+        " once. Off for --compile-sizes and tensor parallelism; also off with PAGEDSERVE_LAZY_TORCH_IMPORT=0"))
     cpu_threads: int = field(default=0, metadata=flag(
         "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
         " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"

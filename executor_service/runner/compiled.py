@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from executor_service.deferred_imports import run_deferred
 from executor_service.model import AttentionMetadata, LlamaForCausalLM, ModelOps
 from executor_service.model.llama import Attention, KVCaches
 
@@ -114,6 +115,7 @@ class CompiledForward:
         _CONTEXTS[handle] = self.context
         for i, attention in enumerate(attentions):
             route_attention(attention, i, handle)
+        run_deferred()  # tracing uses fake tensors: torch's Python meta kernels must be registered
         register_packed_linear_fake()
         unused = [(torch.empty(0), torch.empty(0))] * len(attentions)
 

@@ -1,0 +1,257 @@
+"""Parts of torch's import that eager inference does not need before its first token, run after ready (#33).
+
+A warm start is mostly `import torch` (1.1 - 2 s on two cores), and 0.25 - 0.5 s of that is modules torch's
+`__init__` imports for what an eager forward never calls: its Python meta kernels (`torch._meta_registrations`,
+which pulls in `torch._decomp` and `torch._refs`: for meta and fake tensors, i.e. torch.compile and
+torch.export), `torch.export` itself and `torch.nested`. install() puts a finder in front of sys.meta_path just
+before torch is imported; for those names it lets the import create the module but not run its code (the module
+is a DeferredModule). The first access to anything but a module's import metadata (__name__, __file__, __spec__,
+...) runs its code, under a lock, as the import would have: `torch.export.export(...)`, `from torch.export
+import ...` and `import torch.nested._internal` all find the real module. What eager code needs of their side
+effects is imported right after torch (EAGER_AFTER_TORCH: torch._prims' rng_prims, for torch.Generator).
+run_deferred() runs whatever is still deferred, in the order the imports came, and removes the finder: the
+process is then in the state a plain `import torch` leaves (the same modules, registrations and attributes).
+The executor runs them on a low-priority thread a moment after ready (__main__.py), and before anything that
+traces or uses fake tensors (runner/compiled.py).
+
+Robust to a torch that names or imports these differently: only a tested torch version is deferred
+(TESTED_TORCH); a name the path finder does not find, or a module whose loader cannot split creation from
+execution, is imported as usual; a module torch touches during its own import runs then. Off with
+PAGEDSERVE_LAZY_TORCH_IMPORT=0 or --no-lazy-torch-import."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
+
+log = logging.getLogger("pagedserve.executor")
+ENV = "PAGEDSERVE_LAZY_TORCH_IMPORT"
+DEFERRED_TORCH_MODULES = (
+    "torch._meta_registrations",
+    "torch.distributed._meta_registrations",
+    "torch.export",
+    "torch.nested",
+)
+EAGER_AFTER_TORCH = ("torch._prims.rng_prims",)
+"""What a deferred module imports whose side effects eager code needs, imported right after torch's own import:
+in torch 2.13 torch.Generator() needs the metaclass rng_prims sets (imported by _meta_registrations' _decomp)."""
+METADATA = frozenset({"__name__", "__file__", "__spec__", "__loader__", "__package__", "__cached__", "__class__"})
+"""What the import system, inspect.getmodule and a module's repr read of every module in sys.modules: reading
+these does not run a deferred module (its __path__ does: a submodule's import runs its package first)."""
+
+
+TESTED_TORCH = ((2, 13),)
+"""torch versions (major, minor) the deferral was tested on. Another version imports torch as usual: deferring a
+module changes which module first imports what it imports, and in another torch that order could meet a circular
+import that the usual order does not (as deferring torch.quantization does in 2.13)."""
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def torch_version_on_disk() -> tuple[int, int] | None:
+    """torch's (major, minor) from its version.py, without importing torch; None where it cannot be read."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        text = Path(locations[0], "version.py").read_text(encoding="utf-8") if locations else ""
+    except (OSError, ValueError, ImportError):
+        return None
+    found = re.search(r"^__version__\s*=\s*['\"](\d+)\.(\d+)", text, re.MULTILINE)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+@dataclass
+class Pending:
+    """What a DeferredModule needs to run: its real loader, the spec's own loader_state, the finder (its lock)."""
+
+    loader: Loader
+    loader_state: Any
+    finder: DeferredImports
+
+
+class DeferredModule(types.ModuleType):
+    """A module created by the import whose code has not run yet; any attribute but METADATA runs it first."""
+
+    def __getattribute__(self, attr: str) -> Any:
+        if attr in METADATA:
+            return types.ModuleType.__getattribute__(self, attr)
+        spec = types.ModuleType.__getattribute__(self, "__spec__")
+        pending = spec.loader_state if spec is not None else None
+        if isinstance(pending, Pending):
+            pending.finder.run(self, spec, pending)
+        return types.ModuleType.__getattribute__(self, attr)
+
+
+class DeferredLoader:
+    """Creates the module as `real` would and leaves its execution to the first use (DeferredModule)."""
+
+    def __init__(self, real: Loader, finder: DeferredImports) -> None:
+        self.real, self.finder = real, finder
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = module.__spec__
+        if spec is None or type(module) is not types.ModuleType:  # a custom module type: run it as usual
+            self.real.exec_module(module)
+            return
+        spec.loader, module.__loader__ = self.real, self.real  # what a plain import leaves there
+        spec.loader_state = Pending(self.real, spec.loader_state, self.finder)
+        module.__class__ = DeferredModule
+        self.finder.deferred.append(module)
+
+
+class ThenImport:
+    """Runs `real`'s module, then imports `names` (a name that does not import is logged and left out)."""
+
+    def __init__(self, real: Loader, names: Sequence[str]) -> None:
+        self.real, self.names = real, tuple(names)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        module.__loader__ = self.real
+        self.real.exec_module(module)
+        for name in self.names:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                log.info("%s not imported after %s (%s)", name, module.__name__, exc)
+
+
+class DeferredImports:
+    """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported.
+    `then`: modules to import right after a module's own import (by its name), deferring nothing of theirs."""
+
+    def __init__(self, names: Sequence[str], then: dict[str, Sequence[str]] | None = None) -> None:
+        self.names = frozenset(names)
+        self.then = dict(then or {})
+        self.deferred: list[types.ModuleType] = []
+        self.lock = threading.RLock()
+        self.running: set[int] = set()
+
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in self.names and name not in self.then:
+            return None
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+        except Exception as exc:  # never break the import: the usual finders try it again
+            log.info("deferred import of %s not possible (%s); importing it now", name, exc)
+            return None
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        # ducks, not importlib.abc.Loader subclasses: importlib.abc costs 10 ms to import
+        wrapped = DeferredLoader(spec.loader, self) if name in self.names else ThenImport(spec.loader, self.then[name])
+        spec.loader = cast("Loader", wrapped)
+        return spec
+
+    def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
+        """Run `module`'s code once (the first thread to need it runs it, others wait for it; an access from the
+        code it runs sees the partly run module, as in a circular import)."""
+        with self.lock:
+            if spec.loader_state is not pending or id(module) in self.running:
+                return
+            self.running.add(id(module))
+            try:
+                spec.loader_state = pending.loader_state
+                pending.loader.exec_module(module)
+            finally:
+                self.running.discard(id(module))
+                module.__class__ = types.ModuleType
+
+    def pending_names(self) -> list[str]:
+        """The modules still deferred, in import order."""
+        return [m.__name__ for m in self.deferred if type(m) is DeferredModule]
+
+    def run_all(self) -> int:
+        """Run every module still deferred, in import order, and stop deferring; the number run."""
+        with self.lock:
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+            count = 0
+            for module in list(self.deferred):
+                count += run_module(module)
+            self.deferred.clear()
+            return count
+
+
+def install(names: Sequence[str], then: dict[str, Sequence[str]] | None = None) -> DeferredImports:
+    """Defer `names` in the imports to come (a module already imported stays as it is); `then` as for
+    DeferredImports."""
+    finder = DeferredImports(names, then)
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def defer_torch_imports() -> DeferredImports | None:
+    """install(DEFERRED_TORCH_MODULES) before torch's import, where torch is a TESTED_TORCH version; None (torch
+    imports as usual) where it is not, cannot be told, or torch is already imported."""
+    if "torch" in sys.modules:
+        return None
+    version = torch_version_on_disk()
+    if version not in TESTED_TORCH:
+        log.info("torch %s: its import is not deferred (tested on %s)", version,
+                 ", ".join(f"{major}.{minor}" for major, minor in TESTED_TORCH))
+        return None
+    return install(DEFERRED_TORCH_MODULES, {"torch": EAGER_AFTER_TORCH})
+
+
+def run_in_background(finder: DeferredImports, then: Callable[[], object]) -> threading.Thread:
+    """Run what `finder` deferred on a daemon thread at the lowest CPU priority, log it, then call `then` (on that
+    thread). A module whose code fails is logged: the forward does not use it (its import would have failed the
+    start without the deferral)."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        names, t0 = finder.pending_names(), time.perf_counter()
+        try:
+            finder.run_all()
+            log.info("deferred torch imports run after ready (%.2f s): %s", time.perf_counter() - t0,
+                     ", ".join(names) or "none left")
+        except Exception as exc:
+            log.warning("a deferred torch import failed after ready (%s: %s); torch.compile and meta tensors may "
+                        "not work in this process", type(exc).__name__, exc)
+        then()
+
+    thread = threading.Thread(target=run, name="deferred-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def run_deferred() -> int:
+    """Run every deferred import of this process (whichever DeferredImports made them), e.g. before torch.compile
+    or torch.export, which need the meta kernels; the number of modules run."""
+    finders = [f for f in sys.meta_path if isinstance(f, DeferredImports)]
+    modules = [m for m in list(sys.modules.values()) if type(m) is DeferredModule]
+    count = sum(finder.run_all() for finder in finders)
+    return count + sum(run_module(module) for module in modules)  # those of a finder already removed
+
+
+def run_module(module: types.ModuleType) -> bool:
+    """Run `module`'s code if it is still deferred; whether it was."""
+    if type(module) is not DeferredModule:
+        return False
+    module.__doc__  # noqa: B018 - any attribute but the import metadata runs it
+    return True
