@@ -53,7 +53,7 @@ def test_copy_rows_start_at_a_document_and_hold_it_whole() -> None:
 def test_fine_tuning_from_weights_is_deterministic(tmp_path: Path) -> None:
     base = tmp_path / "base"
     training.train(base, replace(TINY_COPY, copy_fraction=0.0), TINY)
-    tuned = replace(TINY_COPY, init_from=str(base))
+    tuned = replace(TINY_COPY, init_from=str(base), repeat_steps=2, repeat_max_len=16, repeat_fraction=0.5)
     training.train(tmp_path / "a", tuned, TINY)
     training.train(tmp_path / "b", tuned, TINY)
     a, b = (tmp_path / "a" / "model.safetensors").read_bytes(), (tmp_path / "b" / "model.safetensors").read_bytes()
