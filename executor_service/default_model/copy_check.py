@@ -4,12 +4,16 @@ A quote prompt is a corpus paragraph, a blank line and its first third again (be
 set): a model that copies answers with the rest of the paragraph. `ngram_tokens_per_step` scores an answer by the
 output tokens per step that n-gram speculation (the scheduler's proposer, k drafts, prompt_lookup 2-5) would
 reach drafting at every step with a verification as cheap as a decode: 1.0 for no copy, k + 1 for a full one.
-`probe_copying` runs it on a transformers model's greedy answers, so training can watch copying grow. torch is
+`quote_fidelity` scores how much of the passage's rest the answer reproduces (a model that loops on one token
+has a high n-gram score and no fidelity). `probe_copying` runs both on a transformers model's greedy answers, so
+training can watch copying grow. torch is
 imported where a model runs, so the benchmarks' drivers import the prompts without it.
 """
 
 from __future__ import annotations
 
+import difflib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.speculative import propose_ngram
@@ -57,17 +61,43 @@ def greedy_answer(model: LlamaForCausalLM, prompt: list[int], output_len: int) -
     return list(out[0, len(prompt):].tolist())
 
 
-def probe_copying(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, prompts: int = 8,
-                  output_len: int = 96, k: int = 4) -> float:
-    """Mean n-gram best case (tokens per step) of the model's greedy answers to the first quote prompts; the
-    model is put in eval mode for it and back in train mode after."""
+def quote_fidelity(answer: list[int], expected: list[int]) -> float:
+    """The share of the expected quote (cut to the answer's length) that the answer reproduces: tokens in
+    matching blocks (difflib), so a slip of one token costs one token, not the rest of the quote. A model that
+    loops on one token scores high n-gram tokens per step but near 0 here."""
+    n = min(len(answer), len(expected))
+    if n == 0:
+        return 0.0
+    blocks = difflib.SequenceMatcher(None, answer[:n], expected[:n], autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks) / n
+
+
+@dataclass(slots=True, frozen=True)
+class CopyScore:
+    """A probe's means over its prompts: n-gram best case (tokens per step) and quote fidelity (0 - 1)."""
+
+    tokens_per_step: float
+    fidelity: float
+
+
+def probe_copying(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, bos: int, prompts: int = 8,
+                  output_len: int = 96, k: int = 4) -> CopyScore:
+    """The model's greedy answers to the first quote prompts (BOS first, as the server's tokenizer sends them),
+    scored; the model is put in eval mode for it and back in train mode after."""
     import torch
 
-    encoded = [tokenizer.encode(quote_prompt(p), add_special_tokens=False).ids for p in quote_passages(text, prompts)]
+    steps, fidelity = [], []
     model.eval()
     try:
         with torch.inference_mode():
-            scores = [ngram_tokens_per_step(q, greedy_answer(model, q, output_len), k) for q in encoded]
+            for passage in quote_passages(text, prompts):
+                prompt = quote_prompt(passage)
+                ids = [bos, *tokenizer.encode(prompt, add_special_tokens=False).ids]
+                rest = passage.split(" ")[len(passage.split(" ")) // 3:]
+                whole = [bos, *tokenizer.encode(prompt + " " + " ".join(rest), add_special_tokens=False).ids]
+                answer = greedy_answer(model, ids, output_len)
+                steps.append(ngram_tokens_per_step(ids, answer, k))
+                fidelity.append(quote_fidelity(answer, whole[len(ids):]))
     finally:
         model.train()
-    return sum(scores) / len(scores)
+    return CopyScore(sum(steps) / len(steps), sum(fidelity) / len(fidelity))

@@ -60,14 +60,15 @@ class TrainConfig:
     repeat_fraction: float = 0.0  # share of the corpus stage's rows that are repeat rows
     probe_every: int = 0  # every this many steps, probe_copying on quote prompts (0: never)
     probe_patience: int = 0  # corpus stage: stop after this many probes without a gain of probe_min_gain (0: never)
-    probe_min_gain: float = 0.05
+    probe_min_gain: float = 0.02  # in quote fidelity (copy_check.quote_fidelity, 0 - 1)
 
 
 @dataclass(slots=True)
 class Progress:
-    """What a training run did: its probes (step, tokens per step), the best one, the steps run, the seconds."""
+    """What a training run did: its probes (step, n-gram tokens per step, quote fidelity), the best fidelity of
+    the corpus stage, the steps run, the seconds."""
 
-    probes: list[tuple[int, float]] = field(default_factory=list)
+    probes: list[tuple[int, float, float]] = field(default_factory=list)
     best: float = -1.0
     steps_run: int = 0
     seconds: float = 0.0
@@ -83,9 +84,10 @@ class CopyStream:
 
 COPY_MODEL_NAME = "copy-model"
 TRAINING_LOG = "training_log.json"  # a probed run's Progress, beside its weights
-COPY_RECIPE = TrainConfig(steps=600, batch_size=8, seq_len=320, lr=3e-3, min_lr=3e-4, warmup=20, log_every=50,
-                          copy_fraction=0.75, copy_edit_share=0.1, copy_shuffle_share=0.5,
-                          init_from=str(dm.TRAINED_MODEL_DIR))
+COPY_RECIPE = TrainConfig(steps=600, batch_size=6, seq_len=448, lr=2e-3, min_lr=2e-4, warmup=30, log_every=25,
+                          copy_fraction=0.5, copy_edit_share=0.1, copy_shuffle_share=0.25,
+                          init_from=str(dm.TRAINED_MODEL_DIR), repeat_steps=300, repeat_min_len=8, repeat_max_len=200,
+                          repeat_fraction=0.25, probe_every=100, probe_patience=2, probe_min_gain=0.02)
 
 
 def documents(text: str) -> list[str]:
@@ -209,15 +211,17 @@ class CopyWatch:
 
     def observe(self, model: LlamaForCausalLM, step: int, keep: bool) -> bool:
         """Probe the model at this step (of the whole run); True when the run should stop. keep: this stage's
-        weights may be the result (the best kept, stopping allowed)."""
-        score = round(probe_copying(model, self.tokenizer, self.text), 3)
-        self.progress.probes.append((step, score))
-        print(f"step {step}: copy probe {score:.2f} tokens per step", flush=True)
+        weights may be the result (the best by quote fidelity kept, stopping allowed)."""
+        score = probe_copying(model, self.tokenizer, self.text, dm.BOS_TOKEN_ID)
+        fidelity = round(score.fidelity, 3)
+        self.progress.probes.append((step, round(score.tokens_per_step, 3), fidelity))
+        print(f"step {step}: copy probe {score.tokens_per_step:.2f} tokens per step, fidelity {fidelity:.3f}",
+              flush=True)
         if not keep:
             return False
-        gained = score >= self.progress.best + self.cfg.probe_min_gain
-        if score > self.progress.best:
-            self.progress.best = score
+        gained = fidelity >= self.progress.best + self.cfg.probe_min_gain
+        if fidelity > self.progress.best:
+            self.progress.best = fidelity
             self.best_state = {name: t.detach().clone() for name, t in model.state_dict().items()}
         self.stale = 0 if gained else self.stale + 1
         return 0 < self.cfg.probe_patience <= self.stale

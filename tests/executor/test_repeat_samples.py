@@ -11,7 +11,12 @@ import torch
 
 from executor_service.default_model import model as dm
 from executor_service.default_model import training
-from executor_service.default_model.copy_check import ngram_tokens_per_step, quote_passages, quote_prompt
+from executor_service.default_model.copy_check import (
+    ngram_tokens_per_step,
+    quote_fidelity,
+    quote_passages,
+    quote_prompt,
+)
 from executor_service.default_model.repeat_samples import IGNORE, RepeatSpec, corpus_vocab, repeat_batch, repeat_row
 from executor_service.default_model.training import TrainConfig, corpus_batch, load_sources
 
@@ -67,6 +72,14 @@ def test_the_ngram_best_case_counts_accepted_copies() -> None:
     assert ngram_tokens_per_step(prompt, [], 4) == 0.0
 
 
+def test_quote_fidelity_counts_the_reproduced_quote_not_repetition() -> None:
+    expected = list(range(100, 140))
+    assert quote_fidelity(expected, expected) == 1.0
+    assert quote_fidelity([*expected[:10], 5, *expected[11:]], expected) == 39 / 40  # one slip costs one token
+    assert quote_fidelity([7] * 40, expected) == 0.0  # a loop: n-gram drafts accepted, nothing quoted
+    assert quote_fidelity([], expected) == 0.0
+
+
 def test_quote_prompts_repeat_the_first_third_of_the_benchmark_passages() -> None:
     passages = quote_passages(dm.read_corpus(), 4)
     assert len(passages) == 4 and all(300 <= len(p) <= 900 for p in passages)
@@ -80,6 +93,6 @@ def test_a_probed_run_stops_when_copying_stops_improving(tmp_path: Path) -> None
     training.train(tmp_path / "m", cfg, TINY)
     log = json.loads((tmp_path / "m" / training.TRAINING_LOG).read_text())
     assert log["steps_run"] == 2 + 2  # the warm-up's two steps, then two probes without the (impossible) gain
-    assert [step for step, _ in log["probes"]] == [1, 2, 3, 4]
-    assert log["best"] == max(score for step, score in log["probes"][2:])
+    assert [probe[0] for probe in log["probes"]] == [1, 2, 3, 4]
+    assert log["best"] == max(fidelity for _, _, fidelity in log["probes"][2:])
     assert (tmp_path / "m" / "model.safetensors").is_file()
