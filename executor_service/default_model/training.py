@@ -53,6 +53,7 @@ class TrainConfig:
     copy_fraction: float = 0.0  # share of a batch's rows that are copy samples (copy_samples.py)
     copy_edit_share: float = 0.5  # share of copy samples whose repeat is edited
     copy_shuffle_share: float = 0.0  # share of copy samples whose passage has its words shuffled
+    copy_repeat_loss_only: bool = False  # a copy row's loss only from its repeat on (the passage's own loss off)
     init_from: str | None = None  # fine-tune from this model directory's weights instead of a random init
     repeat_steps: int = 0  # copy warm-up: steps of repeat rows only (repeat_samples.py) before the corpus stage
     repeat_min_len: int = 8  # a repeat row's random segment: at least this many tokens
@@ -76,18 +77,20 @@ class Progress:
 
 @dataclass(slots=True, frozen=True)
 class CopyStream:
-    """The copy documents as one token stream, and where each document starts."""
+    """The copy documents as one token stream, where each document starts, and at what offset from its start
+    its repeat begins (the first token after the passage and the separator)."""
 
     tokens: torch.Tensor
     starts: torch.Tensor
+    repeat_at: torch.Tensor
 
 
 COPY_MODEL_NAME = "copy-model"
 TRAINING_LOG = "training_log.json"  # a probed run's Progress, beside its weights
-COPY_RECIPE = TrainConfig(steps=600, batch_size=6, seq_len=448, lr=2e-3, min_lr=2e-4, warmup=30, log_every=25,
-                          copy_fraction=0.5, copy_edit_share=0.1, copy_shuffle_share=0.25,
-                          init_from=str(dm.TRAINED_MODEL_DIR), repeat_steps=300, repeat_min_len=8, repeat_max_len=200,
-                          repeat_fraction=0.25, probe_every=100, probe_patience=2, probe_min_gain=0.02)
+COPY_RECIPE = TrainConfig(steps=600, batch_size=6, seq_len=448, lr=3e-3, min_lr=3e-4, warmup=20, log_every=25,
+                          copy_fraction=0.75, copy_edit_share=0.0, copy_shuffle_share=0.25, copy_repeat_loss_only=True,
+                          init_from=str(dm.TRAINED_MODEL_DIR), repeat_steps=0, repeat_min_len=8, repeat_max_len=200,
+                          repeat_fraction=0.15, probe_every=100, probe_patience=3, probe_min_gain=0.02)
 
 
 def documents(text: str) -> list[str]:
@@ -106,14 +109,16 @@ def copy_stream(tokenizer: Tokenizer, text: str, cfg: TrainConfig) -> CopyStream
     """Every copy document that fits a training row whole, as BOS + tokens + EOS, concatenated; a row starts at
     a document's start, so its repeat always has the passage before it."""
     ids: list[int] = []
-    starts: list[int] = []
+    starts: dict[int, int] = {}
     docs = copy_documents(documents(text), cfg.copy_edit_share, cfg.seed, cfg.copy_shuffle_share)
-    for encoding in tokenizer.encode_batch(docs, add_special_tokens=False):
+    heads = tokenizer.encode_batch([doc.split(SEPARATOR, 1)[0] + SEPARATOR for doc in docs], add_special_tokens=False)
+    for encoding, head in zip(tokenizer.encode_batch(docs, add_special_tokens=False), heads, strict=True):
         if len(encoding.ids) + 2 <= cfg.seq_len + 1:
-            starts.append(len(ids))
+            starts[len(ids)] = 1 + len(head.ids)
             ids += [dm.BOS_TOKEN_ID, *encoding.ids, dm.EOS_TOKEN_ID]
     usable = [start for start in starts if start + cfg.seq_len + 1 <= len(ids)]
-    return CopyStream(torch.tensor(ids, dtype=torch.long), torch.tensor(usable, dtype=torch.long))
+    return CopyStream(torch.tensor(ids, dtype=torch.long), torch.tensor(usable, dtype=torch.long),
+                      torch.tensor([starts[s] for s in usable], dtype=torch.long))
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int | None = None) -> float:
@@ -130,16 +135,21 @@ def sample_batch(stream: torch.Tensor, cfg: TrainConfig, generator: torch.Genera
     return torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])
 
 
-def sample_mixed(stream: torch.Tensor, copies: CopyStream, cfg: TrainConfig,
-                 generator: torch.Generator) -> torch.Tensor:
-    """A batch of corpus rows of which about copy_fraction are replaced by copy rows."""
+def sample_mixed(stream: torch.Tensor, copies: CopyStream, cfg: TrainConfig, generator: torch.Generator) -> Batch:
+    """A batch of corpus rows of which about copy_fraction are replaced by copy rows (with copy_repeat_loss_only,
+    their targets before the repeat IGNORE)."""
     rows = sample_batch(stream, cfg, generator)
     picked = torch.rand(cfg.batch_size, generator=generator) < cfg.copy_fraction
-    starts = copies.starts[torch.randint(0, len(copies.starts), (cfg.batch_size,), generator=generator)]
+    chosen = torch.randint(0, len(copies.starts), (cfg.batch_size,), generator=generator)
+    masked: list[tuple[int, int]] = []
     for i in picked.nonzero().flatten().tolist():
-        start = int(starts[i])
+        start = int(copies.starts[chosen[i]])
         rows[i] = copies.tokens[start : start + cfg.seq_len + 1]
-    return rows
+        masked.append((i, int(copies.repeat_at[chosen[i]])))
+    batch = Batch(rows[:, :-1].clone(), rows[:, 1:].clone())
+    for i, repeat_at in masked if cfg.copy_repeat_loss_only else []:
+        batch.targets[i, : repeat_at - 1] = IGNORE
+    return batch
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,9 +174,9 @@ def corpus_batch(sources: Sources, cfg: TrainConfig, generator: torch.Generator)
     """Corpus rows, about copy_fraction of them copy documents, then about repeat_fraction repeat rows."""
     if sources.copies is None:
         rows = sample_batch(sources.stream, cfg, generator)
+        batch = Batch(rows[:, :-1].clone(), rows[:, 1:].clone())
     else:
-        rows = sample_mixed(sources.stream, sources.copies, cfg, generator)
-    batch = Batch(rows[:, :-1].clone(), rows[:, 1:].clone())
+        batch = sample_mixed(sources.stream, sources.copies, cfg, generator)
     if cfg.repeat_fraction <= 0:
         return batch
     picked = torch.rand(cfg.batch_size, generator=generator) < cfg.repeat_fraction
