@@ -91,6 +91,8 @@ COPY_RECIPE = TrainConfig(steps=600, batch_size=6, seq_len=448, lr=3e-3, min_lr=
                           copy_fraction=0.75, copy_edit_share=0.0, copy_shuffle_share=0.25, copy_repeat_loss_only=True,
                           init_from=str(dm.TRAINED_MODEL_DIR), repeat_steps=0, repeat_min_len=8, repeat_max_len=200,
                           repeat_fraction=0.15, probe_every=100, probe_patience=3, probe_min_gain=0.02)
+# a second cosine cycle from COPY_RECIPE's best weights (its copy loss was still falling fast at its end)
+COPY_CONTINUATION = replace(COPY_RECIPE, steps=400, lr=2e-3, min_lr=2e-4, warmup=10, probe_patience=2, init_from=None)
 
 
 def documents(text: str) -> list[str]:
@@ -328,8 +330,10 @@ def ensure_trained(name: str, cfg: TrainConfig, spec: dm.ModelSpec = dm.TRAINED_
 
 
 def ensure_copy_model() -> Path:
-    """The default model fine-tuned to copy (COPY_RECIPE), built on first use (a few minutes on 2 CPU cores)."""
-    return ensure_trained(COPY_MODEL_NAME, COPY_RECIPE)
+    """The default model fine-tuned to copy: COPY_RECIPE, then COPY_CONTINUATION from its (best probed) weights,
+    each built on first use (minutes on 2 CPU cores) and cached under its own key."""
+    first = ensure_trained(COPY_MODEL_NAME, COPY_RECIPE)
+    return ensure_trained(f"{COPY_MODEL_NAME}-continued", replace(COPY_CONTINUATION, init_from=str(first)))
 
 
 def parse_args(argv: list[str]) -> tuple[Path, TrainConfig]:
