@@ -4,8 +4,11 @@
 count) and writes the model in Hugging Face format with bfloat16 weights into
 executor_service/default_model/data/default-model-v2.
 With --copy-fraction and --init-from it fine-tunes a model on the corpus mixed with copy samples (a passage, a
-blank line, the passage again: copy_samples.py); `ensure_copy_model()` builds COPY_RECIPE, the copy model that
-benchmarks/speculative.py --copy-model uses, once and caches it under ~/.cache/pagedserve keyed by its recipe.
+blank line, the passage again: copy_samples.py), optionally after a warm-up on random-token repeat rows
+(repeat_samples.py) and with repeat rows mixed in, probing in process how well the model copies
+(copy_check.py) every probe_every steps; `ensure_copy_model()` builds COPY_RECIPE and then COPY_CONTINUATION from
+its best weights, the copy model that benchmarks/speculative.py --copy-model uses, once, and caches each under
+~/.cache/pagedserve keyed by its recipe.
 Training uses transformers' LlamaForCausalLM (a dev dependency), so the weights mean exactly what transformers
 and our executor compute at inference.
 """
