@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from benchmarks.speculative import DEFAULT_MODEL, free_prompt, paragraphs, served_model
 from client.lib import PagedServeClient
 from client.local import service
-from scheduler_service.core.speculative import propose_ngram
+from executor_service.default_model.copy_check import ngram_tokens_per_step
 
 
 async def greedy(address: str, prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -44,20 +44,6 @@ async def greedy(address: str, prompts: list[list[int]], output_len: int) -> lis
                 out += list(r.token_ids)
             return out
         return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-
-def tokens_per_step(prompt: list[int], output: list[int], k: int) -> float:
-    """Output tokens per step with n-gram drafts at every step (the proposer of the scheduler)."""
-    known, done, steps = list(prompt), 0, 0
-    while done < len(output):
-        drafts = propose_ngram(known, k, 2, 5)
-        accepted = 0
-        while accepted < len(drafts) and done + accepted < len(output) and drafts[accepted] == output[done + accepted]:
-            accepted += 1
-        take = min(accepted + 1, len(output) - done)
-        known += output[done:done + take]
-        done, steps = done + take, steps + 1
-    return len(output) / steps
 
 
 def transformers_greedy(model: Path, prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -108,7 +94,7 @@ def main() -> None:
                 "own+seed": [sd + o + sep + sd for sd, o in zip(seeds, own, strict=True)]}
         for name, prompts in sets.items():
             outputs = asyncio.run(greedy(s.address, prompts, args.output_len))
-            record[name] = mean([tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
+            record[name] = mean([ngram_tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
             print(f"{name:>14}: n-gram best case {record[name]} output tokens per step", file=sys.stderr)
             if name == "para+third" and args.check:
                 peer = transformers_greedy(Path(model or DEFAULT_MODEL), prompts[:args.check], args.output_len)
@@ -121,7 +107,7 @@ def main() -> None:
             outputs = asyncio.run(greedy(s.address, prompts, args.output_len))
             same = [sum(a == b for a, b in zip(x, o, strict=True)) for x, o in zip(passage, outputs, strict=True)]
             converged = sum(n == args.output_len for n in same)
-            best = mean([tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
+            best = mean([ngram_tokens_per_step(q, o, args.k) for q, o in zip(prompts, outputs, strict=True)])
             record[f"fixed_point_{it}"] = {"converged": converged, "mean_equal_tokens": mean([float(n) for n in same]),
                                            "tokens_per_step": best}
             print(f"fixed point {it}: {converged}/{len(prompts)} answers equal their passage, "

@@ -53,6 +53,7 @@ from client.bench.record import machine
 from client.bench.runner import RunConfig, run_benchmark
 from client.lib import PagedServeClient
 from client.local import Service, free_port, parse_metrics, service
+from executor_service.default_model.copy_check import quote_passages, quote_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "executor_service/default_model/data/generated_corpus.txt"
@@ -64,14 +65,7 @@ BUSY = "pagedserve:executor_busy_seconds_total"
 
 
 def paragraphs(count: int) -> list[str]:
-    text = CORPUS.read_text(encoding="utf-8")
-    found = [p.strip() for p in text.split("\n\n") if 300 <= len(p.strip()) <= 900 and "User:" not in p]
-    return found[:count]
-
-
-def copy_prompt(paragraph: str) -> str:
-    words = paragraph.split(" ")
-    return paragraph + "\n\n" + " ".join(words[:len(words) // 3])
+    return quote_passages(CORPUS.read_text(encoding="utf-8"), count)
 
 
 def free_prompt(paragraph: str) -> str:
@@ -79,7 +73,7 @@ def free_prompt(paragraph: str) -> str:
 
 
 def dataset(name: str, count: int, output_len: int) -> list[BenchRequest]:
-    make = copy_prompt if name == "copy" else free_prompt
+    make = quote_prompt if name == "copy" else free_prompt
     prompts = [make(p) for p in paragraphs(count)]
     return [BenchRequest(prompt_len=len(p) // 4, max_tokens=output_len, prompt=p) for p in prompts]
 

@@ -8,10 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from executor_service.default_model import model as dm
 from executor_service.default_model import training
 from executor_service.default_model.copy_samples import SEPARATOR, copy_documents
+from executor_service.default_model.repeat_samples import IGNORE
 from executor_service.default_model.training import TrainConfig, copy_stream, ensure_trained, recipe_key
 
 TINY = replace(dm.TRAINED_SPEC, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -53,7 +55,7 @@ def test_copy_rows_start_at_a_document_and_hold_it_whole() -> None:
 def test_fine_tuning_from_weights_is_deterministic(tmp_path: Path) -> None:
     base = tmp_path / "base"
     training.train(base, replace(TINY_COPY, copy_fraction=0.0), TINY)
-    tuned = replace(TINY_COPY, init_from=str(base))
+    tuned = replace(TINY_COPY, init_from=str(base), repeat_steps=2, repeat_max_len=16, repeat_fraction=0.5)
     training.train(tmp_path / "a", tuned, TINY)
     training.train(tmp_path / "b", tuned, TINY)
     a, b = (tmp_path / "a" / "model.safetensors").read_bytes(), (tmp_path / "b" / "model.safetensors").read_bytes()
@@ -87,3 +89,17 @@ def test_the_recipe_key_follows_the_start_weights_not_their_path(tmp_path: Path)
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     assert recipe_key(replace(recipe, init_from=str(moved)), dm.TRAINED_SPEC) != recipe_key(recipe, dm.TRAINED_SPEC)
+
+
+def test_copy_rows_can_take_their_loss_from_the_repeat_only() -> None:
+    cfg = replace(TINY_COPY, batch_size=4, copy_fraction=1.0, copy_edit_share=0.0, copy_repeat_loss_only=True)
+    tokenizer = dm.train_tokenizer()
+    sources = training.load_sources(tokenizer, dm.read_corpus(), cfg)
+    batch = training.corpus_batch(sources, cfg, torch.Generator().manual_seed(0))
+    for inputs, targets in zip(batch.inputs.tolist(), batch.targets.tolist(), strict=True):
+        first = next(i for i, t in enumerate(targets) if t != IGNORE)
+        assert all(t == IGNORE for t in targets[:first]) and targets[first:] == inputs[first + 1:] + targets[-1:]
+        head = tokenizer.decode(inputs[1 : first + 1])
+        assert head.count(SEPARATOR) == 1 and head.rstrip(" ").endswith(SEPARATOR)
+    whole = training.corpus_batch(sources, replace(cfg, copy_repeat_loss_only=False), torch.Generator().manual_seed(0))
+    assert torch.equal(whole.inputs, batch.inputs) and not (whole.targets == IGNORE).any()
