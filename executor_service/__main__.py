@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -34,6 +35,8 @@ from executor_service.validator import StepLimits
 from protos.wire import server_credentials
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from executor_service.converted import ConvertedWeights
 
 log = logging.getLogger("pagedserve.executor")
@@ -131,7 +134,14 @@ def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLo
     if deferred is None:
         freeze_heap()
         return
-    run_in_background(deferred, lambda: loop.call_soon_threadsafe(freeze_heap))
+    run_in_background(deferred, lambda: call_soon_unless_closed(loop, freeze_heap))
+
+
+def call_soon_unless_closed(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """callback on `loop` from another thread, or nothing once the loop is closed (the executor stopped while the
+    deferred imports ran: it exits, waiting for the prefetch thread, without its event loop)."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed": no check first, it could close between
+        loop.call_soon_threadsafe(callback)
 
 
 def freeze_heap() -> None:

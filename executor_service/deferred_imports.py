@@ -169,17 +169,20 @@ class DeferredImports:
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
         """Run `module`'s code once (the first thread to need it runs it, others wait for it; an access from the
-        code it runs sees the partly run module, as in a circular import)."""
+        code it runs sees the partly run module, as in a circular import). The spec keeps `pending` until the code
+        has run: another thread's access meanwhile waits here rather than reading a partly run module. Code that
+        fails raises here and leaves the module deferred, as a failed import leaves it unimported: the next access
+        runs it again (and raises again), rather than finding a module without what its code did not reach."""
         with self.lock:
             if spec.loader_state is not pending or id(module) in self.running:
                 return
             self.running.add(id(module))
             try:
-                spec.loader_state = pending.loader_state
-                pending.loader.exec_module(module)
+                pending.loader.exec_module(module)  # file loaders do not read spec.loader_state
             finally:
                 self.running.discard(id(module))
-                module.__class__ = types.ModuleType
+            spec.loader_state = pending.loader_state
+            module.__class__ = types.ModuleType
 
     def pending_names(self) -> list[str]:
         """The modules still deferred, in import order."""

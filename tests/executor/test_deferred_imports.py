@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,10 @@ PACKAGE = {
     "third.py": "from dpkg import seen\nseen.ran.append('third')\n",
     "inner/__init__.py": "from dpkg import seen\nseen.ran.append('inner')\n",
     "inner/child.py": "from dpkg import seen\nseen.ran.append('child')\n",
+    "slow.py": "import threading\nstarted, go = threading.Event(), threading.Event()\nearly = 1\nstarted.set()\n"
+               "go.wait(30)\nlate = 2\n",
+    "flaky.py": "from dpkg import seen\nseen.ran.append('flaky')\nbefore = 1\n"
+                "if seen.ran.count('flaky') == 1:\n    raise OSError('transient')\nafter = 2\n",
 }
 
 
@@ -95,6 +100,57 @@ def test_a_submodule_import_runs_its_deferred_package_first_and_a_missing_name_f
     assert dpkg.seen.ran == ["first", "second", "inner", "child"]
     with pytest.raises(ModuleNotFoundError, match=r"dpkg\.missing"):
         import dpkg.missing
+
+
+def test_another_threads_use_waits_for_the_module_another_thread_is_running(package: Path) -> None:
+    finder = install(["dpkg.slow"])
+    import dpkg.slow as slow
+    runner = threading.Thread(target=finder.run_all)  # the executor's after-ready thread
+    runner.start()
+    try:
+        wait_until(lambda: "started" in types.ModuleType.__getattribute__(slow, "__dict__")
+                   and types.ModuleType.__getattribute__(slow, "started").is_set(), timeout=10,
+                   what="the module's code to start")
+        found: list[object] = []
+        user = threading.Thread(target=lambda: found.append(getattr(slow, "late", "missing")))  # the forward thread
+        user.start()
+        user.join(0.3)
+        assert user.is_alive()  # waits for the code the other thread runs, rather than reading a partly run module
+    finally:
+        types.ModuleType.__getattribute__(slow, "go").set()
+        runner.join(10)
+    user.join(10)
+    assert found == [2] and type(slow) is types.ModuleType
+
+
+def test_a_module_whose_code_fails_stays_deferred_and_runs_again_at_its_next_use(package: Path) -> None:
+    install(["dpkg.flaky"])
+    import dpkg.flaky
+    with pytest.raises(OSError, match="transient"):
+        dpkg.flaky.after  # noqa: B018
+    assert type(dpkg.flaky) is DeferredModule  # not a module without what its code did not reach
+    assert dpkg.flaky.after == 2 and dpkg.seen.ran == ["first", "second", "flaky", "flaky"]
+    assert type(dpkg.flaky) is types.ModuleType
+
+
+def test_the_after_ready_thread_ends_quietly_when_the_event_loop_closed_meanwhile(
+        package: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM within the deferred imports' run: the loop closes and the process waits for the prefetch thread
+    (finish_prefetch) before it exits; the imports' thread then has no loop to hand freeze_heap to."""
+    from executor_service.__main__ import finish_start
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    finder = install(["dpkg.slow"])
+    import dpkg.slow
+    loop = asyncio.new_event_loop()
+    finish_start(finder, loop)
+    wait_until(lambda: "go" in types.ModuleType.__getattribute__(dpkg.slow, "__dict__"), timeout=10,
+               what="the deferred imports to start")
+    loop.close()
+    types.ModuleType.__getattribute__(dpkg.slow, "go").set()
+    for thread in [t for t in threading.enumerate() if t.name == "deferred-imports"]:
+        thread.join(10)
+    assert failures == [] and dpkg.slow.late == 2
 
 
 def test_torch_is_deferred_only_where_it_is_not_imported_yet_and_of_a_tested_version(
