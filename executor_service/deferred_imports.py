@@ -168,21 +168,26 @@ class DeferredImports:
         return spec
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
-        """Run `module`'s code once (the first thread to need it runs it, others wait for it; an access from the
-        code it runs sees the partly run module, as in a circular import). The spec keeps `pending` until the code
-        has run: another thread's access meanwhile waits here rather than reading a partly run module. Code that
+        """Run `module`'s code once, under the import system's lock for its name, as its import would have: the
+        first thread to need it runs it and others wait for it (the spec keeps `pending` until the code has run:
+        no other thread reads a partly run module), unless waiting would deadlock (that thread holds the lock of a
+        module the code imports), where it goes on with the partly run module, as in an import cycle between
+        threads; an access from the code itself sees the partly run module, as in a circular import. Code that
         fails raises here and leaves the module deferred, as a failed import leaves it unimported: the next access
         runs it again (and raises again), rather than finding a module without what its code did not reach."""
-        with self.lock:
-            if spec.loader_state is not pending or id(module) in self.running:
-                return
-            self.running.add(id(module))
-            try:
-                pending.loader.exec_module(module)  # file loaders do not read spec.loader_state
-            finally:
-                self.running.discard(id(module))
-            spec.loader_state = pending.loader_state
-            module.__class__ = types.ModuleType
+        try:
+            with module_lock(module.__name__, self.lock):
+                if spec.loader_state is not pending or id(module) in self.running:
+                    return
+                self.running.add(id(module))
+                try:
+                    pending.loader.exec_module(module)  # file loaders do not read spec.loader_state
+                finally:
+                    self.running.discard(id(module))
+                spec.loader_state = pending.loader_state
+                module.__class__ = types.ModuleType
+        except DEADLOCK_ERRORS:
+            return
 
     def pending_names(self) -> list[str]:
         """The modules still deferred, in import order."""
@@ -192,11 +197,25 @@ class DeferredImports:
         """Run every module still deferred, in import order, and stop deferring; the number run."""
         with self.lock:
             sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-            count = 0
-            for module in list(self.deferred):
-                count += run_module(module)
-            self.deferred.clear()
-            return count
+            modules = list(self.deferred)
+        count = sum(run_module(module) for module in modules)  # each under its own lock (run)
+        with self.lock:
+            self.deferred[:] = [m for m in self.deferred if type(m) is DeferredModule]
+        return count
+
+
+_BOOTSTRAP = getattr(importlib, "_bootstrap", None)
+_MODULE_LOCK: Callable[[str], contextlib.AbstractContextManager[Any]] | None = getattr(
+    _BOOTSTRAP, "_ModuleLockManager", None)
+DEADLOCK_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(_BOOTSTRAP, "_DeadlockError", None),) if isinstance(e, type))
+"""The import system's per-name locks and the error their deadlock detection raises (CPython's importlib
+internals): a thread waiting for a deferred module another thread runs is then part of that detection."""
+
+
+def module_lock(name: str, fallback: threading.RLock) -> contextlib.AbstractContextManager[Any]:
+    """The import system's lock for `name` (re-entrant, deadlock-detecting), or `fallback` where there is none."""
+    return _MODULE_LOCK(name) if _MODULE_LOCK is not None and DEADLOCK_ERRORS else fallback
 
 
 def install(names: Sequence[str], then: dict[str, Sequence[str]] | None = None) -> DeferredImports:

@@ -6,6 +6,7 @@ Python meta kernels not yet run, gives the same logits, and runs them after read
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.machinery
 import inspect
 import json
@@ -29,7 +30,7 @@ from tests.support.procs import generate_all, running_stack
 
 PACKAGE = {
     "__init__.py": "from dpkg import seen\nfrom dpkg import first, second\n",
-    "seen.py": "ran = []\n",
+    "seen.py": "import threading\nran = []\nd1_running, m_running = threading.Event(), threading.Event()\n",
     "first.py": "from dpkg import seen\nseen.ran.append('first')\nvalue = 42\n",
     "second.py": "from dpkg import seen\nseen.ran.append('second')\n",
     "third.py": "from dpkg import seen\nseen.ran.append('third')\n",
@@ -37,6 +38,10 @@ PACKAGE = {
     "inner/child.py": "from dpkg import seen\nseen.ran.append('child')\n",
     "slow.py": "import threading\nstarted, go = threading.Event(), threading.Event()\nearly = 1\nstarted.set()\n"
                "go.wait(30)\nlate = 2\n",
+    "d1.py": "from dpkg import seen\nseen.d1_running.set()\nseen.m_running.wait(10)\nimport dpkg.m\n",
+    "d2.py": "x = 2\n",
+    "m.py": "import time\nfrom dpkg import seen\nseen.m_running.set()\nseen.d1_running.wait(10)\ntime.sleep(0.2)\n"
+            "from dpkg import d2\ny = d2.x\n",
     "flaky.py": "from dpkg import seen\nseen.ran.append('flaky')\nbefore = 1\n"
                 "if seen.ran.count('flaky') == 1:\n    raise OSError('transient')\nafter = 2\n",
 }
@@ -121,6 +126,23 @@ def test_another_threads_use_waits_for_the_module_another_thread_is_running(pack
         runner.join(10)
     user.join(10)
     assert found == [2] and type(slow) is types.ModuleType
+
+
+def test_a_thread_that_imports_what_a_running_module_imports_can_use_another_deferred_module(
+        package: Path) -> None:
+    """The after-ready thread runs d1, which imports m; meanwhile the forward thread imports m, which uses d2 (queued
+    after d1): each waits only for the module it needs, not for the whole run (that wait would deadlock)."""
+    finder = install(["dpkg.d1", "dpkg.d2"])
+    import dpkg.d1
+    import dpkg.d2
+    runner = threading.Thread(target=finder.run_all, daemon=True)
+    user = threading.Thread(target=lambda: importlib.import_module("dpkg.m"), daemon=True)
+    runner.start()
+    user.start()
+    runner.join(10)
+    user.join(10)
+    assert not runner.is_alive() and not user.is_alive()
+    assert sys.modules["dpkg.m"].y == 2 and type(dpkg.d1) is types.ModuleType
 
 
 def test_a_module_whose_code_fails_stays_deferred_and_runs_again_at_its_next_use(package: Path) -> None:
