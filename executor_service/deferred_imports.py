@@ -175,19 +175,23 @@ class DeferredImports:
         threads; an access from the code itself sees the partly run module, as in a circular import. Code that
         fails raises here and leaves the module deferred, as a failed import leaves it unimported: the next access
         runs it again (and raises again), rather than finding a module without what its code did not reach."""
+        lock = module_lock(module.__name__, self.lock)
         try:
-            with module_lock(module.__name__, self.lock):
-                if spec.loader_state is not pending or id(module) in self.running:
-                    return
-                self.running.add(id(module))
-                try:
-                    pending.loader.exec_module(module)  # file loaders do not read spec.loader_state
-                finally:
-                    self.running.discard(id(module))
-                spec.loader_state = pending.loader_state
-                module.__class__ = types.ModuleType
-        except DEADLOCK_ERRORS:
+            lock.__enter__()
+        except DEADLOCK_ERRORS:  # only the wait itself: an import cycle's error in the code is the code's
             return
+        try:
+            if spec.loader_state is not pending or id(module) in self.running:
+                return
+            self.running.add(id(module))
+            try:
+                pending.loader.exec_module(module)  # file loaders do not read spec.loader_state
+            finally:
+                self.running.discard(id(module))
+            spec.loader_state = pending.loader_state
+            module.__class__ = types.ModuleType
+        finally:
+            lock.__exit__(None, None, None)
 
     def pending_names(self) -> list[str]:
         """The modules still deferred, in import order."""
