@@ -3,7 +3,8 @@
 Placement of a new request (SGLang's cache-aware router's order, vLLM's DP load score):
   1. load balance wins while the pool is imbalanced: max - min load > BALANCE_ABS and max > BALANCE_REL * min;
   2. else the executor caching the longest prefix of the prompt, when it caches >= CACHE_THRESHOLD of it;
-  3. else the least loaded, load = 4 * waiting + running (vLLM's DP score), ties to the lower KV usage.
+  3. else the least loaded, load = 4 * waiting + running (vLLM's DP score), ties to the lower KV usage, then
+     in turn (requests that arrive one at a time, each after the last finished, still reach every executor).
 Load wins over cache affinity because a hot prefix would otherwise pile every request onto one executor
 while the others idle: a cache hit saves a prefill, a queue costs every step of every request behind it.
 Before any of that: a request goes only to an executor whose max_model_len holds its prompt + max_tokens
@@ -93,6 +94,7 @@ class ExecutorPool:
         self.on_ready_change: Callable[[bool], object] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh_now = asyncio.Event()
+        self._tie_turn = 0  # equal executors take new requests in turn, not the first one every time
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -254,7 +256,9 @@ class ExecutorPool:
             best = max(range(len(candidates)), key=lambda i: (cached[i], -loads[i]))
             if cached[best] > 0 and cached[best] >= CACHE_THRESHOLD * request.num_prompt_tokens:
                 return candidates[best]
-        best = min(range(len(candidates)), key=lambda i: (loads[i], stats[i][2]))
+        turn = self._tie_turn
+        self._tie_turn += 1
+        best = min(range(len(candidates)), key=lambda i: (loads[i], stats[i][2], (i - turn) % len(candidates)))
         return candidates[best]
 
     def _place(self, stream: RequestStream) -> bool:

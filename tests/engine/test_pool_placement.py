@@ -67,6 +67,19 @@ async def test_new_requests_spread_by_load() -> None:
     assert [e.load()[1] for e in engines(pool)] == [10, 10, 10]
 
 
+async def test_requests_arriving_one_at_a_time_take_equal_executors_in_turn() -> None:
+    pool = pool_of(3)
+    owners = []
+    for i in range(6):
+        stream = pool.add(request(f"r{i}"), queue())
+        owner = pool._owner(stream.request.request_id)
+        assert owner is not None
+        owners.append(owner.label)
+        pool.abort(f"r{i}")
+        assert all(e.load()[:2] == (0, 0) for e in engines(pool))
+    assert owners[:3] == owners[3:] and sorted(owners[:3]) == sorted(e.label for e in engines(pool))
+
+
 async def test_cache_affinity_wins_while_balanced_and_load_wins_when_not() -> None:
     pool = pool_of(2)
     first, second = engines(pool)
