@@ -42,12 +42,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen2": {"arch": "qwen2", "tie_word_embeddings": True, "seed": 2},
 }
 PROMPT_LENGTHS = (300, 150, 64, 33, 17, 16, 7, 1)  # longest first: the victims are short, so several
-MAX_TOKENS = 24
+# 64 new tokens each (4 blocks of growth): with 24 a request lived ~50 ms, and requests arriving spread
+# over that time could run without ever filling the pool (no recompute preemption in 3 rounds, once).
+MAX_TOKENS = 64
 BLOCK_SIZE = 16
 PLENTY = ["--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
-# 16 requests need 82 blocks for their prompts and 104 by their last token; when each greedy and
-# seeded pair shares its prompt's full blocks, 49 and 71. With 64 device blocks they must preempt
-# each other as they grow either way.
+# 16 requests need 82 blocks for their prompts and 146 by their last token; when each greedy and
+# seeded pair shares its prompt's full blocks, 47 and 111. With 64 device blocks they must preempt
+# each other as they grow either way: a waiting head leaves at most 20 blocks free, less than what
+# the requests admitted around it grow by.
 TIGHT = ["--num-gpu-blocks", "64", "--num-cpu-blocks", "128"]
 TIGHT_ROUNDS = 2  # the second with seeded requests first, so both kinds are among the latest admitted
 MAX_ROUNDS = 3
