@@ -40,6 +40,7 @@ import torch
 
 from benchmarks.roofline import ModelShape, limits_record, measure_limits
 from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
+from client.switches import env_switch
 from executor_service.attention import ENV_VAR
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
@@ -238,7 +239,7 @@ def apply_wait_policy(requested: str, spin_count: int) -> str:
         wanted = {"GOMP_SPINCOUNT": str(spin_count)} if spin_count >= 0 else {}
     else:  # what the executor runs under: the environment, plus what its flags set
         wanted = current | omp_environment(requested, spin_count)
-    if current != wanted and not os.environ.get(REEXEC_ENV):
+    if current != wanted and not env_switch(REEXEC_ENV, False):
         env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | wanted | {REEXEC_ENV: "1"}
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.forward_steps", *sys.argv[1:]], env)
     return " ".join(f"{k}={v}" for k, v in current.items()) or "libgomp default"

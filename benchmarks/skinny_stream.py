@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from client.switches import env_switch
 from executor_service.model.packed import skinny_available
 from executor_service.placement import OMP_VARIABLES, omp_environment
 
@@ -33,7 +34,7 @@ REEXEC_ENV = "PAGEDSERVE_SKINNY_STREAM_REEXEC"
 def apply_executor_omp() -> None:
     """Re-execute under the executor's default OpenMP environment (libgomp reads it once, when torch loads)."""
     wanted = omp_environment("auto", -1)
-    if wanted and not any(os.environ.get(k) for k in OMP_VARIABLES) and not os.environ.get(REEXEC_ENV):
+    if wanted and not any(os.environ.get(k) for k in OMP_VARIABLES) and not env_switch(REEXEC_ENV, False):
         env = dict(os.environ) | wanted | {REEXEC_ENV: "1"}
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.skinny_stream", *sys.argv[1:]], env)
 

@@ -24,7 +24,6 @@ from executor_service.config import ExecutorConfig
 from executor_service.deferred_imports import (
     DeferredImports,
     defer_torch_imports,
-    enabled_by_environment,
     run_in_background,
 )
 from executor_service.placement import bind_cores, omp_environment, set_omp_environment
@@ -186,9 +185,10 @@ def distributed(config: ExecutorConfig) -> bool:
 
 def deferral_for(config: ExecutorConfig) -> DeferredImports | None:
     """Defer torch's imports that an eager forward does not use (deferred_imports.py), unless they are off
-    (--no-lazy-torch-import, PAGEDSERVE_LAZY_TORCH_IMPORT=0) or the process will need them (--compile-sizes
-    traces with fake tensors) or is not a plain single-process one (simulated, tensor parallelism)."""
-    if not config.lazy_torch_import or not enabled_by_environment():
+    (--no-lazy-torch-import, or PAGEDSERVE_LAZY_TORCH_IMPORT=0: config.apply_switches) or the process will need
+    them (--compile-sizes traces with fake tensors) or is not a plain single-process one (simulated, tensor
+    parallelism)."""
+    if not config.lazy_torch_import:
         return None
     if config.simulated or config.compile_sizes or distributed(config):
         return None

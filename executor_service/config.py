@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from client.flags import add_flags, config_from, flag
+from client.switches import SwitchError, env_switch
 
 TP_GROUP = "tensor parallelism (docs/operations.md)"
+LAZY_TORCH_IMPORT_ENV = "PAGEDSERVE_LAZY_TORCH_IMPORT"
+CONVERTED_CACHE_ENV = "PAGEDSERVE_CONVERTED_CACHE"
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -162,7 +166,23 @@ class ExecutorConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
-        return config_from(cls, build_parser().parse_args(argv))
+        """The flags, then the environment's off-switches; a switch's bad value is a usage error naming it."""
+        parser = build_parser()
+        config = config_from(cls, parser.parse_args(argv))
+        try:
+            return apply_switches(config)
+        except SwitchError as e:
+            parser.error(str(e))
+
+
+def apply_switches(config: ExecutorConfig, environ: Mapping[str, str] | None = None) -> ExecutorConfig:
+    """`config` with the flags the environment turns off (client/switches.py spellings; SwitchError otherwise):
+    PAGEDSERVE_LAZY_TORCH_IMPORT=0 as --no-lazy-torch-import, PAGEDSERVE_CONVERTED_CACHE=0 as
+    --no-converted-weights-cache. A switch set on leaves its flag as given."""
+    lazy = env_switch(LAZY_TORCH_IMPORT_ENV, True, environ)
+    converted = env_switch(CONVERTED_CACHE_ENV, True, environ)
+    return replace(config, lazy_torch_import=config.lazy_torch_import and lazy,
+                   converted_weights_cache=config.converted_weights_cache and converted)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ traces or uses fake tensors (runner/compiled.py).
 Robust to a torch that names or imports these differently: only a tested torch version is deferred
 (TESTED_TORCH); a name the path finder does not find, or a module whose loader cannot split creation from
 execution, is imported as usual; a module torch touches during its own import runs then. Off with
-PAGEDSERVE_LAZY_TORCH_IMPORT=0 or --no-lazy-torch-import."""
+--no-lazy-torch-import or PAGEDSERVE_LAZY_TORCH_IMPORT=0 (any off spelling of client/switches.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from importlib.abc import Loader
 
 log = logging.getLogger("pagedserve.executor")
-ENV = "PAGEDSERVE_LAZY_TORCH_IMPORT"
 DEFERRED_TORCH_MODULES = (
     "torch._meta_registrations",
     "torch.distributed._meta_registrations",
@@ -59,10 +58,6 @@ TESTED_TORCH = ((2, 13),)
 """torch versions (major, minor) the deferral was tested on. Another version imports torch as usual: deferring a
 module changes which module first imports what it imports, and in another torch that order could meet a circular
 import that the usual order does not (as deferring torch.quantization does in 2.13)."""
-
-
-def enabled_by_environment() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def torch_version_on_disk() -> tuple[int, int] | None:

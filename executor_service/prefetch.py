@@ -30,7 +30,6 @@ MAX_SHARE_OF_AVAILABLE = 0.5
 MADV_POPULATE_READ = 22  # linux/mman.h (Linux 5.14+)
 READ_CHUNK = 16 << 20
 NVIDIA_DRIVER = Path("/proc/driver/nvidia")
-CONVERTED_CACHE_ENV = "PAGEDSERVE_CONVERTED_CACHE"
 FINISH_TIMEOUT_S = 60.0
 
 
@@ -75,9 +74,9 @@ def conversion_for(config: ExecutorConfig) -> ConvertedWeights | None:
 
 def cache_for(config: ExecutorConfig) -> ConvertedCache | None:
     """Where a converted checkpoint is kept between starts: `converted/` in the start-up cache's directory; None where
-    --no-converted-weights-cache, PAGEDSERVE_CONVERTED_CACHE=0 or --startup-cache-dir '' turn it off."""
-    if not config.converted_weights_cache or config.startup_cache_dir == "" \
-            or os.environ.get(CONVERTED_CACHE_ENV, "1") == "0":
+    --no-converted-weights-cache (or PAGEDSERVE_CONVERTED_CACHE=0, config.apply_switches) or --startup-cache-dir ''
+    turn it off."""
+    if not config.converted_weights_cache or config.startup_cache_dir == "":
         return None
     from executor_service.converted_cache import ConvertedCache
     from executor_service.startup import default_cache_dir

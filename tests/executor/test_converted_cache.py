@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from executor_service import converted_cache, prefetch
-from executor_service.config import ExecutorConfig
+from executor_service.config import CONVERTED_CACHE_ENV, ExecutorConfig
 from executor_service.converted import ConvertedFile, ConvertedWeights
 from executor_service.converted_cache import ConvertedCache, read_source
 
@@ -223,13 +223,14 @@ def test_a_valid_cache_out_of_the_page_cache_is_left_alone(tmp_path: Path, monke
 
 def test_the_cache_sits_in_the_startup_cache_directory_and_can_be_turned_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(prefetch.CONVERTED_CACHE_ENV, raising=False)
+    monkeypatch.delenv(CONVERTED_CACHE_ENV, raising=False)
     cache = prefetch.cache_for(ExecutorConfig(model="m", startup_cache_dir=str(tmp_path)))
     assert cache is not None and cache.directory == tmp_path / "converted"
     assert prefetch.cache_for(ExecutorConfig(model="m", startup_cache_dir="")) is None
     assert prefetch.cache_for(ExecutorConfig(model="m", converted_weights_cache=False)) is None
-    monkeypatch.setenv(prefetch.CONVERTED_CACHE_ENV, "0")
-    assert prefetch.cache_for(ExecutorConfig(model="m", startup_cache_dir=str(tmp_path))) is None
+    monkeypatch.setenv(CONVERTED_CACHE_ENV, "0")
+    args = ["--model", "m", "--startup-cache-dir", str(tmp_path)]
+    assert prefetch.cache_for(ExecutorConfig.from_args(args)) is None
 
 
 def test_only_a_thread_writing_the_cache_is_waited_for_at_exit(tmp_path: Path) -> None:
