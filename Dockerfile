@@ -92,6 +92,10 @@ RUN groupadd --system --gid 10001 pagedserve \
     && install -d -o pagedserve -g pagedserve -m 700 /var/lib/pagedserve/secret
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/pagedserve /opt/pagedserve
+# Everything above stays root's (the executor cannot rewrite its code, kernels or model) except the start-up
+# cache: the packing choice the first start measured and the converted weights, reused by a restart (compose
+# mounts a volume here to keep them across containers; it takes this directory's owner and mode).
+RUN install -d -o pagedserve -g pagedserve -m 700 /opt/pagedserve/cache/startup
 USER pagedserve
 WORKDIR /home/pagedserve
 # 50051 scheduler gRPC (public), 8080 scheduler OpenAI-compatible HTTP API (public), 8000 scheduler

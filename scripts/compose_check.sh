@@ -4,7 +4,8 @@
 # a streamed generation, the OpenAI-compatible HTTP API (/v1/models and a completion), /metrics, the C++ CPU
 # kernels built into the image loaded by the executor, and an
 # executor restart with a stream in flight (which must finish with
-# exactly the tokens of an undisturbed greedy run), then two executors (--scale executor=2) both serving; then
+# exactly the tokens of an undisturbed greedy run, and start from the start-up cache the first start wrote), then
+# two executors (--scale executor=2) both serving, the new one from the same cache (a volume); then
 # compose.tiers.yaml (executor, engine-core, frontend): the engine-core container and then the frontend container
 # SIGKILLed and started again, each with a client-library stream (--resume-attempts) in flight that must end with
 # the undisturbed run's tokens.
@@ -338,6 +339,38 @@ check_kernels() {
   note "$(grep -o 'linear weights packed for .*' <<<"$text" | head -n 1)"
 }
 
+# The image lets the executor's user write its start-up cache and nothing else under /opt (its code, kernels and
+# model stay root's); the first start keeps the packing choice it measured there, for the restart below to reuse
+# (a failed write logs "start-up cache ... not written": every container then measured again after ready).
+check_startup_cache_kept() {
+  local id deadline=$((SECONDS + 300)) writable text
+  id=$(container_of executor)
+  writable=$(podman_ exec "$id" find /opt -writable -not -path /opt/pagedserve/cache/startup \
+    -not -path '/opt/pagedserve/cache/startup/*')
+  [ -z "$writable" ] || { echo "the executor may write: $writable"; return 1; }
+  podman_ exec "$id" test -w /opt/pagedserve/cache/startup || { echo "its start-up cache is not writable"; return 1; }
+  until text=$(compose logs --no-color executor 2>&1) && grep -q "kept for the next start" <<<"$text"; do
+    [ $SECONDS -lt $deadline ] || { echo "the executor never measured its packing choice"; return 1; }
+    sleep 1
+  done
+  if grep "start-up cache .* not written" <<<"$text"; then return 1; fi
+  note "only the start-up cache is writable; $(grep -m1 -o "linear weights pack.*kept for the next start.*" <<<"$text")"
+}
+
+# started_from_cache NAME: the executor container NAME (its compose log prefix, executor_1) packed its linears as
+# the start-up cache measured, instead of measuring again after ready.
+started_from_cache() {
+  local text line
+  text=$(compose logs --no-color executor 2>&1)
+  line=$(grep "^$1 " <<<"$text" | grep -o "linear weights .*(as the start-up cache measured)" || true)
+  if [ -z "$line" ]; then
+    echo "$1 did not start from the start-up cache:"
+    grep -E "start-up cache|linear weights" <<<"$text" || true
+    return 1
+  fi
+  note "$1: $(tail -n 1 <<<"$line")"
+}
+
 RESTART_ARGS=(--max-tokens "$RESTART_MAX_TOKENS" --temperature 0 --ignore-eos "The executor restarts while this streams")
 
 # The undisturbed greedy run the restarted stream must equal, token for token.
@@ -525,9 +558,12 @@ stage "http api" check_http
 stage "metrics" check_metrics
 stage "cpu kernels" check_kernels
 stage "reference greedy run" reference_run
+stage "start-up cache kept" check_startup_cache_kept
 stage "restart executor" check_restart
 stage "healthy after restart" wait_healthy 120
+stage "restart used the cache" started_from_cache executor_1
 stage "scale executors" check_scale
+stage "new replica used it" started_from_cache executor_2
 stage "compose down" compose_down
 stage "tiers up" tiers_up
 stage "tiers healthy" wait_services 300 executor engine-core frontend

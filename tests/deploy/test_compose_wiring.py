@@ -207,6 +207,32 @@ def named_mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
     return out
 
 
+def runtime_stage(dockerfile: Path) -> str:
+    """The Dockerfile's last stage (the image compose runs), continuation lines joined."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    return re.split(r"^FROM .*$", text, flags=re.MULTILINE)[-1]
+
+
+def test_the_executor_may_write_its_startup_cache_on_a_volume_and_nothing_else() -> None:
+    """The image's start-up cache directory (the packing choice, the converted weights) belongs to the user the
+    executor runs as, and every compose file's executor keeps it on a named volume (re-created containers and
+    replicas reuse it); the rest of /opt stays root's."""
+    stage = runtime_stage(ROOT / "Dockerfile")
+    user = re.findall(r"^USER (\S+)", stage, flags=re.MULTILINE)[-1]
+    cache_dir = re.findall(r"PAGEDSERVE_CACHE_DIR=(\S+)", stage)[-1]
+    startup = f"{cache_dir}/startup"
+    assert re.search(rf"install -d -o {user} -g {user} -m 700 {re.escape(startup)}\b", stage), stage
+    assert not re.search(r"chown|chmod", stage.replace("/var/lib/pagedserve/secret", "")), "nothing else is given away"
+    for path in (COMPOSE, COMPOSE_TIERS):
+        compose = load(path)
+        mounts = {name: mount for name, mount in named_mounts(compose["services"]["executor"]).items()
+                  if mount[0] == startup}
+        assert len(mounts) == 1 and not next(iter(mounts.values()))[1], f"{path.name}: {startup} on no volume"
+        assert next(iter(mounts)) in compose.get("volumes", {}), f"{path.name}: the volume is not declared"
+        for name, svc in compose["services"].items():
+            assert name == "executor" or startup not in {m for m, _ in named_mounts(svc).values()}, name
+
+
 def test_env_variables_are_named_after_their_flags() -> None:
     """`--max-num-seqs ${MAX_NUM_SEQS:-256}`: the variable is the flag in upper snake case."""
     pairs = 0
