@@ -47,9 +47,9 @@ class StepActivity:
         return self._in_flight
 
     def busy_for(self) -> float:
-        """0 when quiet, else how long (s) until it could be: a step in flight counts as a full quiet period."""
+        """0 when quiet, else how long (s) until it could be (with a step in flight: at least a poll's length)."""
         if self._in_flight:
-            return self.quiet_s
+            return max(self.quiet_s, POLL_S)
         return max(0.0, self._last_end + self.quiet_s - time.monotonic())
 
     def wait_quiet(self, give_way: Callable[[], bool] = lambda: False, timeout: float | None = None) -> bool:

@@ -140,6 +140,24 @@ class ThenImport:
                 log.info("%s not imported after %s (%s)", name, module.__name__, exc)
 
 
+class PauseFirst:
+    """Runs `real`'s module after `pause()` returns (the import system's global lock is not held then; the module's
+    own lock and those of the modules importing it are, and a thread waiting for one shows in _BLOCKING_ON)."""
+
+    def __init__(self, real: Loader, pause: Callable[[], object]) -> None:
+        self.real, self.pause = real, pause
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        module.__loader__ = self.real
+        self.pause()
+        self.real.exec_module(module)
+
+
 class DeferredImports:
     """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported.
     `then`: modules to import right after a module's own import (by its name), deferring nothing of theirs."""
@@ -157,7 +175,7 @@ class DeferredImports:
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         pausing = self.pausing
         if pausing is not None and pausing[0] == threading.get_ident():
-            pausing[1]()  # run_all's thread, about to import what a deferred module's code imports
+            return self.pausing_spec(name, path, target, pausing[1])
         if self.stopped or (name not in self.names and name not in self.then):
             return None
         try:
@@ -171,6 +189,20 @@ class DeferredImports:
         wrapped = DeferredLoader(spec.loader, self) if name in self.names else ThenImport(spec.loader, self.then[name])
         spec.loader = cast("Loader", wrapped)
         return spec
+
+    def pausing_spec(self, name: str, path: Sequence[str] | None, target: types.ModuleType | None,
+                     pause: Callable[[], object]) -> importlib.machinery.ModuleSpec | None:
+        """The spec the other finders give, with a loader that calls `pause` before the module's code runs: run_all's
+        thread, importing what a deferred module's code imports. Not here: find_spec runs under the import system's
+        global lock, which every other thread's import takes."""
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = cast("Loader", PauseFirst(spec.loader, pause))
+                return spec
+        return None
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
         """Run `module`'s code once, under the import system's lock for its name, as its import would have: the
