@@ -366,7 +366,8 @@ async def test_a_step_counts_as_in_flight_from_its_arrival_to_its_answer_over_gr
             await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
             answer = await call.read()
             assert answer.step_id == 1 and not answer.error
-            assert len(seen) == 1 and seen[0] > 0 and activity.in_flight == 0 and activity.busy_for() <= activity.quiet_s
+            assert len(seen) == 1 and seen[0] > 0, "the step was not in flight while the backend computed it"
+            assert activity.in_flight == 0 and activity.busy_for() <= activity.quiet_s
             await call.done_writing()
     finally:
         await serving.server.stop(None)
