@@ -11,8 +11,9 @@ import ...` and `import torch.nested._internal` all find the real module. What e
 effects is imported right after torch (EAGER_AFTER_TORCH: torch._prims' rng_prims, for torch.Generator).
 run_deferred() runs whatever is still deferred, in the order the imports came, and removes the finder: the
 process is then in the state a plain `import torch` leaves (the same modules, registrations and attributes).
-The executor runs them on a low-priority thread a moment after ready (__main__.py), and before anything that
-traces or uses fake tensors (runner/compiled.py).
+The executor runs them on a low-priority thread from a moment after ready, only while no step is in flight
+(__main__.py, activity.py: run_all's `pause` before each module and each module their code imports), and before
+anything that traces or uses fake tensors (runner/compiled.py).
 
 Robust to a torch that names or imports these differently: only a tested torch version is deferred
 (TESTED_TORCH); a name the path finder does not find, or a module whose loader cannot split creation from
