@@ -135,7 +135,7 @@ def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLo
                  activity: StepActivity | None = None) -> None:
     """After ready and its first answers: the deferred imports on their thread, then freeze_heap on the event loop
     (so the heap it freezes holds their objects too); with `activity`, each piece of that only while no step is in
-    flight (between any two of the imports' own imports: a step never waits for them)."""
+    flight (it waits before each module their code imports: a step shares the GIL with one such piece at most)."""
     if deferred is None:
         freeze_heap()
         return

@@ -1,5 +1,6 @@
 """Whether the executor is serving steps (#33): work it leaves until after ready (torch's deferred imports, the heap's
-freeze) runs only in a quiet moment, so that it never holds the GIL or the event loop while a step runs.
+freeze) runs only in a quiet moment, so that a step does not share the GIL or the event loop with it, except with
+the piece of it already running when the step arrives.
 
 The servicer wraps each step in StepActivity.step(); a background thread calls wait_quiet() before each piece of its
 work. Quiet means no step in flight and none for QUIET_S: between the steps of a running batch the scheduler answers
