@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 import uvloop
 
 from client.port_file import PortFile, check_port_file
+from executor_service.activity import StepActivity
 from executor_service.auth import load_or_create_secret
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
 from executor_service.deferred_imports import (
     DeferredImports,
     defer_torch_imports,
+    lock_holder_is_awaited,
     run_in_background,
 )
 from executor_service.placement import bind_cores, omp_environment, set_omp_environment
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.executor")
 FREEZE_HEAP_AFTER_S = 2.0
+MAX_PAUSE_S = 10.0
 
 
 def build_backend(config: ExecutorConfig, converted: ConvertedWeights | None = None) -> Backend:
@@ -124,16 +127,26 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving,
              info.num_device_blocks, info.num_swap_blocks, limits.max_num_batched_tokens, limits.max_num_seqs)
     gc.set_threshold(20_000, 50, 1000)
     loop = asyncio.get_running_loop()
-    loop.call_later(FREEZE_HEAP_AFTER_S, finish_start, deferred, loop)
+    loop.call_later(FREEZE_HEAP_AFTER_S, finish_start, deferred, loop, serving.servicer.activity)
 
 
-def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLoop) -> None:
+def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLoop,
+                 activity: StepActivity | None = None) -> None:
     """After ready and its first answers: the deferred imports on their thread, then freeze_heap on the event loop
-    (so the heap it freezes holds their objects too)."""
+    (so the heap it freezes holds their objects too); with `activity`, each piece of that only while no step is in
+    flight (it waits before each module their code imports: a step shares the GIL with one such piece at most)."""
     if deferred is None:
         freeze_heap()
         return
-    run_in_background(deferred, lambda: call_soon_unless_closed(loop, freeze_heap))
+    pause = pause_for_steps(activity) if activity is not None else None
+    run_in_background(deferred, lambda: call_soon_unless_closed(loop, freeze_heap), pause)
+
+
+def pause_for_steps(activity: StepActivity) -> Callable[[], object]:
+    """Wait for a quiet moment (activity.py), unless another thread waits for a module whose import this thread holds
+    (it would wait for us and we for it: go on); where the import system does not tell, wait at most MAX_PAUSE_S."""
+    timeout = None if lock_holder_is_awaited() is not None else MAX_PAUSE_S
+    return lambda: activity.wait_quiet(lambda: bool(lock_holder_is_awaited()), timeout)
 
 
 def call_soon_unless_closed(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:

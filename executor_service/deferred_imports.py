@@ -11,8 +11,9 @@ import ...` and `import torch.nested._internal` all find the real module. What e
 effects is imported right after torch (EAGER_AFTER_TORCH: torch._prims' rng_prims, for torch.Generator).
 run_deferred() runs whatever is still deferred, in the order the imports came, and removes the finder: the
 process is then in the state a plain `import torch` leaves (the same modules, registrations and attributes).
-The executor runs them on a low-priority thread a moment after ready (__main__.py), and before anything that
-traces or uses fake tensors (runner/compiled.py).
+The executor runs them on a low-priority thread from a moment after ready, only while no step is in flight
+(__main__.py, activity.py: run_all's `pause` before each module and each module their code imports), and before
+anything that traces or uses fake tensors (runner/compiled.py).
 
 Robust to a torch that names or imports these differently: only a tested torch version is deferred
 (TESTED_TORCH); a name the path finder does not find, or a module whose loader cannot split creation from
@@ -135,6 +136,24 @@ class ThenImport:
                 log.info("%s not imported after %s (%s)", name, module.__name__, exc)
 
 
+class PauseFirst:
+    """Runs `real`'s module after `pause()` returns (the import system's global lock is not held then; the module's
+    own lock and those of the modules importing it are, and a thread waiting for one shows in _BLOCKING_ON)."""
+
+    def __init__(self, real: Loader, pause: Callable[[], object]) -> None:
+        self.real, self.pause = real, pause
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.real
+        module.__loader__ = self.real
+        self.pause()
+        self.real.exec_module(module)
+
+
 class DeferredImports:
     """The finder for `names`, first on sys.meta_path until run_all(); `deferred` in the order they were imported.
     `then`: modules to import right after a module's own import (by its name), deferring nothing of theirs."""
@@ -145,10 +164,15 @@ class DeferredImports:
         self.deferred: list[types.ModuleType] = []
         self.lock = threading.RLock()
         self.running: set[int] = set()
+        self.stopped = False  # run_all began: nothing more is deferred
+        self.pausing: tuple[int, Callable[[], object]] | None = None  # (thread, pause) while run_all runs there
 
     def find_spec(self, name: str, path: Sequence[str] | None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in self.names and name not in self.then:
+        pausing = self.pausing
+        if pausing is not None and pausing[0] == threading.get_ident():
+            return self.pausing_spec(name, path, target, pausing[1])
+        if self.stopped or (name not in self.names and name not in self.then):
             return None
         try:
             spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -161,6 +185,20 @@ class DeferredImports:
         wrapped = DeferredLoader(spec.loader, self) if name in self.names else ThenImport(spec.loader, self.then[name])
         spec.loader = cast("Loader", wrapped)
         return spec
+
+    def pausing_spec(self, name: str, path: Sequence[str] | None, target: types.ModuleType | None,
+                     pause: Callable[[], object]) -> importlib.machinery.ModuleSpec | None:
+        """The spec the other finders give, with a loader that calls `pause` before the module's code runs: run_all's
+        thread, importing what a deferred module's code imports. Not here: find_spec runs under the import system's
+        global lock, which every other thread's import takes."""
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = cast("Loader", PauseFirst(spec.loader, pause))
+                return spec
+        return None
 
     def run(self, module: types.ModuleType, spec: importlib.machinery.ModuleSpec, pending: Pending) -> None:
         """Run `module`'s code once, under the import system's lock for its name, as its import would have: the
@@ -192,12 +230,25 @@ class DeferredImports:
         """The modules still deferred, in import order."""
         return [m.__name__ for m in self.deferred if type(m) is DeferredModule]
 
-    def run_all(self) -> int:
-        """Run every module still deferred, in import order, and stop deferring; the number run."""
+    def run_all(self, pause: Callable[[], object] | None = None) -> int:
+        """Run every module still deferred, in import order, and stop deferring; the number run. `pause` is called
+        before each module and before each import their code makes on this thread (this finder sees them until the
+        end), so that the work can wait for a quiet moment between any two imports."""
         with self.lock:
-            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+            self.stopped = True
             modules = list(self.deferred)
-        count = sum(run_module(module) for module in modules)  # each under its own lock (run)
+        if pause is not None:
+            self.pausing = (threading.get_ident(), pause)
+        try:
+            count = 0
+            for module in modules:  # each under its own lock (run)
+                if pause is not None and type(module) is DeferredModule:
+                    pause()
+                count += run_module(module)
+        finally:
+            self.pausing = None
+            with self.lock:
+                sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
         with self.lock:
             self.deferred[:] = [m for m in self.deferred if type(m) is DeferredModule]
         return count
@@ -210,6 +261,25 @@ DEADLOCK_ERRORS: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(_BOOTSTRAP, "_DeadlockError", None),) if isinstance(e, type))
 """The import system's per-name locks and the error their deadlock detection raises (CPython's importlib
 internals): a thread waiting for a deferred module another thread runs is then part of that detection."""
+
+
+_BLOCKING_ON: dict[int, Any] | None = getattr(_BOOTSTRAP, "_blocking_on", None)
+"""The import system's record of the module lock each thread is waiting for (CPython 3.11: thread id -> lock;
+3.12+: thread id -> list of locks)."""
+
+
+def lock_holder_is_awaited() -> bool | None:
+    """Whether another thread waits for a module lock this thread holds (it needs a module this thread's imports are
+    running); None where this Python does not tell."""
+    if not isinstance(_BLOCKING_ON, dict):
+        return None
+    me = threading.get_ident()
+    try:
+        waits = [(tid, lock) for tid, entry in tuple(_BLOCKING_ON.items())
+                 for lock in (entry if isinstance(entry, list) else (entry,))]
+    except RuntimeError:  # changed while read: ask again at the next poll
+        return False
+    return any(tid != me and getattr(lock, "owner", None) == me for tid, lock in waits)
 
 
 def module_lock(name: str, fallback: threading.RLock) -> contextlib.AbstractContextManager[Any]:
@@ -238,22 +308,25 @@ def defer_torch_imports() -> DeferredImports | None:
     return install(DEFERRED_TORCH_MODULES, {"torch": EAGER_AFTER_TORCH})
 
 
-def run_in_background(finder: DeferredImports, then: Callable[[], object]) -> threading.Thread:
+def run_in_background(finder: DeferredImports, then: Callable[[], object],
+                      pause: Callable[[], object] | None = None) -> threading.Thread:
     """Run what `finder` deferred on a daemon thread at the lowest CPU priority, log it, then call `then` (on that
-    thread). A module whose code fails is logged: the forward does not use it (its import would have failed the
-    start without the deferral)."""
+    thread); `pause` as for run_all, and once more before `then`. A module whose code fails is logged: the forward
+    does not use it (its import would have failed the start without the deferral)."""
 
     def run() -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         names, t0 = finder.pending_names(), time.perf_counter()
         try:
-            finder.run_all()
-            log.info("deferred torch imports run after ready (%.2f s): %s", time.perf_counter() - t0,
-                     ", ".join(names) or "none left")
+            finder.run_all(pause)
+            log.info("deferred torch imports run after ready (%.2f s, pauses for steps included): %s",
+                     time.perf_counter() - t0, ", ".join(names) or "none left")
         except Exception as exc:
             log.warning("a deferred torch import failed after ready (%s: %s); torch.compile and meta tensors may "
                         "not work in this process", type(exc).__name__, exc)
+        if pause is not None:
+            pause()
         then()
 
     thread = threading.Thread(target=run, name="deferred-imports", daemon=True)

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from executor_service.activity import StepActivity
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
 from executor_service.state import RequestState, RequestTable
@@ -51,6 +52,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.loading_since = time.monotonic()
         self._stream_epoch = 0
         self._step_lock = asyncio.Lock()
+        self.activity = StepActivity()  # steps in flight: the after-ready work waits for none (activity.py)
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
         self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
@@ -133,12 +135,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
                     log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
-                async with self._step_lock:
-                    try:
-                        result = await self.run_step(step)
-                    except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
-                        log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
+                with self.activity.step():
+                    async with self._step_lock:
+                        try:
+                            result = await self.run_step(step)
+                        except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
+                            log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
                 yield result
         finally:
             self._owner = None

@@ -24,13 +24,14 @@ import torch
 
 from client.local import ROOT, wait_until
 from executor_service import deferred_imports
+from executor_service.activity import StepActivity
 from executor_service.default_model.model import make_model
 from executor_service.deferred_imports import DeferredModule, defer_torch_imports, install, run_deferred
 from tests.support.procs import generate_all, running_stack
 
 PACKAGE = {
     "__init__.py": "from dpkg import seen\nfrom dpkg import first, second\n",
-    "seen.py": "import threading\nran = []\nd1_running, m_running = threading.Event(), threading.Event()\n",
+    "seen.py": "import threading\nran = []\nhooks = []\nd1_running, m_running = threading.Event(), threading.Event()\n",
     "first.py": "from dpkg import seen\nseen.ran.append('first')\nvalue = 42\n",
     "second.py": "from dpkg import seen\nseen.ran.append('second')\n",
     "third.py": "from dpkg import seen\nseen.ran.append('third')\n",
@@ -44,6 +45,8 @@ PACKAGE = {
             "from dpkg import d2\ny = d2.x\n",
     "flaky.py": "from dpkg import seen\nseen.ran.append('flaky')\nbefore = 1\n"
                 "if seen.ran.count('flaky') == 1:\n    raise OSError('transient')\nafter = 2\n",
+    "midway.py": "from dpkg import seen\nseen.ran.append('midway')\nfor arrive in seen.hooks:\n    arrive()\n"
+                 "import dpkg.third\nvalue = 7\n",
 }
 
 
@@ -173,6 +176,75 @@ def test_the_after_ready_thread_ends_quietly_when_the_event_loop_closed_meanwhil
     for thread in [t for t in threading.enumerate() if t.name == "deferred-imports"]:
         thread.join(10)
     assert failures == [] and dpkg.slow.late == 2
+
+
+def ran(package_seen: types.ModuleType) -> list[str]:
+    return list(package_seen.ran)
+
+
+def test_the_after_ready_run_starts_no_module_while_a_step_is_in_flight(package: Path) -> None:
+    """finish_start's thread waits for a quiet executor (no step in flight, none for a moment) before each deferred
+    module: a step never shares the GIL with their code (#33)."""
+    from executor_service.__main__ import finish_start
+    finder = install(["dpkg.third"])
+    import dpkg.third
+    activity = StepActivity(quiet_s=0.0)
+    loop = asyncio.new_event_loop()
+    try:
+        with activity.step():
+            finish_start(finder, loop, activity)
+            wait_until(lambda: activity.waiting == 1 or "third" in dpkg.seen.ran, timeout=10,
+                       what="the deferred imports to wait or run")
+            assert ran(dpkg.seen) == ["first", "second"], "a deferred module ran while a step was in flight"
+        for thread in [t for t in threading.enumerate() if t.name == "deferred-imports"]:
+            thread.join(10)
+        assert ran(dpkg.seen) == ["first", "second", "third"] and type(dpkg.third) is types.ModuleType
+    finally:
+        loop.close()
+
+
+def test_a_step_arriving_midway_through_a_modules_code_holds_its_next_import(package: Path) -> None:
+    """The step arrives while a deferred module's code runs: the code stops at its next import until the step is
+    answered (it holds no lock another thread needs), then goes on."""
+    finder = install(["dpkg.midway"])
+    import dpkg.midway
+    activity = StepActivity(quiet_s=0.0)
+    step = activity.step()
+    dpkg.seen.hooks.append(step.__enter__)
+    runner = threading.Thread(target=finder.run_all, args=(activity.wait_quiet,), daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: ("midway" in dpkg.seen.ran and activity.waiting == 1) or "third" in dpkg.seen.ran,
+                   timeout=10, what="the module's import to wait or go on")
+        assert ran(dpkg.seen) == ["first", "second", "midway"], "the module went on importing during the step"
+    finally:
+        step.__exit__(None, None, None)
+    runner.join(10)
+    assert ran(dpkg.seen) == ["first", "second", "midway", "third"] and dpkg.midway.value == 7
+
+
+def test_a_paused_module_goes_on_when_another_thread_needs_it(package: Path) -> None:
+    """The forward thread needs the module whose code stopped for its step (it waits for that module's lock): the
+    code goes on rather than wait for a step that waits for it; the step is still in flight when both are done."""
+    from executor_service.__main__ import pause_for_steps
+    finder = install(["dpkg.midway"])
+    import dpkg.midway
+    activity = StepActivity(quiet_s=0.0)
+    step = activity.step()
+    dpkg.seen.hooks.append(step.__enter__)
+    runner = threading.Thread(target=finder.run_all, args=(pause_for_steps(activity),), daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: "midway" in dpkg.seen.ran and activity.waiting == 1, timeout=10,
+                   what="the module's code to stop for the step")
+        found: list[int] = []
+        user = threading.Thread(target=lambda: found.append(dpkg.midway.value), daemon=True)
+        user.start()
+        user.join(30)
+        runner.join(30)
+        assert found == [7] and not runner.is_alive() and activity.in_flight == 1
+    finally:
+        step.__exit__(None, None, None)
 
 
 def test_torch_is_deferred_only_where_it_is_not_imported_yet_and_of_a_tested_version(

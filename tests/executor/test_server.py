@@ -342,3 +342,32 @@ async def test_ready_leaves_the_heap_collection_to_a_moment_later(monkeypatch: p
         await asyncio.wait_for(frozen.wait(), timeout=30)
     finally:
         await serving.server.stop(None)
+
+
+async def test_a_step_counts_as_in_flight_from_its_arrival_to_its_answer_over_grpc() -> None:
+    """What the after-ready work waits for (activity.py, #33): the step is in flight while the backend computes it,
+    and nothing is once it is answered."""
+    config = ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4)
+    backend = SimulatedBackend(config)
+    serving = await start_serving("127.0.0.1:0")
+    await serving.attach(backend)
+    activity = serving.servicer.activity
+    seen: list[float] = []
+    real = backend.execute_async
+
+    async def execute(items: list[BatchItem]) -> list[SampleOutput | None]:
+        seen.append(activity.busy_for())
+        return await real(items)
+
+    backend.execute_async = execute  # type: ignore[method-assign]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            answer = await call.read()
+            assert answer.step_id == 1 and not answer.error
+            assert len(seen) == 1 and seen[0] > 0, "the step was not in flight while the backend computed it"
+            assert activity.in_flight == 0 and activity.busy_for() <= activity.quiet_s
+            await call.done_writing()
+    finally:
+        await serving.server.stop(None)
