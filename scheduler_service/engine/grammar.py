@@ -22,7 +22,13 @@ import numpy as np
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
 from scheduler_service.engine.fair_queue import FairQueue
-from scheduler_service.engine.grammar_child import CompileCancelled, CompileChild, CompileProcessFailed, CompileTimeout
+from scheduler_service.engine.grammar_child import (
+    CompileCancelled,
+    CompileChild,
+    CompileProcessFailed,
+    CompileTimeout,
+    IdleProcesses,
+)
 from scheduler_service.engine.grammar_vocab import tokenizer_vocab
 from scheduler_service.structured import FIELD_NAMES, InvalidConstraint, clean_message
 
@@ -88,10 +94,10 @@ class GrammarCompiler:
     process. So are the constraints that ran past the deadline (TIMED_OUT_SIZE, TIMED_OUT_BYTES): a resend is
     refused at once with the same error."""
 
-    def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S, idle: IdleProcesses | None = None) -> None:
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._child = CompileChild(timeout)
+        self._child = CompileChild(timeout, idle)
         self._queue: FairQueue[CompileJob] = FairQueue()
         self._draining: asyncio.Task[None] | None = None
         self._info: xgrammar.TokenizerInfo | None = None
@@ -232,7 +238,7 @@ class GrammarCompiler:
         if self._draining is not None:
             self._draining.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._child.close()  # a compile running on the thread ends with it
+        self._child.close()  # a compile running on the thread ends with it (an idle process may be given back)
 
 
 ENDED = CompileFailure("structured_outputs: the request ended before its grammar compiled")
