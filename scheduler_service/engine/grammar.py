@@ -211,22 +211,22 @@ class GrammarCompiler:
 
     def _info_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.TokenizerInfo:
         """The tokenizer's xgrammar view (the compiled grammars load against it); a new tokenizer empties the cache."""
+        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
+        if self._info is not None and key == self._tokenizer_key:
+            return self._info
+        self._child.begin()  # the compile process imports xgrammar (~3 s) alongside this process, not after it
         import torch
         import xgrammar
 
         torch.set_num_threads(1)  # xgrammar brings torch into the engine core; no op of it may spin on other cores
-
-        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
-        if self._info is None or key != self._tokenizer_key:
-            vocab, kind = tokenizer_vocab(describe)
-            self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind),
-                                                vocab_size=describe.vocab_size,
-                                                stop_token_ids=list(describe.eos_token_ids))
-            self._tokenizer_key = key
-            self._compiled.clear()
-            self._compiled_bytes = 0
-            self._timed_out.clear()
-            self._timed_out_bytes = 0
+        vocab, kind = tokenizer_vocab(describe)
+        self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
+                                            stop_token_ids=list(describe.eos_token_ids))
+        self._tokenizer_key = key
+        self._compiled.clear()
+        self._compiled_bytes = 0
+        self._timed_out.clear()
+        self._timed_out_bytes = 0
         return self._info
 
     @property

@@ -83,6 +83,7 @@ class CompileChild:
         self.idle = idle
         self._proc: subprocess.Popen[bytes] | None = None
         self._tokenizer: TokenizerKey | None = None  # the one the process has
+        self._started = False  # whether the process's start-up Reply was read
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
         self._compiling = threading.Lock()  # held through each compile: close() gives back only an idle process
@@ -97,24 +98,32 @@ class CompileChild:
             self._send(Compile(constraint.kind.value, constraint.spec))
             return self._reply(time.monotonic() + self.timeout, wanted)
 
+    def begin(self) -> None:
+        """Start a process now if there is none, without waiting for its start-up (it imports xgrammar while the
+        caller works: the engine core imports its own copy before its first compile)."""
+        with self._compiling:
+            self._begin()
+
+    def _begin(self) -> None:
+        if self._proc is not None:
+            return
+        taken = self.idle.take() if self.idle is not None else None
+        if taken is not None:
+            (self._proc, self._tokenizer), self._started = taken, True
+        else:
+            self._proc, self._tokenizer, self._started = spawn(), None, False
+
     def _prepare(self, describe: executor_pb2.DescribeResponse) -> None:
         """A started process that has this describe's tokenizer (start-up and set-up: no compile deadline)."""
         key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
-        if self._proc is None:
-            self._proc, self._tokenizer = self._start()
+        self._begin()
+        if not self._started:
+            self._expect_ok(self._reply(time.monotonic() + START_TIMEOUT_S, None), "start")
+            self._started = True
         if self._tokenizer != key:
             self._send(Tokenizer(describe.SerializeToString()))
             self._expect_ok(self._reply(time.monotonic() + START_TIMEOUT_S, None), "tokenizer set-up")
             self._tokenizer = key
-
-    def _start(self) -> tuple[subprocess.Popen[bytes], TokenizerKey | None]:
-        """An idle process if one is given, else a new one past its start-up Reply."""
-        taken = self.idle.take() if self.idle is not None else None
-        if taken is not None:
-            return taken
-        self._proc = spawn()
-        self._expect_ok(self._reply(time.monotonic() + START_TIMEOUT_S, None), "start")
-        return self._proc, None
 
     def _expect_ok(self, reply: Reply, what: str) -> None:
         if not reply.ok:
@@ -162,12 +171,11 @@ class CompileChild:
         the compile thread ends with it)."""
         if self.idle is not None and self._compiling.acquire(blocking=False):
             try:
-                proc, self._proc = self._proc, None
-                if proc is not None:
+                if self._proc is not None and self._started:
+                    proc, self._proc = self._proc, None
                     self.idle.keep(proc, self._tokenizer)
             finally:
                 self._compiling.release()
-            return
         self._end()
 
     def _end(self) -> int | None:
