@@ -21,7 +21,6 @@ import random
 import subprocess
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,12 +200,6 @@ def serve(executor: str, scheduler_args: list[str], log: Path, rounds: int = 1, 
     return run
 
 
-def serve_plenty(executor: str, root: Path) -> dict[str, Run]:
-    """The runs on the executor with plenty of blocks: two rounds with the prefix cache, one without."""
-    return {"plenty": serve(executor, [], root / "scheduler-plenty.log", rounds=2, parallel=True),
-            "plenty-nocache": serve(executor, NO_CACHE, root / "scheduler-plenty-nocache.log", parallel=True)}
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
     name: str = request.param
@@ -221,20 +214,18 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         # both executors load while transformers computes the reference
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         reference = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-        # The plenty executor's runs go on a thread of their own, alongside the tight executor's (each executor
-        # has its own schedulers, one at a time; every run's outcome is its own executor's).
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="plenty") as pool:
-            plenty_runs = pool.submit(serve_plenty, wait_loaded(*plenty), root)
-            executor = wait_loaded(*tight)
-            for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
-                for suffix, flags in (("", []), ("-nocache", NO_CACHE)):
-                    runs[mode + suffix] = serve(executor, ["--preemption-mode", mode, *flags],
-                                                root / f"scheduler-{mode}{suffix}.log", TIGHT_ROUNDS, key)
-            # The runs above use the default layout (engine core + api server process, async scheduling);
-            # this one is synchronous, in one process, as before the split.
-            runs["sync"] = serve(executor, ["--no-async-scheduling", "--api-server-count", "0"],
-                                 root / "scheduler-sync.log", TIGHT_ROUNDS, "vllm:num_preemptions_total")
-            runs.update(plenty_runs.result())
+        executor = wait_loaded(*plenty)
+        runs["plenty"] = serve(executor, [], root / "scheduler-plenty.log", rounds=2, parallel=True)
+        runs["plenty-nocache"] = serve(executor, NO_CACHE, root / "scheduler-plenty-nocache.log", parallel=True)
+        executor = wait_loaded(*tight)
+        for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
+            for suffix, flags in (("", []), ("-nocache", NO_CACHE)):
+                runs[mode + suffix] = serve(executor, ["--preemption-mode", mode, *flags],
+                                            root / f"scheduler-{mode}{suffix}.log", TIGHT_ROUNDS, key)
+        # The runs above use the default layout (engine core + api server process, async scheduling);
+        # this one is synchronous, in one process, as before the split.
+        runs["sync"] = serve(executor, ["--no-async-scheduling", "--api-server-count", "0"],
+                             root / "scheduler-sync.log", TIGHT_ROUNDS, "vllm:num_preemptions_total")
     return Case(name, reference, runs)
 
 
