@@ -27,6 +27,7 @@ from scheduler_service.engine.grammar import (
     RequestGrammar,
     step_bitmasks,
 )
+from scheduler_service.engine.grammar_child import IdleProcesses
 from scheduler_service.engine.metrics import EngineMetrics, ExecutorSeries
 from scheduler_service.messages import QueueFull, settled_by_frontend
 
@@ -93,7 +94,8 @@ class ExecutorLoop:
                  metrics_model_name: str | None = None, credentials: grpc.ChannelCredentials | None = None,
                  step_timeout: float | None = None, *, executor_wait_timeout: float = 30.0,
                  executor_secret: str | None = None, metrics: EngineMetrics | None = None,
-                 steps_in_flight: int = 2, grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 steps_in_flight: int = 2, grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 grammar_processes: IdleProcesses | None = None) -> None:
         self.core_config = core_config
         self.label = executor_address
         self.connection = ExecutorConnection(executor_address, credentials, step_timeout, executor_secret)
@@ -115,7 +117,8 @@ class ExecutorLoop:
         self._task: asyncio.Task[None] | None = None
         self.steps_in_flight = steps_in_flight
         self._pending: deque[SchedulerOutput] = deque()  # sent, result not read yet (async scheduling)
-        self.grammar_compiler = GrammarCompiler(grammar_compile_timeout)
+        # grammar_processes: started compile processes to take and give back (tests share them; the engine core none)
+        self.grammar_compiler = GrammarCompiler(grammar_compile_timeout, grammar_processes)
         self._constrained: dict[str, RequestGrammar] = {}  # structured outputs: the scheduler's constrained requests
         self._compiling: set[asyncio.Task[None]] = set()
         self._to_compile: list[RequestStream] = []

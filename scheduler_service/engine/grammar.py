@@ -22,7 +22,13 @@ import numpy as np
 from protos.pagedserve.v1 import executor_pb2
 from scheduler_service.core.request import Constraint
 from scheduler_service.engine.fair_queue import FairQueue
-from scheduler_service.engine.grammar_child import CompileCancelled, CompileChild, CompileProcessFailed, CompileTimeout
+from scheduler_service.engine.grammar_child import (
+    CompileCancelled,
+    CompileChild,
+    CompileProcessFailed,
+    CompileTimeout,
+    IdleProcesses,
+)
 from scheduler_service.engine.grammar_vocab import tokenizer_vocab
 from scheduler_service.structured import FIELD_NAMES, InvalidConstraint, clean_message
 
@@ -88,10 +94,10 @@ class GrammarCompiler:
     process. So are the constraints that ran past the deadline (TIMED_OUT_SIZE, TIMED_OUT_BYTES): a resend is
     refused at once with the same error."""
 
-    def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S, idle: IdleProcesses | None = None) -> None:
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._child = CompileChild(timeout)
+        self._child = CompileChild(timeout, idle)
         self._queue: FairQueue[CompileJob] = FairQueue()
         self._draining: asyncio.Task[None] | None = None
         self._info: xgrammar.TokenizerInfo | None = None
@@ -205,22 +211,22 @@ class GrammarCompiler:
 
     def _info_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.TokenizerInfo:
         """The tokenizer's xgrammar view (the compiled grammars load against it); a new tokenizer empties the cache."""
+        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
+        if self._info is not None and key == self._tokenizer_key:
+            return self._info
+        self._child.begin()  # the compile process imports xgrammar (~3 s) alongside this process, not after it
         import torch
         import xgrammar
 
         torch.set_num_threads(1)  # xgrammar brings torch into the engine core; no op of it may spin on other cores
-
-        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
-        if self._info is None or key != self._tokenizer_key:
-            vocab, kind = tokenizer_vocab(describe)
-            self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind),
-                                                vocab_size=describe.vocab_size,
-                                                stop_token_ids=list(describe.eos_token_ids))
-            self._tokenizer_key = key
-            self._compiled.clear()
-            self._compiled_bytes = 0
-            self._timed_out.clear()
-            self._timed_out_bytes = 0
+        vocab, kind = tokenizer_vocab(describe)
+        self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
+                                            stop_token_ids=list(describe.eos_token_ids))
+        self._tokenizer_key = key
+        self._compiled.clear()
+        self._compiled_bytes = 0
+        self._timed_out.clear()
+        self._timed_out_bytes = 0
         return self._info
 
     @property
@@ -232,7 +238,7 @@ class GrammarCompiler:
         if self._draining is not None:
             self._draining.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._child.close()  # a compile running on the thread ends with it
+        self._child.close()  # a compile running on the thread ends with it (an idle process may be given back)
 
 
 ENDED = CompileFailure("structured_outputs: the request ended before its grammar compiled")

@@ -121,7 +121,8 @@ class Executors:
     address: str = ""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
+        """Start one (in the place of the last, if any); wait: until it is healthy (else see wait_healthy)."""
         log = self.tmp_path / f"executor-{self.name}-{len(self.procs)}.log"
         if self.address:
             self.procs.append(start("executor_service", ["--listen", self.address, *self.args], log))
@@ -129,6 +130,10 @@ class Executors:
             proc, ports = start_listening("executor_service", self.args, log)
             self.procs.append(proc)
             self.address = loopback(ports["listen"])
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
         wait_healthy(self.address, self.procs[-1])
 
     def restart(self, kill: threading.Event) -> None:
@@ -139,10 +144,11 @@ class Executors:
 
 
 @contextmanager
-def running_executors(tmp_path: Path, name: str, args: list[str]) -> Iterator[Executors]:
+def running_executors(tmp_path: Path, name: str, args: list[str], wait: bool = True) -> Iterator[Executors]:
+    """Executors started (wait: healthy; else maybe still loading), all stopped at the end."""
     executors = Executors(tmp_path, name, args)
     try:
-        executors.start()
+        executors.start(wait)
         yield executors
     finally:
         for proc in executors.procs:
@@ -194,14 +200,15 @@ def test_draft_model_speculation_keeps_every_output(tmp_path: Path) -> None:
     plain steps (and the scheduler says why); one with it gives every output of the plain run under swap
     preemption with async scheduling and an executor SIGKILL, and under recompute preemption; every greedy draft
     is accepted (the draft is the model), so acceptance is 1.0 on a greedy-only run."""
-    with running_executors(tmp_path, "plain", DRAFT_EXECUTOR_ARGS) as first:
-        plain, _ = scheduler_run(tmp_path, first.address, "plain", ["--preemption-mode", "swap"])
-        refused, m = scheduler_run(tmp_path, first.address, "no-capability", ["--speculative-config", DRAFT_SPEC])
-        assert refused == plain and m.get("vllm:spec_decode_num_drafts_total", 0.0) == 0
-        log = (tmp_path / "scheduler-no-capability.log").read_text()
-        assert "needs an executor with a draft model" in log and "--draft-model" in log
     args = [*DRAFT_EXECUTOR_ARGS, "--draft-model", str(DRAFT_MODEL)]
-    with running_executors(tmp_path, "draft", args) as executors:
+    with running_executors(tmp_path, "draft", args, wait=False) as executors:  # it loads while the plain runs go
+        with running_executors(tmp_path, "plain", DRAFT_EXECUTOR_ARGS) as first:
+            plain, _ = scheduler_run(tmp_path, first.address, "plain", ["--preemption-mode", "swap"])
+            refused, m = scheduler_run(tmp_path, first.address, "no-capability", ["--speculative-config", DRAFT_SPEC])
+            assert refused == plain and m.get("vllm:spec_decode_num_drafts_total", 0.0) == 0
+            log = (tmp_path / "scheduler-no-capability.log").read_text()
+            assert "needs an executor with a draft model" in log and "--draft-model" in log
+        executors.wait_healthy()
         chunks = ["--speculative-config", DRAFT_SPEC, "--max-num-batched-tokens", "32"]  # more requests in flight
         check_speculative_runs(tmp_path, executors, plain, "draft", chunks)
         greedy = greedy_acceptance(tmp_path, executors.address)

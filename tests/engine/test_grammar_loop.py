@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from scheduler_service.core.config import CoreConfig
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
+from scheduler_service.engine.grammar_child import IdleProcesses
 from scheduler_service.messages import QueueFull
 from tests.support.engine_loop import collect
 
@@ -24,6 +26,16 @@ PATTERN = "[a-c]{12}(x|yz)"
 @pytest.fixture(scope="module")
 def executor_args() -> list[str]:
     return ["--sim-step-latency-ms", "2"]
+
+
+@pytest.fixture(scope="module")
+def idle() -> Iterator[IdleProcesses]:
+    """The module's idle compile processes: each test's engine loop takes one (started once, past its import of
+    xgrammar and torch, 3-6 s on a loaded 2-core box) and gives it back when it stops between compiles; one killed
+    mid-compile (a deadline, a request gone) is replaced by a fresh process, as in the engine core."""
+    processes = IdleProcesses()
+    yield processes
+    processes.close()
 
 
 def constrained(rid: str, seed: int) -> Request:
@@ -39,17 +51,22 @@ async def run_three(engine: ExecutorLoop) -> list[tuple[list[int], RequestDelta]
     return list(await asyncio.wait_for(asyncio.gather(*(collect(q) for q in queues)), 60))
 
 
+def check_constrained(tokens: list[int], last: RequestDelta) -> None:
+    assert last.finish_reason is FinishReason.STOPPED, last
+    assert tokens[-1] == 2  # the simulated executor's EOS, allowed only once the regex is complete
+    assert re.fullmatch(PATTERN, bytes(tokens[:-1]).decode()), tokens
+
+
 def check(results: list[tuple[list[int], RequestDelta]]) -> None:
     for tokens, last in results[:2]:
-        assert last.finish_reason is FinishReason.STOPPED, last
-        assert tokens[-1] == 2  # the simulated executor's EOS, allowed only once the regex is complete
-        assert re.fullmatch(PATTERN, bytes(tokens[:-1]).decode()), tokens
+        check_constrained(tokens, last)
     assert len(results[2][0]) == 20 and results[2][1].finish_reason is FinishReason.LENGTH
 
 
 @pytest.mark.parametrize("deferred", [True, False])
-async def test_constrained_requests_follow_their_grammar_under_async_scheduling(executor: str, deferred: bool) -> None:
-    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+async def test_constrained_requests_follow_their_grammar_under_async_scheduling(
+        executor: str, idle: IdleProcesses, deferred: bool) -> None:
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     sends: list[tuple[bool, bool]] = []  # (masks inline, masks follow) of each step sent
     real_send = engine.connection.send
@@ -74,8 +91,30 @@ async def test_constrained_requests_follow_their_grammar_under_async_scheduling(
         await engine.stop()
 
 
-async def test_a_constraint_that_does_not_compile_ends_the_request_with_its_reason(executor: str) -> None:
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+async def test_a_loop_stopped_between_compiles_gives_its_compile_process_to_the_next(
+        executor: str, idle: IdleProcesses) -> None:
+    """Given idle processes (as this module's tests are), an engine loop takes its compile process from them and
+    gives it back when it stops between compiles: the next loop compiles on the same process, already started."""
+    pids = []
+    for rid in ("first", "second"):
+        engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
+        await engine.start()
+        try:
+            queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            engine.add(constrained(rid, 1), queue)
+            check_constrained(*await asyncio.wait_for(collect(queue), 60))
+            proc = engine.grammar_compiler._child._proc
+            assert proc is not None
+            pids.append(proc.pid)
+        finally:
+            await engine.stop()
+        assert engine.grammar_compiler._child._proc is None
+    assert pids[0] == pids[1]
+
+
+async def test_a_constraint_that_does_not_compile_ends_the_request_with_its_reason(
+        executor: str, idle: IdleProcesses) -> None:
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -88,12 +127,12 @@ async def test_a_constraint_that_does_not_compile_ends_the_request_with_its_reas
         await engine.stop()
 
 
-async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> None:
+async def test_the_grammar_state_survives_an_executor_loss(executor: str, idle: IdleProcesses) -> None:
     """A lost executor means recompute: the requests go back with their outputs, and the matchers, which follow the
     outputs, go on where they were; the constrained outputs still match."""
     from scheduler_service.engine.executor_link import ExecutorLost
 
-    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(async_scheduling=True), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     real_receive = engine.connection.receive
     calls = {"n": 0}
@@ -113,11 +152,11 @@ async def test_the_grammar_state_survives_an_executor_loss(executor: str) -> Non
         await engine.stop()
 
 
-async def test_a_grammar_at_a_dead_end_fails_alone_as_the_clients_error(executor: str) -> None:
+async def test_a_grammar_at_a_dead_end_fails_alone_as_the_clients_error(executor: str, idle: IdleProcesses) -> None:
     """A grammar that reaches a dead end (`"a"`, then a rule whose language is empty) gives an all-zero mask row;
     sent, it makes the executor refuse the whole step, failing every other client's request in it. Only that
     request fails, with an error naming its field (the api server answers INVALID_ARGUMENT / 400)."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     try:
         warm: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -152,11 +191,12 @@ DEAD_END = 'root ::= "a" r\nr ::= r'
 
 @pytest.mark.parametrize(("kind", "spec"), [(ConstraintKind.GRAMMAR, "root ::= root"),
                                             (ConstraintKind.REGEX, "[^\\x00-\\U0010FFFF]")])
-async def test_a_grammar_whose_language_is_empty_is_refused_before_it_runs(executor: str, kind: ConstraintKind,
+async def test_a_grammar_whose_language_is_empty_is_refused_before_it_runs(
+        executor: str, idle: IdleProcesses, kind: ConstraintKind,
                                                                             spec: str) -> None:
     """xgrammar compiles both; their first mask allows no token. Refused at the compile (the client's fault, named),
     never scheduled: it used to run and fail as the server's error ("generation failed", HTTP 500)."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -171,12 +211,13 @@ async def test_a_grammar_whose_language_is_empty_is_refused_before_it_runs(execu
         await engine.stop()
 
 
-async def test_requests_waiting_for_their_grammar_count_against_the_queue_limit(executor: str) -> None:
+async def test_requests_waiting_for_their_grammar_count_against_the_queue_limit(
+        executor: str, idle: IdleProcesses) -> None:
     """A constrained request waits outside the scheduler while its grammar compiles (each distinct spec up to the
     compile deadline); those requests did not count against --max-queue-len, so a client could queue any number of
     them behind the one compile process. They count from add() (no await between the adds here: none has compiled)
     until they join the scheduler or end."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=2)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=2, grammar_processes=idle)
     await engine.start()
     try:
         queues: list[asyncio.Queue[RequestDelta]] = [asyncio.Queue() for _ in range(3)]
@@ -196,11 +237,11 @@ async def test_requests_waiting_for_their_grammar_count_against_the_queue_limit(
         await engine.stop()
 
 
-async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str) -> None:
+async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str, idle: IdleProcesses) -> None:
     """min_tokens keeps EOS from ending a request; once the grammar has accepted EOS its matcher is terminated and
     xgrammar raises on the next mask fill, which failed the engine's whole step (every request recomputed, this one
     an internal error). The grammar wins: the request ends stopped, its document complete."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -213,10 +254,10 @@ async def test_min_tokens_does_not_outlive_a_complete_grammar(executor: str) -> 
         await engine.stop()
 
 
-async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(executor: str) -> None:
+async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(executor: str, idle: IdleProcesses) -> None:
     """Compiles run one at a time; a client that sends a costly spec and gives up must not leave its compile in the
     queue, holding every later constrained request behind it. An ended request's compile is skipped."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     compiled: list[str] = []
     real_compile = engine.grammar_compiler._compile
@@ -246,14 +287,15 @@ async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(execu
         await engine.stop()
 
 
-async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_compiled_grammars_kept_are_bounded_in_bytes(
+        executor: str, idle: IdleProcesses, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled grammars are big (a 60 KB regex: ~40 MB on a 2k vocabulary); a count of 256 alone let one client
     fill the engine core's memory with distinct specs, and xgrammar's compiler kept its own unbounded copy of each."""
     from scheduler_service.engine import grammar
 
     # every compiled grammar is more than 1 byte: only the newest stays
     monkeypatch.setattr(grammar, "COMPILED_CACHE_BYTES", 1, raising=False)
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     try:
         for i, pattern in enumerate(("[a-c]{5}", "[d-f]{5}", "[g-i]{5}")):
@@ -268,10 +310,10 @@ async def test_compiled_grammars_kept_are_bounded_in_bytes(executor: str, monkey
         await engine.stop()
 
 
-async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
+async def test_callers_take_turns_at_the_compile_thread(executor: str, idle: IdleProcesses) -> None:
     """One caller's queued specs hold another caller's constrained request for at most the compile already
     running (found by an attack: six costly specs of one API key held another key's small request 21 s)."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     compiled: list[str] = []
     running, go_on = threading.Event(), threading.Event()
@@ -311,12 +353,12 @@ async def test_callers_take_turns_at_the_compile_thread(executor: str) -> None:
 
 
 async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_the_others_compiles(
-        executor: str) -> None:
+        executor: str, idle: IdleProcesses) -> None:
     """A front-end sends the requests it took in one turn of its event loop as one message, and the engine core adds
     them in one turn: a constrained request of one caller must join the scheduler once its own grammar compiled,
     not once every grammar added with it did (found by an attack: key A's costly specs, sent with key B's small
     one, held B's request for all of A's compiles, whatever the order the compile thread served them in)."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     go_on = threading.Event()
     real_compile = engine.grammar_compiler._compile
@@ -347,9 +389,9 @@ async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_
         await engine.stop()
 
 
-async def test_the_sequences_of_one_call_join_the_scheduler_together(executor: str) -> None:
+async def test_the_sequences_of_one_call_join_the_scheduler_together(executor: str, idle: IdleProcesses) -> None:
     """Compiled per call, the n > 1 sequences of one call (share_prompt_with its first) still join as one group."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     joined: dict[asyncio.Task[Any] | None, list[str]] = {}  # by the task that added them
     real_add = engine._sched().add_request
@@ -384,11 +426,13 @@ def slow_request(rid: str, owner: str = "") -> Request:
         ConstraintKind.JSON_SCHEMA, SLOW_SCHEMA)), 0.0, owner=owner)
 
 
-async def test_a_compile_past_its_deadline_is_killed_and_the_request_refused_as_invalid(executor: str) -> None:
+async def test_a_compile_past_its_deadline_is_killed_and_the_request_refused_as_invalid(
+        executor: str, idle: IdleProcesses) -> None:
     """The compile runs in a process of its own: past --structured-outputs-compile-timeout it is killed, the
     request ends as its client's fault (INVALID_ARGUMENT / 400 naming the field), and the next compile gets a
     fresh process. Before, the compile held the engine core's one compile thread until it ended, minutes."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0,
+                          grammar_processes=idle)
     await engine.start()
     try:
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
@@ -408,11 +452,13 @@ async def test_a_compile_past_its_deadline_is_killed_and_the_request_refused_as_
         await engine.stop()
 
 
-async def test_a_resent_spec_that_ran_past_the_deadline_is_refused_without_a_compile(executor: str) -> None:
+async def test_a_resent_spec_that_ran_past_the_deadline_is_refused_without_a_compile(
+        executor: str, idle: IdleProcesses) -> None:
     """A constraint whose compile timed out is remembered: resent (by anyone), it is refused at once with the same
     error and never reaches the compile process, which each resend used to hold for the whole deadline. A longer
     deadline (here set on the process handle) compiles it again."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=1.0,
+                          grammar_processes=idle)
     await engine.start()
     child = engine.grammar_compiler._child
     sent: list[str] = []
@@ -443,11 +489,13 @@ async def test_a_resent_spec_that_ran_past_the_deadline_is_refused_without_a_com
         await engine.stop()
 
 
-async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queue(executor: str) -> None:
+async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queue(
+        executor: str, idle: IdleProcesses) -> None:
     """A client that sends a costly spec and leaves while it compiles takes its compile with it: the process is
     killed, and the next caller's constrained request compiles at once (with a deadline of 10 minutes, only the
     kill can end the first compile within the test's wait)."""
-    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=600.0)
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=600.0,
+                          grammar_processes=idle)
     await engine.start()
     child = engine.grammar_compiler._child
     running = threading.Event()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,12 +319,15 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     with loading([*model, *PLENTY], root / "tp1" / "executor.log") as tp1, \
             loading([*model, *TIGHT, *TP2], root / "executor-tight.log") as tp2:
         reference = hf_greedy(path)  # while both executors load
-        runs["tp1"] = serve(wait_loaded(*tp1), [], root / "tp1")
-        address = wait_loaded(*tp2)
-        for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
-            log_dir = root / mode
-            log_dir.mkdir()
-            runs[mode] = serve(address, ["--preemption-mode", mode], log_dir, key)
+        # size 1's run goes on a thread alongside size 2's (each executor has its own schedulers, one at a time)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp1") as pool:
+            tp1_run = pool.submit(serve, wait_loaded(*tp1), [], root / "tp1")
+            address = wait_loaded(*tp2)
+            for mode, key in (("swap", SWAP), ("recompute", RECOMPUTE)):
+                log_dir = root / mode
+                log_dir.mkdir()
+                runs[mode] = serve(address, ["--preemption-mode", mode], log_dir, key)
+            runs["tp1"] = tp1_run.result()
     return Case(reference, runs)
 
 
