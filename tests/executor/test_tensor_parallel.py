@@ -55,10 +55,14 @@ TP2 = ["--tensor-parallel-size", "2"]
 DEVICE = os.environ.get("PAGEDSERVE_TP_DEVICE", "cpu")  # cuda needs two GPUs (benchmarks/gpu_check.sh)
 BLOCK_SIZE = 16
 PROMPT_LENGTHS = (100, 60, 33, 17, 7, 1)
-MAX_TOKENS = 16
+MAX_TOKENS = 48
 PLENTY = ["--num-gpu-blocks", "256", "--num-cpu-blocks", "32"]
-# The 6 prompts need 18 blocks, 24 by their last token: admitted together, they preempt each other.
-TIGHT = ["--num-gpu-blocks", "20", "--num-cpu-blocks", "64"]
+# The 6 prompts need 18 blocks, 33 by their last token (10 + 7 + 5 + 4 + 4 + 3): 24 admit them all at once, and
+# they outgrow the pool by 9 blocks. They need not arrive together: arriving at random steps up to 32 apart (two
+# thirds of a request's life) they preempted in each of 200 orders (scripts/arrival_spread.py --prompts
+# 100,60,33,17,7,1 --max-tokens 48 --blocks 24); with the 16 tokens and 20 blocks this had, in none of 31 orders of
+# 100 only 4 steps apart (a waiting head keeps the pool from filling; 16-step requests end before late ones grow).
+TIGHT = ["--num-gpu-blocks", "24", "--num-cpu-blocks", "64"]
 MAX_ROUNDS = 3
 KILL_RUN_TOKENS = 40
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
