@@ -28,7 +28,7 @@ MAX_STEPS = 1_000_000
 class Batch:
     prompts: list[list[int]]
     max_tokens: int
-    n: int
+    n: list[int]  # sequences of each request
     blocks: int
     swap_blocks: int
     block_size: int
@@ -48,7 +48,7 @@ def answer(out: SchedulerOutput) -> ExecutorResult:
 def add_arrivals(s: Scheduler, batch: Batch, due: list[int], step: int) -> None:
     options = SamplingOptions(max_tokens=batch.max_tokens, ignore_eos=True)
     for i in due:
-        for j in range(batch.n):
+        for j in range(batch.n[i]):
             s.add_request(Request(f"r{i}.{j}", list(batch.prompts[i]), options, float(step),
                                   share_prompt_with=f"r{i}.0" if j else None))
 
@@ -87,7 +87,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", required=True, help="prompt lengths, comma-separated (one request each)")
     p.add_argument("--max-tokens", type=int, required=True)
-    p.add_argument("--n", type=int, default=1, help="sequences per request")
+    p.add_argument("--n", default="1", help="sequences per request: one for all, or one per prompt, comma-separated")
     p.add_argument("--blocks", type=int, required=True, help="device KV blocks")
     p.add_argument("--swap-blocks", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
@@ -104,7 +104,9 @@ def main() -> None:
     args = parse_args()
     config = CoreConfig(preemption_mode=PreemptionMode(args.preemption_mode), watermark=args.watermark,
                         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching)
-    batch = Batch(make_prompts([int(x) for x in args.prompts.split(",")]), args.max_tokens, args.n, args.blocks,
+    lengths = [int(x) for x in args.prompts.split(",")]
+    n = [int(x) for x in args.n.split(",")]
+    batch = Batch(make_prompts(lengths), args.max_tokens, n * len(lengths) if len(n) == 1 else n, args.blocks,
                   args.swap_blocks, args.block_size, config)
     for spread in (int(x) for x in args.spreads.split(",")):
         counts = sweep(batch, spread, args.trials)
