@@ -53,8 +53,8 @@ def add_arrivals(s: Scheduler, batch: Batch, due: list[int], step: int) -> None:
                                   share_prompt_with=f"r{i}.0" if j else None))
 
 
-def preemptions(batch: Batch, arrivals: list[int]) -> int:
-    """Preemptions (swap and recompute) of the batch with request i arriving at step arrivals[i]."""
+def preemptions(batch: Batch, arrivals: list[int]) -> tuple[int, int]:
+    """Preemptions (by swap, by recompute) of the batch with request i arriving at step arrivals[i]."""
     limits = ExecutorLimits(batch.block_size, batch.blocks, batch.swap_blocks, max_model_len=1 << 20,
                             eos_token_ids=(2,))
     s = Scheduler(batch.config, limits)
@@ -67,10 +67,10 @@ def preemptions(batch: Batch, arrivals: list[int]) -> int:
         if step > MAX_STEPS:
             raise RuntimeError("the batch never finished")
     stats = s.stats()
-    return stats.num_preemptions_swap + stats.num_preemptions_recompute
+    return stats.num_preemptions_swap, stats.num_preemptions_recompute
 
 
-def sweep(batch: Batch, spread: int, trials: int) -> list[int]:
+def sweep(batch: Batch, spread: int, trials: int) -> list[tuple[int, int]]:
     counts = []
     for t in range(trials if spread else 1):
         rng = random.Random(t)
@@ -110,8 +110,10 @@ def main() -> None:
                   args.swap_blocks, args.block_size, config)
     for spread in (int(x) for x in args.spreads.split(",")):
         counts = sweep(batch, spread, args.trials)
-        none = sum(c == 0 for c in counts)
-        print(f"D={spread:4d}: no preemption in {none}/{len(counts)} trials; fewest {min(counts)}, most {max(counts)}")
+        totals = [swap + recompute for swap, recompute in counts]
+        none = sum(t == 0 for t in totals)
+        print(f"D={spread:4d}: no preemption in {none}/{len(counts)} trials; fewest {min(totals)}, most {max(totals)}; "
+              f"fewest by swap {min(c[0] for c in counts)}, by recompute {min(c[1] for c in counts)}")
 
 
 if __name__ == "__main__":
