@@ -50,7 +50,9 @@ PLENTY = ["--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
 # 16 requests need 82 blocks for their prompts and 146 by their last token; when each greedy and
 # seeded pair shares its prompt's full blocks, 47 and 111. With 64 device blocks they must preempt
 # each other as they grow either way: a waiting head leaves at most 20 blocks free, less than what
-# the requests admitted around it grow by.
+# the requests admitted around it grow by. Arriving in any order at random steps up to 64 apart (a whole life),
+# the 16 (prompts not shared) preempted in each of 60 orders (scripts/arrival_spread.py --prompts
+# 300,300,150,150,64,64,33,33,17,17,16,16,7,7,1,1 --max-tokens 64 --blocks 64 --preemption-mode recompute).
 TIGHT = ["--num-gpu-blocks", "64", "--num-cpu-blocks", "128"]
 TIGHT_ROUNDS = 2  # the second with seeded requests first, so both kinds are among the latest admitted
 MAX_ROUNDS = 3
