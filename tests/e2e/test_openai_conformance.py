@@ -117,6 +117,10 @@ async def test_min_tokens_under_recompute_preemption_async_scheduling_and_n(http
     roomy = await sequences(http.stack.address)
     free, _, _, _ = await grpc_run(http, prompt=requests[0]["prompt"], max_tokens=40, temperature=0.0)
     assert eos in free[:24], "the check needs a request that would sample EOS below min_tokens"
+    # 12 sequences (4 greedy, 4 seeded n = 2) of 10-13 prompt tokens, each >= 24 outputs: 3 blocks of 16 by the 21st,
+    # so any 5 running together outgrow 14 blocks, and n = 2 pairs run together. Arriving in any order at random steps
+    # up to 24 apart (a whole life at 24 tokens) they preempted in each of 150 orders (scripts/arrival_spread.py
+    # --prompts 12,11,10,13,12,11,10,13 --n 1,2,1,2,1,2,1,2 --max-tokens 24 --blocks 14).
     tight = ["--device", "cpu", "--num-gpu-blocks", "14", "--num-cpu-blocks", "0"]
     with running_stack(tmp_path, tight) as stack:
         preempted = await sequences(stack.address)

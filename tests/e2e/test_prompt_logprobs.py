@@ -118,7 +118,10 @@ async def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(stack: tupl
 async def test_prompt_logprobs_come_once_and_whole_under_recompute_preemption(stack: tuple[Stack, str],
                                                                             hf: Any) -> None:
     s = stack[0]
-    prompts = [make_prompt(30 + 3 * i, seed=10 + i) for i in range(6)]  # 24 blocks of 16 cannot hold them all
+    # 17 prompt blocks of 16, 34 by the last token (6 x 48 outputs): 24 blocks hold about four at their end. Arriving in
+    # any order at random steps up to 32 apart (two thirds of a life) they preempted in each of 150 orders
+    # (scripts/arrival_spread.py --prompts 30,33,36,39,42,45 --max-tokens 48 --blocks 24 --max-num-batched-tokens 16).
+    prompts = [make_prompt(30 + 3 * i, seed=10 + i) for i in range(6)]
     before = s.metrics()["vllm:num_preemptions_total"]
     calls = [generate(s.address, p, max_tokens=48, ignore_eos=True, prompt_logprobs=K) for p in prompts]
     results = await asyncio.gather(*calls)

@@ -80,7 +80,9 @@ async def test_swap_and_recompute_preemption_keep_every_stream_exact(stack: Stac
         assert text == "".join(chr(i) for i in ids)
 
     # All at once: the device pool runs out, requests are swapped out while the 4 swap blocks last
-    # and recomputed after that; each stream must still see exactly its undisturbed tokens.
+    # and recomputed after that; each stream must still see exactly its undisturbed tokens. "At once" need not be
+    # together: in the scheduler core, arriving in any order at random steps up to 48 apart (their lives are 40-80
+    # steps), each of 200 orders swapped (5 or more) and recomputed (2 or more).
     async with PagedServeClient(stack.address) as client:
         together = await asyncio.gather(*(generate(client, shape) for shape in work))
     for shape, want, got in zip(work, alone, together, strict=True):

@@ -30,8 +30,11 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 MODEL = "default-model-v2"
-# 64 blocks of 16 tokens for up to 100 sequences of ~20 prompt + ~40 output tokens: recompute preemption (a chat
-# prompt with the tools system message is ~500 tokens)
+# 64 blocks of 16 tokens for up to 100 sequences of ~21 prompt + 27-118 output tokens (2 blocks each, 3-9 by the
+# end): recompute preemption (a chat prompt with the tools system message is ~500 tokens). The 50 calls reach the
+# scheduler spread out (each compiles its grammar first); even were every output only 27 tokens, arriving in any order
+# at random steps up to 40 apart they preempted in each of 60 orders (scripts/arrival_spread.py --prompts 21,...,21
+# (50) --max-tokens 27 --blocks 64).
 EXECUTOR = ["--device", "cpu", "--num-gpu-blocks", "64", "--num-cpu-blocks", "0"]
 MAX_TOKENS = 160
 FORMATS = jsonschema.FormatChecker(formats=["ipv4", "uuid"])

@@ -33,6 +33,8 @@ from client.lib import PagedServeClient
 from client.port_file import wait_ports
 from executor_service.default_model.model import TOKENIZER_VOCAB_SIZE, make_model
 from protos.pagedserve.v1 import generation_pb2
+from scheduler_service.core.config import CoreConfig, PreemptionMode
+from scripts.arrival_spread import Batch, make_prompts, sweep
 from tests.support.procs import loopback, parse_metrics, port_file_of, start_listening, stop, wait_healthy, wait_until
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +52,9 @@ PLENTY = ["--num-gpu-blocks", "1024", "--num-cpu-blocks", "64"]
 # 16 requests need 82 blocks for their prompts and 146 by their last token; when each greedy and
 # seeded pair shares its prompt's full blocks, 47 and 111. With 64 device blocks they must preempt
 # each other as they grow either way: a waiting head leaves at most 20 blocks free, less than what
-# the requests admitted around it grow by.
+# the requests admitted around it grow by. Arriving in any order at random steps up to 64 apart (a whole life),
+# the 16 (prompts not shared) preempted in each of 60 orders (scripts/arrival_spread.py --prompts
+# 300,300,150,150,64,64,33,33,17,17,16,16,7,7,1,1 --max-tokens 64 --blocks 64 --preemption-mode recompute).
 TIGHT = ["--num-gpu-blocks", "64", "--num-cpu-blocks", "128"]
 TIGHT_ROUNDS = 2  # the second with seeded requests first, so both kinds are among the latest admitted
 MAX_ROUNDS = 3
@@ -247,6 +251,18 @@ def test_n_sequences_share_the_prompt_greedy_ones_are_identical(case: Case, cach
     assert run.parallel["greedy"] == [case.reference[N_PROMPT]] * 4
     seeded = run.parallel["seeded"]
     assert all(len(s) == MAX_TOKENS for s in seeded) and len({tuple(s) for s in seeded}) == 3
+
+
+def test_the_tight_batch_preempts_however_it_arrives() -> None:
+    """TIGHT's block arithmetic in the scheduler core (steps, no timing; prompts not shared, as with caching off): the
+    16 requests preempt in each of 20 random orders of arrival steps up to two thirds of a request's life apart
+    (24 tokens, as before 4c868a9: 7 of the 20 without a preemption)."""
+    blocks = int(TIGHT[TIGHT.index("--num-gpu-blocks") + 1])
+    lengths = [n for n in PROMPT_LENGTHS for _ in range(2)]
+    batch = Batch(make_prompts(lengths), MAX_TOKENS, [1] * len(lengths), blocks, 128, BLOCK_SIZE,
+                  CoreConfig(preemption_mode=PreemptionMode.RECOMPUTE))
+    missed = [i for i, (swap, recompute) in enumerate(sweep(batch, MAX_TOKENS * 2 // 3, 20)) if swap + recompute == 0]
+    assert not missed, f"no preemption in orders {missed}"
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", "swap-nocache", "recompute-nocache"])

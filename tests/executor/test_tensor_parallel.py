@@ -35,6 +35,8 @@ from executor_service.parallel.channel import TensorSpec, collect_specs, fill_te
 from executor_service.parallel.topology import LaunchError, resolve_topology
 from executor_service.runner.torch_backend import TorchBackend, build_batch
 from protos.pagedserve.v1 import generation_pb2
+from scheduler_service.core.config import CoreConfig, PreemptionMode
+from scripts.arrival_spread import Batch, make_prompts, sweep
 from tests.support import tp_peer
 from tests.support.procs import (
     ROOT,
@@ -56,10 +58,14 @@ TP2 = ["--tensor-parallel-size", "2"]
 DEVICE = os.environ.get("PAGEDSERVE_TP_DEVICE", "cpu")  # cuda needs two GPUs (benchmarks/gpu_check.sh)
 BLOCK_SIZE = 16
 PROMPT_LENGTHS = (100, 60, 33, 17, 7, 1)
-MAX_TOKENS = 16
+MAX_TOKENS = 48
 PLENTY = ["--num-gpu-blocks", "256", "--num-cpu-blocks", "32"]
-# The 6 prompts need 18 blocks, 24 by their last token: admitted together, they preempt each other.
-TIGHT = ["--num-gpu-blocks", "20", "--num-cpu-blocks", "64"]
+# The 6 prompts need 18 blocks, 33 by their last token (10 + 7 + 5 + 4 + 4 + 3): 24 admit them all at once, and
+# they outgrow the pool by 9 blocks. They need not arrive together: arriving at random steps up to 32 apart (two
+# thirds of a request's life) they preempted in each of 200 orders (scripts/arrival_spread.py --prompts
+# 100,60,33,17,7,1 --max-tokens 48 --blocks 24); with the 16 tokens and 20 blocks this had, in none of 31 orders of
+# 100 only 4 steps apart (a waiting head keeps the pool from filling; 16-step requests end before late ones grow).
+TIGHT = ["--num-gpu-blocks", "24", "--num-cpu-blocks", "64"]
 MAX_ROUNDS = 3
 KILL_RUN_TOKENS = 40
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
@@ -329,6 +335,16 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                 runs[mode] = serve(address, ["--preemption-mode", mode], log_dir, key)
             runs["tp1"] = tp1_run.result()
     return Case(reference, runs)
+
+
+def test_the_tight_batch_preempts_however_it_arrives() -> None:
+    """TIGHT's block arithmetic in the scheduler core (steps, no timing): the batch preempts in each of 20 random
+    orders of arrival steps up to two thirds of a request's life apart (16 tokens on 20 blocks: 12 of the 20)."""
+    blocks = int(TIGHT[TIGHT.index("--num-gpu-blocks") + 1])
+    batch = Batch(make_prompts(list(PROMPT_LENGTHS)), MAX_TOKENS, [1] * len(PROMPT_LENGTHS), blocks, 64, BLOCK_SIZE,
+                  CoreConfig(preemption_mode=PreemptionMode.RECOMPUTE))
+    missed = [i for i, (swap, recompute) in enumerate(sweep(batch, MAX_TOKENS * 2 // 3, 20)) if swap + recompute == 0]
+    assert not missed, f"no preemption in orders {missed}"
 
 
 @pytest.mark.slow
