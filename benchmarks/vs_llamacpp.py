@@ -2,7 +2,7 @@
 
     python -m benchmarks.vs_llamacpp [--threads 1,2] [--slots 16,32,64,128] [--num-requests 128] [--dedicated]
         [--executor-args ...] [--scheduler-args ...] [--variant 'LABEL=EXECUTOR FLAGS' ...] [--rounds N] [--no-build]
-        [--baseline-tree DIR]
+        [--baseline-tree DIR] [--scheduler-variant 'LABEL=SCHEDULER FLAGS' ...]
 
 Finds or builds llama-server (benchmarks/llamacpp_build.py: the llama-cpp-python sdist's vendor/llama.cpp, cached
 under ~/.cache/pagedserve/llama.cpp) and converts the benchmark model (benchmarks/vs_transformers.py's 32M Llama,
@@ -12,8 +12,9 @@ sent the same ShareGPT-like requests (lognormal prompt and output lengths, the p
 once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
 tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
 a pagedserve run with the documented settings for a machine that runs nothing but the server, and each --variant
-one with those executor flags; --baseline-tree DIR one whose executor runs another tree's code (from DIR, with
-PYTHONPATH=DIR; e.g. a `git archive` of main: two trees' executors in one run); --rounds N repeats every run N
+one with those executor flags, each --scheduler-variant one with those scheduler flags; --baseline-tree DIR one
+whose executor and scheduler run another tree's code (from DIR, with PYTHONPATH=DIR; e.g. a `git archive` of main:
+two trees' whole stacks in one run); --rounds N repeats every run N
 times, interleaved, and reports each one's mean.
 Greedy equality first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts
 compared). Prints one
@@ -100,17 +101,17 @@ async def greedy_texts(url: str, reqs: list[BenchRequest]) -> list[str]:
 
 @contextlib.contextmanager
 def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = (), scheduler_extra: tuple[str, ...] = (),
-               executor_tree: Path = ROOT) -> Iterator[tuple[str, dict[str, int]]]:
-    """The executor (its code from executor_tree: this repository's by default) and the scheduler with an HTTP
-    front-end; yields the front-end's URL and the processes by role."""
+               tree: Path = ROOT) -> Iterator[tuple[str, dict[str, int]]]:
+    """The executor and the scheduler with an HTTP front-end, both run from `tree`'s code (this repository's by
+    default); yields the front-end's URL and the processes by role."""
     http_port = free_port()
     executor_args = ["--device", "cpu", "--model", str(model), "--num-gpu-blocks", "4096",
                      "--cpu-threads", str(threads), *extra]
-    env = {"PYTHONPATH": str(executor_tree)} if executor_tree != ROOT else None
-    with service("executor_service", executor_args, env=env, name="executor", cwd=executor_tree) as executor, \
+    env = {"PYTHONPATH": str(tree)} if tree != ROOT else None
+    with service("executor_service", executor_args, env=env, name="executor", cwd=tree) as executor, \
             service("scheduler_service", ["--executor", executor.address, "--metrics-port", "-1",
                                           "--http-listen", f"127.0.0.1:{http_port}", *scheduler_extra],
-                 name="scheduler") as core:
+                    env=env, name="scheduler", cwd=tree) as core:
         if not wait_calibrated(executor.log):
             print(json.dumps({"warning": "the executor's packing was not final in time; timing anyway"}), flush=True)
         yield f"http://127.0.0.1:{http_port}", processes(executor.proc.pid, core.proc.pid)
@@ -185,34 +186,45 @@ DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/
 
 @dataclass(frozen=True)
 class Config:
-    """One pagedserve configuration: executor and scheduler flags, and the tree whose executor code runs."""
+    """One pagedserve configuration: executor and scheduler flags, and the tree whose code both run."""
     executor: tuple[str, ...]
     scheduler: tuple[str, ...]
-    executor_tree: Path = ROOT
+    tree: Path = ROOT
 
 
 Configs = dict[str, Config]  # by label
 
 
 def pagedserve_configs(extra: tuple[str, ...], scheduler_extra: tuple[str, ...], dedicated: bool,
-                       variants: tuple[str, ...] | list[str] = (), baseline_tree: Path | None = None) -> Configs:
+                       variants: tuple[str, ...] | list[str] = (), baseline_tree: Path | None = None,
+                       scheduler_variants: tuple[str, ...] | list[str] = ()) -> Configs:
     """The pagedserve runs at each thread count, by label: the defaults (plus any extra flags); with --dedicated
     also the documented settings for a machine that runs nothing but the server; each --variant
-    'LABEL=EXECUTOR FLAGS' (the defaults' flags plus those); and with --baseline-tree the defaults with the
-    executor's code from that tree."""
+    'LABEL=EXECUTOR FLAGS' and --scheduler-variant 'LABEL=SCHEDULER FLAGS' (the defaults' flags plus those); and
+    with --baseline-tree the defaults with the whole stack (executor and scheduler) from that tree."""
     configs = {"pagedserve": Config(extra, scheduler_extra)}
     if baseline_tree is not None:
-        if not (baseline_tree / "executor_service" / "__main__.py").is_file():
-            raise SystemExit(f"--baseline-tree {baseline_tree} has no executor_service/__main__.py")
+        for package in ("executor_service", "scheduler_service"):
+            if not (baseline_tree / package / "__main__.py").is_file():
+                raise SystemExit(f"--baseline-tree {baseline_tree} has no {package}/__main__.py")
         configs["pagedserve baseline"] = Config(extra, scheduler_extra, baseline_tree.resolve())
     if dedicated:
         configs["pagedserve dedicated"] = Config((*extra, *DEDICATED[0]), (*scheduler_extra, *DEDICATED[1]))
     for variant in variants:
-        label, sep, flags = variant.partition("=")
-        if not sep or not label.strip():
-            raise SystemExit(f"--variant wants LABEL=EXECUTOR FLAGS, got {variant!r}")
-        configs[f"pagedserve {label.strip()}"] = Config((*extra, *flags.split()), scheduler_extra)
+        label, flags = parse_variant(variant, "--variant", "EXECUTOR")
+        configs[f"pagedserve {label}"] = Config((*extra, *flags), scheduler_extra)
+    for variant in scheduler_variants:
+        label, flags = parse_variant(variant, "--scheduler-variant", "SCHEDULER")
+        configs[f"pagedserve {label}"] = Config(extra, (*scheduler_extra, *flags))
     return configs
+
+
+def parse_variant(variant: str, option: str, side: str) -> tuple[str, tuple[str, ...]]:
+    """'LABEL=FLAGS' -> (label, flags); exits naming the option on anything else."""
+    label, sep, flags = variant.partition("=")
+    if not sep or not label.strip():
+        raise SystemExit(f"{option} wants LABEL={side} FLAGS, got {variant!r}")
+    return label.strip(), tuple(flags.split())
 
 
 def one_round(model: Path, server: Path, gguf: Path, threads: int, slots: list[int], reqs: list[BenchRequest],
@@ -223,7 +235,7 @@ def one_round(model: Path, server: Path, gguf: Path, threads: int, slots: list[i
     labels = list(configs)
     for label in labels[round_no % len(labels):] + labels[:round_no % len(labels)]:
         config = configs[label]
-        with pagedserve(model, threads, config.executor, config.scheduler, config.executor_tree) as (url, pids):
+        with pagedserve(model, threads, config.executor, config.scheduler, config.tree) as (url, pids):
             runs[label] = asyncio.run(serve_run(url, reqs, pids))
         print(json.dumps({"threads": threads, "round": round_no, "server": label, **runs[label]}), flush=True)
     for n in slots:
@@ -266,10 +278,13 @@ def main(argv: list[str] | None = None) -> None:
                    "--cpu-nice 10)")
     p.add_argument("--variant", action="append", default=[], help="LABEL=EXECUTOR FLAGS: one more pagedserve run "
                    "with these executor flags added (repeatable), e.g. 'spin=--cpu-omp-spin-count 50000'")
+    p.add_argument("--scheduler-variant", action="append", default=[], help="LABEL=SCHEDULER FLAGS: one more "
+                   "pagedserve run with these scheduler flags added (repeatable), e.g. 'core1=--cpu-cores 1'")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every run at each thread count "
                    "(tok/s by round and the mean)")
-    p.add_argument("--baseline-tree", type=Path, default=None, help="also run pagedserve with the executor's code "
-                   "from this tree (PYTHONPATH), e.g. `git archive main | tar -x -C DIR`: two trees in one run")
+    p.add_argument("--baseline-tree", type=Path, default=None, help="also run pagedserve with the executor's and "
+                   "the scheduler's code from this tree (PYTHONPATH), e.g. `git archive main | tar -x -C DIR`: two "
+                   "trees in one run")
     p.add_argument("--no-build", action="store_true", help="skip (do not build) when no llama-server is found")
     args = p.parse_args(argv)
     server, how = find_server(build=not args.no_build)
@@ -288,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
         print(json.dumps({"greedy_check": greedy}), flush=True)
         configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
-                                     args.dedicated, args.variant, args.baseline_tree)
+                                     args.dedicated, args.variant, args.baseline_tree,
+                                     args.scheduler_variant)
         rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs, max(1, args.rounds))
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,

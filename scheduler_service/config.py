@@ -11,6 +11,7 @@ from client.port_file import check_port_file
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.frontend.openai.tools import ToolCallParser
+from scheduler_service.process import parse_cores
 
 DNS_SCHEME = "dns:///"
 
@@ -145,6 +146,9 @@ class SchedulerServiceConfig(CoreConfig):
         "raise the scheduler side's nice value by this much (0 - 19; its api servers inherit it): on cores shared "
         "with a CPU executor it then runs in the executor's idle moments instead of preempting its OpenMP team "
         "(docs/operations.md, CPU placement)"))
+    cpu_cores: str = field(default="", metadata=flag(
+        "bind the scheduler side (engine core and its api servers) to these cores, e.g. '14,15' or '1': the cores "
+        "the executor's --cpu-cores leaves, as `taskset -c` would ('': wherever the OS puts it)"))
     max_stream_buffer: int = field(default=1024, metadata=flag(
         "responses one stream may have waiting for a slow client before it is aborted"))
 
@@ -191,6 +195,10 @@ def parse_config(argv: list[str] | None = None, parser: argparse.ArgumentParser 
         raise SystemExit("--steps-in-flight must be >= 2 (use --no-async-scheduling for one)")
     if not 0 <= config.cpu_nice <= 19:
         raise SystemExit(f"--cpu-nice must be 0 - 19, got {config.cpu_nice}")
+    try:
+        parse_cores(config.cpu_cores)
+    except ValueError as e:
+        raise SystemExit(f"--cpu-cores: {e}") from None
     if config.max_stream_buffer < 1:
         raise SystemExit("--max-stream-buffer must be >= 1")
     for text in config.executor:

@@ -19,6 +19,7 @@ from scheduler_service.engine.core_process import (
 )
 from scheduler_service.frontend.api_server import drain, follow_readiness, open_api_server, record_api_ports
 from scheduler_service.process import (
+    bind_cores,
     configure_logging,
     freeze_startup_objects,
     lower_priority,
@@ -64,4 +65,5 @@ def run(argv: list[str] | None = None, prog: str = "python -m scheduler_service"
     config = parse_config(argv, build_parser(prog))
     raise_open_file_limit()
     lower_priority(config.cpu_nice)
+    bind_cores(config.cpu_cores)
     return uvloop.run(main(config))

@@ -43,6 +43,36 @@ def lower_priority(nice: int) -> None:
     log.info("scheduler side at nice %d (--cpu-nice %d)", now, nice)
 
 
+def parse_cores(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}; '' -> set() (no binding); raises ValueError on anything else. The executor's
+    --cpu-cores reads the same syntax (executor_service/placement.py; the two services share no code)."""
+    cores: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit():
+            raise ValueError(f"bad core range {part!r} in {text!r}")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"bad core range {part!r} in {text!r}")
+        cores.update(range(low, high + 1))
+    return cores
+
+
+def bind_cores(text: str) -> None:
+    """Bind this process (and the threads and children it starts from now on: its api servers) to the cores of
+    --cpu-cores `text` ('': leave it where the OS puts it); a core this machine does not have is an error naming the
+    flag. On cores shared with a CPU executor, where its scheduler-side work lands decides which of the executor's
+    threads it preempts (BENCHMARKS.md section 17, seventh session)."""
+    cores = parse_cores(text)
+    if not cores:
+        return
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        raise SystemExit(f"--cpu-cores {text}: cannot bind to those cores ({e})") from None
+    log.info("scheduler side bound to cores %s (--cpu-cores)", ",".join(map(str, sorted(cores))))
+
+
 def raise_open_file_limit() -> None:
     """Raise this process's soft limit on open files to its hard limit (the common soft 1,024 is a few hundred
     idle connections) and log it; its children inherit it. Where the hard limit is no higher, keep it and log."""

@@ -56,14 +56,26 @@ def test_each_variant_adds_a_run_with_its_executor_flags_and_a_malformed_one_is_
             vs_llamacpp.pagedserve_configs((), (), dedicated=False, variants=[bad])
 
 
-def test_a_baseline_tree_adds_a_run_of_that_trees_executor_and_a_tree_without_one_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "executor_service").mkdir()
-    (tmp_path / "executor_service" / "__main__.py").write_text("")
+def test_a_baseline_tree_adds_a_run_of_that_trees_whole_stack_and_a_tree_without_both_is_refused(
+        tmp_path: Path) -> None:
+    for package in ("executor_service", "scheduler_service"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__main__.py").write_text("")
     configs = vs_llamacpp.pagedserve_configs(("--x",), ("--y",), dedicated=False, baseline_tree=tmp_path)
-    assert configs["pagedserve"].executor_tree == vs_llamacpp.ROOT
+    assert configs["pagedserve"].tree == vs_llamacpp.ROOT
     assert configs["pagedserve baseline"] == vs_llamacpp.Config(("--x",), ("--y",), tmp_path.resolve())
-    with pytest.raises(SystemExit, match="--baseline-tree"):
-        vs_llamacpp.pagedserve_configs((), (), dedicated=False, baseline_tree=tmp_path / "nothing")
+    (tmp_path / "scheduler_service" / "__main__.py").unlink()  # an executor alone is not a whole stack
+    for tree in (tmp_path, tmp_path / "nothing"):
+        with pytest.raises(SystemExit, match="--baseline-tree"):
+            vs_llamacpp.pagedserve_configs((), (), dedicated=False, baseline_tree=tree)
+
+
+def test_each_scheduler_variant_adds_a_run_with_its_scheduler_flags_and_a_malformed_one_is_refused() -> None:
+    configs = vs_llamacpp.pagedserve_configs(("--x",), ("--y",), dedicated=False,
+                                             scheduler_variants=["core1=--cpu-cores 1"])
+    assert configs["pagedserve core1"] == vs_llamacpp.Config(("--x",), ("--y", "--cpu-cores", "1"))
+    with pytest.raises(SystemExit, match="--scheduler-variant"):
+        vs_llamacpp.pagedserve_configs((), (), dedicated=False, scheduler_variants=["no equals sign"])
 
 
 def test_the_background_packings_measured_choice_counts_as_calibrated(tmp_path: Path) -> None:

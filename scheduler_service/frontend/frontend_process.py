@@ -31,6 +31,7 @@ from scheduler_service.frontend.core_set import CoreSet
 from scheduler_service.link_auth import check_address, tenant_key
 from scheduler_service.name_resolution import Resolver
 from scheduler_service.process import (
+    bind_cores,
     configure_logging,
     freeze_startup_objects,
     lower_priority,
@@ -102,5 +103,6 @@ def run(argv: list[str] | None = None, prog: str = PROG) -> int:
         check_address(name, read_secret(config.engine_core_secret_file), "--engine-core")
     raise_open_file_limit()
     lower_priority(config.cpu_nice)
+    bind_cores(config.cpu_cores)
     uvloop.run(serve_frontend(config, config.engine_core))
     return 0

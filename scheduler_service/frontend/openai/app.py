@@ -64,8 +64,11 @@ OPEN_PATHS = ("/health", "/ping")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # stateless; built once, not per chunk
+
+
 def dumps(data: Any) -> str:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return COMPACT_JSON.encode(data)
 
 
 @dataclass(slots=True, frozen=True)
@@ -330,6 +333,7 @@ class Stream:
         self.vllm_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs k: each choice carries them
         self.prompts: dict[int, PromptLogprobs] = {}  # prompt index -> its logprobs (sequence 0 brings them)
         self._prompt_sent: set[int] = set()
+        self._chunk_frame: tuple[bytes, bytes] | None = None  # a chunk event's bytes before and after its choice
 
     async def collect(self, first: generation_pb2.GenerateResponse | None,
                       rest: AsyncIterator[generation_pb2.GenerateResponse]) -> dict[str, Any]:
@@ -403,7 +407,7 @@ class Stream:
 
     async def _write_chunk(self, out: web.StreamResponse, response: generation_pb2.GenerateResponse) -> None:
         if self.tools is None:
-            await out.write(self._event(self._chunk(response)))
+            await out.write(self._chunk_event(response))
             return
         prompt_index = self.prompt_index.get(response.request_id, 0)
         self.usage.add(prompt_index, response)
@@ -454,7 +458,17 @@ class Stream:
                     "finish_reason": None} for i in range(self.n)]
         return {**self._head(), "choices": choices, **({"usage": None} if self.include_usage else {})}
 
-    def _chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+    def _chunk_event(self, response: generation_pb2.GenerateResponse) -> bytes:
+        """The SSE event of one response's chunk: its fixed part (id, object, created, model; the usage placeholder)
+        rendered once per stream, the choice per chunk; the same bytes as _event of the whole chunk's dict."""
+        if self._chunk_frame is None:
+            fixed = dumps({**self._head(), "choices": None, **({"usage": None} if self.include_usage else {})})
+            before, _, after = fixed.rpartition('"choices":null')  # after the model's name, whatever it holds
+            self._chunk_frame = (f"data: {before}\"choices\":[".encode(), f"]{after}\n\n".encode())
+        head, tail = self._chunk_frame
+        return head + dumps(self._choice(response)).encode() + tail
+
+    def _choice(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
         prompt_index = self.prompt_index.get(response.request_id, 0)
         index = prompt_index * self.n + response.index
         self.usage.add(prompt_index, response)
@@ -468,7 +482,7 @@ class Stream:
             choice = self._completion_chunk(response, prompt_index, index, reason)
         if reason is not None:
             choice["stop_reason"] = stop_reason(response)
-        return {**self._head(), "choices": [choice], **({"usage": None} if self.include_usage else {})}
+        return choice
 
 
 def named_for_http(error: ApiError, api: ApiRequest) -> ApiError:
