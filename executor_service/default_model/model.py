@@ -23,13 +23,15 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-DEFAULT_MODEL_NAME = "default-model-v2"
+from executor_service.default_model.paths import DATA_DIR
+from executor_service.default_model.paths import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME  # re-exported
+from executor_service.default_model.paths import TRAINED_MODEL_DIR as TRAINED_MODEL_DIR
+from executor_service.default_model.paths import ensure_default_model as ensure_default_model
+
 RANDOM_MODEL_NAME = "random-model-v1"
 CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
-DATA_DIR = Path(__file__).parent / "data"
 CORPUS_PATH = DATA_DIR / "default_corpus.txt"
 GENERATED_CORPUS_PATH = DATA_DIR / "generated_corpus.txt"
-TRAINED_MODEL_DIR = DATA_DIR / DEFAULT_MODEL_NAME
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
@@ -70,11 +72,6 @@ class ModelSpec:
 
 DEFAULT_SPEC = ModelSpec()
 TRAINED_SPEC = ModelSpec(intermediate_size=512, tie_word_embeddings=True, max_position_embeddings=1024)
-
-
-def ensure_default_model() -> Path:
-    """The shipped trained default model's directory."""
-    return TRAINED_MODEL_DIR
 
 
 def cache_dir() -> Path:

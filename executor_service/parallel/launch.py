@@ -14,8 +14,12 @@ Failure is fail-stop: a rank that dies or fails a collective ends the whole
 executor (every rank exits, rank 0 without answering the step in flight), and the scheduler sees a lost
 executor and recomputes.
 
-Here: starting this node's ranks and the process groups. Where a rank stands: `topology`; fail-stop and
-the heartbeat: `supervision`; the step message: `channel`; rank 0's backend and the followers: `backend`.
+Here: starting this node's ranks, without torch: the followers are spawned before this process imports it,
+so that every rank imports it at the same time (one import's wait, not two in a row). The model's split is
+checked once rank 0 has torch (stopping the spawned ranks when it cannot be split). Where a rank stands:
+`topology`; one rank once torch is imported (the split check, the device, the process groups): `rank`;
+fail-stop and the heartbeat: `supervision`; the step message: `channel`; rank 0's backend and the
+followers: `backend`.
 """
 
 from __future__ import annotations
@@ -27,44 +31,35 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 from multiprocessing.process import BaseProcess
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from executor_service.backend import Backend
 from executor_service.config import ExecutorConfig
-from executor_service.default_model.model import ensure_default_model
-from executor_service.model import ModelConfig, ModelLoadError, ParallelContext, ShardLayout
-from executor_service.parallel.backend import TensorParallelBackend, follow
-from executor_service.parallel.channel import StepChannel
-from executor_service.parallel.supervision import Guard, heartbeat_interval
-from executor_service.parallel.topology import LaunchError, Topology, loopback_interface, pick_device, resolve_topology
-from executor_service.runner.torch_backend import TorchBackend
+from executor_service.default_model.paths import ensure_default_model
+from executor_service.parallel.supervision import Guard
+from executor_service.parallel.topology import LaunchError, Topology, loopback_interface, resolve_topology
 
 log = logging.getLogger("pagedserve.executor")
-STARTUP_TIMEOUT_S = 600.0
 
 
 def launch(config: ExecutorConfig, serve: Callable[[Backend], None]) -> int:
     """Start this node's ranks; local rank 0 of node 0 calls serve(backend) with the tensor-parallel
     backend until it returns (SIGTERM), then stops every rank. Start-up errors raise LaunchError or
-    ModelLoadError."""
+    ModelLoadError (after stopping the ranks already spawned)."""
     topo = resolve_topology(config, os.environ)
     config = replace(config, model=config.model or str(ensure_default_model()))
-    check_model(config, topo.world_size)
     if topo.nnodes == 1:  # every rank on this host: keep gloo's traffic on the loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     guard = Guard()
     if topo.torchrun_rank is None:
-        guard.children = spawn_ranks(config, topo)
+        guard.children = spawn_ranks(config, topo)  # before torch is imported here: the imports overlap
     else:
         guard.watch_parent(os.getppid())
-    guard.watch_children()
     local_rank = topo.torchrun_local_rank if topo.torchrun_rank is not None else 0
     try:
+        from executor_service.parallel.rank import check_model, run_rank
+        check_model(config, topo.world_size)
+        guard.watch_children()
         run_rank(config, topo, local_rank, serve, guard)
     except BaseException:
         guard.stop_children(graceful=False)
@@ -73,15 +68,8 @@ def launch(config: ExecutorConfig, serve: Callable[[Backend], None]) -> int:
     return 0
 
 
-def check_model(config: ExecutorConfig, world_size: int) -> None:
-    """Fail before spawning anything when the model cannot be split this way."""
-    directory = Path(config.model or "")
-    if not directory.is_dir():
-        raise ModelLoadError(f"model directory {directory} does not exist")
-    ShardLayout.of(ModelConfig.from_dir(directory), 0, world_size)
-
-
 def spawn_ranks(config: ExecutorConfig, topo: Topology) -> list[BaseProcess]:
+    """Ranks 1.. of this node, each in a fresh interpreter that imports torch itself (rank_main)."""
     ctx = multiprocessing.get_context("spawn")
     children: list[BaseProcess] = []
     for local_rank in range(1, topo.nproc_per_node):
@@ -100,58 +88,10 @@ def rank_main(config: ExecutorConfig, topo: Topology, local_rank: int, parent_pi
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     guard = Guard()
     guard.watch_parent(parent_pid)
+    from executor_service.model import ModelLoadError
+    from executor_service.parallel.rank import run_rank
     try:
         run_rank(config, topo, local_rank, None, guard)
     except (ModelLoadError, LaunchError) as e:
         log.error("%s", e)
         sys.exit(2)
-
-
-def run_rank(config: ExecutorConfig, topo: Topology, local_rank: int, serve: Callable[[Backend], None] | None,
-             guard: Guard) -> None:
-    """Join the group, load this rank's shard, then serve (rank 0) or follow rank 0 (the others)."""
-    rank = topo.rank_of(local_rank)
-    device = pick_device(config, local_rank, topo.nproc_per_node)
-    parallel, control = init_group(topo, rank, device, config.distributed_timeout)
-    backend = TorchBackend.create(config, parallel)
-    parallel.wait_for_all()  # every rank is ready (start-up timeout) before the collective timeout applies
-    channel = StepChannel(parallel, control, backend.device)
-    if rank == 0:
-        if serve is None:
-            raise LaunchError("rank 0 must be the process that serves the Executor API")
-        lead(backend, channel, topo, serve, guard, heartbeat_interval(config.distributed_timeout))
-    else:
-        log.info("rank %d of %d ready on %s: %d KV blocks", rank, topo.world_size, backend.device,
-                 backend.info.num_device_blocks)
-        try:
-            follow(backend, channel)
-        except Exception as e:  # a collective failed or timed out: rank 0 or a peer is gone
-            guard.fail(f"rank {rank}: {e}")
-        guard.stopping = True
-    dist.destroy_process_group()
-
-
-def lead(backend: TorchBackend, channel: StepChannel, topo: Topology, serve: Callable[[Backend], None],
-         guard: Guard, heartbeat_s: float) -> None:
-    leader = TensorParallelBackend(backend, channel, guard.fail, heartbeat_s)
-    log.info("tensor parallel: %d ranks on %d node(s), %s, %d KV heads per rank", topo.world_size, topo.nnodes,
-             dist.get_backend(), backend.model.layout.num_kv_heads)
-    try:
-        serve(leader)
-    finally:
-        guard.stopping = True
-        leader.close()
-
-
-def init_group(topo: Topology, rank: int, device: torch.device,
-               timeout_s: float) -> tuple[ParallelContext, dist.ProcessGroup]:
-    """The model's group (NCCL on CUDA, gloo on CPU) and a gloo group for control messages, both with
-    the collective timeout. The world group, with a start-up timeout, only gathers the ranks."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    init = "env://" if topo.torchrun_rank is not None else f"tcp://{topo.master_addr}:{topo.master_port}"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=topo.world_size,
-                            timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, timeout_s)))
-    timeout = timedelta(seconds=timeout_s)
-    model = dist.new_group(backend=backend, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else model
-    return ParallelContext(rank, topo.world_size, model, dist.group.WORLD), control

@@ -1,18 +1,15 @@
 """Where a tensor-parallel process stands: its rank, the world size and the nodes, from torchrun's
 environment (RANK/WORLD_SIZE/LOCAL_RANK) or from the flags (`--tensor-parallel-size`, `--nnodes`,
-`--node-rank`, `--master-addr`, `--master-port`), and the device each rank runs on."""
+`--node-rank`, `--master-addr`, `--master-port`). Torch-free: resolved before the ranks are spawned, so that
+they import torch while rank 0 does (the device each rank runs on is `rank.pick_device`'s)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from executor_service.config import ExecutorConfig
-from executor_service.runner.torch_backend import resolve_device
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 DEFAULT_MASTER_PORT = 29500
@@ -77,14 +74,3 @@ def loopback_interface() -> str:
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n.startswith("lo")), names[0] if names else "lo")
 
-
-def pick_device(config: ExecutorConfig, local_rank: int, nproc: int) -> torch.device:
-    device = resolve_device(config.device)
-    if device.type == "cuda":
-        if torch.cuda.device_count() < nproc:
-            raise LaunchError(f"{nproc} ranks per node need {nproc} CUDA devices, found {torch.cuda.device_count()}")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if "OMP_NUM_THREADS" not in os.environ:  # the node's cores are shared by its ranks
-        torch.set_num_threads(max(1, torch.get_num_threads() // nproc))
-    return device

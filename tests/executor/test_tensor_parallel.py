@@ -226,6 +226,20 @@ def test_a_size_the_model_cannot_take_fails_at_start_with_one_line(tmp_path: Pat
     assert proc.returncode == 2
     assert "tensor_parallel_size 3 must divide num_attention_heads (4)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    spawned = [int(pid) for pid in re.findall(r"tensor-parallel rank \d+ started as pid (\d+)", proc.stderr)]
+    assert len(spawned) == 2, "the ranks start before rank 0 imports torch and checks the split"
+    assert all(gone(pid) for pid in spawned), "rank 0 exited leaving spawned ranks behind"
+
+
+def test_the_launch_imports_no_torch_before_it_spawns_the_ranks() -> None:
+    """The follower ranks import torch while rank 0 does: nothing rank 0 imports before spawning them (the
+    entry point, the launch and its spawn target) may import torch, nor may what a child unpickles."""
+    probe = ("import sys, executor_service.__main__, executor_service.parallel.launch; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 # ---- greedy equality through the whole gRPC stack ------------------------------------------------------
