@@ -1,6 +1,6 @@
 """Tensor parallelism across processes: starting the ranks, the process group, and the step channel.
 
-One process per device. `--tensor-parallel-size N` spawns this node's ranks with torch.multiprocessing
+One process per device. `--tensor-parallel-size N` spawns this node's ranks with multiprocessing's spawn
 (`--nnodes/--node-rank/--master-addr/--master-port` spread them over machines); under torchrun each
 process is one rank and reads RANK/WORLD_SIZE/LOCAL_RANK. NCCL carries the model's collectives on CUDA,
 gloo on the CPU; a gloo group carries the control messages.
