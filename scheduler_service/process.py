@@ -3,10 +3,12 @@ its open-file limit."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import resource
+import threading
 
 log = logging.getLogger("pagedserve.scheduler")
 UNLIMITED_TARGET = 1 << 20  # the soft limit sought when the hard one is unlimited
@@ -82,7 +84,19 @@ def bind_cores(text: str) -> None:
     if kept != cores:
         dropped = ",".join(map(str, sorted(cores - kept)))
         raise SystemExit(f"--cpu-cores {text}: cannot bind to cores {dropped} (not available to this process)")
+    bind_other_threads(cores)
     log.info("scheduler side bound to cores %s (--cpu-cores)", ",".join(map(str, sorted(cores))))
+
+
+def bind_other_threads(cores: set[int]) -> None:
+    """Bind the threads this process already runs besides the calling one (the affinity call binds one thread):
+    those native libraries start at import, such as OpenBLAS's pool under numpy, would stay on every core."""
+    me = threading.get_native_id()
+    with contextlib.suppress(FileNotFoundError):  # no /proc: only the calling thread is bound
+        for tid in (int(t) for t in os.listdir("/proc/self/task")):
+            if tid != me:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.sched_setaffinity(tid, cores)
 
 
 def raise_open_file_limit() -> None:

@@ -4,6 +4,7 @@ malformed or absent core is refused naming the flag."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ def test_the_engine_core_and_its_api_servers_are_bound_to_the_cores_given(tmp_pa
         servers = api_servers(s)
         assert len(servers) == 2
         assert [os.sched_getaffinity(pid) for pid in (s.scheduler.pid, *servers)] == [{last}] * 3
+        unbound = {tid: cores for pid in (s.scheduler.pid, *servers) for tid, cores in thread_cores(pid).items()
+                   if cores != {last}}
+        assert unbound == {}, "threads started at import (OpenBLAS's pool under numpy) are bound too"
         assert os.sched_getaffinity(s.executor.pid) == os.sched_getaffinity(0)
 
 
@@ -56,3 +60,12 @@ def test_a_core_outside_the_allowed_set_is_refused_not_dropped() -> None:
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"--cpu-cores {first},4000: cannot bind to cores 4000"), last
+
+
+def thread_cores(pid: int) -> dict[int, set[int]]:
+    """Each thread of process `pid` and the cores it may run on (a thread that ended meanwhile left out)."""
+    found: dict[int, set[int]] = {}
+    for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        with contextlib.suppress(ProcessLookupError):
+            found[tid] = os.sched_getaffinity(tid)
+    return found
