@@ -263,22 +263,36 @@ DEADLOCK_ERRORS: tuple[type[BaseException], ...] = tuple(
 internals): a thread waiting for a deferred module another thread runs is then part of that detection."""
 
 
-_BLOCKING_ON: dict[int, Any] | None = getattr(_BOOTSTRAP, "_blocking_on", None)
-"""The import system's record of the module lock each thread is waiting for (CPython 3.11: thread id -> lock;
-3.12+: thread id -> list of locks)."""
+_BLOCKING_ON: Any = getattr(_BOOTSTRAP, "_blocking_on", None)
+"""The import system's record of the module lock each thread is waiting for (CPython 3.11: a dict, thread id ->
+lock; 3.12+: a _WeakValueDictionary, not a dict, whose `data` maps thread id -> a weak reference to a list of
+locks)."""
+
+
+def blocked_threads() -> list[tuple[int, Any]] | None:
+    """(thread id, lock it waits for) for each thread waiting for a module lock; None where this Python does not
+    tell. RuntimeError where the record changed while read."""
+    table = _BLOCKING_ON
+    if isinstance(table, dict):
+        entries = list(table.items())
+    elif isinstance(getattr(table, "data", None), dict):
+        entries = [(tid, ref()) for tid, ref in list(table.data.items()) if callable(ref)]
+    else:
+        return None
+    return [(tid, lock) for tid, entry in entries if entry is not None
+            for lock in (entry if isinstance(entry, list) else (entry,))]
 
 
 def lock_holder_is_awaited() -> bool | None:
     """Whether another thread waits for a module lock this thread holds (it needs a module this thread's imports are
     running); None where this Python does not tell."""
-    if not isinstance(_BLOCKING_ON, dict):
-        return None
     me = threading.get_ident()
     try:
-        waits = [(tid, lock) for tid, entry in tuple(_BLOCKING_ON.items())
-                 for lock in (entry if isinstance(entry, list) else (entry,))]
+        waits = blocked_threads()
     except RuntimeError:  # changed while read: ask again at the next poll
         return False
+    if waits is None:
+        return None
     return any(tid != me and getattr(lock, "owner", None) == me for tid, lock in waits)
 
 

@@ -3,10 +3,12 @@ its open-file limit."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import resource
+import threading
 
 log = logging.getLogger("pagedserve.scheduler")
 UNLIMITED_TARGET = 1 << 20  # the soft limit sought when the hard one is unlimited
@@ -43,16 +45,22 @@ def lower_priority(nice: int) -> None:
     log.info("scheduler side at nice %d (--cpu-nice %d)", now, nice)
 
 
+MAX_CORE = 8191  # Linux's largest CONFIG_NR_CPUS is 8,192: a larger number is a typo, not a core
+
+
 def parse_cores(text: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8}; '' -> set() (no binding); raises ValueError on anything else. The executor's
-    --cpu-cores reads the same syntax (executor_service/placement.py; the two services share no code)."""
+    """'0-3,8' -> {0, 1, 2, 3, 8}; '' -> set() (no binding); raises ValueError on anything else (an empty part, an
+    open range '5-', a core above MAX_CORE). The executor's --cpu-cores reads the same syntax
+    (executor_service/placement.py; the two services share no code)."""
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
     cores: set[int] = set()
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        first, _, last = part.partition("-")
-        if not first.isdigit() or not (last or first).isdigit():
+    for part in parts:
+        first, dash, last = part.partition("-")
+        last = last if dash else first
+        if not all(n.isascii() and n.isdigit() for n in (first, last)):
             raise ValueError(f"bad core range {part!r} in {text!r}")
-        low, high = int(first), int(last or first)
-        if high < low:
+        low, high = int(first), int(last)
+        if high < low or high > MAX_CORE:
             raise ValueError(f"bad core range {part!r} in {text!r}")
         cores.update(range(low, high + 1))
     return cores
@@ -60,9 +68,11 @@ def parse_cores(text: str) -> set[int]:
 
 def bind_cores(text: str) -> None:
     """Bind this process (and the threads and children it starts from now on: its api servers) to the cores of
-    --cpu-cores `text` ('': leave it where the OS puts it); a core this machine does not have is an error naming the
-    flag. On cores shared with a CPU executor, where its scheduler-side work lands decides which of the executor's
-    threads it preempts (BENCHMARKS.md section 17, seventh session)."""
+    --cpu-cores `text` ('': leave it where the OS puts it). A core the process may not run on (one the machine does not
+    have, or outside its cgroup's cpuset) is an error naming the flag: the kernel drops such cores from the mask
+    without a word while one of the others is allowed, so the mask it kept is checked. On cores shared with a CPU
+    executor, where its scheduler-side work lands decides which of the executor's threads it preempts (BENCHMARKS.md
+    section 17, seventh session)."""
     cores = parse_cores(text)
     if not cores:
         return
@@ -70,7 +80,23 @@ def bind_cores(text: str) -> None:
         os.sched_setaffinity(0, cores)
     except OSError as e:
         raise SystemExit(f"--cpu-cores {text}: cannot bind to those cores ({e})") from None
+    kept = os.sched_getaffinity(0)
+    if kept != cores:
+        dropped = ",".join(map(str, sorted(cores - kept)))
+        raise SystemExit(f"--cpu-cores {text}: cannot bind to cores {dropped} (not available to this process)")
+    bind_other_threads(cores)
     log.info("scheduler side bound to cores %s (--cpu-cores)", ",".join(map(str, sorted(cores))))
+
+
+def bind_other_threads(cores: set[int]) -> None:
+    """Bind the threads this process already runs besides the calling one (the affinity call binds one thread):
+    those native libraries start at import, such as OpenBLAS's pool under numpy, would stay on every core."""
+    me = threading.get_native_id()
+    with contextlib.suppress(FileNotFoundError):  # no /proc: only the calling thread is bound
+        for tid in (int(t) for t in os.listdir("/proc/self/task")):
+            if tid != me:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.sched_setaffinity(tid, cores)
 
 
 def raise_open_file_limit() -> None:

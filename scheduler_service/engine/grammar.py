@@ -155,9 +155,9 @@ class GrammarCompiler:
 
     def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
                      wanted: Callable[[], bool] | None = None) -> RequestGrammar:
-        import xgrammar
-
         compiled = self._compile(describe, constraint, wanted)
+        import xgrammar  # after _compile: its first call starts the compile process before this import (_info_for)
+
         matcher = xgrammar.GrammarMatcher(compiled)
         if not first_row_allows_some(matcher, describe.vocab_size):
             raise InvalidConstraint(EMPTY_LANGUAGE)
@@ -165,9 +165,9 @@ class GrammarCompiler:
 
     def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
                  wanted: Callable[[], bool] | None = None) -> xgrammar.CompiledGrammar:
+        info = self._info_for(describe)  # before importing xgrammar: see _info_for
         import xgrammar
 
-        info = self._info_for(describe)
         found = self._compiled.get(constraint)
         if found is not None:
             self._compiled.move_to_end(constraint)

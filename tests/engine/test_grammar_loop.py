@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,7 @@ from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.engine.grammar_child import IdleProcesses
 from scheduler_service.messages import QueueFull
 from tests.support.engine_loop import collect
+from tests.support.procs import ROOT
 
 PATTERN = "[a-c]{12}(x|yz)"
 
@@ -521,3 +524,27 @@ async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queu
         assert not engine.holds("slow")
     finally:
         await engine.stop()
+
+
+def test_the_first_compile_starts_the_process_before_the_engine_core_imports_xgrammar() -> None:
+    """CompileChild.begin's point: both ~3 s imports run side by side. In a fresh interpreter (nothing imported yet)
+    the first compile's spawn must find xgrammar not yet imported by the engine core's own compile path."""
+    code = """if True:
+        import sys
+        from protos.pagedserve.v1 import executor_pb2
+        from scheduler_service.core.request import Constraint, ConstraintKind
+        from scheduler_service.engine import grammar, grammar_child
+        seen = []
+        def spawn():
+            seen.append("xgrammar" in sys.modules)
+            raise KeyboardInterrupt
+        grammar_child.spawn = spawn
+        try:
+            compiler = grammar.GrammarCompiler()
+            compiler._new_matcher(executor_pb2.DescribeResponse(), Constraint(ConstraintKind.JSON_OBJECT))
+        except KeyboardInterrupt:
+            pass
+        print(seen)
+    """
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[False]", (done.stdout, done.stderr[-2000:])

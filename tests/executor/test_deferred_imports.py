@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -351,3 +352,29 @@ def test_the_executor_runs_the_deferred_imports_after_ready_and_serves_the_same_
     assert "deferred torch imports run after ready" in lazy_log
     assert "deferred" not in plain_log
     assert lazy == plain and all(len(ids) == 6 for ids in lazy)
+
+
+def test_a_thread_waiting_for_a_module_lock_the_paused_thread_holds_is_seen() -> None:
+    """pause_for_steps gives way (instead of waiting up to MAX_PAUSE_S with a step stuck behind it) when another
+    thread waits for a module whose import the paused thread holds. The import system records the waiters as a dict
+    in 3.11 and as a weak-value mapping, not a dict, in 3.12+ (the GPU image's Ubuntu 24.04 Python): both read."""
+    from executor_service.deferred_imports import lock_holder_is_awaited, module_lock
+
+    assert lock_holder_is_awaited() is False
+    name, seen, held = "pagedserve_test_module_held_while_paused", [], threading.Event()
+
+    def wait_for_it() -> None:
+        held.wait()
+        with module_lock(name, threading.RLock()):
+            pass
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    with module_lock(name, threading.RLock()):
+        held.set()
+        deadline = time.monotonic() + 60  # the waiter blocks on the lock within milliseconds
+        while not (awaited := lock_holder_is_awaited()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append(awaited)
+    waiter.join()
+    assert seen == [True]
