@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedserve.executor")
 FREEZE_HEAP_AFTER_S = 2.0
 MAX_PAUSE_S = 10.0
+QUIET_WAIT_LIMIT_S = 60.0
 
 
 def build_backend(config: ExecutorConfig, converted: ConvertedWeights | None = None) -> Backend:
@@ -142,11 +143,20 @@ def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLo
     run_in_background(deferred, lambda: call_soon_unless_closed(loop, freeze_heap), pause)
 
 
-def pause_for_steps(activity: StepActivity) -> Callable[[], object]:
+def pause_for_steps(activity: StepActivity, limit_s: float = QUIET_WAIT_LIMIT_S) -> Callable[[], object]:
     """Wait for a quiet moment (activity.py), unless another thread waits for a module whose import this thread holds
-    (it would wait for us and we for it: go on); where the import system does not tell, wait at most MAX_PAUSE_S."""
-    timeout = None if lock_holder_is_awaited() is not None else MAX_PAUSE_S
-    return lambda: activity.wait_quiet(lambda: bool(lock_holder_is_awaited()), timeout)
+    (it would wait for us and we for it: go on); where the import system does not tell, wait at most MAX_PAUSE_S.
+    Under load that never pauses, all the waits together end `limit_s` after the first, and the rest runs anyway
+    (as it did before it waited: the heap is frozen in a busy executor too)."""
+    per_pause = None if lock_holder_is_awaited() is not None else MAX_PAUSE_S
+    give_up_at = time.monotonic() + limit_s
+
+    def pause() -> bool:
+        left = max(0.0, give_up_at - time.monotonic())
+        return activity.wait_quiet(lambda: bool(lock_holder_is_awaited()), left if per_pause is None
+                                   else min(left, per_pause))
+
+    return pause
 
 
 def call_soon_unless_closed(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:

@@ -4,7 +4,8 @@ the piece of it already running when the step arrives.
 
 The servicer wraps each step in StepActivity.step(); a background thread calls wait_quiet() before each piece of its
 work. Quiet means no step in flight and none for QUIET_S: between the steps of a running batch the scheduler answers
-in a few milliseconds, so a batch in progress is never quiet, and the work waits for the batch to end."""
+in a few milliseconds, so a batch in progress is never quiet, and the work waits for the batch to end (at most a
+minute in all: `__main__.pause_for_steps`; under load that never pauses it then runs anyway)."""
 
 from __future__ import annotations
 

@@ -378,3 +378,18 @@ def test_a_thread_waiting_for_a_module_lock_the_paused_thread_holds_is_seen() ->
         seen.append(awaited)
     waiter.join()
     assert seen == [True]
+
+
+def test_the_after_ready_work_runs_anyway_under_load_that_never_pauses(package: Path) -> None:
+    """A step always in flight (a steady load): the waits give up `limit_s` after the first, so the deferred modules
+    run and the heap is frozen in a busy executor too, instead of never."""
+    from executor_service.__main__ import pause_for_steps
+    finder = install(["dpkg.midway"])
+    import dpkg.midway
+    activity = StepActivity(quiet_s=0.0)
+    with activity.step():
+        runner = threading.Thread(target=finder.run_all, args=(pause_for_steps(activity, limit_s=0.2),), daemon=True)
+        runner.start()
+        runner.join(10)
+        assert not runner.is_alive(), "the deferred imports still wait for a quiet moment"
+        assert dpkg.midway.value == 7 and activity.in_flight == 1
