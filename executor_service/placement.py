@@ -14,19 +14,16 @@ import math
 import os
 from pathlib import Path
 
+from client.cpu_cores import parse_cores as parse_core_list
+
 log = logging.getLogger("pagedserve.executor")
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
 def parse_cores(text: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8}; raises ValueError on anything else."""
-    cores: set[int] = set()
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        first, _, last = part.partition("-")
-        low, high = int(first), int(last or first)
-        if low < 0 or high < low:
-            raise ValueError(f"bad core range {part!r} in {text!r}")
-        cores.update(range(low, high + 1))
+    """'0-3,8' -> {0, 1, 2, 3, 8} (client/cpu_cores.py's syntax, the scheduler's too); raises ValueError on anything
+    else, an empty list included."""
+    cores = parse_core_list(text)
     if not cores:
         raise ValueError(f"no cores in {text!r}")
     return cores

@@ -6,12 +6,12 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from client.cpu_cores import parse_cores
 from client.flags import add_flags, config_from, flag
 from client.port_file import check_port_file
 from protos.wire import DEFAULT_MAX_REQUEST_BYTES
 from scheduler_service.core.config import CoreConfig
 from scheduler_service.frontend.openai.tools import ToolCallParser
-from scheduler_service.process import parse_cores
 
 DNS_SCHEME = "dns:///"
 

@@ -10,6 +10,8 @@ import os
 import resource
 import threading
 
+from client.cpu_cores import parse_cores
+
 log = logging.getLogger("pagedserve.scheduler")
 UNLIMITED_TARGET = 1 << 20  # the soft limit sought when the hard one is unlimited
 
@@ -43,27 +45,6 @@ def lower_priority(nice: int) -> None:
         log.warning("--cpu-nice %d not applied (%s)", nice, e)
         return
     log.info("scheduler side at nice %d (--cpu-nice %d)", now, nice)
-
-
-MAX_CORE = 8191  # Linux's largest CONFIG_NR_CPUS is 8,192: a larger number is a typo, not a core
-
-
-def parse_cores(text: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8}; '' -> set() (no binding); raises ValueError on anything else (an empty part, an
-    open range '5-', a core above MAX_CORE). The executor's --cpu-cores reads the same syntax
-    (executor_service/placement.py; the two services share no code)."""
-    parts = [p.strip() for p in text.split(",")] if text.strip() else []
-    cores: set[int] = set()
-    for part in parts:
-        first, dash, last = part.partition("-")
-        last = last if dash else first
-        if not all(n.isascii() and n.isdigit() for n in (first, last)):
-            raise ValueError(f"bad core range {part!r} in {text!r}")
-        low, high = int(first), int(last)
-        if high < low or high > MAX_CORE:
-            raise ValueError(f"bad core range {part!r} in {text!r}")
-        cores.update(range(low, high + 1))
-    return cores
 
 
 def bind_cores(text: str) -> None:

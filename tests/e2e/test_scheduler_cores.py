@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.process import parse_cores
+from client.cpu_cores import parse_cores
 from tests.e2e.test_cpu_nice import EXECUTOR, api_servers
 from tests.support.procs import ROOT, running_stack
 

@@ -29,7 +29,7 @@ def restored() -> Iterator[None]:
 def test_core_lists_parse_and_bad_ones_are_refused() -> None:
     assert placement.parse_cores("0-3,8") == {0, 1, 2, 3, 8}
     assert placement.parse_cores(" 5 ") == {5}
-    for bad in ("", "3-1", "-1", "a", "1-b"):
+    for bad in ("", "3-1", "-1", "a", "1-b", "5-", "1,,2", "0-99999999999", "\uff11"):
         with pytest.raises(ValueError):
             placement.parse_cores(bad)
 
