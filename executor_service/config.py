@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from client.cpu_cores import parse_cores
 from client.flags import add_flags, config_from, flag
 from client.switches import SwitchError, env_switch
 
@@ -169,6 +170,10 @@ class ExecutorConfig:
         """The flags, then the environment's off-switches; a switch's bad value is a usage error naming it."""
         parser = build_parser()
         config = config_from(cls, parser.parse_args(argv))
+        try:
+            parse_cores(config.cpu_cores)
+        except ValueError as e:
+            parser.error(f"--cpu-cores: {e}")
         try:
             return apply_switches(config)
         except SwitchError as e:

@@ -145,3 +145,10 @@ def test_the_spin_count_reaches_libgomp_bounded_and_passive_sleeps_at_once() -> 
     assert 5 < idle_ms("auto", 3_000_000) < 100
     assert idle_ms("auto", 0) < 0.3
     assert idle_ms("passive") < 0.3
+
+
+def test_a_bad_core_list_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from executor_service.config import ExecutorConfig
+    with pytest.raises(SystemExit) as exit_info:
+        ExecutorConfig.from_args(["--simulated", "--cpu-cores", "5-"])
+    assert exit_info.value.code == 2 and "--cpu-cores: bad core range '5-'" in capsys.readouterr().err
