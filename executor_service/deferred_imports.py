@@ -115,19 +115,31 @@ class DeferredLoader:
         self.finder.deferred.append(module)
 
 
-class ThenImport:
-    """Runs `real`'s module, then imports `names` (a name that does not import is logged and left out)."""
+class Wrapping:
+    """A loader that stands in for `real` for one import: creates the module as `real` would and gives it back
+    `real` as its loader before running it."""
 
-    def __init__(self, real: Loader, names: Sequence[str]) -> None:
-        self.real, self.names = real, tuple(names)
+    def __init__(self, real: Loader) -> None:
+        self.real = real
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self.real.create_module(spec)
 
-    def exec_module(self, module: types.ModuleType) -> None:
+    def hand_back(self, module: types.ModuleType) -> None:
         if module.__spec__ is not None:
             module.__spec__.loader = self.real
         module.__loader__ = self.real
+
+
+class ThenImport(Wrapping):
+    """Runs `real`'s module, then imports `names` (a name that does not import is logged and left out)."""
+
+    def __init__(self, real: Loader, names: Sequence[str]) -> None:
+        super().__init__(real)
+        self.names = tuple(names)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.hand_back(module)
         self.real.exec_module(module)
         for name in self.names:
             try:
@@ -136,20 +148,16 @@ class ThenImport:
                 log.info("%s not imported after %s (%s)", name, module.__name__, exc)
 
 
-class PauseFirst:
+class PauseFirst(Wrapping):
     """Runs `real`'s module after `pause()` returns (the import system's global lock is not held then; the module's
     own lock and those of the modules importing it are, and a thread waiting for one shows in _BLOCKING_ON)."""
 
     def __init__(self, real: Loader, pause: Callable[[], object]) -> None:
-        self.real, self.pause = real, pause
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self.real.create_module(spec)
+        super().__init__(real)
+        self.pause = pause
 
     def exec_module(self, module: types.ModuleType) -> None:
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.real
-        module.__loader__ = self.real
+        self.hand_back(module)
         self.pause()
         self.real.exec_module(module)
 
