@@ -95,29 +95,9 @@ class DeferredModule(types.ModuleType):
         return types.ModuleType.__getattribute__(self, attr)
 
 
-class DeferredLoader:
-    """Creates the module as `real` would and leaves its execution to the first use (DeferredModule)."""
-
-    def __init__(self, real: Loader, finder: DeferredImports) -> None:
-        self.real, self.finder = real, finder
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self.real.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        spec = module.__spec__
-        if spec is None or type(module) is not types.ModuleType:  # a custom module type: run it as usual
-            self.real.exec_module(module)
-            return
-        spec.loader, module.__loader__ = self.real, self.real  # what a plain import leaves there
-        spec.loader_state = Pending(self.real, spec.loader_state, self.finder)
-        module.__class__ = DeferredModule
-        self.finder.deferred.append(module)
-
-
 class Wrapping:
     """A loader that stands in for `real` for one import: creates the module as `real` would and gives it back
-    `real` as its loader before running it."""
+    `real` as its loader (what a plain import leaves there) before running it."""
 
     def __init__(self, real: Loader) -> None:
         self.real = real
@@ -129,6 +109,24 @@ class Wrapping:
         if module.__spec__ is not None:
             module.__spec__.loader = self.real
         module.__loader__ = self.real
+
+
+class DeferredLoader(Wrapping):
+    """Creates the module as `real` would and leaves its execution to the first use (DeferredModule)."""
+
+    def __init__(self, real: Loader, finder: DeferredImports) -> None:
+        super().__init__(real)
+        self.finder = finder
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = module.__spec__
+        if spec is None or type(module) is not types.ModuleType:  # a custom module type: run it as usual
+            self.real.exec_module(module)
+            return
+        self.hand_back(module)
+        spec.loader_state = Pending(self.real, spec.loader_state, self.finder)
+        module.__class__ = DeferredModule
+        self.finder.deferred.append(module)
 
 
 class ThenImport(Wrapping):
