@@ -14,19 +14,10 @@ import math
 import os
 from pathlib import Path
 
-from client.cpu_cores import parse_cores as parse_core_list
+from client.cpu_cores import parse_cores
 
 log = logging.getLogger("pagedserve.executor")
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def parse_cores(text: str) -> set[int]:
-    """'0-3,8' -> {0, 1, 2, 3, 8} (client/cpu_cores.py's syntax, the scheduler's too); raises ValueError on anything
-    else, an empty list included."""
-    cores = parse_core_list(text)
-    if not cores:
-        raise ValueError(f"no cores in {text!r}")
-    return cores
 
 
 def usable_cores() -> int:
@@ -85,9 +76,11 @@ def set_omp_environment(env: dict[str, str]) -> bool:
 
 
 def bind_cores(cpu_cores: str) -> None:
-    """Bind the calling thread (and the threads it starts from now on) to `cpu_cores` ('' : leave it as it is)."""
-    if cpu_cores:
-        os.sched_setaffinity(0, parse_cores(cpu_cores))
+    """Bind the calling thread (and the threads it starts from now on) to `cpu_cores` (client/cpu_cores.py's syntax,
+    checked by ExecutorConfig.from_args; blank: leave it as it is)."""
+    cores = parse_cores(cpu_cores)
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def place(cpu_threads: int, cpu_cores: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.cpu_cores import parse_cores
 from executor_service import placement
 from executor_service.config import ExecutorConfig
 
@@ -27,11 +28,12 @@ def restored() -> Iterator[None]:
 
 
 def test_core_lists_parse_and_bad_ones_are_refused() -> None:
-    assert placement.parse_cores("0-3,8") == {0, 1, 2, 3, 8}
-    assert placement.parse_cores(" 5 ") == {5}
-    for bad in ("", "3-1", "-1", "a", "1-b", "5-", "1,,2", "0-99999999999", "\uff11"):
+    assert parse_cores("0-3,8") == {0, 1, 2, 3, 8}
+    assert parse_cores(" 5 ") == {5}
+    assert parse_cores("") == parse_cores("  ") == set()  # no binding: bind_cores leaves the process as it is
+    for bad in ("3-1", "-1", "a", "1-b", "5-", "1,,2", "0-99999999999", "\uff11"):
         with pytest.raises(ValueError):
-            placement.parse_cores(bad)
+            parse_cores(bad)
 
 
 def test_the_default_thread_count_is_capped_by_the_cgroup_quota(tmp_path: Path,
