@@ -25,6 +25,7 @@ from executor_service.backend import (
 )
 from executor_service.config import ExecutorConfig
 from executor_service.converted import ConvertedWeights
+from executor_service.default_model.paths import ensure_default_model  # torch- and tokenizers-free (#33)
 from executor_service.model import (
     SINGLE,
     AttentionMetadata,
@@ -139,7 +140,7 @@ class TorchBackend:
         phases = Phases()
         phases.seconds["interpreter+imports"] = phases.total_s()  # from the process's start to here
         device = resolve_device(config.device)
-        model_dir = Path(config.model) if config.model else default_model_dir()
+        model_dir = Path(config.model) if config.model else ensure_default_model()
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = resolve_max_model_len(config.max_model_len, model_cfg)
         dtype = resolve_dtype(config.dtype, model_cfg.dtype, device)
@@ -684,10 +685,3 @@ def build_mixed_batch(items: list[BatchItem], info: BackendInfo, device: torch.d
 
 def sample_request(item: BatchItem) -> SampleRequest:
     return SampleRequest(item.sampling, item.token_ids, item.num_prompt_tokens, len(item.token_ids), item.token_mask)
-
-
-def default_model_dir() -> Path:
-    """The embedded model's directory (trained on first use); imported here, not at the top: it imports tokenizers'
-    trainers and safetensors' writer, which a start with --model does not use (#33)."""
-    from executor_service.default_model.model import ensure_default_model
-    return ensure_default_model()
