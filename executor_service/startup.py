@@ -87,16 +87,27 @@ def cpu_identity() -> dict[str, str]:
 
 
 class MeasureCache:
-    """JSON entries under `directory`, one file per kind of measurement, each with the key it was measured under."""
+    """JSON entries under `directory`, one file per kind of measurement, each with the key it was measured under.
+    Under tensor parallelism each rank (`rank` of `world_size`) has its own file per kind, with its place in the
+    group in the key: ranks measure on their own shards and cores, and sharing one file they overwrote each
+    other's choice, so every start measured again."""
 
-    def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path | None, rank: int = 0, world_size: int = 1) -> None:
+        self.directory, self.rank, self.world_size = directory, rank, world_size
 
     def path(self, kind: str) -> Path | None:
-        return None if self.directory is None else self.directory / f"{kind}.json"
+        if self.directory is None:
+            return None
+        name = kind if self.world_size == 1 else f"{kind}.rank{self.rank}-of-{self.world_size}"
+        return self.directory / f"{name}.json"
+
+    def scoped(self, key: dict[str, Any]) -> dict[str, Any]:
+        """The key as stored: a tensor-parallel rank's with its rank and the group's size (one rank's as it is)."""
+        return key if self.world_size == 1 else {**key, "rank": self.rank, "world_size": self.world_size}
 
     def get(self, kind: str, key: dict[str, Any]) -> dict[str, Any] | None:
         """The stored value for exactly this key; None (and a log line saying why) where there is none to trust."""
+        key = self.scoped(key)
         path = self.path(kind)
         if path is None or not path.is_file():
             return None
@@ -123,6 +134,7 @@ class MeasureCache:
         path = self.path(kind)
         if path is None:
             return
+        key = self.scoped(key)
         data = json.dumps({"key": key, "value": value, "digest": fingerprint(key, value)}, sort_keys=True)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

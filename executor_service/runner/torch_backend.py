@@ -148,7 +148,7 @@ class TorchBackend:
             ops = model_ops(device, dtype)
         compiles = bool(config.compile_sizes) and device.type == "cpu" and parallel.world_size == 1 \
             and model_cfg.features.graphable
-        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+        pipeline = PackWhileReading(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config, parallel),
                                     defer=config.cpu_pack_after_ready) \
             if config.cpu_weight_prepack and not compiles and parallel.world_size == 1 else None
         model = load_model(model_dir, device=device, dtype=dtype, ops=ops, parallel=parallel, phases=phases,
@@ -207,13 +207,13 @@ class TorchBackend:
                                max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
         if packing.deferred:
             background = BackgroundPacking(model.packable_linears(), packing, config.cpu_gemm, config.cpu_skinny_rows,
-                                           startup_cache(config))
+                                           startup_cache(config, parallel))
             backend.packing_after_ready = background.start()
             if packing.provisional:
                 backend.calibration = background.done
         elif packing.provisional:
             backend.calibration = start_calibration(model, config.cpu_gemm, config.cpu_skinny_rows,
-                                                    startup_cache(config))
+                                                    startup_cache(config, parallel))
         return backend
 
     def warm_up(self) -> None:
@@ -394,12 +394,13 @@ def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelCo
     return DraftModel(draft, cache, lambda items: build_batch(items, backend.info, backend.device))
 
 
-def startup_cache(config: ExecutorConfig) -> MeasureCache:
+def startup_cache(config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> MeasureCache:
     """Where start-up measurements are kept: --startup-cache-dir ("" turns the cache off; default
-    $PAGEDSERVE_CACHE_DIR/startup or ~/.cache/pagedserve/startup)."""
+    $PAGEDSERVE_CACHE_DIR/startup or ~/.cache/pagedserve/startup), one entry per tensor-parallel rank."""
     if config.startup_cache_dir == "":
         return MeasureCache(None)
-    return MeasureCache(Path(config.startup_cache_dir) if config.startup_cache_dir else default_cache_dir())
+    directory = Path(config.startup_cache_dir) if config.startup_cache_dir else default_cache_dir()
+    return MeasureCache(directory, parallel.rank, parallel.world_size)
 
 
 def inference_mode() -> AbstractContextManager[object]:
@@ -414,7 +415,7 @@ def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: Pa
     if pipeline is not None:
         packing = pipeline.finish(model.packable_linears())
     else:
-        packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config),
+        packing = model.pack_weights(config.cpu_gemm, config.cpu_skinny_rows, startup_cache(config, parallel),
                                      measure_later=parallel.world_size == 1)
     done = "to be packed after ready" if packing.deferred else "packed"
     log.info("linear weights %s for %s; skinny kernel up to %d rows%s", done, packing.gemm or "nothing (F.linear)",

@@ -25,9 +25,9 @@ from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import ModelSpec, make_model
 from executor_service.model import LlamaForCausalLM, calibration, load_model, packed
 from executor_service.model.loader import MappedSafetensors
-from executor_service.model.parallel import Linear
+from executor_service.model.parallel import Linear, ParallelContext
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
-from executor_service.runner.torch_backend import TorchBackend, model_ops
+from executor_service.runner.torch_backend import TorchBackend, model_ops, startup_cache
 from executor_service.startup import MeasureCache, Phases, cpu_identity, fingerprint, process_start_time
 
 
@@ -112,6 +112,24 @@ def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
     path.write_text("{not json")
     assert cache.get("packing", key) is None
     assert MeasureCache(None).get("packing", key) is None
+
+
+def test_tensor_parallel_ranks_keep_their_own_entries_side_by_side(tmp_path: Path) -> None:
+    """Two ranks measure the same shapes and choose differently (as in a smoke run: rank 0 mkl, rank 1 oneDNN): both
+    entries stay, and each rank's next start reads back its own, not the other's nor a one-rank start's."""
+    key = {"cpu": {"flags": "avx2"}, "shapes": [[64, 192]]}
+    choices = [{"gemm": "mkl", "skinny_rows": 8}, {"gemm": "onednn", "skinny_rows": 16}]
+    for rank, choice in enumerate(choices):
+        MeasureCache(tmp_path, rank, 2).put("packing", key, choice)
+    MeasureCache(tmp_path).put("packing", key, {"gemm": "mkl", "skinny_rows": 32})
+    for rank, choice in enumerate(choices):  # the next start of each rank
+        assert MeasureCache(tmp_path, rank, 2).get("packing", key) == choice
+    assert MeasureCache(tmp_path).get("packing", key) == {"gemm": "mkl", "skinny_rows": 32}
+    assert MeasureCache(tmp_path, 1, 4).get("packing", key) is None  # another group's rank 1 measures again
+    config = ExecutorConfig(startup_cache_dir=str(tmp_path))
+    cache = startup_cache(config, ParallelContext(rank=1, world_size=2))
+    assert cache.get("packing", key) == choices[1]
+    assert len({cache.path("packing"), startup_cache(config).path("packing")}) == 2
 
 
 @pytest.mark.parametrize(("spoil", "reason"), [
