@@ -127,13 +127,15 @@ def processes(executor: int, core: int) -> dict[str, int]:
 
 def wait_calibrated(log: Path, timeout: float = 600.0) -> bool:
     """Until the executor's packing choice is final: from the start-up cache, or measured after ready (its log says
-    which: "packing measured", or the background packing's "(measured; kept for the next start)"), so that the
+    which: "packing measured", or the background packing's "(measured; kept for the next start)" or, where the
+    cache could not keep it, "(measured; not kept: ...)"), so that the
     timed runs do not share the cores with the measurement or see its swap. False if it was not in time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.is_file() else ""
         packed = "linear weights packed" in text
-        measured = "packing measured" in text or "(measured; kept for the next start)" in text
+        measured = "packing measured" in text or "(measured; kept for the next start)" in text \
+            or "(measured; not kept: " in text
         if measured or (packed and "measuring in the background" not in text):
             return True
         time.sleep(0.5)  # polling another process's log; not a test

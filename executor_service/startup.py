@@ -130,10 +130,12 @@ class MeasureCache:
             return None
         return value
 
-    def put(self, kind: str, key: dict[str, Any], value: dict[str, Any]) -> None:
+    def put(self, kind: str, key: dict[str, Any], value: dict[str, Any]) -> str:
+        """Keep `value` under `key` for the next start: "" where it is kept, else why not (the cache is off, or the
+        write failed: a read-only home still starts, it just measures every time)."""
         path = self.path(kind)
         if path is None:
-            return
+            return "the start-up cache is off"
         key = self.scoped(key)
         data = json.dumps({"key": key, "value": value, "digest": fingerprint(key, value)}, sort_keys=True)
         try:
@@ -142,8 +144,9 @@ class MeasureCache:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(data)
             os.replace(tmp, path)
-        except OSError as exc:  # a read-only home: start-up still works, it just measures every time
-            log.info("start-up cache %s not written: %s", path, exc)
+        except OSError as exc:
+            return f"start-up cache {path} not written: {exc.strerror or exc}"
+        return ""
 
 
 def untrusted(path: Path) -> str:

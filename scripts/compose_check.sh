@@ -341,7 +341,7 @@ check_kernels() {
 
 # The image lets the executor's user write its start-up cache and nothing else under /opt (its code, kernels and
 # model stay root's); the first start keeps the packing choice it measured there, for the restart below to reuse
-# (a failed write logs "start-up cache ... not written": every container then measured again after ready).
+# (a failed write logs "not kept: start-up cache ... not written": every container then measured again after ready).
 check_startup_cache_kept() {
   local id deadline=$((SECONDS + 300)) writable text
   id=$(container_of executor)
@@ -349,11 +349,11 @@ check_startup_cache_kept() {
     -not -path '/opt/pagedserve/cache/startup/*')
   [ -z "$writable" ] || { echo "the executor may write: $writable"; return 1; }
   podman_ exec "$id" test -w /opt/pagedserve/cache/startup || { echo "its start-up cache is not writable"; return 1; }
-  until text=$(compose logs --no-color executor 2>&1) && grep -q "kept for the next start" <<<"$text"; do
+  until text=$(compose logs --no-color executor 2>&1) && grep -q "kept for the next start\|not kept: " <<<"$text"; do
     [ $SECONDS -lt $deadline ] || { echo "the executor never measured its packing choice"; return 1; }
     sleep 1
   done
-  if grep "start-up cache .* not written" <<<"$text"; then return 1; fi
+  if grep "not kept: \|start-up cache .* not written" <<<"$text"; then return 1; fi
   note "only the start-up cache is writable; $(grep -m1 -o "linear weights pack.*kept for the next start.*" <<<"$text")"
 }
 

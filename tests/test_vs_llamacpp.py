@@ -86,3 +86,12 @@ def test_the_background_packings_measured_choice_counts_as_calibrated(tmp_path: 
     log.write_text(log.read_text() + "linear weights packed for onednn after ready, in the background (2.13 s): "
                    "skinny kernel up to 4 rows (measured; kept for the next start)\n")
     assert vs_llamacpp.wait_calibrated(log, timeout=5.0)
+
+
+def test_a_measured_choice_the_cache_could_not_keep_counts_as_calibrated(tmp_path: Path) -> None:
+    log = tmp_path / "executor.log"
+    log.write_text("linear weights to be packed after ready for onednn; skinny kernel up to 0 rows (provisional: "
+                   "measuring in the background after ready)\n"
+                   "linear weights packed for onednn after ready, in the background (2.13 s): skinny kernel up to 4 "
+                   "rows (measured; not kept: start-up cache /c/packing.json not written: Read-only file system)\n")
+    assert vs_llamacpp.wait_calibrated(log, timeout=5.0)

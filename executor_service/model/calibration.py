@@ -117,11 +117,14 @@ def measure_skinny_rows(linears: Sequence[Linear], packs: dict[int, PackedWeight
 
 
 def store_choice(cache: MeasureCache | None, linears: Sequence[Linear], requested: str, skinny_rows: int,
-                 packing: Packing) -> None:
-    """Keep a measured choice in the start-up cache for the next start."""
+                 packing: Packing) -> Packing:
+    """Keep a measured choice in the start-up cache for the next start; the choice says whether it was kept (kept)."""
     key = packing_key_of(linears, requested, skinny_rows)
-    if cache is not None and key is not None:
+    if key is None:  # both settings forced: nothing was measured
+        return packing
+    why_not = "the start-up cache is off" if cache is None else \
         cache.put("packing", key, {"gemm": packing.gemm, "skinny_rows": packing.skinny_rows})
+    return replace(packing, kept=f"not kept: {why_not}" if why_not else "kept for the next start")
 
 
 def measure_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) -> Packing:
@@ -139,9 +142,7 @@ def measure_choice(linears: Sequence[Linear], requested: str, skinny_rows: int) 
 
 def calibrate(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None) -> Packing:
     """measure_choice, kept in the cache for the next start."""
-    packing = measure_choice(linears, requested, skinny_rows)
-    store_choice(cache, linears, requested, skinny_rows, packing)
-    return packing
+    return store_choice(cache, linears, requested, skinny_rows, measure_choice(linears, requested, skinny_rows))
 
 
 def planned_choice(linears: Sequence[Linear], requested: str, skinny_rows: int, cache: MeasureCache | None,

@@ -72,6 +72,9 @@ class Packing:
     """Whether the choice is model/calibration.py's rule, to be measured after the start."""
     deferred: bool = False
     """Whether the linears are left unpacked (the skinny kernel's rows set) and packed after ready."""
+    kept: str = ""
+    """A choice measured at this start: whether the start-up cache kept it ("kept for the next start") or why not
+    ("not kept: ..."); "" where nothing was measured."""
 
 
 def can_pack(weight: Tensor) -> bool:

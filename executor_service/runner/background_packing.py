@@ -75,7 +75,7 @@ class BackgroundPacking:
             return
         log.info("linear weights packed for %s after ready, in the background (%.2f s): skinny kernel up to %d "
                  "rows%s", packing.gemm or "nothing (F.linear)", time.perf_counter() - t0, packing.skinny_rows,
-                 " (measured; kept for the next start)" if self.packing.provisional else "")
+                 f" (measured; {packing.kept})" if packing.kept else "")
         self.done.set_result(packing)
 
     def pack_unpacked(self) -> None:
@@ -126,9 +126,7 @@ class BackgroundPacking:
         if rows != provisional.skinny_rows:
             for module in self.linears:
                 self.put(module, replace(self.latest[id(module)], skinny_rows=self.rows_of(module, rows)))
-        measured = Packing(gemm, rows)
-        store_choice(self.cache, self.linears, self.requested, self.skinny_rows, measured)
-        return measured
+        return store_choice(self.cache, self.linears, self.requested, self.skinny_rows, Packing(gemm, rows))
 
     @staticmethod
     def rows_of(module: Linear, rows: int) -> int:

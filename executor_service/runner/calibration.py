@@ -38,8 +38,9 @@ def start_calibration(model: LlamaForCausalLM, requested: str, skinny_rows: int,
             log.warning("packing calibration failed (%s); keeping the provisional choice", exc)
             future.set_exception(exc)
             return
-        log.info("linear weights packing measured: %s, skinny kernel up to %d rows (kept for the next start)",
-                 packing.gemm or "nothing (F.linear)", packing.skinny_rows)
+        kept = f" ({packing.kept})" if packing.kept else ""
+        log.info("linear weights packing measured: %s, skinny kernel up to %d rows%s",
+                 packing.gemm or "nothing (F.linear)", packing.skinny_rows, kept)
         future.set_result(packing)
 
     threading.Thread(target=run, name="calibrate", daemon=True).start()

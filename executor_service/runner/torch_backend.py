@@ -426,6 +426,8 @@ def choose_packing(config: ExecutorConfig, model: LlamaForCausalLM, parallel: Pa
 def packing_origin(packing: Packing) -> str:
     if packing.cached:
         return " (as the start-up cache measured)"
+    if packing.kept:  # measured now (tensor parallelism)
+        return f" (measured; {packing.kept})"
     return " (provisional: measuring in the background after ready)" if packing.provisional else ""
 
 

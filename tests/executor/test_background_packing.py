@@ -5,6 +5,7 @@ pass, never within one, and a pass of more rows packs what is left itself first.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,20 @@ def test_without_pack_after_ready_a_restart_packs_before_ready(model: Path, tmp_
     warm = backend(model, tmp_path / "cache", cpu_pack_after_ready=False)
     assert warm.packing_after_ready is None
     assert all(m.packed is not None and m.packed.panels is not None for m in linears(warm))
+
+
+@pytest.mark.parametrize("pack_after_ready", [True, False])
+def test_a_choice_the_cache_could_not_keep_is_logged_as_not_kept(model: Path, tmp_path: Path, pack_after_ready: bool,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A cold start whose start-up cache directory cannot be written (here: its parent is a file, which stops root
+    too) says so, with the reason, where it logged "kept for the next start" regardless."""
+    (tmp_path / "file").write_text("")
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):
+        backend(model, tmp_path / "file" / "cache", cpu_pack_after_ready=pack_after_ready).wait_for_packing(120)
+    assert "not kept: start-up cache" in caplog.text and "Not a directory" in caplog.text
+    assert "kept for the next start" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):  # a writable one: kept, and says so
+        backend(model, tmp_path / "cache", cpu_pack_after_ready=pack_after_ready).wait_for_packing(120)
+    assert "kept for the next start" in caplog.text and "not kept" not in caplog.text
+    assert (tmp_path / "cache" / "packing.json").is_file()

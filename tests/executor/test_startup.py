@@ -114,6 +114,14 @@ def test_measure_cache_gives_back_only_an_entry_of_the_same_key(tmp_path: Path,
     assert MeasureCache(None).get("packing", key) is None
 
 
+def test_measure_cache_put_says_why_an_entry_was_not_kept(tmp_path: Path) -> None:
+    key, value = {"cpu": {"flags": "avx2"}}, {"gemm": "mkl"}
+    assert MeasureCache(tmp_path / "c").put("packing", key, value) == ""
+    (tmp_path / "file").write_text("")  # a directory that cannot be made, even by root
+    assert "not written: Not a directory" in MeasureCache(tmp_path / "file" / "c").put("packing", key, value)
+    assert MeasureCache(None).put("packing", key, value) == "the start-up cache is off"
+
+
 def test_tensor_parallel_ranks_keep_their_own_entries_side_by_side(tmp_path: Path) -> None:
     """Two ranks measure the same shapes and choose differently (as in a smoke run: rank 0 mkl, rank 1 oneDNN): both
     entries stay, and each rank's next start reads back its own, not the other's nor a one-rank start's."""
