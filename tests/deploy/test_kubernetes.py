@@ -31,6 +31,7 @@ from client.flags import env_name
 from client.lib import PagedServeClient
 from client.port_file import wait_ports
 from executor_service.config import build_parser as executor_parser
+from executor_service.startup import MeasureCache
 from protos.pagedserve.v1 import generation_pb2
 from scheduler_service.config import build_parser as scheduler_parser
 from tests.deploy.test_compose_wiring import COMPOSE, VARIABLE, load
@@ -44,7 +45,8 @@ TIERS = [K8S / "tiers" / "engine-core.yaml", K8S / "tiers" / "frontend.yaml"]  #
 VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
 PARSERS = {"executor_service": executor_parser, "scheduler_service": scheduler_parser}
 # Flags whose manifest value deliberately differs from the command-line default (addresses, paths in the pod).
-NETWORK_FLAGS = {"listen", "http_listen", "executor", "metrics_host", "metrics_port", "executor_drain_file"}
+NETWORK_FLAGS = {"listen", "http_listen", "executor", "metrics_host", "metrics_port", "executor_drain_file",
+                 "startup_cache_dir"}
 REF = re.compile(r"\$\((\w+)\)")
 
 
@@ -106,6 +108,38 @@ def test_the_validator_catches_a_wrong_field() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- wiring
+
+
+def emptydir(path: Path) -> Path:
+    """A stand-in for the kubelet's emptyDir: a root-owned directory every user may write (0777; 2777 with an
+    fsGroup), not sticky."""
+    path.mkdir()
+    path.chmod(0o2777)
+    return path
+
+
+def startup_volume(executor: dict[str, Any], env: dict[str, str]) -> tuple[str, str]:
+    """The executor's --startup-cache-dir and the mount of the emptyDir it lies in."""
+    cache_dir = flag(argv(executor, env), "--startup-cache-dir")
+    volumes = {v["name"]: v for v in executor["spec"]["template"]["spec"].get("volumes", [])}
+    mounts = [m for m in container(executor).get("volumeMounts", []) if Path(cache_dir).is_relative_to(m["mountPath"])]
+    assert len(mounts) == 1, f"--startup-cache-dir={cache_dir} is on no volume: a restarted container measures again"
+    assert not mounts[0].get("readOnly") and "emptyDir" in volumes[mounts[0]["name"]]
+    return cache_dir, mounts[0]["mountPath"]
+
+
+def test_the_executor_keeps_its_startup_cache_below_an_emptydir(tmp_path: Path) -> None:
+    """The start-up cache survives the executor container's restarts on an emptyDir volume; in a directory below
+    its mount (the executor makes it, as its user): the mount itself, which every user may write, is not trusted."""
+    docs = documents(*BASE)
+    cache_dir, mount = startup_volume(one(docs, "StatefulSet"), config_env(docs))
+    assert Path(cache_dir) != Path(mount)
+    volume = emptydir(tmp_path / "volume")
+    below = MeasureCache(volume / Path(cache_dir).relative_to(mount))
+    key, value = {"cpu": {"flags": "avx2"}}, {"gemm": "mkl", "skinny_rows": 8}
+    assert below.put("packing", key, value) == "" and below.get("packing", key) == value
+    on_the_mount = MeasureCache(volume)
+    assert on_the_mount.put("packing", key, value) == "" and on_the_mount.get("packing", key) is None
 
 
 def test_static_wiring() -> None:
@@ -231,8 +265,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     procs = []
     try:
         ex_cmd = argv(executor, env)
-        for n in (1, 2):
-            proc = start(ex_cmd[2], local(ex_cmd[3:], {"--listen": pool.executor_address(n)}), tmp / f"ex{n}.log")
+        cache_dir, mount = startup_volume(executor, env)
+        for n in (1, 2):  # each pod's emptyDir
+            volume = emptydir(tmp / f"ex{n}-volume") / Path(cache_dir).relative_to(mount)
+            args = local(ex_cmd[3:], {"--listen": pool.executor_address(n), "--startup-cache-dir": str(volume)})
+            proc = start(ex_cmd[2], args, tmp / f"ex{n}.log")
             procs.append(proc)
             pool.executors[pool.executor_address(n)] = proc
         probe = container(executor)["startupProbe"]["grpc"]
@@ -254,7 +291,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         wait_until(lambda: probe_passes(f"127.0.0.1:{listen}", readiness), 120, "scheduler readiness probe")
         pool.scheduler = proc
         pool.metrics_port = wait_ports(tmp / "scheduler.ports", ("metrics_port",), proc)["metrics_port"]
-        yield {"pool": pool, "listen": listen, "http": http, "scheduler": scheduler, "executor": executor}
+        yield {"pool": pool, "listen": listen, "http": http, "scheduler": scheduler, "executor": executor,
+               "startup_caches": [tmp / f"ex{n}-volume" / Path(cache_dir).relative_to(mount) for n in (1, 2)]}
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -321,3 +359,12 @@ def test_a_scheduler_without_executors_is_live_but_not_ready(tmp_path: Path) -> 
         assert not probe_passes(address, c["readinessProbe"]["grpc"])
     finally:
         stop(proc)
+
+
+def test_each_pod_keeps_its_measured_packing_choice_on_its_volume(cluster: dict[str, Any]) -> None:
+    """The executors measure their packing choice after ready and keep it below their emptyDir's mount, where the
+    next start of the container reads it back."""
+    for cache_dir in cluster["startup_caches"]:
+        wait_until((cache_dir / "packing.json").is_file, 300, f"the packing choice kept in {cache_dir}")
+        entry = json.loads((cache_dir / "packing.json").read_text())
+        assert MeasureCache(cache_dir).get("packing", entry["key"]) == entry["value"]
