@@ -1,7 +1,9 @@
 """The engine core's handle on its grammar compile process (grammar_worker.py), used from the compile thread: each
 compile gets --structured-outputs-compile-timeout seconds, counted from the order sent (the process's start-up and
 its tokenizer set-up are not counted); past them, or once the compile's request has ended (its client left), the
-process is killed and a fresh one started for the next compile.
+process is killed and a fresh one started for the next compile. A process that is gone before a compile's order
+reaches it (killed while idle, or dead in its start-up or tokenizer set-up) is replaced once, on the same compile;
+one that dies after (a crash in xgrammar the constraint may have caused) fails that compile.
 
 A handle given IdleProcesses takes a started process from them instead of starting one (its start-up, about 3 s of
 importing xgrammar and torch, is then paid once for many handles), and gives its process back when closed between
@@ -9,6 +11,7 @@ compiles; the engine core's loops keep none (a handle's process lives as long as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import subprocess
@@ -94,9 +97,16 @@ class CompileChild:
         """The process's Reply to the constraint: ok with the compiled grammar's JSON, or not ok with why the
         constraint does not compile. CompileTimeout, CompileCancelled, CompileProcessFailed otherwise."""
         with self._compiling:
-            self._prepare(describe)
-            self._send(Compile(constraint.kind.value, constraint.spec))
+            try:
+                self._order(describe, constraint)
+            except CompileProcessFailed as e:  # before the order reached it: not the constraint's doing
+                log.warning("%s before a compile; starting a fresh one for it", e)
+                self._order(describe, constraint)
             return self._reply(time.monotonic() + self.timeout, wanted)
+
+    def _order(self, describe: executor_pb2.DescribeResponse, constraint: Constraint) -> None:
+        self._prepare(describe)
+        self._send(Compile(constraint.kind.value, constraint.spec))
 
     def begin(self) -> None:
         """Start a process now if there is none, without waiting for its start-up (it imports xgrammar while the
@@ -190,7 +200,8 @@ def end(proc: subprocess.Popen[bytes]) -> int:
     code = proc.wait()
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
-            stream.close()
+            with contextlib.suppress(OSError):  # an order left in the buffer of a dead process's pipe: EPIPE
+                stream.close()
     return code
 
 

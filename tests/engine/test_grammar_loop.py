@@ -5,7 +5,9 @@ executor's deferred_token_bitmask) or, for an executor without it, with the step
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import Constraint, ConstraintKind, FinishReason, Request, SamplingOptions
 from scheduler_service.engine.executor_loop import ExecutorLoop
 from scheduler_service.engine.grammar_child import IdleProcesses
+from scheduler_service.engine.grammar_worker import Compile
 from scheduler_service.messages import QueueFull
 from tests.support.engine_loop import collect
 from tests.support.procs import ROOT
@@ -522,6 +525,74 @@ async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queu
         assert last.finish_reason is FinishReason.STOPPED and re.fullmatch(PATTERN, bytes(tokens[:-1]).decode())
         assert child.killed == 1
         assert not engine.holds("slow")
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["before the first compile", "between compiles"])
+async def test_a_compile_process_that_died_before_a_compile_is_replaced_once(
+        executor: str, idle: IdleProcesses, first: bool) -> None:
+    """The compile process is killed before a constrained request's compile: the one begin() started (nothing read
+    from it yet), or the one that compiled the request before (its order then meets a broken pipe). The compile
+    runs on a fresh process instead of failing with "structured_outputs: ... died" (or "Broken pipe")."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=None if first else idle)
+    await engine.start()
+    child = engine.grammar_compiler._child
+    try:
+        if first:
+            child.begin()
+        else:
+            before: asyncio.Queue[RequestDelta] = asyncio.Queue()
+            engine.add(Request("before", [65] * 5, SamplingOptions(max_tokens=40, seed=1, constraint=Constraint(
+                ConstraintKind.REGEX, "[d-f]{12}(x|yz)")), 0.0), before)
+            tokens, last = await asyncio.wait_for(collect(before), 120)
+            assert last.finish_reason is FinishReason.STOPPED and re.fullmatch("[d-f]{12}(x|yz)",
+                                                                             bytes(tokens[:-1]).decode()), last
+        dead = child._proc
+        assert dead is not None
+        dead.kill()
+        dead.wait()
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("next", 1), queue)
+        check_constrained(*await asyncio.wait_for(collect(queue), 120))
+        assert child._proc is not None and child._proc.pid != dead.pid
+    finally:
+        await engine.stop()
+
+
+async def test_a_compile_process_that_dies_after_the_order_reached_it_fails_that_compile_alone(
+        executor: str, idle: IdleProcesses) -> None:
+    """A process that dies once it has the order (a crash in xgrammar, which the constraint may have caused) is not
+    retried: the request fails naming structured_outputs, and the next compile gets a fresh process."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
+    await engine.start()
+    child = engine.grammar_compiler._child
+    real_send = child._send
+    orders: list[str] = []
+
+    def send_then_die(order: Any) -> None:
+        proc = child._proc
+        first = isinstance(order, Compile) and not orders and proc is not None
+        if first and proc is not None:  # stopped first: it cannot answer between the order and the kill
+            os.kill(proc.pid, signal.SIGSTOP)
+        real_send(order)
+        if isinstance(order, Compile):
+            orders.append(order.spec)
+        if first and proc is not None:
+            proc.kill()
+            proc.wait()
+
+    child._send = send_then_die  # type: ignore[method-assign]
+    try:
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("crashes", 1), queue)
+        tokens, last = await asyncio.wait_for(collect(queue), 120)
+        assert tokens == [] and last.finish_reason is FinishReason.ERROR, last
+        assert "structured_outputs: the grammar compile process died" in last.error and orders == [PATTERN]
+        after: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("after", 2), after)
+        check_constrained(*await asyncio.wait_for(collect(after), 120))
+        assert orders == [PATTERN, PATTERN]
     finally:
         await engine.stop()
 
