@@ -25,7 +25,8 @@
 # compose-check), RESTART_MAX_TOKENS (length of the stream that lives through the restart, default 960;
 # prompt + it must fit the default model's max_model_len, 1024),
 # EXECUTOR_WAIT_TIMEOUT (the scheduler's --executor-wait-timeout, default 120 here; see below),
-# COMPOSE_CHECK_KEEP_LOGS=1 keeps the log directory on success too.
+# COMPOSE_CHECK_KEEP_LOGS=1 (true/yes/on) keeps the log directory on success too; 0/false/no/off or unset does
+# not (read as every pagedserve switch is, client/switches.py: another value stops the check at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,6 +37,7 @@ AS_ROOT=()
 [ -z "$SUDO" ] || AS_ROOT=(sudo)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || { echo "[compose_check] $PY is missing: run scripts/setup.sh first"; exit 1; }
+KEEP_LOGS=$("$PY" -m client.switches COMPOSE_CHECK_KEEP_LOGS off) || exit 2
 BASE_IMAGE=${BASE_IMAGE:-localhost/debian:bookworm}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 export PAGEDSERVE_TAG=${PAGEDSERVE_TAG:-compose-check}
@@ -532,7 +534,7 @@ cleanup() {
   stop_pid_file service
   left=$(podman_ ps -aq --filter "label=com.docker.compose.project=$PROJECT" | wc -l)
   left=$((left + $(podman_ network ls -q --filter "label=com.docker.compose.project=$PROJECT" | wc -l)))
-  if [ "$rc" -eq 0 ] && [ "$left" -eq 0 ] && [ -z "${COMPOSE_CHECK_KEEP_LOGS:-}" ]; then
+  if [ "$rc" -eq 0 ] && [ "$left" -eq 0 ] && [ "$KEEP_LOGS" = off ]; then
     $SUDO rm -rf "$WORK"
   else
     log "logs kept in $WORK"

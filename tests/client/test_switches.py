@@ -121,3 +121,35 @@ def test_a_benchmarks_reexec_marker_reads_as_a_switch(module: str, marker: str, 
     else:
         bench.apply_wait_policy("auto", -1)
     assert calls == (["1"] if reexecs else [])
+
+
+# ------------------------------------------------------------------------------------------- the scripts' switches
+COMPOSE_CHECK = ROOT / "scripts" / "compose_check.sh"
+
+
+def keep_logs(value: str | None) -> subprocess.CompletedProcess[str]:
+    """compose_check.sh's own line that reads COMPOSE_CHECK_KEEP_LOGS, run by bash as the script runs it."""
+    lines = [line for line in COMPOSE_CHECK.read_text().splitlines() if line.startswith("KEEP_LOGS=")]
+    assert len(lines) == 1, "compose_check.sh reads COMPOSE_CHECK_KEEP_LOGS once, into KEEP_LOGS"
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSE_CHECK_KEEP_LOGS"}
+    if value is not None:
+        env["COMPOSE_CHECK_KEEP_LOGS"] = value
+    return subprocess.run(["bash", "-c", f'PY={sys.executable}; {lines[0]}; echo "$KEEP_LOGS"'], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("value", "kept"), [*((v, "off") for v in [None, "", *OFF_SPELLINGS]),
+                                             *((v, "on") for v in ON_SPELLINGS)])
+def test_compose_check_keeps_its_logs_only_when_the_switch_is_on(value: str | None, kept: str) -> None:
+    """COMPOSE_CHECK_KEEP_LOGS=0 (or false/no/off) counted as on: the script tested only that it was non-empty."""
+    done = keep_logs(value)
+    assert done.returncode == 0 and done.stdout.strip() == kept, done.stderr
+    script = COMPOSE_CHECK.read_text()
+    assert '[ "$KEEP_LOGS" = off ]' in script
+    assert not [line for line in script.splitlines() if "COMPOSE_CHECK_KEEP_LOGS" in line
+                and not line.startswith(("#", "KEEP_LOGS="))], "read only through client/switches.py"
+
+
+def test_compose_check_stops_on_a_keep_logs_value_that_is_no_switch() -> None:
+    done = keep_logs("disabled")
+    assert done.returncode == 2 and "COMPOSE_CHECK_KEEP_LOGS='disabled' is not a switch value" in done.stderr
