@@ -209,6 +209,29 @@ ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t 
   }
 }
 
+// Where the chunk of keys [start, start + 16) lies (block, in_block: where it starts; moved to where the next one
+// starts), and the prefetch of what follows it: whole chunks kPrefetchAhead ahead where the call streams from
+// memory, else the first lines of the next chunk (the hardware prefetcher does the rest).
+ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t start, int64_t end, int64_t& block,
+                                int64_t& in_block, KeyChunk& chunk) {
+  const int64_t BS = L.block_size;
+  chunk.count = std::min(kKeyChunk, end - start);
+  for (int64_t t = 0; t < chunk.count; ++t) {
+    chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    if (++in_block == BS) in_block = 0, ++block;
+  }
+  if (L.stream_from_memory) {
+    const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
+    prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
+  } else if (start + kKeyChunk < end) {
+    const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    for (int64_t line = 0; line < 4; ++line) {
+      __builtin_prefetch(L.k_cache + next + line * 16);
+      __builtin_prefetch(L.v_cache + next + line * 16);
+    }
+  }
+}
+
 // Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
 template <int64_t kD>
 ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
@@ -285,21 +308,7 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
   KeyChunk chunk;
   int64_t block = 0, in_block = 0;  // where the next chunk starts
   for (int64_t start = 0; start < end; start += kKeyChunk) {
-    chunk.count = std::min(kKeyChunk, end - start);
-    for (int64_t t = 0; t < chunk.count; ++t) {
-      chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
-      if (++in_block == BS) in_block = 0, ++block;
-    }
-    if (L.stream_from_memory) {
-      const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
-      prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
-    } else if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
-      const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
-      for (int64_t line = 0; line < 4; ++line) {
-        __builtin_prefetch(L.k_cache + next + line * 16);
-        __builtin_prefetch(L.v_cache + next + line * 16);
-      }
-    }
+    locate_chunk(L, table, start, end, block, in_block, chunk);
     // Three passes over the rows (scores, softmax, P.V), so that the rows' dependency chains overlap. Keys before
     // `end` are all written; row r sees the first visible[r] keys of the chunk.
     for (int64_t r = 0; r < rows; ++r) {
@@ -329,6 +338,128 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
   }
 }
+
+// The decode tile (#29): rows [row0, row1) of a sequence with one query token, i.e. whole groups of kG query heads
+// that share a KV head (split_work cuts on KV-head boundaries). Chunk by chunk, KV head by KV head, each K and V
+// row is loaded into registers once and used by every query head of its group (the general tile loads it once
+// per row, from L1 for all but the first): half the loads at kG = 2, and the group's kG x kD / 16 accumulator
+// chains in flight together. Every row sees every key, so no masking but the last chunk's. The arithmetic per row
+// is the general tile's, operation for operation (scores: the same FMA order and shuffle tree; P.V: even and odd
+// keys in two chains, added at the end of the chunk), so both give the same bits.
+template <int64_t kD, int64_t kG>
+ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+                               float (*scores)[kKeyChunk]) {
+  constexpr int64_t kC = kD / 16;
+  __m512 qv[kG][kC];
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) qv[g][i] = _mm512_loadu_ps(q[g] + 16 * i);
+  __m512 partial[kG][kKeyChunk];
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    if (t >= m) {
+      for (int64_t g = 0; g < kG; ++g) partial[g][t] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* key = k + chunk.offset[t];
+    __m512 kv[kC];
+    for (int64_t i = 0; i < kC; ++i) kv[i] = _mm512_loadu_ps(key + 16 * i);
+    for (int64_t g = 0; g < kG; ++g) {
+      __m512 sum = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int64_t i = 1; i < kC; ++i) sum = _mm512_fmadd_ps(qv[g][i], kv[i], sum);
+      partial[g][t] = sum;
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g) _mm512_store_ps(scores[g], sum_lanes16(partial[g]));
+}
+
+// acc[g] = acc[g] * corr[g] + sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for
+// the kG rows; even and odd keys in separate chains (as add_values).
+template <int64_t kD, int64_t kG>
+ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
+                                    const float (*p)[kKeyChunk], int64_t m, const float* corr) {
+  asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
+  constexpr int64_t kC = kD / 16;
+  __m512 even[kG][kC], odd[kG][kC];
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) even[g][i] = odd[g][i] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 1 < m; t += 2) {
+    const float* v0 = v + chunk.offset[t];
+    const float* v1 = v + chunk.offset[t + 1];
+    for (int64_t i = 0; i < kC; ++i) {
+      const __m512 a = _mm512_loadu_ps(v0 + 16 * i), b = _mm512_loadu_ps(v1 + 16 * i);
+      for (int64_t g = 0; g < kG; ++g) {
+        even[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), a, even[g][i]);
+        odd[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t + 1)), b, odd[g][i]);
+      }
+    }
+  }
+  if (t < m) {
+    const float* v0 = v + chunk.offset[t];
+    for (int64_t i = 0; i < kC; ++i) {
+      const __m512 a = _mm512_loadu_ps(v0 + 16 * i);
+      for (int64_t g = 0; g < kG; ++g)
+        even[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), a, even[g][i]);
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    float* a = acc + g * kD;
+    for (int64_t i = 0; i < kC; ++i)
+      _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * i), c, _mm512_add_ps(even[g][i], odd[g][i])));
+  }
+}
+
+template <int64_t kD, int64_t kG>
+void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+                          float* denom) {
+  const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
+  const int64_t rows = tile.rows, end = tile.end;
+  const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[kG][kKeyChunk];  // per row of a group: scores, then probabilities
+  float corr[kG];
+  KeyChunk chunk;
+  int64_t block = 0, in_block = 0;
+  for (int64_t start = 0; start < end; start += kKeyChunk) {
+    locate_chunk(L, tile.table, start, end, block, in_block, chunk);
+    const int64_t m = chunk.count;
+    const __mmask16 mask = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
+    for (int64_t r0 = 0; r0 < rows; r0 += kG) {
+      score_group<kD, kG>(tile.q + r0, L.k_cache + tile.head_offset[r0], chunk, m, p);
+      for (int64_t g = 0; g < kG; ++g) {
+        const int64_t r = r0 + g;
+        const __m512 s = _mm512_mask_mov_ps(minus_inf, mask, _mm512_mul_ps(_mm512_load_ps(p[g]), scale));
+        const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+        _mm512_store_ps(p[g], e);
+        corr[g] = exp_nonpositive(max_score[r] - new_max);
+        denom[r] = denom[r] * corr[g] + _mm512_reduce_add_ps(e);
+        max_score[r] = new_max;
+      }
+      add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + tile.head_offset[r0], chunk, p, m, corr);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = tile.out[r];
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t d = 0; d < kD; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + d), inv));
+  }
+}
+
+// The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
+// where it does not apply (the caller runs the general tile).
+bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+                   float* denom) {
+  if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
+  const auto run = [&](auto tile) { tile(L, seq, row0, row1, acc, max_score, denom); return true; };
+  switch (L.head_dim * 16 + L.group) {
+    case 64 * 16 + 2: return run(attend_decode_avx512<64, 2>);
+    case 64 * 16 + 4: return run(attend_decode_avx512<64, 4>);
+    case 128 * 16 + 2: return run(attend_decode_avx512<128, 2>);
+    case 32 * 16 + 2: return run(attend_decode_avx512<32, 2>);
+    case 32 * 16 + 4: return run(attend_decode_avx512<32, 4>);
+    default: return false;
+  }
+}
 #endif  // __AVX512F__
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
@@ -336,6 +467,7 @@ void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_
             float* max_score, float* denom, float* scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
+    if (attend_decode(L, seq, row0, row1, acc, max_score, denom)) return;
     switch (L.head_dim) {
       case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
       case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
