@@ -196,14 +196,20 @@ ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm5
 // instructions cost more than they save (BENCHMARKS.md section 8).
 constexpr int64_t kPrefetchAhead = 2;
 
-ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to) {
+// Which caches a pass over the keys reads (the decode tile reads K, then V, in two passes).
+struct Reads {
+  bool k, v;
+};
+constexpr Reads kBoth{true, true};
+
+ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to, Reads reads) {
   const int64_t BS = L.block_size;
   for (int64_t key = from; key < to;) {
     const int64_t in_block = key % BS, n = std::min(BS - in_block, to - key);
     const int64_t base = static_cast<int64_t>(table[key / BS]) * L.cache_block_stride + in_block * L.cache_token_stride;
     for (int64_t x = 0; x < n * L.cache_token_stride; x += 16) {
-      __builtin_prefetch(L.k_cache + base + x, 0, 2);
-      __builtin_prefetch(L.v_cache + base + x, 0, 2);
+      if (reads.k) __builtin_prefetch(L.k_cache + base + x, 0, 2);
+      if (reads.v) __builtin_prefetch(L.v_cache + base + x, 0, 2);
     }
     key += n;
   }
@@ -213,7 +219,7 @@ ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t 
 // starts), and the prefetch of what follows it: whole chunks kPrefetchAhead ahead where the call streams from
 // memory, else the first lines of the next chunk (the hardware prefetcher does the rest).
 ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t start, int64_t end, int64_t& block,
-                                int64_t& in_block, KeyChunk& chunk) {
+                                int64_t& in_block, KeyChunk& chunk, Reads reads = kBoth) {
   const int64_t BS = L.block_size;
   chunk.count = std::min(kKeyChunk, end - start);
   for (int64_t t = 0; t < chunk.count; ++t) {
@@ -222,12 +228,12 @@ ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t s
   }
   if (L.stream_from_memory) {
     const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
-    prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
+    prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk), reads);
   } else if (start + kKeyChunk < end) {
     const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
     for (int64_t line = 0; line < 4; ++line) {
-      __builtin_prefetch(L.k_cache + next + line * 16);
-      __builtin_prefetch(L.v_cache + next + line * 16);
+      if (reads.k) __builtin_prefetch(L.k_cache + next + line * 16);
+      if (reads.v) __builtin_prefetch(L.v_cache + next + line * 16);
     }
   }
 }
@@ -340,15 +346,14 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
 }
 
 // The decode tile (#29): rows [row0, row1) of a sequence with one query token, i.e. whole groups of kG query heads
-// that share a KV head (split_work cuts on KV-head boundaries). Chunk by chunk, KV head by KV head, each K and V
-// row is loaded into registers once and used by every query head of its group (the general tile loads it once
-// per row, from L1 for all but the first): half the loads at kG = 2, and the group's kG x kD / 16 accumulator
-// chains in flight together. Every row sees every key, so no masking but the last chunk's. The arithmetic per row
-// is the general tile's, operation for operation (scores: the same FMA order and shuffle tree; P.V: even and odd
-// keys in two chains, added at the end of the chunk), so both give the same bits.
+// that share a KV head (split_work cuts on KV-head boundaries). Every row sees every key, so instead of an online
+// softmax per chunk of 16 keys (a max, an exp and a rescale of the accumulators per row and chunk, and P.V waiting
+// on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
+// once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
+// loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
-                               float (*scores)[kKeyChunk]) {
+                               float* const* scores) {
   constexpr int64_t kC = kD / 16;
   __m512 qv[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
@@ -368,75 +373,74 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
       partial[g][t] = sum;
     }
   }
-  for (int64_t g = 0; g < kG; ++g) _mm512_store_ps(scores[g], sum_lanes16(partial[g]));
+  for (int64_t g = 0; g < kG; ++g) _mm512_storeu_ps(scores[g], sum_lanes16(partial[g]));
 }
 
-// acc[g] = acc[g] * corr[g] + sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for
-// the kG rows; even and odd keys in separate chains (as add_values).
+// acc[g] += sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for the kG rows.
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
-                                    const float (*p)[kKeyChunk], int64_t m, const float* corr) {
+                                    const float* const* p, int64_t m) {
   asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
   constexpr int64_t kC = kD / 16;
-  __m512 even[kG][kC], odd[kG][kC];
+  __m512 sum[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
-    for (int64_t i = 0; i < kC; ++i) even[g][i] = odd[g][i] = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 1 < m; t += 2) {
-    const float* v0 = v + chunk.offset[t];
-    const float* v1 = v + chunk.offset[t + 1];
+    for (int64_t i = 0; i < kC; ++i) sum[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+  for (int64_t t = 0; t < m; ++t) {
+    const float* row = v + chunk.offset[t];
     for (int64_t i = 0; i < kC; ++i) {
-      const __m512 a = _mm512_loadu_ps(v0 + 16 * i), b = _mm512_loadu_ps(v1 + 16 * i);
-      for (int64_t g = 0; g < kG; ++g) {
-        even[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), a, even[g][i]);
-        odd[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t + 1)), b, odd[g][i]);
-      }
-    }
-  }
-  if (t < m) {
-    const float* v0 = v + chunk.offset[t];
-    for (int64_t i = 0; i < kC; ++i) {
-      const __m512 a = _mm512_loadu_ps(v0 + 16 * i);
+      const __m512 value = _mm512_loadu_ps(row + 16 * i);
       for (int64_t g = 0; g < kG; ++g)
-        even[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), a, even[g][i]);
+        sum[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), value, sum[g][i]);
     }
   }
-  for (int64_t g = 0; g < kG; ++g) {
-    const __m512 c = _mm512_set1_ps(corr[g]);
-    float* a = acc + g * kD;
-    for (int64_t i = 0; i < kC; ++i)
-      _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * i), c, _mm512_add_ps(even[g][i], odd[g][i])));
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, sum[g][i]);
+}
+
+// s[0, n) = exp(s * scale - max) (n rounded up to 16 with zeros past it); returns their sum (the denominator).
+ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
+  const __m512 scale = _mm512_set1_ps(scale_), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto mask_of = [n](int64_t t) {
+    return static_cast<__mmask16>(n - t >= kKeyChunk ? 0xFFFF : (1u << (n - t)) - 1);
+  };
+  __m512 best = minus_inf;
+  for (int64_t t = 0; t < n; t += kKeyChunk)
+    best = _mm512_max_ps(best, _mm512_mask_mov_ps(minus_inf, mask_of(t), _mm512_mul_ps(_mm512_loadu_ps(s + t), scale)));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += kKeyChunk) {
+    const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale), max);
+    const __m512 e = _mm512_maskz_mov_ps(mask_of(t), exp16_nonpositive(x));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
   }
+  return _mm512_reduce_add_ps(sum);
 }
 
 template <int64_t kD, int64_t kG>
 void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
-                          float* denom) {
+                          float* denom, float* scores) {
   const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
-  const int64_t rows = tile.rows, end = tile.end;
-  const __m512 scale = _mm512_set1_ps(L.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float p[kG][kKeyChunk];  // per row of a group: scores, then probabilities
-  float corr[kG];
+  const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  float* row_scores[kRowTile];
+  for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
   KeyChunk chunk;
   int64_t block = 0, in_block = 0;
   for (int64_t start = 0; start < end; start += kKeyChunk) {
-    locate_chunk(L, tile.table, start, end, block, in_block, chunk);
-    const int64_t m = chunk.count;
-    const __mmask16 mask = static_cast<__mmask16>(m >= kKeyChunk ? 0xFFFF : (1u << m) - 1);
-    for (int64_t r0 = 0; r0 < rows; r0 += kG) {
-      score_group<kD, kG>(tile.q + r0, L.k_cache + tile.head_offset[r0], chunk, m, p);
-      for (int64_t g = 0; g < kG; ++g) {
-        const int64_t r = r0 + g;
-        const __m512 s = _mm512_mask_mov_ps(minus_inf, mask, _mm512_mul_ps(_mm512_load_ps(p[g]), scale));
-        const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(s));
-        const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-        _mm512_store_ps(p[g], e);
-        corr[g] = exp_nonpositive(max_score[r] - new_max);
-        denom[r] = denom[r] * corr[g] + _mm512_reduce_add_ps(e);
-        max_score[r] = new_max;
-      }
-      add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + tile.head_offset[r0], chunk, p, m, corr);
-    }
+    locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{true, false});
+    float* at[kRowTile];
+    for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
+    for (int64_t r0 = 0; r0 < rows; r0 += kG)
+      score_group<kD, kG>(tile.q + r0, L.k_cache + tile.head_offset[r0], chunk, chunk.count, at + r0);
+  }
+  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(row_scores[r], end, L.scale);
+  block = in_block = 0;
+  for (int64_t start = 0; start < end; start += kKeyChunk) {
+    locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, true});
+    const float* at[kRowTile];
+    for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
+    for (int64_t r0 = 0; r0 < rows; r0 += kG)
+      add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + tile.head_offset[r0], chunk, at + r0, chunk.count);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = tile.out[r];
@@ -448,9 +452,11 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
 // The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
 // where it does not apply (the caller runs the general tile).
 bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
-                   float* denom) {
+                   float* denom, std::vector<float>& scores) {
   if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
-  const auto run = [&](auto tile) { tile(L, seq, row0, row1, acc, max_score, denom); return true; };
+  const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
+  const auto run = [&](auto tile) { tile(L, seq, row0, row1, acc, max_score, denom, scores.data()); return true; };
   switch (L.head_dim * 16 + L.group) {
     case 64 * 16 + 2: return run(attend_decode_avx512<64, 2>);
     case 64 * 16 + 4: return run(attend_decode_avx512<64, 4>);
@@ -464,10 +470,10 @@ bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, flo
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
 void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc,
-            float* max_score, float* denom, float* scores) {
+            float* max_score, float* denom, std::vector<float>& scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
-    if (attend_decode(L, seq, row0, row1, acc, max_score, denom)) return;
+    if (attend_decode(L, seq, row0, row1, acc, max_score, denom, scores)) return;
     switch (L.head_dim) {
       case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
       case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
@@ -477,10 +483,10 @@ void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_
   }
 #endif
   switch (L.head_dim) {
-    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores);
-    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores.data());
   }
 }
 
@@ -590,7 +596,7 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t i = begin; i < end; ++i)
       attend(L, portable, items[i].seq, items[i].row0, items[i].row1, acc.data(), max_score.data(), denom.data(),
-             scores.data());
+             scores);
   });
 }
 
