@@ -351,9 +351,15 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
 // on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
 // once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
 // loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
+// The kD floats at `row` into the caches (one line per 16 floats).
+template <int64_t kD>
+ALWAYS_INLINE void prefetch_row(const float* row) {
+  for (int64_t i = 0; i < kD; i += 16) __builtin_prefetch(row + i, 0, 2);
+}
+
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
-                               float* const* scores) {
+                               const KeyChunk& ahead, float* const* scores) {
   constexpr int64_t kC = kD / 16;
   __m512 qv[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
@@ -365,6 +371,7 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
       continue;
     }
     const float* key = k + chunk.offset[t];
+    if (t < ahead.count) prefetch_row<kD>(k + ahead.offset[t]);
     __m512 kv[kC];
     for (int64_t i = 0; i < kC; ++i) kv[i] = _mm512_loadu_ps(key + 16 * i);
     for (int64_t g = 0; g < kG; ++g) {
@@ -379,7 +386,7 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
 // acc[g] += sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for the kG rows.
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
-                                    const float* const* p, int64_t m) {
+                                    const float* const* p, int64_t m, const KeyChunk& ahead) {
   asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
   constexpr int64_t kC = kD / 16;
   __m512 sum[kG][kC];
@@ -387,6 +394,7 @@ ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restri
     for (int64_t i = 0; i < kC; ++i) sum[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
   for (int64_t t = 0; t < m; ++t) {
     const float* row = v + chunk.offset[t];
+    if (t < ahead.count) prefetch_row<kD>(v + ahead.offset[t]);
     for (int64_t i = 0; i < kC; ++i) {
       const __m512 value = _mm512_loadu_ps(row + 16 * i);
       for (int64_t g = 0; g < kG; ++g)
@@ -424,23 +432,31 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   float* row_scores[kRowTile];
   for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
-  KeyChunk chunk;
-  int64_t block = 0, in_block = 0;
-  for (int64_t start = 0; start < end; start += kKeyChunk) {
-    locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{true, false});
-    float* at[kRowTile];
-    for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
-    for (int64_t r0 = 0; r0 < rows; r0 += kG)
-      score_group<kD, kG>(tile.q + r0, L.k_cache + tile.head_offset[r0], chunk, chunk.count, at + r0);
-  }
-  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(row_scores[r], end, L.scale);
-  block = in_block = 0;
-  for (int64_t start = 0; start < end; start += kKeyChunk) {
-    locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, true});
-    const float* at[kRowTile];
-    for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
-    for (int64_t r0 = 0; r0 < rows; r0 += kG)
-      add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + tile.head_offset[r0], chunk, at + r0, chunk.count);
+  for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
+    KeyChunk chunk, ahead;
+    ahead.count = 0;
+    int64_t block = 0, in_block = 0, ahead_block = 0, ahead_in_block = 0;
+    if (L.stream_from_memory)  // keys kPrefetchAhead chunks ahead are fetched while this chunk is computed
+      for (int64_t skip = 0; skip < kPrefetchAhead * kKeyChunk && skip < end; skip += kKeyChunk)
+        locate_chunk(L, tile.table, skip, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
+    for (int64_t start = 0; start < end; start += kKeyChunk) {
+      locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
+      const int64_t next = start + kPrefetchAhead * kKeyChunk;
+      ahead.count = 0;
+      if (L.stream_from_memory && next < end)
+        locate_chunk(L, tile.table, next, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
+      float* at[kRowTile];
+      for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
+      for (int64_t r0 = 0; r0 < rows; r0 += kG) {
+        const int64_t head = tile.head_offset[r0];
+        if (values)
+          add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, chunk.count, ahead);
+        else
+          score_group<kD, kG>(tile.q + r0, L.k_cache + head, chunk, chunk.count, ahead, at + r0);
+      }
+    }
+    if (!values)
+      for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(row_scores[r], end, L.scale);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = tile.out[r];
