@@ -2,15 +2,16 @@
 threads, beside a plain read of the same number of bytes (#29).
 
     python -m benchmarks.attention_decode [--threads 1,2] [--cases 5x300,20x300,64x300,128x300] [--rounds 5]
-        [--source LABEL=FILE ...] [--order shuffled|sequential] [--hugepages]
+        [--source LABEL=FILE ...] [--layouts shuffled,shuffled+huge,sequential]
 
 The cache is laid out as the executor's KVCache (one tensor [layers, 2, blocks, block, kv_heads, head_dim], an
 anonymous map as runner/kv_cache.py makes it), for the 32M benchmark model's heads (8 query / 4 KV / 64, 8 layers,
-block 16); each sequence's blocks are shuffled across the cache (`--order shuffled`, a long-running server's free
-list) or consecutive; --hugepages asks for 2 MB transparent huge pages for it (madvise). One step = the op called once per layer, as the model does. Figures: best wall-clock ms of a
-step per implementation and thread count (implementations and thread counts interleaved round by round), the K/V
-bytes it reads over that time (GB/s), and `read`: torch's sum over a contiguous tensor of the same bytes (the
-box's read bandwidth in the same rounds). Each --source LABEL=FILE (another paged_attention_cpu.cpp, e.g.
+block 16); each sequence's blocks are shuffled across the cache (`shuffled`, a long-running server's free list) or
+consecutive (`sequential`), in 4 KB pages or (`+huge`) 2 MB transparent huge pages (madvise); each layout named in
+--layouts gets its own cache, all timed in the same rounds. One step = the op called once per layer, as the model
+does. Figures: best wall-clock ms of a step per implementation@layout and thread count (all interleaved round by
+round), the K/V bytes it reads over that time (GB/s), and `read`: torch's sum over a contiguous tensor of the same
+bytes (the box's read bandwidth in the same rounds). Each --source LABEL=FILE (another paged_attention_cpu.cpp, e.g.
 `git show REV:executor_service/attention/csrc/paged_attention_cpu.cpp > /tmp/old.cpp`) is built under the op
 namespace pagedserve_cpu_LABEL and timed beside the kernel.
 """
@@ -102,10 +103,14 @@ def read_step(step: Step) -> None:
     step.control.sum()
 
 
-def time_case(impls: dict[str, Op], step: Step, threads: list[int], rounds: int) -> dict[tuple[str, int], float]:
-    """Best wall-clock seconds per (impl, threads); `read` is the control. The first round warms up."""
-    runs: dict[str, Callable[[], None]] = {name: (lambda op=op: run_step(op, step)) for name, op in impls.items()}
-    runs["read"] = lambda: read_step(step)
+def time_case(impls: dict[str, Op], steps: dict[str, Step], threads: list[int],
+              rounds: int) -> dict[tuple[str, int], float]:
+    """Best wall-clock seconds per (impl@layout, threads); `read` is the control. The first round warms up."""
+    runs: dict[str, Callable[[], None]] = {}
+    for layout, step in steps.items():
+        for name, op in impls.items():
+            runs[f"{name}@{layout}"] = lambda op=op, step=step: run_step(op, step)
+    runs["read"] = lambda: read_step(next(iter(steps.values())))
     best = {(name, n): float("inf") for name in runs for n in threads}
     for round_ in range(rounds + 1):
         for n in threads:
@@ -135,8 +140,8 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--cases", default="5x300,20x300,64x300,128x300", help="batch x context, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--order", choices=["shuffled", "sequential"], default="shuffled")
-    p.add_argument("--hugepages", action="store_true", help="madvise the cache into transparent huge pages")
+    p.add_argument("--layouts", default="shuffled", help="comma-separated cache layouts timed side by side: "
+                   "shuffled or sequential blocks, +huge for transparent huge pages (e.g. shuffled,shuffled+huge)")
     p.add_argument("--source", action="append", default=[], metavar="LABEL=FILE",
                    help="another paged_attention_cpu.cpp to time beside the kernel (repeatable)")
     args = p.parse_args()
@@ -146,20 +151,27 @@ def main() -> None:
     for spec in args.source:
         label, _, path = spec.partition("=")
         impls[label] = load_source(label, Path(path))
+    layouts = args.layouts.split(",")
+    for layout in layouts:
+        if layout.removesuffix("+huge") not in ("shuffled", "sequential"):
+            raise SystemExit(f"--layouts: unknown layout {layout!r}")
     threads = [int(t) for t in args.threads.split(",")]
-    names = [*impls, "read"]
-    print(f"decode attention, {LAYERS} layers{', huge pages' if args.hugepages else ''}, heads {HEADS}/{KV_HEADS}/{HEAD_DIM}, block {BLOCK}, {args.order} "
-          f"blocks; best of {args.rounds} rounds, ms per step (GB/s of K/V)")
-    print(f"{'case':10s} {'thr':>3s} " + " ".join(f"{n:>18s}" for n in names))
+    names = [f"{name}@{layout}" for layout in layouts for name in impls] + ["read"]
+    print(f"decode attention, {LAYERS} layers, heads {HEADS}/{KV_HEADS}/{HEAD_DIM}, block {BLOCK}; best of "
+          f"{args.rounds} rounds, ms per step (GB/s of K/V)")
+    print(f"{'case':10s} {'thr':>3s} " + " ".join(f"{n:>24s}" for n in names))
     gen = torch.Generator().manual_seed(0)
     for case in args.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
-        step = make_step(batch, context, args.order, args.hugepages, gen)
-        check_same(impls, step)
-        best = time_case(impls, step, threads, args.rounds)
+        steps = {layout: make_step(batch, context, layout.removesuffix("+huge"), layout.endswith("+huge"), gen)
+                 for layout in layouts}
+        for step in steps.values():
+            check_same(impls, step)
+        best = time_case(impls, steps, threads, args.rounds)
+        kv_bytes = next(iter(steps.values())).kv_bytes
         for n in threads:
-            cells = [f"{best[name, n] * 1e3:8.2f} ({step.kv_bytes / best[name, n] / 1e9:5.1f})" for name in names]
-            print(f"{case:10s} {n:3d} " + " ".join(f"{c:>18s}" for c in cells))
+            cells = [f"{best[name, n] * 1e3:8.2f} ({kv_bytes / best[name, n] / 1e9:5.1f})" for name in names]
+            print(f"{case:10s} {n:3d} " + " ".join(f"{c:>24s}" for c in cells))
 
 
 if __name__ == "__main__":

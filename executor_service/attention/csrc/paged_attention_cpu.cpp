@@ -8,7 +8,9 @@
 // are multiples of 16) a row scores 16 keys into one vector (16 partial dot products reduced together by a
 // shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
 // any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
-// and one scalar softmax step per key.
+// and one scalar softmax step per key. Decode rows (one query token) of the common (head size, group) pairs take
+// the AVX-512 decode tile instead (attend_decode_avx512): two passes, all scores then P.V, each K/V row loaded
+// once for the query heads of its GQA group, prefetches spread over the compute (#29).
 // Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
 // executor_service/attention/cpu.py.
 
@@ -425,6 +427,9 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// How many chunks ahead of the one computed the decode tile prefetches its rows (where the call streams from memory).
+constexpr int64_t kDecodeAhead = 4;
+
 template <int64_t kD, int64_t kG>
 void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                           float* denom, float* scores) {
@@ -436,12 +441,12 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
     KeyChunk chunk, ahead;
     ahead.count = 0;
     int64_t block = 0, in_block = 0, ahead_block = 0, ahead_in_block = 0;
-    if (L.stream_from_memory)  // keys kPrefetchAhead chunks ahead are fetched while this chunk is computed
-      for (int64_t skip = 0; skip < kPrefetchAhead * kKeyChunk && skip < end; skip += kKeyChunk)
+    if (L.stream_from_memory)  // keys kDecodeAhead chunks ahead are fetched while this chunk is computed
+      for (int64_t skip = 0; skip < kDecodeAhead * kKeyChunk && skip < end; skip += kKeyChunk)
         locate_chunk(L, tile.table, skip, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
     for (int64_t start = 0; start < end; start += kKeyChunk) {
       locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
-      const int64_t next = start + kPrefetchAhead * kKeyChunk;
+      const int64_t next = start + kDecodeAhead * kKeyChunk;
       ahead.count = 0;
       if (L.stream_from_memory && next < end)
         locate_chunk(L, tile.table, next, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
