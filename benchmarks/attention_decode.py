@@ -19,6 +19,7 @@ namespace pagedserve_cpu_LABEL and timed beside the kernel.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import mmap
 import time
@@ -109,8 +110,8 @@ def time_case(impls: dict[str, Op], steps: dict[str, Step], threads: list[int],
     runs: dict[str, Callable[[], None]] = {}
     for layout, step in steps.items():
         for name, op in impls.items():
-            runs[f"{name}@{layout}"] = lambda op=op, step=step: run_step(op, step)
-    runs["read"] = lambda: read_step(next(iter(steps.values())))
+            runs[f"{name}@{layout}"] = functools.partial(run_step, op, step)
+    runs["read"] = functools.partial(read_step, next(iter(steps.values())))
     best = {(name, n): float("inf") for name in runs for n in threads}
     for round_ in range(rounds + 1):
         for n in threads:
