@@ -361,7 +361,7 @@ ALWAYS_INLINE void prefetch_row(const float* row) {
 
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
-                               const KeyChunk& ahead, float* const* scores) {
+                               const KeyChunk& ahead, const float* ahead_rows, float* const* scores) {
   constexpr int64_t kC = kD / 16;
   __m512 qv[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
@@ -373,7 +373,7 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
       continue;
     }
     const float* key = k + chunk.offset[t];
-    if (t < ahead.count) prefetch_row<kD>(k + ahead.offset[t]);
+    if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
     __m512 kv[kC];
     for (int64_t i = 0; i < kC; ++i) kv[i] = _mm512_loadu_ps(key + 16 * i);
     for (int64_t g = 0; g < kG; ++g) {
@@ -388,7 +388,8 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
 // acc[g] += sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for the kG rows.
 template <int64_t kD, int64_t kG>
 ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
-                                    const float* const* p, int64_t m, const KeyChunk& ahead) {
+                                    const float* const* p, int64_t m, const KeyChunk& ahead,
+                                    const float* ahead_rows) {
   asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
   constexpr int64_t kC = kD / 16;
   __m512 sum[kG][kC];
@@ -396,7 +397,7 @@ ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restri
     for (int64_t i = 0; i < kC; ++i) sum[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
   for (int64_t t = 0; t < m; ++t) {
     const float* row = v + chunk.offset[t];
-    if (t < ahead.count) prefetch_row<kD>(v + ahead.offset[t]);
+    if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
     for (int64_t i = 0; i < kC; ++i) {
       const __m512 value = _mm512_loadu_ps(row + 16 * i);
       for (int64_t g = 0; g < kG; ++g)
@@ -430,6 +431,23 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
 // How many chunks ahead of the one computed the decode tile prefetches its rows (where the call streams from memory).
 constexpr int64_t kDecodeAhead = 4;
 
+// The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
+// keys, then their V rows (so the first V rows are on their way while the last scores are computed).
+struct Ahead {
+  int64_t start = 0, block = 0, in_block = 0;
+  bool values = false;
+  KeyChunk chunk{{}, 0};
+
+  // The next chunk (count 0 past the V pass's end).
+  void advance(const Layout& L, const int32_t* table, int64_t end) {
+    if (start >= end && !values) values = true, start = block = in_block = 0;
+    chunk.count = 0;
+    if (start >= end) return;
+    locate_chunk(L, table, start, end, block, in_block, chunk, Reads{false, false});
+    start += kKeyChunk;
+  }
+};
+
 template <int64_t kD, int64_t kG>
 void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                           float* denom, float* scores) {
@@ -437,27 +455,26 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   float* row_scores[kRowTile];
   for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
+  Ahead ahead;
+  if (L.stream_from_memory)
+    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L, tile.table, end);
   for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
-    KeyChunk chunk, ahead;
-    ahead.count = 0;
-    int64_t block = 0, in_block = 0, ahead_block = 0, ahead_in_block = 0;
-    if (L.stream_from_memory)  // keys kDecodeAhead chunks ahead are fetched while this chunk is computed
-      for (int64_t skip = 0; skip < kDecodeAhead * kKeyChunk && skip < end; skip += kKeyChunk)
-        locate_chunk(L, tile.table, skip, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
+    KeyChunk chunk;
+    int64_t block = 0, in_block = 0;
     for (int64_t start = 0; start < end; start += kKeyChunk) {
       locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
-      const int64_t next = start + kDecodeAhead * kKeyChunk;
-      ahead.count = 0;
-      if (L.stream_from_memory && next < end)
-        locate_chunk(L, tile.table, next, end, ahead_block, ahead_in_block, ahead, Reads{false, false});
+      if (L.stream_from_memory) ahead.advance(L, tile.table, end);
+      const float* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
       float* at[kRowTile];
       for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
       for (int64_t r0 = 0; r0 < rows; r0 += kG) {
         const int64_t head = tile.head_offset[r0];
         if (values)
-          add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, chunk.count, ahead);
+          add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, chunk.count, ahead.chunk,
+                                   ahead_cache + head);
         else
-          score_group<kD, kG>(tile.q + r0, L.k_cache + head, chunk, chunk.count, ahead, at + r0);
+          score_group<kD, kG>(tile.q + r0, L.k_cache + head, chunk, chunk.count, ahead.chunk, ahead_cache + head,
+                              at + r0);
       }
     }
     if (!values)
