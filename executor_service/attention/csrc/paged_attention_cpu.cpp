@@ -432,15 +432,25 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
 constexpr int64_t kDecodeAhead = 4;
 
 // The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
-// keys, then their V rows (so the first V rows are on their way while the last scores are computed).
+// keys, then their V rows (so the first V rows are on their way while the last scores are computed), then the K
+// rows of the sequence the thread computes next, if any (next_table: its block table, next_end: its context).
 struct Ahead {
+  const int32_t* table;
+  int64_t end;
+  const int32_t* next_table;
+  int64_t next_end;
   int64_t start = 0, block = 0, in_block = 0;
   bool values = false;
   KeyChunk chunk{{}, 0};
 
-  // The next chunk (count 0 past the V pass's end).
-  void advance(const Layout& L, const int32_t* table, int64_t end) {
-    if (start >= end && !values) values = true, start = block = in_block = 0;
+  // The next chunk (count 0 past the last).
+  void advance(const Layout& L) {
+    if (start >= end && !values) {
+      values = true, start = block = in_block = 0;
+    } else if (start >= end && next_table != nullptr) {
+      table = next_table, end = next_end, next_table = nullptr;
+      values = false, start = block = in_block = 0;
+    }
     chunk.count = 0;
     if (start >= end) return;
     locate_chunk(L, table, start, end, block, in_block, chunk, Reads{false, false});
@@ -449,21 +459,22 @@ struct Ahead {
 };
 
 template <int64_t kD, int64_t kG>
-void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
-                          float* denom, float* scores) {
+void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                          float* max_score, float* denom, float* scores) {
   const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
   const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   float* row_scores[kRowTile];
   for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
-  Ahead ahead;
+  Ahead ahead{tile.table, end, next_seq < 0 ? nullptr : L.block_tables + next_seq * L.table_stride,
+              next_seq < 0 ? 0 : L.seq_lens[next_seq]};
   if (L.stream_from_memory)
-    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L, tile.table, end);
+    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L);
   for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
     KeyChunk chunk;
     int64_t block = 0, in_block = 0;
     for (int64_t start = 0; start < end; start += kKeyChunk) {
       locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
-      if (L.stream_from_memory) ahead.advance(L, tile.table, end);
+      if (L.stream_from_memory) ahead.advance(L);
       const float* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
       float* at[kRowTile];
       for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
@@ -489,12 +500,15 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
 
 // The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
 // where it does not apply (the caller runs the general tile).
-bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
-                   float* denom, std::vector<float>& scores) {
+bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                   float* max_score, float* denom, std::vector<float>& scores) {
   if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
   const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
-  const auto run = [&](auto tile) { tile(L, seq, row0, row1, acc, max_score, denom, scores.data()); return true; };
+  const auto run = [&](auto tile) {
+    tile(L, seq, row0, row1, next_seq, acc, max_score, denom, scores.data());
+    return true;
+  };
   switch (L.head_dim * 16 + L.group) {
     case 64 * 16 + 2: return run(attend_decode_avx512<64, 2>);
     case 64 * 16 + 4: return run(attend_decode_avx512<64, 4>);
@@ -507,11 +521,12 @@ bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, flo
 #endif  // __AVX512F__
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
-void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc,
-            float* max_score, float* denom, std::vector<float>& scores) {
+// next_seq: the sequence this thread computes next (-1: none), which the decode tile starts fetching.
+void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1,
+            [[maybe_unused]] int64_t next_seq, float* acc, float* max_score, float* denom, std::vector<float>& scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
-    if (attend_decode(L, seq, row0, row1, acc, max_score, denom, scores)) return;
+    if (attend_decode(L, seq, row0, row1, next_seq, acc, max_score, denom, scores)) return;
     switch (L.head_dim) {
       case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
       case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
@@ -633,8 +648,8 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t i = begin; i < end; ++i)
-      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, acc.data(), max_score.data(), denom.data(),
-             scores);
+      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, i + 1 < end ? items[i + 1].seq : -1,
+             acc.data(), max_score.data(), denom.data(), scores);
   });
 }
 
