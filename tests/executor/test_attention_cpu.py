@@ -96,8 +96,8 @@ def test_both_paths_match_dense(block_size: int, kv_heads: int, group: int, head
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_over_more_k_v_than_the_caches_hold_matches_dense(threads: int) -> None:
-    """Over 8 MiB of K/V in one call (the kernel then prefetches rows several chunks ahead of the one it computes),
-    ragged contexts, at 1 and 2 threads (two threads split the few sequences' KV heads between them)."""
+    """Over 8 MiB of K/V in one call (the decode tile then prefetches rows several chunks ahead of the one it
+    computes, on into the V rows and the thread's next sequence), ragged contexts, at 1 and 2 threads."""
     contexts = [299, 300, 17, 1, 600, 16, 450, 333, 1500, 64, 287, 515]
     batch = make_batch([(ctx, 1) for ctx in contexts], 16, 4, 2, 64, torch.float32)
     assert batch.k_cache.element_size() * 2 * sum(contexts) * 4 * 64 > 8 << 20

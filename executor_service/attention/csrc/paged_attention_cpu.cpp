@@ -35,6 +35,9 @@ constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512
 
 constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
 constexpr int64_t kStreamBytes = int64_t{8} << 20;  // K/V per call above which the AVX-512 tile prefetches chunks
+// K/V per call above which the decode tile prefetches (below, they may well be in L2, where the prefetches cost
+// 7 - 20%; above, even a layer's K/V that fits the L3 reads 1.7 - 2x faster with them: BENCHMARKS.md section 17).
+constexpr int64_t kDecodePrefetchBytes = int64_t{256} << 10;
 
 struct Layout {
   const float* query;
@@ -51,6 +54,7 @@ struct Layout {
   int64_t num_kv_heads, group, head_dim, block_size;
   float scale;
   bool stream_from_memory;  // the call reads more than kStreamBytes of K/V: prefetch whole chunks ahead
+  bool prefetch_decode;     // more than kDecodePrefetchBytes: the decode tile prefetches rows kDecodeAhead chunks ahead
 };
 
 ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -428,7 +432,7 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// How many chunks ahead of the one computed the decode tile prefetches its rows (where the call streams from memory).
+// How many chunks ahead of the one computed the decode tile prefetches its rows (L.prefetch_decode).
 constexpr int64_t kDecodeAhead = 4;
 
 // The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
@@ -467,14 +471,14 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
   Ahead ahead{tile.table, end, next_seq < 0 ? nullptr : L.block_tables + next_seq * L.table_stride,
               next_seq < 0 ? 0 : L.seq_lens[next_seq]};
-  if (L.stream_from_memory)
+  if (L.prefetch_decode)
     for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L);
   for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
     KeyChunk chunk;
     int64_t block = 0, in_block = 0;
     for (int64_t start = 0; start < end; start += kKeyChunk) {
       locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
-      if (L.stream_from_memory) ahead.advance(L);
+      if (L.prefetch_decode) ahead.advance(L);
       const float* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
       float* at[kRowTile];
       for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
@@ -639,11 +643,13 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
            out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
            k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
-           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false};
+           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false, false};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
   const int64_t keys =
       check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
-  L.stream_from_memory = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float)) > kStreamBytes;
+  const int64_t kv_bytes = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float));
+  L.stream_from_memory = kv_bytes > kStreamBytes;
+  L.prefetch_decode = kv_bytes > kDecodePrefetchBytes;
   const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
