@@ -75,9 +75,12 @@ def test_kernel_matches_dense_and_reference(seqs: list[tuple[int, int]], block_s
 # several row tiles), long contexts.
 SHAPE_SEQS = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (40, 1), (100, 1), (0, 5), (23, 5), (31, 16), (10, 40),
               (64, 3), (300, 1)]
-SHAPES = [  # block size, KV heads, group, head size: 64/128 (constant-size tiles), 80/16 (run-time size), 24 (portable)
+# Block size, KV heads, group, head size: 64/128 (constant-size tiles), 80/16 (run-time size), 24 (portable); the
+# decode tile's (head size, group) pairs: (64, 2), (64, 4), (128, 2), (32, 2), (32, 4).
+SHAPES = [
     (16, 2, 2, 64), (16, 1, 4, 64), (8, 2, 1, 64), (32, 1, 8, 64), (16, 2, 4, 128), (8, 1, 8, 128), (32, 4, 1, 128),
-    (16, 2, 2, 80), (8, 1, 4, 80), (32, 2, 1, 24), (16, 1, 8, 24), (16, 4, 2, 16), (8, 2, 2, 32),
+    (16, 2, 2, 80), (8, 1, 4, 80), (32, 2, 1, 24), (16, 1, 8, 24), (16, 4, 2, 16), (8, 2, 2, 32), (16, 2, 2, 128),
+    (8, 1, 4, 32),
 ]
 
 
@@ -90,6 +93,23 @@ def test_both_paths_match_dense(block_size: int, kv_heads: int, group: int, head
     _poison_unused_slots(batch, block_size)
     torch.testing.assert_close(kernel_only(batch, portable=portable).double(), dense_attention(batch), atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_over_more_k_v_than_the_caches_hold_matches_dense(threads: int) -> None:
+    """Over 8 MiB of K/V in one call (the decode tile then prefetches rows several chunks ahead of the one it
+    computes, on into the V rows and the thread's next sequence), ragged contexts, at 1 and 2 threads."""
+    contexts = [299, 300, 17, 1, 600, 16, 450, 333, 1500, 64, 287, 515]
+    batch = make_batch([(ctx, 1) for ctx in contexts], 16, 4, 2, 64, torch.float32)
+    assert batch.k_cache.element_size() * 2 * sum(contexts) * 4 * 64 > 8 << 20
+    _poison_unused_slots(batch, 16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = kernel_only(batch)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
 def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:

@@ -8,7 +8,9 @@
 // are multiples of 16) a row scores 16 keys into one vector (16 partial dot products reduced together by a
 // shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
 // any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
-// and one scalar softmax step per key.
+// and one scalar softmax step per key. Decode rows (one query token) of the common (head size, group) pairs take
+// the AVX-512 decode tile instead (attend_decode_avx512): two passes, all scores then P.V, each K/V row loaded
+// once for the query heads of its GQA group, prefetches spread over the compute (#29).
 // Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
 // executor_service/attention/cpu.py.
 
@@ -33,6 +35,9 @@ constexpr int64_t kRowTile = 128;  // most rows in a tile (sized for the AVX-512
 
 constexpr int64_t kKeyChunk = 16;  // keys per step of the AVX-512 tile
 constexpr int64_t kStreamBytes = int64_t{8} << 20;  // K/V per call above which the AVX-512 tile prefetches chunks
+// K/V per call above which the decode tile prefetches (below, they may well be in L2, where the prefetches cost
+// 7 - 20%; above, even a layer's K/V that fits the L3 reads 1.7 - 2x faster with them: BENCHMARKS.md section 17).
+constexpr int64_t kDecodePrefetchBytes = int64_t{256} << 10;
 
 struct Layout {
   const float* query;
@@ -49,6 +54,7 @@ struct Layout {
   int64_t num_kv_heads, group, head_dim, block_size;
   float scale;
   bool stream_from_memory;  // the call reads more than kStreamBytes of K/V: prefetch whole chunks ahead
+  bool prefetch_decode;     // more than kDecodePrefetchBytes: the decode tile prefetches rows kDecodeAhead chunks ahead
 };
 
 ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -196,16 +202,45 @@ ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm5
 // instructions cost more than they save (BENCHMARKS.md section 8).
 constexpr int64_t kPrefetchAhead = 2;
 
-ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to) {
+// Which caches a pass over the keys reads (the decode tile reads K, then V, in two passes).
+struct Reads {
+  bool k, v;
+};
+constexpr Reads kBoth{true, true};
+
+ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to, Reads reads) {
   const int64_t BS = L.block_size;
   for (int64_t key = from; key < to;) {
     const int64_t in_block = key % BS, n = std::min(BS - in_block, to - key);
     const int64_t base = static_cast<int64_t>(table[key / BS]) * L.cache_block_stride + in_block * L.cache_token_stride;
     for (int64_t x = 0; x < n * L.cache_token_stride; x += 16) {
-      __builtin_prefetch(L.k_cache + base + x, 0, 2);
-      __builtin_prefetch(L.v_cache + base + x, 0, 2);
+      if (reads.k) __builtin_prefetch(L.k_cache + base + x, 0, 2);
+      if (reads.v) __builtin_prefetch(L.v_cache + base + x, 0, 2);
     }
     key += n;
+  }
+}
+
+// Where the chunk of keys [start, start + 16) lies (block, in_block: where it starts; moved to where the next one
+// starts), and the prefetch of what follows it: whole chunks kPrefetchAhead ahead where the call streams from
+// memory, else the first lines of the next chunk (the hardware prefetcher does the rest).
+ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t start, int64_t end, int64_t& block,
+                                int64_t& in_block, KeyChunk& chunk, Reads reads = kBoth) {
+  const int64_t BS = L.block_size;
+  chunk.count = std::min(kKeyChunk, end - start);
+  for (int64_t t = 0; t < chunk.count; ++t) {
+    chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    if (++in_block == BS) in_block = 0, ++block;
+  }
+  if (L.stream_from_memory) {
+    const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
+    prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk), reads);
+  } else if (start + kKeyChunk < end) {
+    const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
+    for (int64_t line = 0; line < 4; ++line) {
+      if (reads.k) __builtin_prefetch(L.k_cache + next + line * 16);
+      if (reads.v) __builtin_prefetch(L.v_cache + next + line * 16);
+    }
   }
 }
 
@@ -285,21 +320,7 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
   KeyChunk chunk;
   int64_t block = 0, in_block = 0;  // where the next chunk starts
   for (int64_t start = 0; start < end; start += kKeyChunk) {
-    chunk.count = std::min(kKeyChunk, end - start);
-    for (int64_t t = 0; t < chunk.count; ++t) {
-      chunk.offset[t] = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
-      if (++in_block == BS) in_block = 0, ++block;
-    }
-    if (L.stream_from_memory) {
-      const int64_t ahead = start + kPrefetchAhead * kKeyChunk;
-      prefetch_keys(L, table, ahead, std::min(end, ahead + kKeyChunk));
-    } else if (start + kKeyChunk < end) {  // the first lines of the next chunk (the hardware prefetcher does the rest)
-      const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
-      for (int64_t line = 0; line < 4; ++line) {
-        __builtin_prefetch(L.k_cache + next + line * 16);
-        __builtin_prefetch(L.v_cache + next + line * 16);
-      }
-    }
+    locate_chunk(L, table, start, end, block, in_block, chunk);
     // Three passes over the rows (scores, softmax, P.V), so that the rows' dependency chains overlap. Keys before
     // `end` are all written; row r sees the first visible[r] keys of the chunk.
     for (int64_t r = 0; r < rows; ++r) {
@@ -329,13 +350,187 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
   }
 }
+
+// The decode tile (#29): rows [row0, row1) of a sequence with one query token, i.e. whole groups of kG query heads
+// that share a KV head (split_work cuts on KV-head boundaries). Every row sees every key, so instead of an online
+// softmax per chunk of 16 keys (a max, an exp and a rescale of the accumulators per row and chunk, and P.V waiting
+// on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
+// once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
+// loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
+// The kD floats at `row` into the caches (one line per 16 floats).
+template <int64_t kD>
+ALWAYS_INLINE void prefetch_row(const float* row) {
+  for (int64_t i = 0; i < kD; i += 16) __builtin_prefetch(row + i, 0, 2);
+}
+
+template <int64_t kD, int64_t kG>
+ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+                               const KeyChunk& ahead, const float* ahead_rows, float* const* scores) {
+  constexpr int64_t kC = kD / 16;
+  __m512 qv[kG][kC];
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) qv[g][i] = _mm512_loadu_ps(q[g] + 16 * i);
+  __m512 partial[kG][kKeyChunk];
+  for (int64_t t = 0; t < kKeyChunk; ++t) {
+    if (t >= m) {
+      for (int64_t g = 0; g < kG; ++g) partial[g][t] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* key = k + chunk.offset[t];
+    if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
+    __m512 kv[kC];
+    for (int64_t i = 0; i < kC; ++i) kv[i] = _mm512_loadu_ps(key + 16 * i);
+    for (int64_t g = 0; g < kG; ++g) {
+      __m512 sum = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int64_t i = 1; i < kC; ++i) sum = _mm512_fmadd_ps(qv[g][i], kv[i], sum);
+      partial[g][t] = sum;
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g) _mm512_storeu_ps(scores[g], sum_lanes16(partial[g]));
+}
+
+// acc[g] += sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for the kG rows.
+template <int64_t kD, int64_t kG>
+ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
+                                    const float* const* p, int64_t m, const KeyChunk& ahead,
+                                    const float* ahead_rows) {
+  asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
+  constexpr int64_t kC = kD / 16;
+  __m512 sum[kG][kC];
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) sum[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+  for (int64_t t = 0; t < m; ++t) {
+    const float* row = v + chunk.offset[t];
+    if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
+    for (int64_t i = 0; i < kC; ++i) {
+      const __m512 value = _mm512_loadu_ps(row + 16 * i);
+      for (int64_t g = 0; g < kG; ++g)
+        sum[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), value, sum[g][i]);
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g)
+    for (int64_t i = 0; i < kC; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, sum[g][i]);
+}
+
+// s[0, n) = exp(s * scale - max) (n rounded up to 16 with zeros past it); returns their sum (the denominator).
+ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
+  const __m512 scale = _mm512_set1_ps(scale_), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto mask_of = [n](int64_t t) {
+    return static_cast<__mmask16>(n - t >= kKeyChunk ? 0xFFFF : (1u << (n - t)) - 1);
+  };
+  __m512 best = minus_inf;
+  for (int64_t t = 0; t < n; t += kKeyChunk)
+    best = _mm512_max_ps(best, _mm512_mask_mov_ps(minus_inf, mask_of(t), _mm512_mul_ps(_mm512_loadu_ps(s + t), scale)));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += kKeyChunk) {
+    const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale), max);
+    const __m512 e = _mm512_maskz_mov_ps(mask_of(t), exp16_nonpositive(x));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// How many chunks ahead of the one computed the decode tile prefetches its rows (L.prefetch_decode).
+constexpr int64_t kDecodeAhead = 4;
+
+// The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
+// keys, then their V rows (so the first V rows are on their way while the last scores are computed), then the K
+// rows of the sequence the thread computes next, if any (next_table: its block table, next_end: its context).
+struct Ahead {
+  const int32_t* table;
+  int64_t end;
+  const int32_t* next_table;
+  int64_t next_end;
+  int64_t start = 0, block = 0, in_block = 0;
+  bool values = false;
+  KeyChunk chunk{{}, 0};
+
+  // The next chunk (count 0 past the last).
+  void advance(const Layout& L) {
+    if (start >= end && !values) {
+      values = true, start = block = in_block = 0;
+    } else if (start >= end && next_table != nullptr) {
+      table = next_table, end = next_end, next_table = nullptr;
+      values = false, start = block = in_block = 0;
+    }
+    chunk.count = 0;
+    if (start >= end) return;
+    locate_chunk(L, table, start, end, block, in_block, chunk, Reads{false, false});
+    start += kKeyChunk;
+  }
+};
+
+template <int64_t kD, int64_t kG>
+void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                          float* max_score, float* denom, float* scores) {
+  const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
+  const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  float* row_scores[kRowTile];
+  for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
+  Ahead ahead{tile.table, end, next_seq < 0 ? nullptr : L.block_tables + next_seq * L.table_stride,
+              next_seq < 0 ? 0 : L.seq_lens[next_seq]};
+  if (L.prefetch_decode)
+    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L);
+  for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
+    KeyChunk chunk;
+    int64_t block = 0, in_block = 0;
+    for (int64_t start = 0; start < end; start += kKeyChunk) {
+      locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
+      if (L.prefetch_decode) ahead.advance(L);
+      const float* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
+      float* at[kRowTile];
+      for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
+      for (int64_t r0 = 0; r0 < rows; r0 += kG) {
+        const int64_t head = tile.head_offset[r0];
+        if (values)
+          add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, chunk.count, ahead.chunk,
+                                   ahead_cache + head);
+        else
+          score_group<kD, kG>(tile.q + r0, L.k_cache + head, chunk, chunk.count, ahead.chunk, ahead_cache + head,
+                              at + r0);
+      }
+    }
+    if (!values)
+      for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(row_scores[r], end, L.scale);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = tile.out[r];
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int64_t d = 0; d < kD; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + d), inv));
+  }
+}
+
+// The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
+// where it does not apply (the caller runs the general tile).
+bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                   float* max_score, float* denom, std::vector<float>& scores) {
+  if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
+  const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
+  const auto run = [&](auto tile) {
+    tile(L, seq, row0, row1, next_seq, acc, max_score, denom, scores.data());
+    return true;
+  };
+  switch (L.head_dim * 16 + L.group) {
+    case 64 * 16 + 2: return run(attend_decode_avx512<64, 2>);
+    case 64 * 16 + 4: return run(attend_decode_avx512<64, 4>);
+    case 128 * 16 + 2: return run(attend_decode_avx512<128, 2>);
+    case 32 * 16 + 2: return run(attend_decode_avx512<32, 2>);
+    case 32 * 16 + 4: return run(attend_decode_avx512<32, 4>);
+    default: return false;
+  }
+}
 #endif  // __AVX512F__
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
-void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1, float* acc,
-            float* max_score, float* denom, float* scores) {
+// next_seq: the sequence this thread computes next (-1: none), which the decode tile starts fetching.
+void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1,
+            [[maybe_unused]] int64_t next_seq, float* acc, float* max_score, float* denom, std::vector<float>& scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
+    if (attend_decode(L, seq, row0, row1, next_seq, acc, max_score, denom, scores)) return;
     switch (L.head_dim) {
       case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
       case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
@@ -345,10 +540,10 @@ void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_
   }
 #endif
   switch (L.head_dim) {
-    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores);
-    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores);
-    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores);
+    case 64: return attend_rows_portable<64>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    case 128: return attend_rows_portable<128>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    case 32: return attend_rows_portable<32>(L, seq, row0, row1, acc, max_score, denom, scores.data());
+    default: return attend_rows_portable<0>(L, seq, row0, row1, acc, max_score, denom, scores.data());
   }
 }
 
@@ -448,17 +643,19 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
            out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
            k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
-           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false};
+           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false, false};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
   const int64_t keys =
       check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
-  L.stream_from_memory = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float)) > kStreamBytes;
+  const int64_t kv_bytes = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float));
+  L.stream_from_memory = kv_bytes > kStreamBytes;
+  L.prefetch_decode = kv_bytes > kDecodePrefetchBytes;
   const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
     for (int64_t i = begin; i < end; ++i)
-      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, acc.data(), max_score.data(), denom.data(),
-             scores.data());
+      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, i + 1 < end ? items[i + 1].seq : -1,
+             acc.data(), max_score.data(), denom.data(), scores);
   });
 }
 
