@@ -4,11 +4,13 @@
     python -m benchmarks.skinny_stream [--rows 1,5,10,20,32] [--threads 1,2] [--repeats 7]
         [--candidates skinny,read] [--per-shape]
 
-One pass of torch.ops.pagedserve_model.skinny_linear over weights of the benchmark model's linear shapes (8 layers
-of qkv 1024 x 512, o 512 x 512, gate_up 3072 x 512, down 512 x 1536, then the LM head 8192 x 512: 117 MB of float32,
-more than the L3, as a decode step reads them) at M rows, against a read of the same tensors (torch's sum, one call
+One pass of the skinny kernel (torch.ops.pagedserve_model.skinny_panel_linear, over the weights packed once into
+its panels) over weights of the benchmark model's linear shapes (8 layers of qkv 1024 x 512, o 512 x 512, gate_up
+3072 x 512, down 512 x 1536, then the LM head 8192 x 512: 117 MB of float32, more than the L3, as a decode step
+reads them) at M rows, against a read of the same tensors (torch's sum, one call
 per weight: the same number of parallel regions). --candidates adds the packed GEMMs dense() can take instead
-(mkl, onednn: model/packed.py, each weight packed once) and F.linear (linear). Every (candidate, threads) pair is
+(mkl, onednn: model/packed.py, each weight packed once), F.linear (linear) and the skinny kernel over the weight
+in place (in_place: what a linear takes before its packs are made). Every (candidate, threads) pair is
 timed in wall-clock time, best of --repeats, the thread counts and candidates interleaved round by round. Prints
 per row count: ms, GB/s and GFLOP/s of each candidate at each thread count, the skinny kernel's share of the
 read's bandwidth and each candidate's speedup from the first thread count to the others; --per-shape, the same
@@ -64,12 +66,18 @@ Op = Callable[[torch.Tensor, torch.Tensor], object]
 
 def candidate_ops(names: list[str], weights: list[torch.Tensor]) -> dict[str, Op]:
     """Each candidate as op(x, weight); the packed GEMMs over packs of `weights` made here, once."""
-    ops: dict[str, Op] = {"skinny": lambda x, w: torch.ops.pagedserve_model.skinny_linear(x, w, None),
+    ops: dict[str, Op] = {"in_place": lambda x, w: torch.ops.pagedserve_model.skinny_linear(x, w, None),
                           "read": lambda x, w: w.sum(), "linear": torch.nn.functional.linear}
+    if "skinny" in names:
+        ops["skinny"] = panels_op({id(w): torch.ops.pagedserve_model.pack_skinny_panels(w) for w in weights})
     for gemm in GEMMS:
         if gemm in names and available(gemm):
             ops[gemm] = packed_op({id(w): pack(w, gemm) for w in weights})
     return {name: ops[name] for name in names if name in ops}
+
+
+def panels_op(panels: dict[int, torch.Tensor]) -> Op:
+    return lambda x, w: torch.ops.pagedserve_model.skinny_panel_linear(x, panels[id(w)], w.shape[0], None)
 
 
 def packed_op(packs: dict[int, PackedWeight]) -> Op:
@@ -119,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--candidates", default="skinny,read",
-                   help="comma-separated, of skinny, read, mkl, onednn (packed GEMMs), linear (F.linear)")
+                   help="comma-separated, of skinny (over its panels, as the packed linears take it), in_place (the "
+                   "skinny kernel over the weight in place, as before the packs), read, mkl, onednn (packed GEMMs), "
+                   "linear (F.linear)")
     p.add_argument("--per-shape", action="store_true", help="also time each linear kind's weights alone")
     args = p.parse_args(argv)
     apply_executor_omp()

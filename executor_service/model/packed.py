@@ -16,7 +16,7 @@ Skinny batches (MIN_ROWS to PackedWeight.skinny_rows rows) can take a third kern
 sequences is bound by streaming the weights from memory. pack() also lays the weight out in its panels (64 output
 columns each, one more copy of the weight), over which it runs 1.1 - 1.4x faster than over the weight in place, which
 it reads until the linears are packed. choose_skinny_rows times it
-and the packed GEMM, alternated, at 2 - 64 rows over the model's own weights at load and takes the one threshold
+and the packed GEMM, alternated, at 2 - 128 rows over the model's own weights at load and takes the one threshold
 best over all those row counts (skinny_threshold; 0 where the weights stay in cache and it does not win); equal to
 F.linear up to rounding.
 
@@ -49,7 +49,7 @@ Gemm = Literal["mkl", "onednn"]
 GEMMS: tuple[Gemm, ...] = ("mkl", "onednn")
 CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
-SKINNY_CALIBRATION_ROWS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+SKINNY_CALIBRATION_ROWS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 SKINNY_MARGIN = 1.05
 SKINNY_ROUNDS = 3
 SKINNY_CALIBRATION_BYTES = 256 << 20
