@@ -129,6 +129,18 @@ def test_the_skinny_kernel_in_place_equals_it_over_panels_bit_for_bit(rows: int)
 
 
 @needs_skinny
+@pytest.mark.parametrize("out_features, in_features", [(700, 304), (64, 16), (130, 7), (100, 33)])
+def test_skinny_panels_are_the_weight_transposed_in_64_column_panels(out_features: int, in_features: int) -> None:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features))
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    expected = torch.zeros(panels.shape)
+    for p in range(panels.shape[0]):
+        block = weight[p * 64:(p + 1) * 64]
+        expected[p, :, :block.shape[0]] = block.t()
+    assert torch.equal(panels, expected)
+
+
+@needs_skinny
 def test_skinny_panels_refuse_operands_that_do_not_match() -> None:
     weight = torch.randn(100, 32)
     panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)

@@ -40,12 +40,53 @@ constexpr int64_t kRows = 6;  // x rows per tile
 constexpr int64_t kLane = 16;
 constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16
 
-// Panel p of the weight [N, K] into dst [K, 64]: dst[k, c] = w[p * 64 + c, k], zeros past N.
+#ifdef __AVX512F__
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 16, rows i >= rows taken as zeros: four rounds of shuffles.
+ALWAYS_INLINE void transpose16(const float* src, int64_t lds, int64_t rows, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int64_t i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < 8; ++i) {  // per 128-bit lane L: (a[4L], b[4L], a[4L+1], b[4L+1]) and the next two
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  const auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int64_t g = 0; g < 4; ++g) {  // r[4g + q], lane L: rows 4g .. 4g + 3 of column 4L + q
+    r[4 * g] = lo(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = hi(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = lo(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = hi(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int64_t q = 0; q < 4; ++q) {
+    const __m512 u0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x44), u1 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xEE),
+                 u2 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x44),
+                 u3 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xEE);
+    _mm512_storeu_ps(dst + q * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));
+    _mm512_storeu_ps(dst + (4 + q) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + q) * ldd, _mm512_shuffle_f32x4(u1, u3, 0x88));
+    _mm512_storeu_ps(dst + (12 + q) * ldd, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+  }
+}
+#endif
+
+// Panel p of the weight [N, K] into dst [K, 64]: dst[k, c] = w[p * 64 + c, k], zeros past N; 16 x 16 blocks
+// transposed in registers, the columns past the last whole 16 one by one.
 void pack_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst) {
   const int64_t columns = std::min(kPanel, N - p * kPanel);
+  int64_t k0 = 0;
+#ifdef __AVX512F__
+  for (; k0 + kLane <= K; k0 += kLane)
+    for (int64_t c0 = 0; c0 < kPanel; c0 += kLane)
+      transpose16(w + (p * kPanel + c0) * K + k0, K, std::max<int64_t>(0, columns - c0), dst + k0 * kPanel + c0,
+                  kPanel);
+#endif
   for (int64_t c = 0; c < kPanel; ++c) {
     const float* row = w + (p * kPanel + c) * K;
-    for (int64_t k = 0; k < K; ++k) dst[k * kPanel + c] = c < columns ? row[k] : 0.f;
+    for (int64_t k = k0; k < K; ++k) dst[k * kPanel + c] = c < columns ? row[k] : 0.f;
   }
 }
 
