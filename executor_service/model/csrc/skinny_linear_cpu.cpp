@@ -215,7 +215,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
   TORCH_CHECK(weight.size(1) == K, "x has ", K, " features, the weight ", weight.size(1));
   TORCH_CHECK(K > 0 && K % kLane == 0 && N % kCols == 0, "skinny_linear needs in_features a multiple of ", kLane,
               " and out_features a multiple of ", kCols, ", got ", K, " and ", N);
-  const float* b = checked_bias(bias, N);
+  [[maybe_unused]] const float* b = checked_bias(bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512F__
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
@@ -255,7 +255,7 @@ at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, in
   TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the panels ", panels.size(1));
   TORCH_CHECK(N > (panels.size(0) - 1) * kPanel && N <= panels.size(0) * kPanel, "out_features ", N,
               " does not match ", panels.size(0), " panels of ", kPanel);
-  const float* b = checked_bias(bias, N);
+  [[maybe_unused]] const float* b = checked_bias(bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512F__
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
@@ -268,7 +268,7 @@ at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, in
   return out;
 }
 
-at::Tensor skinny_panel_linear_meta(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+at::Tensor skinny_panel_linear_meta(const at::Tensor& x, const at::Tensor& /*panels*/, int64_t out_features,
                                     const std::optional<at::Tensor>&) {
   return at::empty({x.size(0), out_features}, x.options());
 }
