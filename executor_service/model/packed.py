@@ -12,10 +12,13 @@ call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). Two packed GEM
   Equal to F.linear up to rounding (~1e-6 relative).
 
 Skinny batches (MIN_ROWS to PackedWeight.skinny_rows rows) can take a third kernel instead
-(csrc/skinny_linear_cpu.cpp, AVX-512): it reads the weight in place and keeps the memory busy while it computes,
-where a decode step of a few sequences is bound by streaming the weights from memory. choose_skinny_rows measures
-up to how many rows it beats the packed GEMM over the model's own weights at load (0 where the weights stay in
-cache and it does not); equal to F.linear up to rounding.
+(csrc/skinny_linear_cpu.cpp, AVX-512): it keeps the memory busy while it computes, where a decode step of a few
+sequences is bound by streaming the weights from memory. pack() also lays the weight out in its panels (64 output
+columns each, one more copy of the weight), over which it runs 1.1 - 1.4x faster than over the weight in place, which
+it reads until the linears are packed. choose_skinny_rows times it
+and the packed GEMM, alternated, at 2 - 128 rows over the model's own weights at load and takes the one threshold
+best over all those row counts (skinny_threshold; 0 where the weights stay in cache and it does not win); equal to
+F.linear up to rounding.
 
 A single row keeps F.linear on both: packing does not speed it up, and a batch of one then computes exactly what
 transformers' one-sequence decode does. Where neither can be used, every layer keeps F.linear.
@@ -24,6 +27,7 @@ transformers' one-sequence decode does. Where neither can be used, every layer k
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +49,9 @@ Gemm = Literal["mkl", "onednn"]
 GEMMS: tuple[Gemm, ...] = ("mkl", "onednn")
 CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
-SKINNY_CALIBRATION_ROWS = (2, 4, 8, 16, 24, 32, 48, 64)
+SKINNY_CALIBRATION_ROWS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 SKINNY_MARGIN = 1.05
+SKINNY_ROUNDS = 3
 SKINNY_CALIBRATION_BYTES = 256 << 20
 PACK_THREADS = 4
 
@@ -58,6 +63,9 @@ class PackedWeight:
     """None until the weight is packed (a start that packs after ready): batches of more than skinny_rows rows
     take F.linear meanwhile."""
     skinny_rows: int = 0
+    skinny_panels: Tensor | None = None
+    """The weight in the skinny kernel's panels (pack_skinny_panels), which dense() takes up to skinny_rows rows;
+    None: the skinny kernel over the weight in place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +106,15 @@ def available(gemm: Gemm) -> bool:
 
 
 def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
+    """The weight packed for `gemm` and, where the skinny kernel can take it, in the skinny kernel's panels."""
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight) if can_skinny(weight) and skinny_available() \
+        else None
     if gemm == "onednn":
         if weight.dtype != torch.float32:
             raise RuntimeError(f"packed weights must be float32, got {weight.dtype}")
-        return PackedWeight(gemm, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
-    return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight))
+        return PackedWeight(gemm, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None),
+                            skinny_panels=panels)
+    return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight), skinny_panels=panels)
 
 
 class Packable(Protocol):
@@ -136,6 +148,7 @@ def packing_key(shapes: list[tuple[int, int]], skinny_shapes: list[tuple[int, in
         "threads": torch.get_num_threads(),
         "requested": requested,
         "skinny_rows": skinny_rows,
+        "skinny_calibration": [*SKINNY_CALIBRATION_ROWS, SKINNY_MARGIN, SKINNY_ROUNDS],
         "shapes": [list(s) for s in shapes],
         "skinny_shapes": [list(s) for s in skinny_shapes],
         "linears": count,
@@ -148,6 +161,8 @@ def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight |
     if packed is None or x.dim() != 2 or x.shape[0] < MIN_ROWS or x.stride(1) != 1:
         return linear(x, weight, bias)
     if x.shape[0] <= packed.skinny_rows and x.is_contiguous():
+        if packed.skinny_panels is not None:
+            return torch.ops.pagedserve_model.skinny_panel_linear(x, packed.skinny_panels, weight.shape[0], bias)
         return torch.ops.pagedserve_model.skinny_linear(x, weight, bias)
     if packed.panels is None:
         return linear(x, weight, bias)
@@ -192,9 +207,9 @@ def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3,
 
 def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], requested: int = -1) -> int:
     """Rows up to which dense() takes the skinny kernel for these weights (can_skinny) and their packs: `requested`
-    if >= 0, else the most of SKINNY_CALIBRATION_ROWS at which one pass over all of them (as a decode step reads
-    them: from memory when they outgrow the caches) beats the packed GEMM by SKINNY_MARGIN; 0 if it never does or
-    cannot run here."""
+    if >= 0, else skinny_threshold of one pass over all of them (as a decode step reads them: from memory when they
+    outgrow the caches) with each at every one of SKINNY_CALIBRATION_ROWS, the two timed in alternation; 0 if the
+    kernel cannot run here."""
     if requested < -1:
         raise ValueError(f"cpu_skinny_rows must be -1 (auto), 0 (off) or a row count, got {requested}")
     if not weights or not skinny_available():
@@ -203,11 +218,21 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
         return requested
     weights, packs = calibration_subset(weights, packs)
     gemm_packs = [replace(p, skinny_rows=0) for p in packs]
-    for m in sorted(SKINNY_CALIBRATION_ROWS, reverse=True):  # the most rows that win: from the top, stop at one
-        skinny, gemm = (pass_seconds(weights, gemm_packs, m, skinny) for skinny in (True, False))
-        if skinny * SKINNY_MARGIN < gemm:
-            return m
-    return 0
+    return skinny_threshold({m: pair_seconds(weights, gemm_packs, m) for m in SKINNY_CALIBRATION_ROWS})
+
+
+def skinny_threshold(seconds: dict[int, tuple[float, float]]) -> int:
+    """The row count t (0 or one of `seconds`' keys) whose rule "the skinny kernel up to t rows, the packed GEMM
+    above" is best over all of them: the least sum over the rows up to t of log(SKINNY_MARGIN * skinny / gemm), from
+    each row count's (skinny, gemm) seconds. One noisy win (or loss) among clear losses (wins) does not move t, as
+    taking the most rows that win would; a tie goes to the GEMM."""
+    best, best_score, score = 0, 0.0, 0.0
+    for rows in sorted(seconds):
+        skinny, gemm = seconds[rows]
+        score += math.log(SKINNY_MARGIN * skinny / gemm)
+        if score < best_score:
+            best, best_score = rows, score
+    return best
 
 
 def calibration_subset(weights: list[Tensor], packs: list[PackedWeight]
@@ -240,20 +265,29 @@ def largest_cache_bytes() -> int:
     return max(sizes)
 
 
-def pass_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, skinny: bool, rounds: int = 2) -> float:
-    """Best time of one pass over these linears at `rows` rows, with the skinny kernel or over `packs`."""
+def pair_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, rounds: int = SKINNY_ROUNDS
+                 ) -> tuple[float, float]:
+    """Best times of one pass over these linears at `rows` rows with the skinny kernel (over the packs' panels, as
+    dense() takes it) and with the packed GEMM, the two alternated round by round (the machine's swings reach both
+    alike)."""
     gen = torch.Generator().manual_seed(0)
     inputs = {i: torch.randn(rows, i, generator=gen) for i in {w.shape[1] for w in weights}}
 
-    def one_pass() -> None:
-        for w, p in zip(weights, packs, strict=True):
-            x = inputs[w.shape[1]]
-            if skinny:
-                torch.ops.pagedserve_model.skinny_linear(x, w, None)
-            else:
-                dense(x, w, None, p)
+    skinny_packs = [replace(p, skinny_rows=rows) for p in packs]
 
-    return best_seconds(one_pass, rounds)
+    def skinny_pass() -> None:
+        for w, p in zip(weights, skinny_packs, strict=True):
+            dense(inputs[w.shape[1]], w, None, p)
+
+    def gemm_pass() -> None:
+        for w, p in zip(weights, packs, strict=True):
+            dense(inputs[w.shape[1]], w, None, p)
+
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, run in enumerate((skinny_pass, gemm_pass)):
+            best[i] = min(best[i], best_seconds(run, 1))
+    return best[0], best[1]
 
 
 def best_seconds(run: Callable[[], None], rounds: int) -> float:

@@ -102,6 +102,76 @@ def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool
 
 
 @needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 20, 48])  # every remainder of 6-row tiles
+@pytest.mark.parametrize("out_features", [700, 64, 1024])  # a last panel cut short, one panel, whole panels
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_panels_equal_f_linear_up_to_rounding(rows: int, out_features: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, 304, generator=gen), torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, 304, generator=gen)
+    b = bias if with_bias else None
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    assert panels.shape == ((out_features + 63) // 64, 304, 64)
+    torch.testing.assert_close(torch.ops.pagedserve_model.skinny_panel_linear(x, panels, out_features, b),
+                               linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [2, 5, 13])
+def test_the_skinny_kernel_in_place_equals_it_over_panels_bit_for_bit(rows: int) -> None:
+    """A linear's results do not change when its packs (the panels) are swapped in after ready."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(200, 1536, generator=gen), torch.randn(200, generator=gen)
+    x = torch.randn(rows, 1536, generator=gen)
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    assert torch.equal(torch.ops.pagedserve_model.skinny_linear(x, weight, bias),
+                       torch.ops.pagedserve_model.skinny_panel_linear(x, panels, 200, bias))
+
+
+@needs_skinny
+@pytest.mark.parametrize("out_features, in_features", [(700, 304), (64, 16), (130, 7), (100, 33)])
+def test_skinny_panels_are_the_weight_transposed_in_64_column_panels(out_features: int, in_features: int) -> None:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features))
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    expected = torch.zeros(panels.shape)
+    for p in range(panels.shape[0]):
+        block = weight[p * 64:(p + 1) * 64]
+        expected[p, :, :block.shape[0]] = block.t()
+    assert torch.equal(panels, expected)
+
+
+@needs_skinny
+def test_skinny_panels_refuse_operands_that_do_not_match() -> None:
+    weight = torch.randn(100, 32)
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    run = torch.ops.pagedserve_model.skinny_panel_linear
+    with pytest.raises(RuntimeError, match="features"):
+        run(torch.randn(4, 48), panels, 100, None)
+    with pytest.raises(RuntimeError, match="out_features 129"):
+        run(torch.randn(4, 32), panels, 129, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        run(torch.randn(4, 32), panels, 100, torch.randn(99))
+    with pytest.raises(RuntimeError, match="x must be"):
+        run(torch.randn(4, 64)[:, ::2], panels, 100, None)
+    with pytest.raises(RuntimeError, match="panels must be"):
+        run(torch.randn(4, 32), weight, 100, None)
+
+
+@needs_skinny
+def test_dense_takes_the_skinny_panels_where_the_pack_has_them_and_the_weight_in_place_where_not() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(256, 128, generator=gen)
+    with_panels = replace(packed.pack(weight, "onednn"), skinny_rows=8)
+    assert with_panels.skinny_panels is not None
+    x = torch.randn(5, 128, generator=gen)
+    assert torch.equal(packed.dense(x, weight, None, with_panels),
+                       torch.ops.pagedserve_model.skinny_panel_linear(x, with_panels.skinny_panels, 256, None))
+    in_place = replace(with_panels, skinny_panels=None)
+    assert torch.equal(packed.dense(x, weight, None, in_place),
+                       torch.ops.pagedserve_model.skinny_linear(x, weight, None))
+
+
+@needs_skinny
 def test_dense_takes_the_skinny_kernel_up_to_its_rows_and_the_packed_gemm_above() -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(256, 128, generator=gen)
@@ -109,7 +179,7 @@ def test_dense_takes_the_skinny_kernel_up_to_its_rows_and_the_packed_gemm_above(
     for rows in (2, 8):
         x = torch.randn(rows, 128, generator=gen)
         assert torch.equal(packed.dense(x, weight, None, weights),
-                           torch.ops.pagedserve_model.skinny_linear(x, weight, None))
+                           torch.ops.pagedserve_model.skinny_panel_linear(x, weights.skinny_panels, 256, None))
     x = torch.randn(packed.BITWISE_ROWS, 128, generator=gen)
     assert torch.equal(packed.dense(x, weight, None, weights), linear(x, weight))
     one = x[:1]

@@ -235,19 +235,29 @@ def test_the_start_reports_its_phases(tmp_path: Path) -> None:
     assert all(seconds >= 0 for _, seconds in b.info.startup_phases)
 
 
-def test_skinny_rows_are_the_most_that_win_tried_from_the_top(monkeypatch: pytest.MonkeyPatch) -> None:
-    tried: list[int] = []
+def test_skinny_rows_are_the_threshold_best_over_every_row_count_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[int] = []
 
-    def seconds(weights: list[torch.Tensor], packs: list[packed.PackedWeight], rows: int, skinny: bool) -> float:
-        if skinny:
-            tried.append(rows)
-        return (0.5 if rows in (4, 16) else 2.0) if skinny else 1.0
+    def seconds(weights: list[torch.Tensor], packs: list[packed.PackedWeight], rows: int) -> tuple[float, float]:
+        timed.append(rows)
+        return (0.5 if rows <= 8 else 2.0), 1.0  # the kernel twice as fast up to 8 rows, half as fast above
 
-    monkeypatch.setattr(packed, "pass_seconds", seconds)
+    monkeypatch.setattr(packed, "pair_seconds", seconds)
     monkeypatch.setattr(packed, "skinny_available", lambda: True)
     weight = torch.zeros(8, 16)
-    assert packed.choose_skinny_rows([weight], [packed.PackedWeight("mkl", weight)]) == 16
-    assert tried == [64, 48, 32, 24, 16]
+    assert packed.choose_skinny_rows([weight], [packed.PackedWeight("mkl", weight)]) == 8
+    assert timed == list(packed.SKINNY_CALIBRATION_ROWS)
+
+
+def test_one_noisy_win_at_many_rows_does_not_move_the_skinny_threshold() -> None:
+    clear = {2: (0.5, 1.0), 4: (0.5, 1.0), 8: (0.6, 1.0), 16: (1.3, 1.0), 24: (1.3, 1.0), 32: (0.9, 1.0),
+             64: (1.5, 1.0)}
+    assert packed.skinny_threshold(clear) == 8
+    assert packed.skinny_threshold(clear | {16: (0.9, 1.0)}) == 16  # 16 and 32 win, 24 loses: up to 32 would cost more
+    assert packed.skinny_threshold(clear | {16: (0.9, 1.0), 24: (0.9, 1.0)}) == 32
+    assert packed.skinny_threshold({2: (1.2, 1.0), 4: (0.5, 1.0), 8: (2.0, 1.0)}) == 4  # a loss at 2 alone
+    assert packed.skinny_threshold({2: (1.0, 1.0), 4: (1.01, 1.0)}) == 0  # within the margin: the GEMM
+    assert packed.skinny_threshold({}) == 0
 
 
 def test_the_skinny_calibration_times_the_first_weights_past_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,14 +2,22 @@
 //
 // A decode step of a few sequences reads every weight once and does little arithmetic per byte: it is bound by
 // memory bandwidth. MKL's sgemm does not keep the memory busy while it computes (8 layers + LM head of the 32M
-// benchmark model, weights cold: 4 rows 13.5 ms against 9.9 ms here, 16 rows 19.9 against 16.8). This kernel
-// reads the weight in place ([out, in], the layout F.linear takes, so no second copy): a tile is 4 weight rows
-// by up to 6 rows of x, 24 dot products kept in 24 AVX-512 registers along `in`, reduced 16 at a time at the end;
-// the x rows' tiles reuse the 4 weight rows from cache, and while they compute, the weight rows kPrefetchBlocks
-// tiles ahead are prefetched into L2 evenly over the tile's iterations. Equal to F.linear up to rounding (the
-// order of the sums differs). AVX-512 only (has_skinny() says whether it was built so); in_features a multiple
-// of 16 and out_features a multiple of 4.
-// Registered as torch.ops.pagedserve_model.{skinny_linear,has_skinny}; built by executor_service/model/cpu_ops.py.
+// benchmark model, weights cold: 4 rows 13.5 ms against 9.9 ms here, 16 rows 19.9 against 16.8).
+//
+// The weight is read in panels of 64 output columns, each [in, 64] (pack_skinny_panels lays them out once; a
+// linear keeps them beside its GEMM's pack): a tile is up to 6 rows of x by the panel's 64 columns, 24 registers of
+// outer products (one x value broadcast times 4 x 16 weights per step along `in`), stored with no horizontal sums;
+// the x rows' tiles reuse the panel from L2 while the next panel is prefetched into L2, evenly over the tile's
+// iterations. On an AMD Zen 4 (2 cores) that is 1.1 - 1.4x the former kernel (4 weight rows x 6 x rows of dot
+// products along `in` over the weight in place, reduced at the end) at 2 - 64 rows, and 1.1 - 1.4x oneDNN's packed
+// GEMM up to 64 rows (BENCHMARKS.md section 17, eighth session).
+// skinny_panel_linear reads the panels; skinny_linear reads the weight [out, in] in place (until a linear's packs
+// are made), packing each panel into a scratch panel first, so both sum in the same order: equal bit for bit.
+// Equal to F.linear up to rounding (the sums run along `in` in order, one fused multiply-add each). AVX-512 only
+// (has_skinny() says whether it was built so); skinny_linear needs in_features a multiple of 16 and out_features a
+// multiple of 4 (as it always has: model/packed.py's can_skinny).
+// Registered as torch.ops.pagedserve_model.{skinny_linear,pack_skinny_panels,skinny_panel_linear,has_skinny};
+// built by executor_service/model/cpu_ops.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,21 +25,72 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cpu_simd.h"
 #include "parallel_probe.h"
 
 namespace {
 
-constexpr int64_t kCols = 4;  // weight rows (outputs) per tile
-constexpr int64_t kRows = 6;  // x rows per tile (6 x 4 beats 4 x 4 by 5 - 10% at 12 - 32 rows)
+constexpr int64_t kCols = 4;  // skinny_linear's weight: out_features a multiple of this
+constexpr int64_t kRows = 6;  // x rows per tile
 constexpr int64_t kLane = 16;
+constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16
 
 #ifdef __AVX512F__
-constexpr int64_t kPrefetchBlocks = 2;
+// dst[j * ldd + i] = src[i * lds + j] for i, j < 16, rows i >= rows taken as zeros: four rounds of shuffles.
+ALWAYS_INLINE void transpose16(const float* src, int64_t lds, int64_t rows, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int64_t i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < 8; ++i) {  // per 128-bit lane L: (a[4L], b[4L], a[4L+1], b[4L+1]) and the next two
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  const auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int64_t g = 0; g < 4; ++g) {  // r[4g + q], lane L: rows 4g .. 4g + 3 of column 4L + q
+    r[4 * g] = lo(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = hi(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = lo(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = hi(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int64_t q = 0; q < 4; ++q) {
+    const __m512 u0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x44), u1 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xEE),
+                 u2 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x44),
+                 u3 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xEE);
+    _mm512_storeu_ps(dst + q * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));
+    _mm512_storeu_ps(dst + (4 + q) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + q) * ldd, _mm512_shuffle_f32x4(u1, u3, 0x88));
+    _mm512_storeu_ps(dst + (12 + q) * ldd, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+  }
+}
+#endif
 
+// Panel p of the weight [N, K] into dst [K, 64]: dst[k, c] = w[p * 64 + c, k], zeros past N; 16 x 16 blocks
+// transposed in registers, the columns past the last whole 16 one by one.
+void pack_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst) {
+  const int64_t columns = std::min(kPanel, N - p * kPanel);
+  int64_t k0 = 0;
+#ifdef __AVX512F__
+  for (; k0 + kLane <= K; k0 += kLane)
+    for (int64_t c0 = 0; c0 < kPanel; c0 += kLane)
+      transpose16(w + (p * kPanel + c0) * K + k0, K, std::max<int64_t>(0, columns - c0), dst + k0 * kPanel + c0,
+                  kPanel);
+#endif
+  for (int64_t c = 0; c < kPanel; ++c) {
+    const float* row = w + (p * kPanel + c) * K;
+    for (int64_t k = k0; k < K; ++k) dst[k * kPanel + c] = c < columns ? row[k] : 0.f;
+  }
+}
+
+#ifdef __AVX512F__
 using pagedserve::sum_lanes16;
 
 // Cache lines still to prefetch, handed out a few per iteration.
@@ -46,48 +105,82 @@ struct Prefetcher {
   }
 };
 
-// out[r, c] = x[r] . w[c] (+ bias[c]) for r < R, c < kCols.
-template <int64_t R>
-ALWAYS_INLINE void tile(const float* x, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
-                        Prefetcher& prefetch) {
-  constexpr int64_t kAccs = (R * kCols + kLane - 1) / kLane * kLane;  // whole groups of 16 for sum_lanes16
-  __m512 acc[kAccs];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLane) {
-    prefetch.step();
-    __m512 wv[kCols];
-    for (int64_t c = 0; c < kCols; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int64_t c = 0; c < kCols; ++c) acc[r * kCols + c] = _mm512_fmadd_ps(xv, wv[c], acc[r * kCols + c]);
-    }
-  }
-  alignas(64) float sums[kAccs];
-  for (int64_t g = 0; g < kAccs; g += kLane) _mm512_store_ps(sums + g, sum_lanes16(acc + g));
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kCols; ++c) out[r * ldo + c] = bias ? sums[r * kCols + c] + bias[c] : sums[r * kCols + c];
+// The columns of a panel's vector c that exist (the last panel may be cut short by out_features).
+ALWAYS_INLINE __mmask16 vector_mask(int64_t columns, int64_t c) {
+  const int64_t n = columns - c * kLane;
+  return n >= kLane ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
-// Output columns [block0 * kCols, block1 * kCols) of out [M, N] = x [M, K] @ w [N, K]^T (+ bias).
-void column_blocks(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
-                   int64_t block0, int64_t block1) {
-  const int64_t lines = kCols * K / kLane, iterations = (M + kRows - 1) / kRows * (K / kLane);
-  for (int64_t b = block0; b < block1; ++b) {
-    const float* wb = w + b * kCols * K;
-    Prefetcher prefetch{wb + kPrefetchBlocks * kCols * K, b + kPrefetchBlocks < block1 ? lines : 0,
-                        (lines + iterations - 1) / iterations};
-    const float* bb = bias ? bias + b * kCols : nullptr;
-    float* ob = out + b * kCols;
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows) tile<kRows>(x + m * K, wb, K, bb, ob + m * N, N, prefetch);
-    switch (M - m) {
-      case 5: tile<5>(x + m * K, wb, K, bb, ob + m * N, N, prefetch); break;
-      case 4: tile<4>(x + m * K, wb, K, bb, ob + m * N, N, prefetch); break;
-      case 3: tile<3>(x + m * K, wb, K, bb, ob + m * N, N, prefetch); break;
-      case 2: tile<2>(x + m * K, wb, K, bb, ob + m * N, N, prefetch); break;
-      case 1: tile<1>(x + m * K, wb, K, bb, ob + m * N, N, prefetch); break;
-      default: break;
+// out[r, :columns] = x[r] @ panel (+ bias) for r < R; the panel is [K, 64].
+template <int64_t R>
+ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, const float* bias, int64_t columns,
+                              float* out, int64_t ldo, Prefetcher& prefetch) {
+  __m512 acc[R][4];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    prefetch.step();
+    const float* wk = panel + k * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
+                 w3 = _mm512_loadu_ps(wk + 48);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
     }
+  }
+  for (int64_t c = 0; c < 4; ++c) {
+    const __mmask16 mask = vector_mask(columns, c);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c * kLane) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + c * kLane, mask, _mm512_add_ps(acc[r][c], b));
+  }
+}
+
+// Panel p's columns of out [M, N] = x [M, K] @ weight^T (+ bias), from the panel [K, 64].
+void panel_rows(const float* x, const float* panel, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                int64_t p, Prefetcher& prefetch) {
+  const int64_t columns = std::min(kPanel, N - p * kPanel);
+  const float* pb = bias ? bias + p * kPanel : nullptr;
+  float* po = out + p * kPanel;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) panel_tile<kRows>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch);
+  switch (M - m) {
+    case 5: panel_tile<5>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
+    case 4: panel_tile<4>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
+    case 3: panel_tile<3>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
+    case 2: panel_tile<2>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
+    case 1: panel_tile<1>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
+    default: break;
+  }
+}
+
+// The next panel's weight, prefetched into L2 over the current panel's iterations (none after the last).
+Prefetcher next_panel(const float* next, int64_t next_floats, int64_t M, int64_t K) {
+  const int64_t lines = next_floats / kLane, iterations = (M + kRows - 1) / kRows * K;
+  return Prefetcher{next, lines, (lines + iterations - 1) / iterations};
+}
+
+// Panels [panel0, panel1) of out [M, N] = x [M, K] @ weight^T (+ bias), the weight as pack_skinny_panels made it.
+void packed_range(const float* x, const float* panels, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                  int64_t panel0, int64_t panel1) {
+  for (int64_t p = panel0; p < panel1; ++p) {
+    Prefetcher prefetch = next_panel(panels + (p + 1) * K * kPanel, p + 1 < panel1 ? K * kPanel : 0, M, K);
+    panel_rows(x, panels + p * K * kPanel, bias, out, M, N, K, p, prefetch);
+  }
+}
+
+// The same over the weight [N, K] in place: each panel packed into a scratch panel first, so the sums are the
+// packed path's, bit for bit (a linear's results do not change when its packs are swapped in).
+void in_place_range(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                    int64_t panel0, int64_t panel1) {
+  std::vector<float> scratch(K * kPanel);
+  for (int64_t p = panel0; p < panel1; ++p) {
+    const int64_t next_rows = p + 1 < panel1 ? std::min(kPanel, N - (p + 1) * kPanel) : 0;
+    Prefetcher prefetch = next_panel(w + (p + 1) * kPanel * K, next_rows * K, M, K);
+    pack_panel(w, N, K, p, scratch.data());
+    panel_rows(x, scratch.data(), bias, out, M, N, K, p, prefetch);
   }
 }
 #endif  // __AVX512F__
@@ -100,41 +193,100 @@ bool has_skinny() {
 #endif
 }
 
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+}
+
+const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+              "bias must be a contiguous float32 [out]");
+  return bias->data_ptr<float>();
+}
+
 // y [rows, out] = x [rows, in] @ weight^T (+ bias).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_skinny(), "skinny_linear needs a build with AVX-512");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   weight.is_contiguous(), "weight must be a contiguous 2-D float32 CPU tensor");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous 2-D float32 CPU tensor");
+  check_x(x);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "x has ", K, " features, the weight ", weight.size(1));
   TORCH_CHECK(K > 0 && K % kLane == 0 && N % kCols == 0, "skinny_linear needs in_features a multiple of ", kLane,
               " and out_features a multiple of ", kCols, ", got ", K, " and ", N);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
-                    bias->is_contiguous(), "bias must be a contiguous float32 [out]");
-    b = bias->data_ptr<float>();
-  }
+  [[maybe_unused]] const float* b = checked_bias(bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512F__
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (M > 0)
-    at::parallel_for(0, N / kCols, 16, [&](int64_t block0, int64_t block1) {
-      column_blocks(xp, wp, b, op, M, N, K, block0, block1);
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
+      in_place_range(xp, wp, b, op, M, N, K, p0, p1);
     });
 #endif
   return out;
+}
+
+
+// The weight [out, in] as panels [ceil(out / 64), in, 64]: panel p's row k holds weight[p * 64 + c, k] for c < 64
+// (zeros past out).
+at::Tensor pack_skinny_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
+                  weight.is_contiguous(), "weight must be a contiguous 2-D float32 CPU tensor");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  at::Tensor panels = at::empty({P, K, kPanel}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  float* d = panels.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) pack_panel(w, N, K, p, d + p * K * kPanel);
+  });
+  return panels;
+}
+
+// y [rows, out_features] = x [rows, in] @ weight^T (+ bias), with panels = pack_skinny_panels(weight).
+at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_skinny(), "skinny_panel_linear needs a build with AVX-512");
+  check_x(x);
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
+                  panels.size(2) == kPanel && panels.is_contiguous(), "panels must be pack_skinny_panels' [P, in, 64]");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the panels ", panels.size(1));
+  TORCH_CHECK(N > (panels.size(0) - 1) * kPanel && N <= panels.size(0) * kPanel, "out_features ", N,
+              " does not match ", panels.size(0), " panels of ", kPanel);
+  [[maybe_unused]] const float* b = checked_bias(bias, N);
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef __AVX512F__
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (M > 0 && K > 0)
+    at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) { packed_range(xp, wp, b, op, M, N, K, p0, p1); });
+  else if (M > 0)
+    b ? out.copy_(bias->unsqueeze(0).expand({M, N})) : out.zero_();
+#endif
+  return out;
+}
+
+at::Tensor skinny_panel_linear_meta(const at::Tensor& x, const at::Tensor& /*panels*/, int64_t out_features,
+                                    const std::optional<at::Tensor>&) {
+  return at::empty({x.size(0), out_features}, x.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("pack_skinny_panels(Tensor weight) -> Tensor");
+  m.def("skinny_panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("has_skinny() -> bool", has_skinny);
   m.def("threads_used(int items) -> int", pagedserve::threads_used);
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) { m.impl("skinny_linear", skinny_linear); }
+TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) {
+  m.impl("skinny_linear", skinny_linear);
+  m.impl("pack_skinny_panels", pack_skinny_panels);
+  m.impl("skinny_panel_linear", skinny_panel_linear);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_model, Meta, m) { m.impl("skinny_panel_linear", skinny_panel_linear_meta); }
