@@ -89,6 +89,13 @@ class Batch:
     """The most top alternatives an item asks for its prompt positions."""
     prompt_result: PromptRowLogprobs | None = None
     """Set by run_batch: the prompt rows' logprobs (their logits are never returned whole)."""
+    every_row: bool = False
+    """output_rows is every row in order (a decode step that samples each item): the forward pass keeps them all
+    without gathering them."""
+
+    def rows_to_keep(self) -> Tensor | None:
+        """output_rows for the model's forward; None where they are every row."""
+        return None if self.every_row else self.output_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -304,6 +311,7 @@ class TorchBackend:
         batch = self.prepare(expand_drafts(items))
         rows = verify_rows(items, batch.sample_items)
         batch.output_rows = row_index(rows + batch.prompt_rows, self.device)
+        batch.every_row = False
         with torch.inference_mode():
             logits = self.run_batch(batch)
             if batch.prompt_result is not None:
@@ -326,6 +334,7 @@ class TorchBackend:
             if batch.prompt_rows:
                 extra = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
                 batch.output_rows = torch.cat([batch.output_rows, extra])
+                batch.every_row = False
                 batch.prompt_targets = prompt_targets(items)
                 batch.prompt_k = prompt_top_k(items, self.info.vocab_size)
         return batch
@@ -368,7 +377,7 @@ class TorchBackend:
             hidden = self.compiled.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return hidden.index_select(0, batch.output_rows)
-        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.output_rows)
+        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, batch.rows_to_keep())
 
 
 def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, backend: TorchBackend,
@@ -643,7 +652,7 @@ def build_decode_batch(items: list[BatchItem], info: BackendInfo, device: torch.
     ints = to_device(np.array([*(s + 1 for s in starts), *range(n + 1), *flat], dtype=np.int32), device)
     meta = AttentionMetadata(slot_mapping=longs[2 * n:3 * n], block_tables=ints[2 * n + 1:].view(n, width),
                              seq_lens=ints[:n], query_start_loc=ints[n:2 * n + 1])
-    return Batch(longs[:n], longs[n:2 * n], meta, longs[3 * n:], sample_items, True)
+    return Batch(longs[:n], longs[n:2 * n], meta, longs[3 * n:], sample_items, True, every_row=len(sample_items) == n)
 
 
 def to_device(values: np.ndarray, device: torch.device) -> Tensor:
