@@ -55,11 +55,10 @@ void check_weight(const at::Tensor& weight) {
                   weight.is_contiguous(), "weight must be a contiguous float32 CPU vector");
 }
 
-// Rows per parallel chunk: at least 16 rows and kChunkElems elements. Inside a step the team threads are spinning
-// from the projection's parallel region before (the executor's OpenMP wait policy), so a chunk needs only outweigh
-// the fork and join (a few us): a decode step of 32 rows or more splits over two threads, whose rows (just written
-// by the projection, half of them in the other core's cache) each thread reads at its own core's pace (#29).
-constexpr int64_t kChunkElems = 1 << 13;
+// Rows per parallel chunk: at least kChunkElems elements, so that a chunk's work (~10 ns per 16 elements) outweighs
+// waking a team thread for it (25 - 75 us with sleeping OpenMP threads, #29); a decode step's few rows stay on one
+// thread and skip the parallel region altogether.
+constexpr int64_t kChunkElems = 1 << 16;
 int64_t chunk_rows(int64_t row_elems) {
   return std::max<int64_t>(16, kChunkElems / std::max<int64_t>(1, row_elems));
 }

@@ -4,7 +4,6 @@
 // before the sum: built with -ffp-contract=off), so the result is bit-identical to model/llama.py's apply_rope.
 // Registered as torch.ops.pagedserve_model.rope_write_kv; built by executor_service/model/cpu_ops.py.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -22,11 +21,6 @@ inline void rotate(const float* __restrict x, const float* __restrict c, const f
     out[i + half] = x[i + half] * c[i] + x[i] * s[i];
   }
 }
-
-// Tokens per parallel chunk: a token's rotations and copies take ~0.2 - 1 us (its qkv row just written by the
-// projection, often in the other core's cache), so a decode step of 32 rows or more splits over two threads, which
-// are spinning from the projection's parallel region (#29); fewer rows stay on the calling thread.
-constexpr int64_t kChunkTokens = 16;
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
@@ -63,20 +57,17 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   float* q = query.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  const int64_t kv_row = num_kv_heads * D, ld = qkv.stride(0);
-  const float* in = qkv.data_ptr<float>();
-  at::parallel_for(0, tokens, kChunkTokens, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* x = in + t * ld;
-      const float* ct = c + t * half;
-      const float* st = s + t * half;
-      for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * D, ct, st, q + (t * num_heads + h) * D, half);
-      if (slot[t] < 0) continue;
-      const float* k = x + num_heads * D;
-      for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * D, ct, st, kc + slot[t] * kv_row + h * D, half);
-      std::memcpy(vc + slot[t] * kv_row, k + kv_row, kv_row * sizeof(float));
-    }
-  });
+  const int64_t kv_row = num_kv_heads * D;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* x = qkv.data_ptr<float>() + t * qkv.stride(0);
+    const float* ct = c + t * half;
+    const float* st = s + t * half;
+    for (int64_t h = 0; h < num_heads; ++h) rotate(x + h * D, ct, st, q + (t * num_heads + h) * D, half);
+    if (slot[t] < 0) continue;
+    const float* k = x + num_heads * D;
+    for (int64_t h = 0; h < num_kv_heads; ++h) rotate(k + h * D, ct, st, kc + slot[t] * kv_row + h * D, half);
+    std::memcpy(vc + slot[t] * kv_row, k + kv_row, kv_row * sizeof(float));
+  }
   return query;
 }
 
