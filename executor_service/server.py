@@ -209,7 +209,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.total_ns = time.perf_counter_ns() - t0
         if self.step_log is not None:
             passes = max(map(len, outputs.values()), default=1)
-            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings))
+            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings, t0))
         return result
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
@@ -315,15 +315,16 @@ def append_line(log_file: TextIO, line: str) -> TextIO | None:
     return log_file
 
 
-def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings) -> str:
+def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings, start_ns: int = 0) -> str:
     """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
-    context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
+    context = the keys its sequences hold), the passes it ran (multi-step), its timings and when it started
+    (start_ns, the process's perf_counter_ns: the gaps between steps are the executor's idle time, #29)."""
     return json.dumps({
         "seqs": len(items), "tokens": sum(i.num_tokens + len(i.draft_token_ids) for i in items),
         "drafts": sum(len(i.draft_token_ids) for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
-        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})
+        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns, "start_ns": start_ns})
 
 
 def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:

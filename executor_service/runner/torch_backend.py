@@ -54,7 +54,7 @@ from executor_service.runner.prompt_logprobs import (
     prompt_targets,
     prompt_top_k,
 )
-from executor_service.runner.sampler import Sampler, SampleRequest
+from executor_service.runner.sampler import Sampler, SampleRequest, plain_greedy
 from executor_service.runner.speculative import accept_runs, expand_drafts, row_index, verify_requests, verify_rows
 from executor_service.startup import MeasureCache, Phases, default_cache_dir
 from executor_service.token_masks import resolve_masks
@@ -361,7 +361,10 @@ class TorchBackend:
             return results
         resolve_masks(items)  # masks that follow the step: the forward pass ran while they came
         with inference_mode():
-            samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
+            if all(plain_greedy(items[i].sampling) and items[i].token_mask is None for i in batch.sample_items):
+                samples = self.sampler.greedy(logits)
+            else:
+                samples = self.sampler.sample(logits, [sample_request(items[i]) for i in batch.sample_items])
         for i, sample in zip(batch.sample_items, samples, strict=True):
             results[i] = sample
         return results

@@ -166,6 +166,9 @@ async def test_the_step_log_has_one_line_per_step_with_its_work_and_timings() ->
     assert {k: decode[k] for k in ("seqs", "tokens", "sampled", "attended", "context")} == {
         "seqs": 2, "tokens": 2, "sampled": 2, "attended": 6 + 5, "context": 11}
     assert 0 < decode["forward_ns"] <= decode["total_ns"]
+    # each step's start on one clock: the gap after a step (its start + total_ns to the next start) is idle time
+    assert prefill["start_ns"] + prefill["total_ns"] <= decode["start_ns"]
+    assert decode["start_ns"] + decode["total_ns"] <= multi["start_ns"]
 
 
 async def test_a_step_log_that_cannot_be_written_turns_off_and_the_step_is_served() -> None:

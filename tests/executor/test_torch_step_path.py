@@ -17,6 +17,7 @@ import torch
 from executor_service.backend import BackendInfo, BatchItem, SampleOutput, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
+from executor_service.runner.sampler import SampleRequest
 from executor_service.runner.torch_backend import (
     INLINE_STEP_S,
     Batch,
@@ -183,3 +184,63 @@ def test_with_two_forward_threads_every_pass_runs_on_the_forward_thread(tmp_path
     finally:
         torch.set_num_threads(before)
     assert threads == ["forward_0"] * 4
+
+
+def decode_step(items: list[BatchItem], **sampling: Any) -> list[BatchItem]:
+    """The items as a step of one token each (the last one), sampled with `sampling`."""
+    config = SamplingConfig(temperature=0.0, **sampling)
+    return [replace(i, start=len(i.token_ids) - 1, num_tokens=1, sample=True, sampling=config) for i in items]
+
+
+def test_a_decode_step_that_samples_every_row_keeps_them_without_gathering(tmp_path: Path) -> None:
+    """Every row sampled: the forward pass is told to keep all rows (None), and its tokens equal those of the same
+    step where one more row is computed but not sampled (the gathered path); logits equal row for row (#29)."""
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(64) for _ in range(6)] for _ in range(3)]
+    items = [BatchItem(str(i), p, 6, 0, 6, [2 * i, 2 * i + 1], False, SamplingConfig()) for i, p in enumerate(prompts)]
+    backend.execute(items)
+    step = decode_step(items)
+    every = backend.prepare(step)
+    some = backend.prepare([*step[:2], replace(step[2], sample=False)])
+    assert every.every_row and every.rows_to_keep() is None
+    assert not some.every_row and some.rows_to_keep() is not None
+    with torch.inference_mode():
+        all_logits, two_logits = backend.run_batch(every), backend.run_batch(some)
+    assert all_logits is not None and two_logits is not None
+    assert torch.equal(all_logits[:2], two_logits)
+
+
+@pytest.mark.parametrize("sampling", [{"logprobs": 2}, {"min_tokens": 5}, {"logit_bias": ((7, 100.0),)},
+                                      {"repetition_penalty": 2.0}])
+def test_greedy_rows_that_ask_for_more_than_the_argmax_leave_the_greedy_shortcut(tmp_path: Path,
+                                                                               sampling: dict[str, Any]) -> None:
+    """The plain greedy shortcut (argmax only) is taken only where every row is plain: a row with logprobs gets
+    them, min_tokens masks EOS, a logit_bias and a penalty move the argmax, as the sampler's full path does."""
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(64) for _ in range(6)] for _ in range(2)]
+    items = [BatchItem(str(i), p, 6, 0, 6, [2 * i, 2 * i + 1], False, SamplingConfig()) for i, p in enumerate(prompts)]
+    backend.execute(items)
+    plain = decode_step(items)
+    batch = backend.prepare(plain)
+    with torch.inference_mode():
+        logits = backend.run_batch(batch)
+    assert logits is not None
+    argmax = logits.argmax(dim=-1).tolist()
+    if "min_tokens" in sampling:  # EOS is the argmax: masked below min_tokens
+        backend.sampler.eos_token_ids = (argmax[1],)
+    if "repetition_penalty" in sampling:  # every token seen: the penalty moves the argmax where logits are mixed
+        plain = [replace(i, token_ids=[*range(64), i.token_ids[-1]], num_prompt_tokens=65, start=64) for i in plain]
+    asked = [plain[0], replace(plain[1], sampling=SamplingConfig(temperature=0.0, **sampling))]
+    expected = backend.sampler.sample(logits, [SampleRequest(i.sampling, i.token_ids, i.num_prompt_tokens,
+                                                             len(i.token_ids)) for i in asked])
+    got = backend.sample(asked, batch, logits)
+    assert [s.token_id for s in got if s] == [s.token_id for s in expected]
+    assert got[0] is not None and got[0].token_id == argmax[0]
+    if "logprobs" in sampling:
+        assert got[1] is not None and got[1].logprob is not None and len(got[1].top_logprobs) == 2
+    if "min_tokens" in sampling or "logit_bias" in sampling:
+        assert (got[1] is not None and got[1].token_id != argmax[1]) or argmax[1] == 7
