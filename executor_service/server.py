@@ -56,6 +56,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
         self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
+        self._resumed_ns = 0
+        """When the Execute stream took back control after handing gRPC the last result (perf_counter_ns; 0: no
+        result yet): the step log splits the gap before the next step into writing that result and waiting for
+        the next message."""
         if backend is not None:
             self.attach(backend)
 
@@ -143,7 +147,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                             log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
                             await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
                 yield result
+                self._resumed_ns = time.perf_counter_ns()
         finally:
+            self._resumed_ns = 0
             self._owner = None
             self._next_message = None
             self._released.set()
@@ -209,7 +215,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.total_ns = time.perf_counter_ns() - t0
         if self.step_log is not None:
             passes = max(map(len, outputs.values()), default=1)
-            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings, t0))
+            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings, t0,
+                                                                   self._resumed_ns))
         return result
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
@@ -315,16 +322,20 @@ def append_line(log_file: TextIO, line: str) -> TextIO | None:
     return log_file
 
 
-def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings, start_ns: int = 0) -> str:
+def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings, start_ns: int = 0,
+                resumed_ns: int = 0) -> str:
     """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
-    context = the keys its sequences hold), the passes it ran (multi-step), its timings and when it started
-    (start_ns, the process's perf_counter_ns: the gaps between steps are the executor's idle time, #29)."""
+    context = the keys its sequences hold), the passes it ran (multi-step), its timings, when it started and
+    when the stream got control back after the step before it was answered (start_ns, resumed_ns: the process's
+    perf_counter_ns; the gap between two steps is the executor's idle time, #29: resumed_ns - the last step's end
+    writes its result, start_ns - resumed_ns waits for and reads this step's message)."""
     return json.dumps({
         "seqs": len(items), "tokens": sum(i.num_tokens + len(i.draft_token_ids) for i in items),
         "drafts": sum(len(i.draft_token_ids) for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
-        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns, "start_ns": start_ns})
+        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns, "start_ns": start_ns,
+        "resumed_ns": resumed_ns})
 
 
 def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:
