@@ -118,9 +118,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                       context: grpc.aio.ServicerContext) -> None:
         """One scheduler at a time: a second stream is refused with FAILED_PRECONDITION while the first is
         open. A scheduler that dies or hangs loses its stream (closed connection, or keepalive pings
-        unanswered), and then the next one is accepted. While a step runs its result before it is written (one
-        write in flight, in order) and the next message read (read_ahead.py): the ~0.6 ms a step that gRPC's send
-        and receive took between steps is off the executor's critical path (#29)."""
+        unanswered), and then the next one is accepted. While a step runs, the result of the step before it is
+        written (one write in flight, in order) and the next message is read (read_ahead.py): the ~0.6 ms a step
+        that gRPC's send and receive took between steps is off the executor's critical path (#29)."""
         peer = context.peer()
         if self._owner is not None and not await self._wait_for_release():
             log.warning("refused an Execute stream from %s: stream %d from %s is still open", peer,
