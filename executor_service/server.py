@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from executor_service.activity import StepActivity
 from executor_service.auth import SecretInterceptor
 from executor_service.backend import Backend, BackendLost, BatchItem, SampleOutput, attended_keys
+from executor_service.read_ahead import ReadAhead
 from executor_service.state import RequestState, RequestTable
 from executor_service.token_masks import DeferredMasks, follow_masks, step_masks
 from executor_service.validator import RequestRefused, StepLimits, StepRefused, StepValidator, check_span
@@ -56,6 +57,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._owner: str | None = None  # the peer whose Execute stream is open
         self._released = asyncio.Event()
         self._next_message: Callable[[], Awaitable[executor_pb2.StepRequest]] | None = None
+        self._resumed_ns = 0
+        """When the Execute stream took back control after handing gRPC the last result (perf_counter_ns; 0: no
+        result yet): the step log splits the gap before the next step into writing that result and waiting for
+        the next message."""
         if backend is not None:
             self.attach(backend)
 
@@ -110,10 +115,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 prompt_logprobs=info.prompt_logprobs))
 
     async def Execute(self, request_iterator: AsyncIterator[executor_pb2.StepRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[executor_pb2.StepResult]:
+                      context: grpc.aio.ServicerContext) -> None:
         """One scheduler at a time: a second stream is refused with FAILED_PRECONDITION while the first is
         open. A scheduler that dies or hangs loses its stream (closed connection, or keepalive pings
-        unanswered), and then the next one is accepted."""
+        unanswered), and then the next one is accepted. While a step runs, the result of the step before it is
+        written (one write in flight, in order) and the next message is read (read_ahead.py): the ~0.6 ms a step
+        that gRPC's send and receive took between steps is off the executor's critical path (#29)."""
         peer = context.peer()
         if self._owner is not None and not await self._wait_for_release():
             log.warning("refused an Execute stream from %s: stream %d from %s is still open", peer,
@@ -124,30 +131,49 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                                 "keepalive pings")
         self._owner = peer
         self._released.clear()
+        writing: asyncio.Future[None] = done_writing()
+        reader: ReadAhead[executor_pb2.StepRequest] | None = None
         try:
             async with self._step_lock:
                 self._stream_epoch += 1
                 self.table.reset()
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
-            messages = request_iterator.__aiter__()
-            self._next_message = messages.__anext__  # the masks of a token_bitmasks_follow step
-            async for step in messages:
-                if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
-                    log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
-                with self.activity.step():
-                    async with self._step_lock:
-                        try:
-                            result = await self.run_step(step)
-                        except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
-                            log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
-                            await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
-                yield result
+            reader = ReadAhead(request_iterator.__aiter__())
+            self._next_message = reader.next  # the masks of a token_bitmasks_follow step
+            while (step := await next_step(reader)) is not None:
+                reader.ahead()  # the next message is read while this step runs
+                result = await self._answer(step, context, writing)
+                await writing  # the last result is out before this one is written (order; one write at a time)
+                writing = asyncio.ensure_future(context.write(result))
+                self._resumed_ns = time.perf_counter_ns()
+            await writing
         finally:
+            if reader is not None:
+                reader.close()
+            writing.cancel()  # a write still in flight when the stream ends: the stream is gone with it
             self._owner = None
             self._next_message = None
+            self._resumed_ns = 0
             self._released.set()
             log.info("scheduler %s disconnected (stream %d)", peer, self._stream_epoch)
+
+    async def _answer(self, step: executor_pb2.StepRequest, context: grpc.aio.ServicerContext,
+                      writing: asyncio.Future[None]) -> executor_pb2.StepResult:
+        """Run one step of the stream; a stopping executor or a lost backend ends the stream UNAVAILABLE instead,
+        after the last result written."""
+        if self.stopping.is_set():  # the scheduler recomputes the requests (elsewhere, in a pool)
+            log.info("step %d: shutting down; ending the stream unanswered", step.step_id)
+            await writing
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
+        with self.activity.step():
+            async with self._step_lock:
+                try:
+                    return await self.run_step(step)
+                except BackendLost as e:  # fail-stop: the process is going down; the scheduler recomputes
+                    log.error("step %d: backend lost (%s); ending the stream unanswered", step.step_id, e)
+                    await writing
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"executor lost its backend: {e}")
+                    raise  # (abort raises)
 
     async def _wait_for_release(self) -> bool:
         try:
@@ -209,7 +235,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         result.timings.total_ns = time.perf_counter_ns() - t0
         if self.step_log is not None:
             passes = max(map(len, outputs.values()), default=1)
-            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings))
+            self.step_log = append_line(self.step_log, step_record(items, passes, result.timings, t0,
+                                                                   self._resumed_ns))
         return result
 
     async def _run_passes(self, items: list[BatchItem], num_steps: int) -> dict[str, list[SampleOutput]]:
@@ -315,15 +342,35 @@ def append_line(log_file: TextIO, line: str) -> TextIO | None:
     return log_file
 
 
-def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings) -> str:
+async def next_step(reader: ReadAhead[executor_pb2.StepRequest]) -> executor_pb2.StepRequest | None:
+    """The stream's next step; None at its end."""
+    try:
+        return await reader.next()
+    except StopAsyncIteration:
+        return None
+
+
+def done_writing() -> asyncio.Future[None]:
+    """A finished write: the stream's first step has no result before it to wait for."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
+def step_record(items: list[BatchItem], passes: int, timings: executor_pb2.StepTimings, start_ns: int = 0,
+                resumed_ns: int = 0) -> str:
     """One step as a JSON line: its first pass's work (attended = the keys its queries attend to, causally;
-    context = the keys its sequences hold), the passes it ran (multi-step) and its timings."""
+    context = the keys its sequences hold), the passes it ran (multi-step), its timings, when it started and
+    when the stream got control back after the step before it was answered (start_ns, resumed_ns: the process's
+    perf_counter_ns; the gap between two steps is the executor's idle time, #29: resumed_ns - the last step's end
+    writes its result, start_ns - resumed_ns waits for and reads this step's message)."""
     return json.dumps({
         "seqs": len(items), "tokens": sum(i.num_tokens + len(i.draft_token_ids) for i in items),
         "drafts": sum(len(i.draft_token_ids) for i in items), "sampled": sum(i.sample for i in items),
         "attended": sum(attended_keys(i.start, i.num_tokens) for i in items),
         "context": sum(i.start + i.num_tokens for i in items), "passes": passes,
-        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns})
+        "forward_ns": timings.forward_ns, "total_ns": timings.total_ns, "start_ns": start_ns,
+        "resumed_ns": resumed_ns})
 
 
 def _fill_sampled(result: executor_pb2.StepResult, outputs: dict[str, list[SampleOutput]]) -> None:

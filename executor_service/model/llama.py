@@ -31,7 +31,7 @@ from executor_service.model.parallel import (
     ShardLayout,
     VocabParallelEmbedding,
 )
-from executor_service.model.rope import RopeTables
+from executor_service.model.rope import CosSinCache, RopeTables
 from executor_service.startup import MeasureCache
 
 KVCaches = Sequence[tuple[Tensor, Tensor]]
@@ -341,6 +341,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RopeTables.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         local_theta = cfg.features.local_rope_theta
         self.local_rope = None if local_theta is None else RopeTables.of(cfg.head_dim, local_theta, None, device)
+        self.cos_sin = CosSinCache(self.rope)
+        self.local_cos_sin = None if self.local_rope is None else CosSinCache(self.local_rope)
         self.register_buffer("inv_freq", self.rope.inv_freq, persistent=False)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.features.embed_scale else None
         self.final_softcap = cfg.features.final_softcap
@@ -353,8 +355,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        cos, sin = self.rope.cos_sin(positions, x.dtype)
-        local = self.local_rope.cos_sin(positions, x.dtype) if self.local_rope is not None else (cos, sin)
+        cos, sin = self.cos_sin.cos_sin(positions, x.dtype)
+        local = self.local_cos_sin.cos_sin(positions, x.dtype) if self.local_cos_sin is not None else (cos, sin)
         residual = None
         # (torch.compile traces with meta None: runner/compiled.py hands each layer its step's metadata itself)
         metas = meta.layer_metas if meta is not None and meta.layer_metas else [meta] * len(kv_caches)

@@ -108,6 +108,11 @@ class Sampler:
         tokens = self.choose_tokens(logits, requests, rows.random)
         return build_outputs(tokens, raw_logprobs, requests, rows.logprobs)
 
+    def greedy(self, logits: Tensor) -> list[SampleOutput]:
+        """Every row plain greedy (plain_greedy): its argmax, as sample() answers such rows without building the
+        requests it reads (#29: ~2 us a row of the step's serial time)."""
+        return [SampleOutput(token_id=t) for t in argmax_rows(logits.float()).tolist()]
+
     def index(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
@@ -150,6 +155,13 @@ def argmax_rows(logits: Tensor) -> Tensor:
 
 def is_greedy(sampling: SamplingConfig) -> bool:
     return sampling.temperature < GREEDY_EPS
+
+
+def plain_greedy(sampling: SamplingConfig) -> bool:
+    """Greedy with nothing that moves the argmax or asks for more than the token: no penalties, logit_bias,
+    min_tokens or logprobs (a row's token mask is the caller's to check)."""
+    return (sampling.temperature < GREEDY_EPS and sampling.logprobs is None and not sampling.min_tokens
+            and not sampling.logit_bias and not has_penalty(sampling))
 
 
 def mix_seed(seed: int, position: int) -> int:

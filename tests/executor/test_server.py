@@ -166,6 +166,34 @@ async def test_the_step_log_has_one_line_per_step_with_its_work_and_timings() ->
     assert {k: decode[k] for k in ("seqs", "tokens", "sampled", "attended", "context")} == {
         "seqs": 2, "tokens": 2, "sampled": 2, "attended": 6 + 5, "context": 11}
     assert 0 < decode["forward_ns"] <= decode["total_ns"]
+    # each step's start on one clock: the gap after a step (its start + total_ns to the next start) is idle time
+    assert prefill["start_ns"] + prefill["total_ns"] <= decode["start_ns"]
+    assert decode["start_ns"] + decode["total_ns"] <= multi["start_ns"]
+
+
+async def test_the_step_log_over_grpc_splits_the_gap_between_steps_into_answering_and_waiting() -> None:
+    """Over a real Execute stream: a step's resumed_ns (the stream got control back after the step before it was
+    answered) lies between that step's end and its own start; the first step of a stream has none (0)."""
+    import io
+    import json
+
+    log = io.StringIO()
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    server, port = await serve(backend, "127.0.0.1:0", step_log=log)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]))
+            assert not (await call.read()).error
+            running = executor_pb2.RunningRequests(request_ids=["a"], num_scheduled_tokens=[1], num_new_blocks=[0])
+            await call.write(executor_pb2.StepRequest(step_id=2, running=running))
+            assert not (await call.read()).error
+            await call.done_writing()
+    finally:
+        await server.stop(None)
+    first, second = (json.loads(line) for line in log.getvalue().splitlines())
+    assert first["resumed_ns"] == 0
+    assert first["start_ns"] + first["total_ns"] <= second["resumed_ns"] <= second["start_ns"]
 
 
 async def test_a_step_log_that_cannot_be_written_turns_off_and_the_step_is_served() -> None:

@@ -17,6 +17,7 @@ import torch
 from executor_service.backend import BackendInfo, BatchItem, SampleOutput, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
+from executor_service.runner.sampler import SampleRequest
 from executor_service.runner.torch_backend import (
     INLINE_STEP_S,
     Batch,
@@ -25,6 +26,8 @@ from executor_service.runner.torch_backend import (
     build_batch,
     build_decode_batch,
     build_mixed_batch,
+    decode_items_valid,
+    validate_item,
 )
 
 INFO = BackendInfo("m", vocab_size=100, eos_token_ids=(), max_model_len=512, block_size=4, num_device_blocks=64,
@@ -61,6 +64,29 @@ def test_decode_fast_path_equals_general_path(n: int, seed: int) -> None:
     assert fast is not None
     assert_same(fast, build_mixed_batch(items, INFO, CPU))
     assert_same(build_batch(items, INFO, CPU), fast)
+
+
+def test_the_one_pass_decode_check_agrees_with_validate_item() -> None:
+    """decode_items_valid is True exactly where every item is a one-token item that validate_item passes; it
+    never lets a bad item through (validate_item then names it)."""
+    rng = random.Random(9)
+    changes: list[dict[str, Any]] = [{}, {"start": -1}, {"sample": True}, {"block_table": []}, {"num_tokens": 2},
+                                     {"window_tables": [[0]]}, {"token_ids": []}]
+    for item in decode_items(200, 8):
+        change = rng.choice(changes)
+        if "start" in change or rng.random() < 0.1:
+            change = {"start": rng.choice([-1, len(item.token_ids), INFO.max_model_len, item.start])}
+        changed = replace(item, **change)
+        try:
+            validate_item(changed, INFO)
+            valid = changed.num_tokens == 1 and not changed.window_tables
+        except ValueError:
+            valid = False
+        assert decode_items_valid([changed], INFO) == valid, change
+    assert not decode_items_valid(decode_items(4, 1), replace(INFO, kv_window_groups=1))
+    info = replace(INFO, max_model_len=20)
+    long = [i for i in decode_items(50, 3) if i.start >= 20]
+    assert long and not decode_items_valid(long[:1], info)
 
 
 def test_a_step_with_a_prefill_chunk_takes_the_general_path() -> None:
@@ -183,3 +209,64 @@ def test_with_two_forward_threads_every_pass_runs_on_the_forward_thread(tmp_path
     finally:
         torch.set_num_threads(before)
     assert threads == ["forward_0"] * 4
+
+
+def decode_step(items: list[BatchItem], **sampling: Any) -> list[BatchItem]:
+    """The items as a step of one token each (the last one), sampled with `sampling`."""
+    config = SamplingConfig(temperature=0.0, **sampling)
+    return [replace(i, start=len(i.token_ids) - 1, num_tokens=1, sample=True, sampling=config) for i in items]
+
+
+def test_a_decode_step_that_samples_every_row_keeps_them_without_gathering(tmp_path: Path) -> None:
+    """Every row sampled: the forward pass is told to keep all rows (None), and its final hidden states equal those
+    of the same step where one row is computed but not sampled (the gathered path), row for row (#29)."""
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    backend.wait_for_packing()  # no kernel swapped in between the two passes
+    rng = random.Random(5)
+    prompts = [[rng.randrange(64) for _ in range(6)] for _ in range(3)]
+    items = [BatchItem(str(i), p, 6, 0, 6, [2 * i, 2 * i + 1], False, SamplingConfig()) for i, p in enumerate(prompts)]
+    backend.execute(items)
+    step = decode_step(items)
+    every = backend.prepare(step)
+    some = backend.prepare([*step[:2], replace(step[2], sample=False)])
+    assert every.every_row and every.rows_to_keep() is None
+    assert not some.every_row and some.rows_to_keep() is not None
+    with torch.inference_mode():  # (the final norm is per row: the same bits whether rows were gathered before it)
+        all_rows, two_rows = backend.forward(every), backend.forward(some)
+    assert all_rows.shape[0] == 3 and two_rows.shape[0] == 2
+    assert torch.equal(all_rows[:2], two_rows)
+
+
+@pytest.mark.parametrize("sampling", [{"logprobs": 2}, {"min_tokens": 5}, {"logit_bias": ((7, 100.0),)},
+                                      {"repetition_penalty": 2.0}])
+def test_greedy_rows_that_ask_for_more_than_the_argmax_leave_the_greedy_shortcut(tmp_path: Path,
+                                                                               sampling: dict[str, Any]) -> None:
+    """The plain greedy shortcut (argmax only) is taken only where every row is plain: a row with logprobs gets
+    them, min_tokens masks EOS, a logit_bias and a penalty move the argmax, as the sampler's full path does."""
+    model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
+    backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(64) for _ in range(6)] for _ in range(2)]
+    items = [BatchItem(str(i), p, 6, 0, 6, [2 * i, 2 * i + 1], False, SamplingConfig()) for i, p in enumerate(prompts)]
+    backend.execute(items)
+    plain = decode_step(items)
+    batch = backend.prepare(plain)
+    with torch.inference_mode():
+        logits = backend.run_batch(batch)
+    assert logits is not None
+    argmax = logits.argmax(dim=-1).tolist()
+    if "min_tokens" in sampling:  # EOS is the argmax: masked below min_tokens
+        backend.sampler.eos_token_ids = (argmax[1],)
+    if "repetition_penalty" in sampling:  # every token seen: the penalty moves the argmax where logits are mixed
+        plain = [replace(i, token_ids=[*range(64), i.token_ids[-1]], num_prompt_tokens=65, start=64) for i in plain]
+    asked = [plain[0], replace(plain[1], sampling=SamplingConfig(temperature=0.0, **sampling))]
+    expected = backend.sampler.sample(logits, [SampleRequest(i.sampling, i.token_ids, i.num_prompt_tokens,
+                                                             len(i.token_ids)) for i in asked])
+    got = backend.sample(asked, batch, logits)
+    assert [s.token_id for s in got if s] == [s.token_id for s in expected]
+    assert got[0] is not None and got[0].token_id == argmax[0]
+    if "logprobs" in sampling:
+        assert got[1] is not None and got[1].logprob is not None and len(got[1].top_logprobs) == 2
+    if "min_tokens" in sampling or "logit_bias" in sampling:
+        assert (got[1] is not None and got[1].token_id != argmax[1]) or argmax[1] == 7
