@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -140,12 +141,16 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             log.info("scheduler %s connected (stream %d); request state cleared", peer, self._stream_epoch)
             reader = ReadAhead(request_iterator.__aiter__())
             self._next_message = reader.next  # the masks of a token_bitmasks_follow step
-            while (step := await next_step(reader)) is not None:
-                reader.ahead()  # the next message is read while this step runs
-                result = await self._answer(step, context, writing)
-                await writing  # the last result is out before this one is written (order; one write at a time)
-                writing = asyncio.ensure_future(context.write(result))
-                self._resumed_ns = time.perf_counter_ns()
+            try:
+                while (step := await self._read_step(reader, context, writing)) is not None:
+                    reader.ahead()  # the next message is read while this step runs
+                    result = await self._answer(step, context, writing)
+                    await writing  # the last result is out before this one is written (order; one write at a time)
+                    writing = asyncio.ensure_future(context.write(result))
+                    self._resumed_ns = time.perf_counter_ns()
+            except Exception:  # the stream ends in error (not cancelled): the result already answered goes out first
+                await flushed(writing)
+                raise
             await writing
         finally:
             if reader is not None:
@@ -156,6 +161,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._resumed_ns = 0
             self._released.set()
             log.info("scheduler %s disconnected (stream %d)", peer, self._stream_epoch)
+
+    async def _read_step(self, reader: ReadAhead[executor_pb2.StepRequest], context: grpc.aio.ServicerContext,
+                         writing: asyncio.Future[None]) -> executor_pb2.StepRequest | None:
+        """The stream's next step (None at its end); a message that does not parse ends the stream
+        INVALID_ARGUMENT, after the result of the step before it is written."""
+        try:
+            return await next_step(reader)
+        except DecodeError as e:
+            log.warning("a StepRequest that does not parse (%s); ending the stream", e)
+            await flushed(writing)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"StepRequest: the message does not parse ({e})")
+            raise  # (abort raises)
 
     async def _answer(self, step: executor_pb2.StepRequest, context: grpc.aio.ServicerContext,
                       writing: asyncio.Future[None]) -> executor_pb2.StepResult:
@@ -348,6 +365,12 @@ async def next_step(reader: ReadAhead[executor_pb2.StepRequest]) -> executor_pb2
         return await reader.next()
     except StopAsyncIteration:
         return None
+
+
+async def flushed(writing: asyncio.Future[None]) -> None:
+    """Wait for the write in flight to end; its failure (the stream already gone) is the caller's to ignore."""
+    with contextlib.suppress(Exception):
+        await writing
 
 
 def done_writing() -> asyncio.Future[None]:

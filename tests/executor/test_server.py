@@ -399,3 +399,36 @@ async def test_a_step_counts_as_in_flight_from_its_arrival_to_its_answer_over_gr
             await call.done_writing()
     finally:
         await serving.server.stop(None)
+
+
+async def test_a_message_that_does_not_parse_after_a_good_step_is_refused_after_that_steps_answer() -> None:
+    """The read-ahead (read_ahead.py) reads the next message while a step runs: bytes that do not parse as a
+    StepRequest, read during step 1, must neither lose step 1's answer (written while the next read ends) nor end
+    the stream UNKNOWN; the stream ends INVALID_ARGUMENT naming the message after that answer."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    serving = await start_serving("127.0.0.1:0")
+    await serving.attach(backend)
+    real = backend.execute_async
+
+    async def after_the_next_read(items: list[BatchItem]) -> list[SampleOutput | None]:
+        follow = serving.servicer._next_message  # ReadAhead.next: its read in flight is the malformed message
+        pending = follow.__self__._pending  # type: ignore[union-attr]
+        assert pending is not None, "no read ahead while the step runs"
+        await asyncio.wait({pending})
+        return await real(items)
+
+    backend.execute_async = after_the_next_read  # type: ignore[method-assign]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.port}") as channel:
+            call = channel.stream_stream("/pagedserve.v1.Executor/Execute", request_serializer=None,
+                                         response_deserializer=executor_pb2.StepResult.FromString)()
+            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])]).SerializeToString())
+            await call.write(b"\xff\xff\xff\xff")
+            first = await call.read()
+            assert first.step_id == 1 and not first.error and list(first.sampled.request_ids) == ["a"]
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "StepRequest" in (ended.value.details() or "")
+    finally:
+        await serving.server.stop(None)
