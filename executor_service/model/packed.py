@@ -107,14 +107,28 @@ def available(gemm: Gemm) -> bool:
 
 def pack(weight: Tensor, gemm: Gemm = "mkl") -> PackedWeight:
     """The weight packed for `gemm` and, where the skinny kernel can take it, in the skinny kernel's panels."""
-    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight) if can_skinny(weight) and skinny_available() \
-        else None
+    panels = skinny_panels_of(weight)
     if gemm == "onednn":
         if weight.dtype != torch.float32:
             raise RuntimeError(f"packed weights must be float32, got {weight.dtype}")
         return PackedWeight(gemm, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None),
                             skinny_panels=panels)
     return PackedWeight(gemm, torch.ops.pagedserve_model.pack_weight(weight), skinny_panels=panels)
+
+
+def skinny_panels_of(weight: Tensor) -> Tensor | None:
+    """The weight in the skinny kernel's panels; None where the kernel cannot take it."""
+    return torch.ops.pagedserve_model.pack_skinny_panels(weight) if can_skinny(weight) and skinny_available() \
+        else None
+
+
+def with_skinny_rows(packed: PackedWeight, weight: Tensor, rows: int) -> PackedWeight:
+    """packed taking the skinny kernel up to `rows` rows: its panels kept (packed again if dropped) where dense()
+    can take them, dropped where it never will (rows below MIN_ROWS), as they are one more copy of the weight."""
+    if rows < MIN_ROWS:
+        return replace(packed, skinny_rows=rows, skinny_panels=None)
+    panels = packed.skinny_panels if packed.skinny_panels is not None else skinny_panels_of(weight)
+    return replace(packed, skinny_rows=rows, skinny_panels=panels)
 
 
 class Packable(Protocol):
@@ -217,7 +231,8 @@ def choose_skinny_rows(weights: list[Tensor], packs: list[PackedWeight], request
     if requested >= 0:
         return requested
     weights, packs = calibration_subset(weights, packs)
-    gemm_packs = [replace(p, skinny_rows=0) for p in packs]
+    # the panels packed once for all row counts (a pack may have dropped them), the GEMM's passes not taking them
+    gemm_packs = [replace(with_skinny_rows(p, w, MIN_ROWS), skinny_rows=0) for w, p in zip(weights, packs, strict=True)]
     return skinny_threshold({m: pair_seconds(weights, gemm_packs, m) for m in SKINNY_CALIBRATION_ROWS})
 
 
@@ -273,7 +288,7 @@ def pair_seconds(weights: list[Tensor], packs: list[PackedWeight], rows: int, ro
     gen = torch.Generator().manual_seed(0)
     inputs = {i: torch.randn(rows, i, generator=gen) for i in {w.shape[1] for w in weights}}
 
-    skinny_packs = [replace(p, skinny_rows=rows) for p in packs]
+    skinny_packs = [with_skinny_rows(p, w, rows) for w, p in zip(weights, packs, strict=True)]
 
     def skinny_pass() -> None:
         for w, p in zip(weights, skinny_packs, strict=True):

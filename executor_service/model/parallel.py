@@ -9,7 +9,7 @@ multiple of the world size; logits are all-gathered so every rank sees the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.functional import embedding
 
 from executor_service.model.config import ModelConfig, ModelLoadError
-from executor_service.model.packed import Gemm, PackedWeight, can_pack, dense, pack
+from executor_service.model.packed import Gemm, PackedWeight, can_pack, dense, pack, with_skinny_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,7 +138,7 @@ class Linear(nn.Module):
         self.packed = pack(self.weight.detach(), gemm) if can_pack(self.weight) else None
 
     def allow_skinny(self, packed: PackedWeight, rows: int) -> None:
-        self.packed = replace(packed, skinny_rows=rows)
+        self.packed = with_skinny_rows(packed, self.weight.detach(), rows)
 
     def forward(self, x: Tensor) -> Tensor:
         return dense(x, self.weight, self.bias, self.packed)

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 
 from executor_service.model.calibration import (
     lower_thread_priority,
@@ -27,7 +26,7 @@ from executor_service.model.calibration import (
     measure_skinny_rows,
     store_choice,
 )
-from executor_service.model.packed import MIN_ROWS, Gemm, PackedWeight, Packing, can_skinny, pack
+from executor_service.model.packed import MIN_ROWS, Gemm, PackedWeight, Packing, can_skinny, pack, with_skinny_rows
 from executor_service.model.parallel import Linear
 from executor_service.startup import MeasureCache
 
@@ -89,7 +88,7 @@ class BackgroundPacking:
                 module = self.unpacked.pop()
                 self.in_flight += 1
             try:
-                self.put(module, replace(pack(module.weight.detach(), gemm), skinny_rows=self.rows_of(module, rows)))
+                self.put(module, self.with_rows(module, pack(module.weight.detach(), gemm), rows))
             finally:  # a linear whose pack failed stays on F.linear: nothing more will come for it
                 with self.lock:
                     self.in_flight -= 1
@@ -112,7 +111,7 @@ class BackgroundPacking:
 
     def pack_for(self, gemm: Gemm, rows: int) -> None:
         for module in self.linears:
-            self.put(module, replace(pack(module.weight.detach(), gemm), skinny_rows=self.rows_of(module, rows)))
+            self.put(module, self.with_rows(module, pack(module.weight.detach(), gemm), rows))
 
     def measure(self, provisional: Packing) -> Packing:
         """The choice measured on the model's own weights (repacked where it differs from the rule's), kept in the
@@ -125,12 +124,16 @@ class BackgroundPacking:
         rows = measure_skinny_rows(self.linears, self.latest, self.skinny_rows)
         if rows != provisional.skinny_rows:
             for module in self.linears:
-                self.put(module, replace(self.latest[id(module)], skinny_rows=self.rows_of(module, rows)))
+                self.put(module, self.with_rows(module, self.latest[id(module)], rows))
         return store_choice(self.cache, self.linears, self.requested, self.skinny_rows, Packing(gemm, rows))
 
     @staticmethod
     def rows_of(module: Linear, rows: int) -> int:
         return rows if can_skinny(module.weight) else 0
+
+    def with_rows(self, module: Linear, packed: PackedWeight, rows: int) -> PackedWeight:
+        """The module's pack taking the skinny kernel up to `rows` rows (its panels dropped where it never will)."""
+        return with_skinny_rows(packed, module.weight.detach(), self.rows_of(module, rows))
 
     def put(self, module: Linear, packed: PackedWeight) -> None:
         with self.lock:

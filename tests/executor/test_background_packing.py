@@ -127,3 +127,26 @@ def test_a_choice_the_cache_could_not_keep_is_logged_as_not_kept(model: Path, tm
         backend(model, tmp_path / "cache", cpu_pack_after_ready=pack_after_ready).wait_for_packing(120)
     assert "kept for the next start" in caplog.text and "not kept" not in caplog.text
     assert (tmp_path / "cache" / "packing.json").is_file()
+
+
+@pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512")
+@pytest.mark.parametrize("skinny_rows", [0, 8])
+def test_packs_made_after_ready_hold_skinny_panels_only_where_the_skinny_kernel_is_taken(
+        model: Path, tmp_path: Path, skinny_rows: int) -> None:
+    """The panels are one more copy of each weight: a restart packing after ready with a kept choice of 0 skinny
+    rows leaves no linear holding them (one of 8 rows keeps them)."""
+    import json
+
+    from executor_service.startup import fingerprint
+
+    first_start(model, tmp_path, cpu_gemm="mkl")
+    entry = json.loads((tmp_path / "packing.json").read_text())
+    entry["value"]["skinny_rows"] = skinny_rows  # the choice as if measured so on this machine
+    entry["digest"] = fingerprint(entry["key"], entry["value"])
+    (tmp_path / "packing.json").write_text(json.dumps(entry, sort_keys=True))
+    b = backend(model, tmp_path, cpu_gemm="mkl", cpu_pack_after_ready=True)
+    assert b.packing_after_ready is not None
+    b.wait_for_packing(timeout=120)
+    packs = [m.packed for m in linears(b) if packed.can_skinny(m.weight)]
+    assert packs and all(p is not None and p.panels is not None for p in packs)
+    assert all((p.skinny_panels is not None) == (skinny_rows > 0) for p in packs if p is not None)

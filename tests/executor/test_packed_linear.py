@@ -259,3 +259,25 @@ def assert_logits_close(plain: TorchBackend, fast: TorchBackend, steps: tuple[tu
         plain_logits, fast_logits = (b.run_batch(b.prepare(items)) for b in (plain, fast))
         assert plain_logits is not None and fast_logits is not None
         torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-4)
+
+
+@needs_skinny
+def test_the_skinny_panels_are_kept_only_where_the_skinny_kernel_is_taken() -> None:
+    """The panels are one more copy of each weight: a choice of 0 skinny rows (forced, or measured where the GEMM
+    wins) leaves none held; a choice of rows packs them again and dense() takes them; measuring from packs without
+    panels measures over panels (as dense() will take them)."""
+    from executor_service.model.calibration import apply_choice, measure_skinny_rows
+
+    gen = torch.Generator().manual_seed(3)
+    modules = [Linear(128, 256, False, torch.float32) for _ in range(2)]
+    for m in modules:
+        m.weight.data.copy_(torch.randn(256, 128, generator=gen))
+    apply_choice(modules, packed.Packing("mkl", 0))
+    assert all(m.packed is not None and m.packed.panels is not None and m.packed.skinny_panels is None
+               for m in modules)
+    assert measure_skinny_rows(modules, {id(m): m.packed for m in modules if m.packed is not None}, -1) >= 0
+    apply_choice(modules, packed.Packing("mkl", 8))
+    x = torch.randn(5, 128, generator=gen)
+    for m in modules:
+        assert m.packed is not None and m.packed.skinny_panels is not None
+        assert torch.equal(m(x), torch.ops.pagedserve_model.skinny_panel_linear(x, m.packed.skinny_panels, 256, None))
