@@ -23,16 +23,25 @@ class ReadAhead(Generic[T]):
     def __init__(self, messages: AsyncIterator[T]) -> None:
         self._messages = messages
         self._pending: asyncio.Future[T] | None = None
+        self._failed: Exception | None = None
+        """The error a read raised (a message that does not parse): every later next() raises it too, where the
+        stream's iterator, closed by it, would answer StopAsyncIteration, as if the peer had half-closed."""
 
     async def next(self) -> T:
+        if self._failed is not None:
+            raise self._failed
         pending, self._pending = self._pending, None
-        if pending is None:
-            return await self._messages.__anext__()
-        return await pending
+        try:
+            return await (self._messages.__anext__() if pending is None else pending)
+        except StopAsyncIteration:
+            raise
+        except Exception as e:
+            self._failed = e
+            raise
 
     def ahead(self) -> None:
-        """Start reading the next message now (no-op while a read is in flight)."""
-        if self._pending is None:
+        """Start reading the next message now (no-op while a read is in flight or after a failed one)."""
+        if self._pending is None and self._failed is None:
             self._pending = asyncio.ensure_future(self._messages.__anext__())
 
     def close(self) -> None:

@@ -70,3 +70,22 @@ async def test_close_after_the_streams_end_was_read_ahead_leaves_nothing_unretri
     assert stream.ended.is_set() and isinstance(pending.exception(), StopAsyncIteration)
     reader.close()  # the StopAsyncIteration held by the read is retrieved, not logged as never retrieved
     assert reader._pending is None
+
+
+async def test_a_read_that_failed_fails_every_later_read_not_ending_the_stream_as_if_half_closed() -> None:
+    """A message that does not parse raises out of grpc's request iterator, which is then closed: its next read
+    would answer StopAsyncIteration, a clean half-close. The masks of a token_bitmasks_follow step are read inside
+    the step (whose error answers it); the stream must still end in that error, not OK."""
+
+    async def messages() -> AsyncIterator[int]:
+        yield 0
+        raise ValueError("does not parse")
+
+    reader = ReadAhead(messages())
+    assert await reader.next() == 0
+    reader.ahead()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not parse"):
+            await reader.next()
+        reader.ahead()  # no read after a failed one
+        assert reader._pending is None

@@ -432,3 +432,26 @@ async def test_a_message_that_does_not_parse_after_a_good_step_is_refused_after_
             assert "StepRequest" in (ended.value.details() or "")
     finally:
         await serving.server.stop(None)
+
+
+async def test_masks_that_do_not_parse_fail_their_step_and_end_the_stream_invalid_argument_not_ok() -> None:
+    """The message after a token_bitmasks_follow step is its masks, read inside the step: bytes that do not parse
+    fail that step (its answer says why), and the stream then ends INVALID_ARGUMENT, not OK as if the scheduler had
+    half-closed it."""
+    backend = SimulatedBackend(ExecutorConfig(simulated=True, num_gpu_blocks=16, num_cpu_blocks=4, block_size=4))
+    server, port = await serve(backend, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/pagedserve.v1.Executor/Execute", request_serializer=None,
+                                         response_deserializer=executor_pb2.StepResult.FromString)()
+            step = executor_pb2.StepRequest(step_id=1, new_requests=[new("a", [0])], token_bitmasks_follow=True)
+            await call.write(step.SerializeToString())
+            await call.write(b"\xff\xff\xff\xff")
+            first = await call.read()
+            assert first.step_id == 1 and "StepRequest" in first.error and not first.sampled.request_ids
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "StepRequest" in (ended.value.details() or "")
+    finally:
+        await server.stop(None)
