@@ -20,6 +20,7 @@ from executor_service.default_model.model import make_model
 from executor_service.model import packed
 from executor_service.model.parallel import Linear
 from executor_service.runner.torch_backend import TorchBackend
+from tests.support.background_threads import background_threads
 
 
 def backend(model: Path, cache_dir: Path, **settings: Any) -> TorchBackend:
@@ -150,3 +151,15 @@ def test_packs_made_after_ready_hold_skinny_panels_only_where_the_skinny_kernel_
     packs = [m.packed for m in linears(b) if packed.can_skinny(m.weight)]
     assert packs and all(p is not None and p.panels is not None for p in packs)
     assert all((p.skinny_panels is not None) == (skinny_rows > 0) for p in packs if p is not None)
+
+
+def test_the_test_process_waits_for_the_packing_thread_before_it_exits(model: Path, tmp_path: Path,
+                                                                          hold: threading.Event) -> None:
+    """tests/support/background_threads.py joins the packing thread at the session's end (a process finalizing
+    while it runs a torch op aborts): the thread must be one it knows by name."""
+    first_start(model, tmp_path / "cache")
+    warm = backend(model, tmp_path / "cache")
+    assert warm.packing_after_ready is not None
+    assert [t.name for t in background_threads()] == ["pack-after-ready"]
+    hold.set()
+    warm.packing_after_ready.done.result(timeout=120)
