@@ -36,17 +36,16 @@ LENGTH = 300
 @contextmanager
 def before_cuts(backend: TorchBackend) -> Iterator[None]:
     """The step as it was before the cuts, for the duration."""
-    model, saved = backend.model, (torch_backend.plain_greedy, torch_backend.decode_items_valid, Batch.rows_to_keep)
+    model, saved = backend.model, (torch_backend.plain_greedy, Batch.rows_to_keep)
     cache = model.cos_sin
     model.cos_sin = cache.tables  # type: ignore[assignment]  # RopeTables.cos_sin: computed per step
     torch_backend.plain_greedy = lambda sampling: False
-    torch_backend.decode_items_valid = lambda items, info: False
     Batch.rows_to_keep = lambda batch: batch.output_rows  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         model.cos_sin = cache
-        torch_backend.plain_greedy, torch_backend.decode_items_valid, Batch.rows_to_keep = saved  # type: ignore[method-assign]
+        torch_backend.plain_greedy, Batch.rows_to_keep = saved  # type: ignore[method-assign]
 
 
 def best_rest(backend: TorchBackend, items: list[BatchItem], threads: list[int], repeats: int,

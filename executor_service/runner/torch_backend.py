@@ -324,9 +324,8 @@ class TorchBackend:
 
     def prepare(self, items: list[BatchItem]) -> Batch:
         """Check the items and pack them into device tensors; raises ValueError before any work."""
-        if not decode_items_valid(items, self.info):
-            for item in items:
-                validate_item(item, self.info)
+        for item in items:
+            validate_item(item, self.info)
         batch = build_batch(items, self.info, self.device)
         if self.layout.num_window_groups:
             batch.meta.layer_metas = window_group_metas(items, batch.meta, self.layout, self.info, self.device)
@@ -598,17 +597,6 @@ def validate_item(item: BatchItem, info: BackendInfo) -> None:
             check_span(item.start, item.num_tokens, len(table), info.block_size, info.max_model_len)
     except RequestRefused as e:
         raise ValueError(f"request {item.request_id}: {e}") from None
-
-
-def decode_items_valid(items: list[BatchItem], info: BackendInfo) -> bool:
-    """validate_item's checks of a step of one token per item and one block table, in one pass (#29: ~1 us an
-    item less); False where any item is not such an item or fails one (validate_item then says which)."""
-    if info.kv_window_groups:
-        return False
-    block_size, limit = info.block_size, info.max_model_len or math.inf
-    return all(item.num_tokens == 1 and 0 <= item.start < limit and item.start < len(item.token_ids)
-               and (not item.sample or item.start + 1 == len(item.token_ids))
-               and item.start < len(item.block_table) * block_size and not item.window_tables for item in items)
 
 
 def window_group_metas(items: list[BatchItem], meta: AttentionMetadata, layout: KVLayout, info: BackendInfo,

@@ -26,8 +26,6 @@ from executor_service.runner.torch_backend import (
     build_batch,
     build_decode_batch,
     build_mixed_batch,
-    decode_items_valid,
-    validate_item,
 )
 
 INFO = BackendInfo("m", vocab_size=100, eos_token_ids=(), max_model_len=512, block_size=4, num_device_blocks=64,
@@ -64,29 +62,6 @@ def test_decode_fast_path_equals_general_path(n: int, seed: int) -> None:
     assert fast is not None
     assert_same(fast, build_mixed_batch(items, INFO, CPU))
     assert_same(build_batch(items, INFO, CPU), fast)
-
-
-def test_the_one_pass_decode_check_agrees_with_validate_item() -> None:
-    """decode_items_valid is True exactly where every item is a one-token item that validate_item passes; it
-    never lets a bad item through (validate_item then names it)."""
-    rng = random.Random(9)
-    changes: list[dict[str, Any]] = [{}, {"start": -1}, {"sample": True}, {"block_table": []}, {"num_tokens": 2},
-                                     {"window_tables": [[0]]}, {"token_ids": []}]
-    for item in decode_items(200, 8):
-        change = rng.choice(changes)
-        if "start" in change or rng.random() < 0.1:
-            change = {"start": rng.choice([-1, len(item.token_ids), INFO.max_model_len, item.start])}
-        changed = replace(item, **change)
-        try:
-            validate_item(changed, INFO)
-            valid = changed.num_tokens == 1 and not changed.window_tables
-        except ValueError:
-            valid = False
-        assert decode_items_valid([changed], INFO) == valid, change
-    assert not decode_items_valid(decode_items(4, 1), replace(INFO, kv_window_groups=1))
-    info = replace(INFO, max_model_len=20)
-    long = [i for i in decode_items(50, 3) if i.start >= 20]
-    assert long and not decode_items_valid(long[:1], info)
 
 
 def test_a_step_with_a_prefill_chunk_takes_the_general_path() -> None:
