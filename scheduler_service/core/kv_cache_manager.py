@@ -200,10 +200,10 @@ class KVCacheManager:
         kept = last // self.block_size
         return PrefixHit(table[:kept], last, table[kept])
 
-    def can_admit(self, hit: PrefixHit, num_slots: int, chunk_end: int | None = None) -> AllocStatus:
+    def can_admit(self, hit: PrefixHit, num_slots: int, chunk_end: int | None = None, reserved: int = 0) -> AllocStatus:
         """Whether the request's table of num_slots fits now (its window groups' tables up to chunk_end, the end
-        of its first step's slots)."""
-        need = self.full_blocks_for(num_slots) - len(hit.blocks) + self.device.evictable(hit.blocks)
+        of its first step's slots), `reserved` blocks left free beside it."""
+        need = reserved + self.full_blocks_for(num_slots) - len(hit.blocks) + self.device.evictable(hit.blocks)
         if self.windows is not None:
             held = hit.window.flat() if hit.window is not None else []
             end = self.blocks_for(min(num_slots if chunk_end is None else chunk_end, num_slots))
@@ -212,6 +212,16 @@ class KVCacheManager:
         if self.device.num_free - need < self.watermark_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
+
+    def next_window_growth(self, request: Request, num_tokens: int) -> int:
+        """Blocks a hybrid model's request takes when its window tables grow by num_tokens past what they cover
+        (never past its known tokens): a chunked prefill's next chunk. 0 without window groups."""
+        windows = self.windows
+        covered = windows.covered_end(request.request_id) if windows is not None else None
+        if windows is None or covered is None:
+            return 0
+        end = min(request.num_tokens, covered * self.block_size + num_tokens)
+        return windows.num_groups * windows.missing(request.request_id, self.blocks_for(end), 0)
 
     def admit(self, request: Request, hit: PrefixHit, num_slots: int, chunk_end: int | None = None) -> list[int]:
         """Give a new request its table: the hit's blocks, a copy of hit.copy_from, fresh blocks up to

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core.config import CoreConfig, ExecutorLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
 from scheduler_service.core.outputs import ExecutorResult, SchedulerOutput
+from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.core_helpers import (
@@ -173,6 +174,13 @@ def test_a_new_request_reusing_a_finished_ones_id_is_not_taken_for_it() -> None:
        device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), steps_in_flight=st.integers(2, 4),
        max_model_len=max_model_len_spec, lose_at=st.sampled_from([0, 0, 3, 10, 25]),
        groups=st.sampled_from([1, 2]), window=st.sampled_from([1, 5, 8, 13]))
+@example(  # two chunked prefills whose window tables cannot both grow: they took turns preempting themselves
+    specs=[(0, 1, 1, 0, False, 0, 0, 1, 0, 0, 0)] * 9 + [(2, 13, 1, 0, False, 0, 0, 1, 0, 0, 0)] * 2,
+    cfg_kwargs={"policy": Policy.FCFS, "preemption_mode": PreemptionMode.AUTO, "preemption_victim": Victim.LATEST,
+                "max_num_seqs": 2, "max_num_batched_tokens": 12, "num_lookahead_slots": 0,
+                "num_scheduler_steps": 1, "enable_chunked_prefill": True, "long_prefill_token_threshold": 5,
+                "aging_rate": 0.0, "watermark": 0.0, "enable_prefix_caching": False, "speculative_config": None},
+    device_blocks=18, cpu_blocks=0, steps_in_flight=2, max_model_len=96, lose_at=0, groups=2, window=8)
 def test_async_hybrid_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                           device_blocks: int, cpu_blocks: int, steps_in_flight: int,
                                                           max_model_len: int, lose_at: int, groups: int,
