@@ -112,6 +112,21 @@ def test_decode_over_more_k_v_than_the_caches_hold_matches_dense(threads: int) -
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_lone_causal_prefill_split_by_cost_matches_dense(threads: int) -> None:
+    """One long prompt (its later rows read the most keys) beside short sequences: the threads' runs of items are
+    cut by cost, not count, and every row is computed once, as at one thread."""
+    batch = make_batch([(0, 300), (5, 1), (40, 3)], 16, 2, 4, 64, torch.float32)
+    _poison_unused_slots(batch, 16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = kernel_only(batch)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
+
+
 def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
     flags = cpu_build.cpu_flags().split()
     assert torch.ops.pagedserve_cpu.has_avx512() == ("avx512f" in flags)
