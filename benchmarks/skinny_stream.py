@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     apply_executor_omp()
     if not skinny_available():
-        print(json.dumps({"bench": "skinny_stream", "skipped": "no skinny kernel here (needs AVX-512)"}))
+        print(json.dumps({"bench": "skinny_stream",
+                          "skipped": "no skinny kernel here (needs AVX-512 or AVX2 and FMA)"}))
         return
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]

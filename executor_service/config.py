@@ -66,9 +66,9 @@ class ExecutorConfig:
         " the CPU's ISA: much faster where MKL runs its AVX2 code, as on AMD), or auto (the faster on the model's"
         " shapes, timed at load)", choices=["auto", "mkl", "onednn"]))
     cpu_skinny_rows: int = field(default=-1, metadata=flag(
-        "with --cpu-weight-prepack, batches of 2 to N rows take the AVX-512 skinny kernel that streams weights at"
-        " memory speed (-1: the most rows at which it beats the packed GEMM on the model's weights, timed at load;"
-        " 0: off)"))
+        "with --cpu-weight-prepack, batches of 2 to N rows take the skinny kernel (AVX-512, or AVX2 and FMA) that"
+        " streams weights at memory speed (-1: the most rows at which it beats the packed GEMM on the model's"
+        " weights, timed at load; 0: off)"))
     cpu_pack_after_ready: bool = field(default=True, metadata=flag(
         "with --cpu-weight-prepack (and --cpu-gemm or --cpu-skinny-rows auto), pack the linear weights after ready"
         " on a low-priority thread (and measure the choice there where the start-up cache has none), swapped in"

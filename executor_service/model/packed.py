@@ -12,13 +12,12 @@ call (1.2 - 1.9x at 2 - 64 rows on the benchmark models' shapes). Two packed GEM
   Equal to F.linear up to rounding (~1e-6 relative).
 
 Skinny batches (MIN_ROWS to PackedWeight.skinny_rows rows) can take a third kernel instead
-(csrc/skinny_linear_cpu.cpp, AVX-512): it keeps the memory busy while it computes, where a decode step of a few
-sequences is bound by streaming the weights from memory. pack() also lays the weight out in its panels (64 output
-columns each, one more copy of the weight), over which it runs 1.1 - 1.4x faster than over the weight in place, which
-it reads until the linears are packed. choose_skinny_rows times it
-and the packed GEMM, alternated, at 2 - 128 rows over the model's own weights at load and takes the one threshold
-best over all those row counts (skinny_threshold; 0 where the weights stay in cache and it does not win); equal to
-F.linear up to rounding.
+(csrc/skinny_linear_cpu.cpp, AVX-512 or AVX2 and FMA): it keeps the memory busy while it computes, where a decode
+step of a few sequences is bound by streaming the weights from memory. pack() also lays the weight out in its panels
+(64 output columns each, one more copy of the weight), over which it runs 1.1 - 1.4x faster than over the weight in
+place, which it reads until the linears are packed. choose_skinny_rows times it and the packed GEMM, alternated, at
+2 - 128 rows over the model's own weights at load and takes the one threshold best over all those row counts
+(skinny_threshold; 0 where the weights stay in cache and it does not win); equal to F.linear up to rounding.
 
 A single row keeps F.linear on both: packing does not speed it up, and a batch of one then computes exactly what
 transformers' one-sequence decode does. Where neither can be used, every layer keeps F.linear.

@@ -134,8 +134,8 @@ def test_the_fast_path_is_built_where_the_cpu_has_avx512() -> None:
 
 @pytest.mark.parametrize("source", [cpu.SOURCE, *cpu_ops.SOURCES], ids=lambda p: p.name)
 def test_the_source_compiles_for_a_cpu_without_avx512(source: Path, syntax_checks: SyntaxChecks) -> None:
-    """Builds elsewhere get only the portable attention tile (tested here through paged_attention_portable) and no
-    skinny linear (has_skinny() false). The checks run in the background from the end of collection
+    """Builds elsewhere get only the portable attention tile (tested here through paged_attention_portable) and the
+    skinny linear's AVX2 tile (x86-64-v3: AVX2 and FMA). The checks run in the background from the end of collection
     (tests/support/syntax_checks.py)."""
     returncode, stderr = syntax_checks.result(source)
     assert returncode == 0, stderr

@@ -130,7 +130,7 @@ def test_a_choice_the_cache_could_not_keep_is_logged_as_not_kept(model: Path, tm
     assert (tmp_path / "cache" / "packing.json").is_file()
 
 
-@pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512")
+@pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512 or AVX2")
 @pytest.mark.parametrize("skinny_rows", [0, 8])
 def test_packs_made_after_ready_hold_skinny_panels_only_where_the_skinny_kernel_is_taken(
         model: Path, tmp_path: Path, skinny_rows: int) -> None:

@@ -86,11 +86,11 @@ def test_choose_gemm_takes_a_forced_choice_and_refuses_an_unknown_one() -> None:
         packed.choose_gemm(shapes, "blas")
 
 
-needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512")
+needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512 or AVX2")
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row (AVX2: 3-row) tiles
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -103,7 +103,9 @@ def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool
 
 @needs_skinny
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 20, 48])  # every remainder of 6-row tiles
-@pytest.mark.parametrize("out_features", [700, 64, 1024])  # a last panel cut short, one panel, whole panels
+# A last panel cut short, one panel, whole panels; a last panel of 36 and one of 20 columns (AVX2 takes a panel in
+# halves of 32: a short second half, none).
+@pytest.mark.parametrize("out_features", [700, 64, 1024, 676, 20])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_panels_equal_f_linear_up_to_rounding(rows: int, out_features: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * out_features)

@@ -13,9 +13,10 @@
 // GEMM up to 64 rows (BENCHMARKS.md section 17, eighth session).
 // skinny_panel_linear reads the panels; skinny_linear reads the weight [out, in] in place (until a linear's packs
 // are made), packing each panel into a scratch panel first, so both sum in the same order: equal bit for bit.
-// Equal to F.linear up to rounding (the sums run along `in` in order, one fused multiply-add each). AVX-512 only
-// (has_skinny() says whether it was built so); skinny_linear needs in_features a multiple of 16 and out_features a
-// multiple of 4 (as it always has: model/packed.py's can_skinny).
+// Equal to F.linear up to rounding (the sums run along `in` in order, one fused multiply-add each). Built with
+// AVX-512, or with AVX2 and FMA (a CPU without AVX-512, e.g. AMD Zen 2/3): tiles of 3 x rows by half a panel (32
+// columns, 4 vectors of 8), the same sums in the same order; has_skinny() says whether it was built either way.
+// skinny_linear needs in_features a multiple of 16 and out_features a multiple of 4 (model/packed.py's can_skinny).
 // Registered as torch.ops.pagedserve_model.{skinny_linear,pack_skinny_panels,skinny_panel_linear,has_skinny};
 // built by executor_service/model/cpu_ops.py.
 
@@ -35,10 +36,19 @@
 
 namespace {
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define SKINNY_SIMD 1
+#include <immintrin.h>
+#endif
+
 constexpr int64_t kCols = 4;  // skinny_linear's weight: out_features a multiple of this
-constexpr int64_t kRows = 6;  // x rows per tile
-constexpr int64_t kLane = 16;
-constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16
+#ifdef __AVX512F__
+constexpr int64_t kRows = 6;  // x rows per tile: 24 accumulators of 16 lanes
+#else
+constexpr int64_t kRows = 3;  // AVX2: 12 accumulators of 8 lanes, 3 broadcasts and a weight vector in 16 registers
+#endif
+constexpr int64_t kLane = 16;   // floats per cache line
+constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 (AVX2: two halves of 4 vectors of 8)
 
 #ifdef __AVX512F__
 // dst[j * ldd + i] = src[i * lds + j] for i, j < 16, rows i >= rows taken as zeros: four rounds of shuffles.
@@ -90,9 +100,7 @@ void pack_panel(const float* w, int64_t N, int64_t K, int64_t p, float* dst) {
   }
 }
 
-#ifdef __AVX512F__
-using pagedserve::sum_lanes16;
-
+#ifdef SKINNY_SIMD
 // Cache lines still to prefetch, handed out a few per iteration.
 struct Prefetcher {
   const float* next;
@@ -105,6 +113,7 @@ struct Prefetcher {
   }
 };
 
+#ifdef __AVX512F__
 // The columns of a panel's vector c that exist (the last panel may be cut short by out_features).
 ALWAYS_INLINE __mmask16 vector_mask(int64_t columns, int64_t c) {
   const int64_t n = columns - c * kLane;
@@ -137,6 +146,40 @@ ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, con
     for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo + c * kLane, mask, _mm512_add_ps(acc[r][c], b));
   }
 }
+#else
+// AVX2: lanes [0, n) of 8 set (the columns of an 8-wide vector that exist).
+ALWAYS_INLINE __m256i lanes_below(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// out[r, :columns] = x[r] @ panel (+ bias) for r < R; the panel is [K, 64], taken as two halves of 32 columns (4
+// vectors of 8), each over all of K: the same sums, in the same order, as the AVX-512 tile's.
+template <int64_t R>
+ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, const float* bias, int64_t columns,
+                              float* out, int64_t ldo, Prefetcher& prefetch) {
+  for (int64_t c0 = 0; c0 < columns; c0 += 32) {
+    __m256 acc[R][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch.step();
+      const float* wk = panel + k * kPanel + c0;
+      __m256 xb[R];
+      for (int64_t r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * K + k);
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m256 w = _mm256_loadu_ps(wk + c * 8);
+        for (int64_t r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xb[r], w, acc[r][c]);
+      }
+    }
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m256i mask = lanes_below(columns - c0 - c * 8);
+      const __m256 b = bias ? _mm256_maskload_ps(bias + c0 + c * 8, mask) : _mm256_setzero_ps();
+      for (int64_t r = 0; r < R; ++r) _mm256_maskstore_ps(out + r * ldo + c0 + c * 8, mask, _mm256_add_ps(acc[r][c], b));
+    }
+  }
+}
+#endif  // __AVX512F__
 
 // Panel p's columns of out [M, N] = x [M, K] @ weight^T (+ bias), from the panel [K, 64].
 void panel_rows(const float* x, const float* panel, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
@@ -146,7 +189,7 @@ void panel_rows(const float* x, const float* panel, const float* bias, float* ou
   float* po = out + p * kPanel;
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) panel_tile<kRows>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch);
-  switch (M - m) {
+  switch (M - m) {  // the rows past the last whole tile
     case 5: panel_tile<5>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
     case 4: panel_tile<4>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
     case 3: panel_tile<3>(x + m * K, panel, K, pb, columns, po + m * N, N, prefetch); break;
@@ -183,10 +226,10 @@ void in_place_range(const float* x, const float* w, const float* bias, float* ou
     panel_rows(x, scratch.data(), bias, out, M, N, K, p, prefetch);
   }
 }
-#endif  // __AVX512F__
+#endif  // SKINNY_SIMD
 
 bool has_skinny() {
-#ifdef __AVX512F__
+#ifdef SKINNY_SIMD
   return true;
 #else
   return false;
@@ -207,7 +250,7 @@ const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t N) {
 
 // y [rows, out] = x [rows, in] @ weight^T (+ bias).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_skinny(), "skinny_linear needs a build with AVX-512");
+  TORCH_CHECK(has_skinny(), "skinny_linear needs a build with AVX-512 or AVX2 and FMA");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 &&
                   weight.is_contiguous(), "weight must be a contiguous 2-D float32 CPU tensor");
   check_x(x);
@@ -217,7 +260,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
               " and out_features a multiple of ", kCols, ", got ", K, " and ", N);
   [[maybe_unused]] const float* b = checked_bias(bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
-#ifdef __AVX512F__
+#ifdef SKINNY_SIMD
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (M > 0)
@@ -247,7 +290,7 @@ at::Tensor pack_skinny_panels(const at::Tensor& weight) {
 // y [rows, out_features] = x [rows, in] @ weight^T (+ bias), with panels = pack_skinny_panels(weight).
 at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                                const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_skinny(), "skinny_panel_linear needs a build with AVX-512");
+  TORCH_CHECK(has_skinny(), "skinny_panel_linear needs a build with AVX-512 or AVX2 and FMA");
   check_x(x);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
                   panels.size(2) == kPanel && panels.is_contiguous(), "panels must be pack_skinny_panels' [P, in, 64]");
@@ -257,7 +300,7 @@ at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, in
               " does not match ", panels.size(0), " panels of ", kPanel);
   [[maybe_unused]] const float* b = checked_bias(bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
-#ifdef __AVX512F__
+#ifdef SKINNY_SIMD
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (M > 0 && K > 0)
