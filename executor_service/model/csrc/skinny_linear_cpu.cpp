@@ -175,7 +175,8 @@ ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, con
     for (int64_t c = 0; c < 4; ++c) {
       const __m256i mask = lanes_below(columns - c0 - c * 8);
       const __m256 b = bias ? _mm256_maskload_ps(bias + c0 + c * 8, mask) : _mm256_setzero_ps();
-      for (int64_t r = 0; r < R; ++r) _mm256_maskstore_ps(out + r * ldo + c0 + c * 8, mask, _mm256_add_ps(acc[r][c], b));
+      for (int64_t r = 0; r < R; ++r)
+        _mm256_maskstore_ps(out + r * ldo + c0 + c * 8, mask, _mm256_add_ps(acc[r][c], b));
     }
   }
 }
