@@ -213,8 +213,8 @@ def test_in_flight_requests_end_unavailable_when_the_executor_stays_away(tmp_pat
             async with PagedServeClient(stack.address) as client:
                 stream = client.generate(prompt_token_ids=[65] * 40, max_tokens=FOREVER, ignore_eos=True)
                 await anext(stream)
-                stop(stack.executor, signal.SIGKILL)
-                killed = time.monotonic()
+                killed = time.monotonic()  # before the kill: the scheduler's wait starts when it sees the stream break,
+                stop(stack.executor, signal.SIGKILL)  # which may be before stop() has reaped the process
                 # The gauges follow at once: the request waits for an executor, none runs.
                 wait_until(lambda: stack.metrics()["vllm:num_requests_running"] == 0
                            and stack.metrics()["vllm:num_requests_waiting"] == 1, timeout=WAIT_S, what="gauges")
