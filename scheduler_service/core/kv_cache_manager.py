@@ -213,14 +213,15 @@ class KVCacheManager:
             return AllocStatus.LATER
         return AllocStatus.OK
 
-    def next_window_growth(self, request: Request, num_tokens: int) -> int:
+    def next_window_growth(self, request: Request, num_tokens: int, lookahead: int) -> int:
         """Blocks a hybrid model's request takes when its window tables grow by num_tokens past what they cover
-        (never past its known tokens): a chunked prefill's next chunk. 0 without window groups."""
+        (never past its known tokens and the lookahead slots): a chunked prefill's next chunk. 0 without window
+        groups."""
         windows = self.windows
         covered = windows.covered_end(request.request_id) if windows is not None else None
         if windows is None or covered is None:
             return 0
-        end = min(request.num_tokens, covered * self.block_size + num_tokens)
+        end = min(request.num_tokens + lookahead, covered * self.block_size + num_tokens)
         return windows.num_groups * windows.missing(request.request_id, self.blocks_for(end), 0)
 
     def admit(self, request: Request, hit: PrefixHit, num_slots: int, chunk_end: int | None = None) -> list[int]:

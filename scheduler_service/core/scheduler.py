@@ -685,6 +685,7 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput,
                           now: float) -> None:
+        reserved = self._window_reserve(self.running) if self.kv.windows is not None else 0
         while budget.tokens > 0:
             request = self.waiting.peek(now)
             if request is None:
@@ -699,30 +700,31 @@ class Scheduler:
             # just this chunk: a prefill then never grows, so two chunked prefills can never starve each
             # other of blocks (each preempting itself, forever) -- and LATER means the prompt can't fit now.
             slots = request.num_tokens + self.config.num_lookahead_slots
-            fits = budget.seqs > 0 and self._can_admit(hit, slots, self._chunk_end(hit, n))
-            if not fits:
-                if not self._preempt_for(request, hit, slots, self._chunk_end(hit, n), scheduled, budget, out):
+            chunk_end = self._chunk_end(hit, n)
+            fits = budget.seqs > 0 and self.kv.can_admit(hit, slots, chunk_end, reserved) is AllocStatus.OK
+            if not fits:  # (the priority policy preempts only where the request does not fit at all)
+                if not self._preempt_for(request, hit, slots, chunk_end, scheduled, budget, out):
                     break
                 hit = self._prefix_hit(request)
                 n = self._chunk(request.num_tokens - hit.num_tokens, budget.tokens)
-                if n == 0 or not self._can_admit(hit, slots, self._chunk_end(hit, n)):
+                if n == 0 or self.kv.can_admit(hit, slots, self._chunk_end(hit, n)) is not AllocStatus.OK:
                     break
             self._admit(request, hit, n, slots, scheduled, budget)
+            if self.kv.windows is not None:
+                reserved += self._window_reserve([request])
             self._prev_prompt = True
 
-    def _can_admit(self, hit: PrefixHit, slots: int, chunk_end: int) -> bool:
-        """Whether a new request fits beside the running ones. With window groups a running chunked prefill
-        grows its window tables every chunk: its next chunk's blocks stay free, or two prefills would take
-        turns preempting themselves (under async scheduling the other is in flight, never a victim)."""
-        reserved = 0
-        if self.kv.windows is not None:
-            chunk = self.config.max_num_batched_tokens
-            if self.config.long_prefill_token_threshold > 0:
-                chunk = min(chunk, self.config.long_prefill_token_threshold)
-            lookahead = self.config.num_lookahead_slots
-            reserved = sum(self.kv.next_window_growth(r, chunk + lookahead) for r in self.running
-                           if r.num_uncomputed_tokens > 1)
-        return self.kv.can_admit(hit, slots, chunk_end, reserved) is AllocStatus.OK
+    def _window_reserve(self, requests: list[Request]) -> int:
+        """The blocks these requests' chunked prefills take for their window tables' next chunk, which a new
+        request of a hybrid model must leave free: each chunk grows them, and two prefills whose growth the pool
+        cannot hold would take turns preempting themselves (under async scheduling the other is in flight, never
+        a victim)."""
+        chunk = self.config.max_num_batched_tokens
+        if self.config.long_prefill_token_threshold > 0:
+            chunk = min(chunk, self.config.long_prefill_token_threshold)
+        lookahead = self.config.num_lookahead_slots
+        return sum(self.kv.next_window_growth(r, chunk + lookahead, lookahead) for r in requests
+                   if r.num_uncomputed_tokens > 1)
 
     def _chunk_end(self, hit: PrefixHit, n: int) -> int:
         """The slots a new request's first step needs (its window groups' tables go that far at admission)."""
@@ -766,7 +768,7 @@ class Scheduler:
                      scheduled: dict[str, ScheduledWork], budget: Budget, out: SchedulerOutput) -> bool:
         if self.config.policy is not Policy.PRIORITY:
             return False
-        while budget.seqs <= 0 or not self._can_admit(hit, slots, chunk_end):
+        while budget.seqs <= 0 or self.kv.can_admit(hit, slots, chunk_end) is not AllocStatus.OK:
             # Never a request admitted this step: the queue just put it ahead of this one (max wait).
             victim = self._pick_victim(admitted_before=self._step_first_admission)
             if victim is None or self._key(victim) <= self._key(request):

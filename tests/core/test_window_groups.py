@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from protos.contract import released_before, ring_blocks
 from scheduler_service.core.config import CoreConfig, ExecutorLimits
 from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
+from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.core_helpers import (
@@ -28,6 +29,7 @@ from tests.support.core_helpers import (
     held_tables,
     max_model_len_spec,
     request_spec,
+    run_step,
     update_and_record,
 )
 from tests.support.model_executor import ModelExecutor
@@ -288,3 +290,25 @@ def run_trace(specs: list[TraceSpec], cfg: CoreConfig, limits: ExecutorLimits, s
     event(f"preempted: {stats.num_preemptions_swap + stats.num_preemptions_recompute > 0}")
     check_trace_outputs(s, trace, limits)
     return s
+
+
+def test_the_priority_policy_preempts_nobody_for_a_request_that_fits() -> None:
+    """The blocks kept free for a running prefill's next window chunk hold back FCFS admissions only: a priority
+    admission that fits the pool preempts nobody (it did, and then did not even admit, with the reserve counted)."""
+    for pool in (140, 144):
+        limits = ExecutorLimits(BLOCK, pool, 0, max_model_len=4096, eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4,
+                                num_window_groups=2, window=8)
+        s = Scheduler(CoreConfig(policy=Policy.PRIORITY, max_num_batched_tokens=64, long_prefill_token_threshold=32,
+                                 watermark=0.0, enable_prefix_caching=False), limits, clock=FakeClock())
+        s.add_request(Request("low", [5, 6, 7, 8], SamplingOptions(max_tokens=50, ignore_eos=True, priority=5), 0.0))
+        s.add_request(Request("high", [9 + k % 30 for k in range(400)], SamplingOptions(max_tokens=2, priority=0),
+                              0.0))
+        for step in range(300):
+            if step == 2:
+                s.add_request(Request("w", [40 + k for k in range(8)], SamplingOptions(max_tokens=2, priority=1), 0.0))
+            out = s.schedule()
+            assert out.num_preempted == 0, (pool, step)
+            s.update(out, run_step(out))
+            if not s.has_unfinished():
+                break
+        assert not s.has_unfinished()
