@@ -95,6 +95,16 @@ def test_both_paths_match_dense(block_size: int, kv_heads: int, group: int, head
                                rtol=1e-5)
 
 
+def kernel_on_threads(batch: Batch, threads: int) -> torch.Tensor:
+    """kernel_only(batch) with torch given `threads` threads (restored after)."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return kernel_only(batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_over_more_k_v_than_the_caches_hold_matches_dense(threads: int) -> None:
     """Over 8 MiB of K/V in one call (the decode tile then prefetches rows several chunks ahead of the one it
@@ -103,12 +113,7 @@ def test_decode_over_more_k_v_than_the_caches_hold_matches_dense(threads: int) -
     batch = make_batch([(ctx, 1) for ctx in contexts], 16, 4, 2, 64, torch.float32)
     assert batch.k_cache.element_size() * 2 * sum(contexts) * 4 * 64 > 8 << 20
     _poison_unused_slots(batch, 16)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        out = kernel_only(batch)
-    finally:
-        torch.set_num_threads(previous)
+    out = kernel_on_threads(batch, threads)
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
@@ -118,12 +123,7 @@ def test_a_lone_causal_prefill_split_by_cost_matches_dense(threads: int) -> None
     cut by cost, not count, and every row is computed once, as at one thread."""
     batch = make_batch([(0, 300), (5, 1), (40, 3)], 16, 2, 4, 64, torch.float32)
     _poison_unused_slots(batch, 16)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        out = kernel_only(batch)
-    finally:
-        torch.set_num_threads(previous)
+    out = kernel_on_threads(batch, threads)
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
@@ -196,15 +196,7 @@ def test_kernel_is_deterministic_and_plans_once_per_step() -> None:
 def test_kernel_gives_the_same_bits_on_any_number_of_threads() -> None:
     """Each sequence is computed whole by one thread, so intra-op threads change nothing."""
     batch = make_batch([(ctx, 1) for ctx in RAGGED_CONTEXTS] + [(9, 12)], 16, 2, 2, 32, torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel_only(batch)
-        torch.set_num_threads(2)
-        two = kernel_only(batch)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(kernel_on_threads(batch, 1), kernel_on_threads(batch, 2))
 
 
 def test_other_dtypes_go_to_the_reference() -> None:
