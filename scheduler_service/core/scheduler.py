@@ -719,12 +719,9 @@ class Scheduler:
         request of a hybrid model must leave free: each chunk grows them, and two prefills whose growth the pool
         cannot hold would take turns preempting themselves (under async scheduling the other is in flight, never
         a victim)."""
-        chunk = self.config.max_num_batched_tokens
-        if self.config.long_prefill_token_threshold > 0:
-            chunk = min(chunk, self.config.long_prefill_token_threshold)
-        lookahead = self.config.num_lookahead_slots
-        return sum(self.kv.next_window_growth(r, chunk + lookahead, lookahead) for r in requests
-                   if r.num_uncomputed_tokens > 1)
+        budget, lookahead = self.config.max_num_batched_tokens, self.config.num_lookahead_slots
+        return sum(self.kv.next_window_growth(r, self._chunk(r.num_uncomputed_tokens, budget) + lookahead, lookahead)
+                   for r in requests if r.num_uncomputed_tokens > 1)
 
     def _chunk_end(self, hit: PrefixHit, n: int) -> int:
         """The slots a new request's first step needs (its window groups' tables go that far at admission)."""
