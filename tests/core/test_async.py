@@ -169,6 +169,14 @@ def test_a_new_request_reusing_a_finished_ones_id_is_not_taken_for_it() -> None:
     assert [len(d.new_token_ids) for d in deltas] == [1, 1], "the old x's tokens are dropped"
 
 
+# The configuration of the hybrid examples below (a config_spec draw).
+HYBRID_EXAMPLE_CFG: dict[str, object] = {
+    "policy": Policy.FCFS, "preemption_mode": PreemptionMode.AUTO, "preemption_victim": Victim.LATEST,
+    "max_num_seqs": 2, "max_num_batched_tokens": 12, "num_lookahead_slots": 0, "num_scheduler_steps": 1,
+    "enable_chunked_prefill": True, "long_prefill_token_threshold": 5, "aging_rate": 0.0, "watermark": 0.0,
+    "enable_prefix_caching": False, "speculative_config": None}
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=12), cfg_kwargs=config_spec,
        device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), steps_in_flight=st.integers(2, 4),
@@ -176,18 +184,13 @@ def test_a_new_request_reusing_a_finished_ones_id_is_not_taken_for_it() -> None:
        groups=st.sampled_from([1, 2]), window=st.sampled_from([1, 5, 8, 13]))
 @example(  # two chunked prefills whose window tables cannot both grow: they took turns preempting themselves
     specs=[(0, 1, 1, 0, False, 0, 0, 1, 0, 0, 0)] * 9 + [(2, 13, 1, 0, False, 0, 0, 1, 0, 0, 0)] * 2,
-    cfg_kwargs={"policy": Policy.FCFS, "preemption_mode": PreemptionMode.AUTO, "preemption_victim": Victim.LATEST,
-                "max_num_seqs": 2, "max_num_batched_tokens": 12, "num_lookahead_slots": 0,
-                "num_scheduler_steps": 1, "enable_chunked_prefill": True, "long_prefill_token_threshold": 5,
-                "aging_rate": 0.0, "watermark": 0.0, "enable_prefix_caching": False, "speculative_config": None},
-    device_blocks=18, cpu_blocks=0, steps_in_flight=2, max_model_len=96, lose_at=0, groups=2, window=8)
+    cfg_kwargs=HYBRID_EXAMPLE_CFG, device_blocks=18, cpu_blocks=0, steps_in_flight=2, max_model_len=96, lose_at=0,
+    groups=2, window=8)
 @example(  # the same, where the prompts' last chunks grow the window tables by the lookahead slots too
     specs=[(2, 8, 7, 0, True, 0, 0, 1, 0, 0, 0), (5, 14, 1, 0, True, 0, 0, 1, 0, 0, 0),
            (3, 5, 11, 0, True, 0, 0, 1, 0, 0, 0)],
-    cfg_kwargs={"policy": Policy.FCFS, "preemption_mode": PreemptionMode.RECOMPUTE, "preemption_victim": Victim.LATEST,
-                "max_num_seqs": 2, "max_num_batched_tokens": 6, "num_lookahead_slots": 3,
-                "num_scheduler_steps": 1, "enable_chunked_prefill": True, "long_prefill_token_threshold": 0,
-                "aging_rate": 0.0, "watermark": 0.0, "enable_prefix_caching": False, "speculative_config": None},
+    cfg_kwargs={**HYBRID_EXAMPLE_CFG, "preemption_mode": PreemptionMode.RECOMPUTE, "max_num_batched_tokens": 6,
+                "num_lookahead_slots": 3, "long_prefill_token_threshold": 0},
     device_blocks=24, cpu_blocks=0, steps_in_flight=3, max_model_len=96, lose_at=0, groups=2, window=13)
 def test_async_hybrid_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                           device_blocks: int, cpu_blocks: int, steps_in_flight: int,

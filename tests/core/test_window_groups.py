@@ -6,6 +6,7 @@ itself) keep every invariant, read no released block and produce an undisturbed 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -30,6 +31,7 @@ from tests.support.core_helpers import (
     max_model_len_spec,
     request_spec,
     run_step,
+    trace_limits,
     update_and_record,
 )
 from tests.support.model_executor import ModelExecutor
@@ -296,8 +298,7 @@ def test_the_priority_policy_preempts_nobody_for_a_request_that_fits() -> None:
     """The blocks kept free for a running prefill's next window chunk hold back FCFS admissions only: a priority
     admission that fits the pool preempts nobody (it did, and then did not even admit, with the reserve counted)."""
     for pool in (140, 144):
-        limits = ExecutorLimits(BLOCK, pool, 0, max_model_len=4096, eos_token_ids=(EOS, EOS2), max_num_draft_tokens=4,
-                                num_window_groups=2, window=8)
+        limits = replace(trace_limits(pool, 0, 4096), num_window_groups=2, window=8)
         s = Scheduler(CoreConfig(policy=Policy.PRIORITY, max_num_batched_tokens=64, long_prefill_token_threshold=32,
                                  watermark=0.0, enable_prefix_caching=False), limits, clock=FakeClock())
         s.add_request(Request("low", [5, 6, 7, 8], SamplingOptions(max_tokens=50, ignore_eos=True, priority=5), 0.0))
