@@ -47,7 +47,7 @@ constexpr int64_t kRows = 6;  // x rows per tile: 24 accumulators of 16 lanes
 #else
 constexpr int64_t kRows = 3;  // AVX2: 12 accumulators of 8 lanes, 3 broadcasts and a weight vector in 16 registers
 #endif
-constexpr int64_t kLane = 16;   // floats per cache line
+constexpr int64_t kLane = 16;   // floats per cache line and per AVX-512 vector
 constexpr int64_t kPanel = 64;  // output columns per panel: 4 vectors of 16 (AVX2: two halves of 4 vectors of 8)
 
 #ifdef __AVX512F__
