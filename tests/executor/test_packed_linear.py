@@ -90,7 +90,7 @@ needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the ski
 
 
 @needs_skinny
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row (AVX2: 3-row) tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 16, 33])  # every remainder of 6-row tiles
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -104,7 +104,7 @@ def test_skinny_linear_equals_f_linear_up_to_rounding(rows: int, with_bias: bool
 @needs_skinny
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 20, 48])  # every remainder of 6-row tiles
 # A last panel cut short, one panel, whole panels; a last panel of 36 and one of 20 columns (AVX2 takes a panel in
-# halves of 32: a short second half, none).
+# quarters of 16: a short third quarter, a short second one).
 @pytest.mark.parametrize("out_features", [700, 64, 1024, 676, 20])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_panels_equal_f_linear_up_to_rounding(rows: int, out_features: int, with_bias: bool) -> None:
@@ -116,6 +116,21 @@ def test_skinny_panels_equal_f_linear_up_to_rounding(rows: int, out_features: in
     assert panels.shape == ((out_features + 63) // 64, 304, 64)
     torch.testing.assert_close(torch.ops.pagedserve_model.skinny_panel_linear(x, panels, out_features, b),
                                linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 6, 7, 20])
+# Less than one of the AVX2 tiles' 64-step chunks along `in`, one, one and a step, many and a part.
+@pytest.mark.parametrize("in_features", [16, 48, 64, 80, 1552])
+def test_skinny_panels_sum_every_chunk_of_in_features(rows: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(rows * in_features)
+    weight, bias = torch.randn(100, in_features, generator=gen), torch.randn(100, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    panels = torch.ops.pagedserve_model.pack_skinny_panels(weight)
+    torch.testing.assert_close(torch.ops.pagedserve_model.skinny_panel_linear(x, panels, 100, bias),
+                               linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.ops.pagedserve_model.skinny_linear(x, weight, bias),
+                       torch.ops.pagedserve_model.skinny_panel_linear(x, panels, 100, bias))
 
 
 @needs_skinny
