@@ -156,12 +156,12 @@ def test_fused_silu_and_mul_matches_torch_over_the_whole_range() -> None:
     if not cpu_ops.load():
         pytest.skip("the C++ CPU ops cannot be built here")
     gen = torch.Generator().manual_seed(7)
-    wide = torch.randn(9, 2 * 40 + 3, generator=gen) * 6  # 40 = a 16-lane vector part and a scalar tail
-    wide[0, :9] = torch.tensor([-1e4, -104.0, -88.0, -20.0, 0.0, 20.0, 88.0, 104.0, 1e4])  # exp's range ends
-    gate_up = wide[:, 1 : 1 + 2 * 40]  # strided rows
-    gate, up = gate_up.split(40, dim=-1)
+    wide = torch.randn(9, 2 * 45 + 3, generator=gen) * 6  # 45: vectors (16 or 8 lanes) and a scalar tail
+    wide[0, 1:10] = torch.tensor([-1e4, -104.0, -88.0, -20.0, 0.0, 20.0, 88.0, 104.0, 1e4])  # exp's range ends
+    gate_up = wide[:, 1 : 1 + 2 * 45]  # strided rows
+    gate, up = gate_up.split(45, dim=-1)
     out = cpu_ops.silu_and_mul(gate_up)
-    assert out.shape == (9, 40) and out.is_contiguous()
+    assert out.shape == (9, 45) and out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
     with pytest.raises(RuntimeError, match="even"):
         cpu_ops.silu_and_mul(gate_up[:, :-1])
