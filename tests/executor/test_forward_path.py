@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -158,11 +159,16 @@ def test_fused_silu_and_mul_matches_torch_over_the_whole_range() -> None:
     gen = torch.Generator().manual_seed(7)
     wide = torch.randn(9, 2 * 45 + 3, generator=gen) * 6  # 45: vectors (16 or 8 lanes) and a scalar tail
     wide[0, 1:10] = torch.tensor([-1e4, -104.0, -88.0, -20.0, 0.0, 20.0, 88.0, 104.0, 1e4])  # exp's range ends
+    # where e^-g outgrows float32 (g / (1 + e^-g) a tiny negative, then -0) and the specials, in one vector
+    wide[1, 1:12] = torch.tensor([-88.6, -88.4, -100.0, -1e30, -3.4e38, -math.inf, math.nan, 88.5, 1e30, math.inf,
+                                  -88.2])
+    wide[1, 46:57] = 1e30  # their up: a product that would show any error the SiLU leaves
     gate_up = wide[:, 1 : 1 + 2 * 45]  # strided rows
     gate, up = gate_up.split(45, dim=-1)
     out = cpu_ops.silu_and_mul(gate_up)
     assert out.shape == (9, 45) and out.is_contiguous()
-    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30, equal_nan=True)
+    assert torch.equal(out.signbit(), (torch.nn.functional.silu(gate) * up).signbit())
     with pytest.raises(RuntimeError, match="even"):
         cpu_ops.silu_and_mul(gate_up[:, :-1])
 

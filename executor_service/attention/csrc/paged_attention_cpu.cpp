@@ -9,9 +9,10 @@
 // shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
 // any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
 // and one scalar softmax step per key, then each row's P.V over a block of keys (with AVX2 and FMA, in registers:
-// prefill attention 12 - 15% faster than adding key by key into memory on an AMD Zen 3). Decode rows (one query token) of the common (head size, group) pairs take
-// the AVX-512 decode tile instead (attend_decode_avx512): two passes, all scores then P.V, each K/V row loaded
-// once for the query heads of its GQA group, prefetches spread over the compute (#29).
+// prefill attention 12 - 15% faster than adding key by key into memory on an AMD Zen 3). Decode rows (one query
+// token) of the common (head size, group) pairs take the AVX-512 decode tile instead (attend_decode_avx512): two
+// passes, all scores then P.V, each K/V row loaded once for the query heads of its GQA group, prefetches spread over
+// the compute (#29).
 // Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
 // executor_service/attention/cpu.py.
 

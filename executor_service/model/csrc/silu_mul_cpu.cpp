@@ -1,9 +1,10 @@
 // The MLP's activation in one pass: silu(gate) * up over the fused gate/up projection's output, into a new
 // contiguous tensor (torch takes a pass for the SiLU and another for the product, and the down projection then
 // reads a strided half). silu(g) = g / (1 + e^-g), then times up, each step rounded as torch's; e^x comes from
-// Cephes' expf polynomial (cpu_simd.h, within 2 ulp; 16 lanes with AVX-512, 8 with AVX2 and FMA, std::exp
-// elsewhere; torch uses SLEEF's) with -g clamped to [-87.3, 88.3] (beyond it g / (1 + e^-g) is g, or g * 5e-39
-// where torch's is -0), so the result equals torch's up to rounding.
+// Cephes' expf polynomial (cpu_simd.h, within 2 ulp; 16 lanes with AVX-512, 8 with AVX2 and FMA; torch uses
+// SLEEF's) with -g clamped from below at -87.3 (above 87.3, g / (1 + e^-g) is g), and from std::exp for vectors
+// with a gate below -88.3 and elsewhere, so the result equals torch's up to rounding, its -0, infinities and NaNs
+// included.
 // Registered as torch.ops.pagedserve_model.silu_and_mul; built by executor_service/model/cpu_ops.py.
 
 #include <ATen/Parallel.h>
@@ -20,26 +21,40 @@
 
 namespace {
 
+ALWAYS_INLINE float silu_mul_one(float gate, float up) { return gate / (1.0f + std::exp(-gate)) * up; }
+
+// Lanes whose gate is below kVectorLowest go to silu_mul_one: there e^-g outgrows the vector exponential's range
+// (g / (1 + e^-g) is then a tiny negative, -0 once e^-g overflows, NaN at -inf), which it must not clamp.
+constexpr float kVectorLowest = -88.3f;
+
 void silu_mul_row(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.0f), lowest = _mm512_set1_ps(-87.3f), highest = _mm512_set1_ps(88.3f);
+  const __m512 one = _mm512_set1_ps(1.0f), lowest = _mm512_set1_ps(-87.3f), low_gate = _mm512_set1_ps(kVectorLowest);
   for (; i + 16 <= n; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 minus_g = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), lowest), highest);
+    if (_mm512_cmp_ps_mask(g, low_gate, _CMP_LT_OQ)) {
+      for (int64_t j = i; j < i + 16; ++j) out[j] = silu_mul_one(gate[j], up[j]);
+      continue;
+    }
+    const __m512 minus_g = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), lowest);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, pagedserve::exp16(minus_g)));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.3f), highest = _mm256_set1_ps(88.3f);
+  const __m256 one = _mm256_set1_ps(1.0f), lowest = _mm256_set1_ps(-87.3f), low_gate = _mm256_set1_ps(kVectorLowest);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 minus_g = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), lowest), highest);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(g, low_gate, _CMP_LT_OQ))) {
+      for (int64_t j = i; j < i + 8; ++j) out[j] = silu_mul_one(gate[j], up[j]);
+      continue;
+    }
+    const __m256 minus_g = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), lowest);
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, pagedserve::exp8(minus_g)));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
   }
 #endif
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  for (; i < n; ++i) out[i] = silu_mul_one(gate[i], up[i]);
 }
 
 // Rows per parallel chunk: at least kChunkElems elements, so that a chunk's work (~10 ns per 16 elements) outweighs
