@@ -16,8 +16,9 @@
 // Equal to F.linear up to rounding (the sums run along `in` in order, one fused multiply-add each). Built with
 // AVX-512, or with AVX2 and FMA (a CPU without AVX-512, e.g. AMD Zen 2/3): there tiles of 6 x rows by a quarter panel
 // (16 columns, 2 vectors of 8) over chunks of 64 steps along `in` read from L1, the next chunk prefetched (on a Zen 3,
-// 1.2 - 1.4x the former 3 x 32 tiles over whole panels at 1 - 8 rows, 1.5 - 1.7x at 16 - 64), the same sums in the
-// same order; has_skinny() says whether it was built either way.
+// over the benchmark model's linears, 1.1 - 1.4x the former 3 x 32 tiles over whole panels at 2 - 8 rows, even from
+// 20: BENCHMARKS.md section 17, tenth session), the same sums in the same order; has_skinny() says whether it was
+// built either way.
 // skinny_linear needs in_features a multiple of 16 and out_features a multiple of 4 (model/packed.py's can_skinny).
 // Registered as torch.ops.pagedserve_model.{skinny_linear,pack_skinny_panels,skinny_panel_linear,has_skinny};
 // built by executor_service/model/cpu_ops.py.
