@@ -573,9 +573,14 @@ class Scheduler:
 
     def _make_room(self, request: Request, n: int, extra: int, scheduled: dict[str, ScheduledWork],
                    budget: Budget, out: SchedulerOutput) -> list[int] | None:
-        """Preempt until the request's slots fit; its new blocks, or None if it preempted itself."""
+        """Preempt until the request's slots fit; its new blocks, or None if it preempted itself or waits. Where no
+        request may be preempted (the others in flight or guarded, and so is this one) the oldest running request
+        keeps its blocks and waits until a younger one ends or preempts itself: two chunked prefills of a hybrid
+        model whose window tables grow every chunk would otherwise take turns preempting themselves forever."""
         while True:
             victim = self._pick_victim()
+            if victim is None and self._is_oldest_of_several(request):
+                return None
             if victim is None or victim is request:
                 self._preempt(request, scheduled, budget, out)
                 return None
@@ -583,6 +588,12 @@ class Scheduler:
             new = self._grow(request, n, extra)
             if new is not None:
                 return new
+
+    def _is_oldest_of_several(self, request: Request) -> bool:
+        admitted = self._admitted
+        mine = admitted.get(request.request_id, self._admissions)
+        return len(self.running) > 1 and all(mine <= admitted.get(r.request_id, self._admissions)
+                                             for r in self.running)
 
     def _reject_outgrown(self, request: Request, slots: int, out: SchedulerOutput) -> None:
         error = (f"request grew to {slots} tokens ({self.kv.blocks_for(slots)} KV blocks of "

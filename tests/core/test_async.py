@@ -192,6 +192,11 @@ HYBRID_EXAMPLE_CFG: dict[str, object] = {
     cfg_kwargs={**HYBRID_EXAMPLE_CFG, "preemption_mode": PreemptionMode.RECOMPUTE, "max_num_batched_tokens": 6,
                 "num_lookahead_slots": 3, "long_prefill_token_threshold": 0},
     device_blocks=24, cpu_blocks=0, steps_in_flight=3, max_model_len=96, lose_at=0, groups=2, window=13)
+@example(  # chunks shorter than a block: no reserve helps; the oldest prefill, all others guarded, waits its turn
+    specs=[(1, 17, 1, 0, True, 0, 0, 1, 0, 0, 0), (2, 17, 1, 0, True, 0, 0, 1, 0, 0, 0)],
+    cfg_kwargs={**HYBRID_EXAMPLE_CFG, "preemption_mode": PreemptionMode.RECOMPUTE, "preemption_victim": Victim.LONGEST,
+                "long_prefill_token_threshold": 3},
+    device_blocks=16, cpu_blocks=0, steps_in_flight=2, max_model_len=96, lose_at=0, groups=2, window=1)
 def test_async_hybrid_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                           device_blocks: int, cpu_blocks: int, steps_in_flight: int,
                                                           max_model_len: int, lose_at: int, groups: int,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from protos.contract import released_before, ring_blocks
-from scheduler_service.core.config import CoreConfig, ExecutorLimits
+from scheduler_service.core.config import CoreConfig, ExecutorLimits, PreemptionMode, Victim
 from scheduler_service.core.kv_cache_manager import KVCacheManager, PrefixHit
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import FinishReason, Request, SamplingOptions
@@ -21,6 +21,7 @@ from tests.support.core_helpers import (
     BLOCK,
     EOS,
     EOS2,
+    TRACE_SPEC,
     FakeClock,
     TraceSpec,
     check_columns,
@@ -221,6 +222,13 @@ def test_swap_keeps_window_tables() -> None:
        device_blocks=st.integers(8, 60), cpu_blocks=st.integers(0, 40), max_model_len=max_model_len_spec,
        groups=st.sampled_from([1, 2, 3]), window=st.sampled_from([1, 3, 5, 8, 13]),
        seed=st.integers(0, 2**16), lose_at=st.sampled_from([0, 0, 3, 10, 25]), ring=st.booleans())
+@example(  # two n = 2 siblings in rings, chunks shorter than a block: they took turns preempting themselves
+    specs=[(5, 25, 5, 1, False, 0, 2, 2, 0, 0, 0)],
+    cfg_kwargs={"policy": Policy.SJF, "preemption_mode": PreemptionMode.SWAP, "preemption_victim": Victim.LONGEST,
+                "max_num_seqs": 4, "max_num_batched_tokens": 8, "num_lookahead_slots": 1,
+                "enable_chunked_prefill": True, "long_prefill_token_threshold": 3, "watermark": 0.0,
+                "enable_prefix_caching": True, "speculative_config": TRACE_SPEC},
+    device_blocks=26, cpu_blocks=0, max_model_len=96, groups=2, window=13, seed=0, lose_at=0, ring=True)
 def test_random_hybrid_traces_keep_invariants_and_tokens(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                          device_blocks: int, cpu_blocks: int, max_model_len: int,
                                                          groups: int, window: int, seed: int, lose_at: int,
