@@ -55,6 +55,9 @@ class Ahead(enum.Enum):
 class Budget:
     tokens: int
     seqs: int
+    short_of_room: bool = False
+    """A running request waits for room this step (_make_room): as after a preemption, nothing swaps in or is
+    admitted."""
 
 
 @dataclass(slots=True)
@@ -282,9 +285,10 @@ class Scheduler:
     def _schedule_phases(self, budget: Budget, scheduled: dict[str, ScheduledWork], out: SchedulerOutput,
                          now: float) -> None:
         self._schedule_running(budget, scheduled, out)
-        if not out.num_preempted:
+        held_back = out.num_preempted > 0 or budget.short_of_room
+        if not held_back:
             self._schedule_swapped(budget, scheduled, out)
-        if not out.num_preempted and not self.swapped and self._passed_delay(now):
+        if not held_back and not self.swapped and self._passed_delay(now):
             self._schedule_waiting(budget, scheduled, out, now)
 
     def _drafts_in_flight(self) -> bool:
@@ -390,6 +394,7 @@ class Scheduler:
             new = self._make_room(request, n, extra, scheduled, budget, out)
             budget_left[0] = budget.tokens
             if new is None:
+                budget_left[1] += request.status is RUNNING  # it waits for room and keeps its place
                 return
         scheduled[rid] = ScheduledWork(request, n, new)
         budget_left[0] -= n
@@ -580,6 +585,7 @@ class Scheduler:
         while True:
             victim = self._pick_victim()
             if victim is None and self._is_oldest_of_several(request):
+                budget.short_of_room = True
                 return None
             if victim is None or victim is request:
                 self._preempt(request, scheduled, budget, out)

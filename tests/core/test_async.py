@@ -197,6 +197,12 @@ HYBRID_EXAMPLE_CFG: dict[str, object] = {
     cfg_kwargs={**HYBRID_EXAMPLE_CFG, "preemption_mode": PreemptionMode.RECOMPUTE, "preemption_victim": Victim.LONGEST,
                 "long_prefill_token_threshold": 3},
     device_blocks=16, cpu_blocks=0, steps_in_flight=2, max_model_len=96, lose_at=0, groups=2, window=1)
+@example(  # the oldest waits for room: it keeps its place among max_num_seqs, and no one is admitted beside it
+    specs=[(0, 1, 1, 0, False, 0, 0, 1, 0, 0, 0), (1, 23, 1, 0, False, 0, 0, 1, 0, 0, 0),
+           (1, 17, 1, 0, False, 0, 0, 1, 0, 0, 0), (1, 1, 1, 0, False, 0, 0, 1, 0, 0, 0)],
+    cfg_kwargs={**HYBRID_EXAMPLE_CFG, "policy": Policy.PRIORITY, "preemption_mode": PreemptionMode.SWAP,
+                "max_num_batched_tokens": 8, "long_prefill_token_threshold": 3},
+    device_blocks=21, cpu_blocks=20, steps_in_flight=2, max_model_len=96, lose_at=0, groups=3, window=1)
 def test_async_hybrid_traces_give_the_tokens_of_sync_mode(specs: list[TraceSpec], cfg_kwargs: dict[str, object],
                                                           device_blocks: int, cpu_blocks: int, steps_in_flight: int,
                                                           max_model_len: int, lose_at: int, groups: int,
