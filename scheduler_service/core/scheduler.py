@@ -597,9 +597,7 @@ class Scheduler:
 
     def _is_oldest_of_several(self, request: Request) -> bool:
         admitted = self._admitted
-        mine = admitted.get(request.request_id, self._admissions)
-        return len(self.running) > 1 and all(mine <= admitted.get(r.request_id, self._admissions)
-                                             for r in self.running)
+        return len(self.running) > 1 and min(self.running, key=lambda r: admitted[r.request_id]) is request
 
     def _reject_outgrown(self, request: Request, slots: int, out: SchedulerOutput) -> None:
         error = (f"request grew to {slots} tokens ({self.kv.blocks_for(slots)} KV blocks of "

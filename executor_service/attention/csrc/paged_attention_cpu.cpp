@@ -28,10 +28,6 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_simd.h"
 #include "parallel_probe.h"
 

@@ -219,8 +219,8 @@ ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, int
         acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
       }
     }
+    const bool last = k1 == K;
     for (int64_t c = 0; c < 2; ++c) {
-      const bool last = k1 == K;
       const __m256 b = bias && last ? _mm256_maskload_ps(bias + c0 + c * 8, mask[c]) : _mm256_setzero_ps();
       for (int64_t r = 0; r < R; ++r)
         _mm256_maskstore_ps(out + r * ldo + c0 + c * 8, mask[c], last ? _mm256_add_ps(acc[r][c], b) : acc[r][c]);
