@@ -152,25 +152,32 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   const int32_t* table = tile.table;
   const float* const* q = tile.q;
   const int64_t *last_key = tile.last_key, *head_offset = tile.head_offset;
+  // The floats of a token's K (or V) row that the tile's KV heads take, from a line's start.
+  const int64_t span0 = *std::min_element(head_offset, head_offset + rows) / 16 * 16;
+  const int64_t span1 = *std::max_element(head_offset, head_offset + rows) + D;
   for (int64_t start = 0; start < end; start += BS) {
     const int64_t n = std::min(BS, end - start);
     const int64_t base = static_cast<int64_t>(table[start / BS]) * L.cache_block_stride;
-    if (start + BS < end) {
-      const int64_t next = static_cast<int64_t>(table[start / BS + 1]) * L.cache_block_stride;
-      for (int64_t line = 0; line < 4; ++line) {
-        __builtin_prefetch(L.k_cache + next + line * 16);
-        __builtin_prefetch(L.v_cache + next + line * 16);
-      }
-    }
+    // While key t is scored, key t of the next block is fetched (its K and V rows, the tile's heads): the block
+    // after a random jump arrives whole, not line by line behind the hardware prefetcher (decode attention from
+    // memory 5 - 15% faster on an AMD Zen 3 than fetching only the next block's first lines).
+    const bool fetch_next = start + BS < end;
+    const int64_t next = fetch_next ? static_cast<int64_t>(table[start / BS + 1]) * L.cache_block_stride : 0;
     // Token by token, every row's head: K and V are read front to back, as laid out. Keys before `end` are
     // all written, so a row's masked keys (probability 0) may take part in the V sum.
     const float* k = L.k_cache + base;
     const float* v = L.v_cache + base;
     int64_t visible[kRowTile];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = 0; t < n; ++t) {
+      if (fetch_next)
+        for (int64_t x = t * L.cache_token_stride + span0; x < t * L.cache_token_stride + span1; x += 16) {
+          __builtin_prefetch(L.k_cache + next + x);
+          __builtin_prefetch(L.v_cache + next + x);
+        }
       for (int64_t r = 0; r < rows; ++r)
         if (t < visible[r]) scores[r * BS + t] = dot(q[r], k + t * L.cache_token_stride + head_offset[r], D) * L.scale;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores + r * BS;
       const int64_t m = visible[r];
