@@ -7,9 +7,10 @@
 // Two implementations of a tile: with AVX-512 (built with -march=native on a CPU that has it; head sizes that
 // are multiples of 16) a row scores 16 keys into one vector (16 partial dot products reduced together by a
 // shuffle tree), takes a vector softmax over them and adds P.V with broadcast FMAs; the portable one (any CPU,
-// any head size; also registered as paged_attention_portable, for tests and benchmarks) does one dot product
-// and one scalar softmax step per key, then each row's P.V over a block of keys (with AVX2 and FMA, in registers:
-// prefill attention 12 - 15% faster than adding key by key into memory on an AMD Zen 3). Decode rows (one query
+// any head size; also registered as paged_attention_portable, for tests and benchmarks) scores a block's keys
+// row by row (with AVX2 and FMA, 8 keys a vector, reduced by a transpose: prefill attention 1.2x one dot product
+// per key on an AMD Zen 3), takes a scalar softmax step per key, then each row's P.V over the block (with AVX2 and
+// FMA, in registers: 12 - 15% faster than adding key by key into memory). Decode rows (one query
 // token) of the common (head size, group) pairs take the AVX-512 decode tile instead (attend_decode_avx512): two
 // passes, all scores then P.V, each K/V row loaded once for the query heads of its GQA group, prefetches spread over
 // the compute (#29).
@@ -112,6 +113,38 @@ ALWAYS_INLINE void add_block_values(float* __restrict acc, const float* __restri
   for (int64_t t = 0; t < n; ++t) add_scaled(acc, v + t * stride, p[t], D);
 }
 
+// s[t] = scale * (q . k[t * stride]) for keys t < n (D floats each). With AVX2 and FMA and kD a multiple of 8, 8 keys
+// at a time: a vector of partial sums per key, reduced together by a transpose (no horizontal sum per key); keys
+// past n in the last 8 repeat key n - 1 and are not stored.
+template <int64_t kD>
+ALWAYS_INLINE void score_block(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+                               float scale, float* __restrict s, int64_t D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kD > 0 && kD % 8 == 0) {
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const float* keys[8];
+      for (int64_t t = 0; t < 8; ++t) keys[t] = k + std::min(t0 + t, n - 1) * stride;
+      __m256 partial[8];
+      for (int64_t t = 0; t < 8; ++t) partial[t] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kD; i += 8) {
+        const __m256 query = _mm256_loadu_ps(q + i);
+        for (int64_t t = 0; t < 8; ++t) partial[t] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[t] + i), partial[t]);
+      }
+      const __m256 sums = _mm256_mul_ps(pagedserve::sum_lanes8(partial), _mm256_set1_ps(scale));
+      if (n - t0 >= 8) {
+        _mm256_storeu_ps(s + t0, sums);
+      } else {
+        alignas(32) float last[8];
+        _mm256_store_ps(last, sums);
+        std::copy(last, last + (n - t0), s + t0);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) s[t] = dot(q, k + t * stride, D) * scale;
+}
+
 // Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. Where each
 // row's query, output and KV head lie, the last key it sees, and its accumulators cleared.
 struct TileRows {
@@ -158,25 +191,26 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   for (int64_t start = 0; start < end; start += BS) {
     const int64_t n = std::min(BS, end - start);
     const int64_t base = static_cast<int64_t>(table[start / BS]) * L.cache_block_stride;
-    // While key t is scored, key t of the next block is fetched (its K and V rows, the tile's heads): the block
-    // after a random jump arrives whole, not line by line behind the hardware prefetcher (decode attention from
-    // memory 5 - 15% faster on an AMD Zen 3 than fetching only the next block's first lines).
+    // While the rows are scored, the next block's keys are fetched, a few per row (their K and V rows, the tile's
+    // heads): the block after a random jump arrives whole, not line by line behind the hardware prefetcher (decode
+    // attention from memory 5 - 15% faster on an AMD Zen 3 than fetching only the next block's first lines).
     const bool fetch_next = start + BS < end;
     const int64_t next = fetch_next ? static_cast<int64_t>(table[start / BS + 1]) * L.cache_block_stride : 0;
-    // Token by token, every row's head: K and V are read front to back, as laid out. Keys before `end` are
-    // all written, so a row's masked keys (probability 0) may take part in the V sum.
+    // Row by row, the block's keys of the row's head (the block's K rows in L1 after the first rows). Keys before
+    // `end` are all written, so a row's masked keys (probability 0) may take part in the V sum.
     const float* k = L.k_cache + base;
     const float* v = L.v_cache + base;
     int64_t visible[kRowTile];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
-    for (int64_t t = 0; t < n; ++t) {
-      if (fetch_next)
-        for (int64_t x = t * L.cache_token_stride + span0; x < t * L.cache_token_stride + span1; x += 16) {
-          __builtin_prefetch(L.k_cache + next + x);
-          __builtin_prefetch(L.v_cache + next + x);
-        }
-      for (int64_t r = 0; r < rows; ++r)
-        if (t < visible[r]) scores[r * BS + t] = dot(q[r], k + t * L.cache_token_stride + head_offset[r], D) * L.scale;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (fetch_next)  // the next block's keys spread over the rows
+        for (int64_t t = r * n / rows; t < (r + 1) * n / rows; ++t)
+          for (int64_t x = t * L.cache_token_stride + span0; x < t * L.cache_token_stride + span1; x += 16) {
+            __builtin_prefetch(L.k_cache + next + x);
+            __builtin_prefetch(L.v_cache + next + x);
+          }
+      if (visible[r] > 0)
+        score_block<kD>(q[r], k + head_offset[r], L.cache_token_stride, visible[r], L.scale, scores + r * BS, D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores + r * BS;

@@ -1,5 +1,5 @@
 // What the executor's C++ CPU kernels share (attention/csrc, model/csrc): the inlining macro, AVX-512 helpers
-// (a 16-lane horizontal sum, e^x) and AVX2's e^x.
+// (a 16-lane horizontal sum, e^x) and AVX2's (an 8-lane horizontal sum, e^x).
 // On the include path of every extension executor_service/kernels/build.py builds.
 #pragma once
 
@@ -68,6 +68,14 @@ ALWAYS_INLINE __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// lane t of the result = the sum of the 8 lanes of p[t].
+ALWAYS_INLINE __m256 sum_lanes8(const __m256* p) {
+  // per 128-bit half: (a0+a1, a2+a3, b0+b1, b2+b3), then (a0+..+a3, b0+..+b3, c0+..+c3, d0+..+d3)
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+  const __m256 efgh = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20), _mm256_permute2f128_ps(abcd, efgh, 0x31));
 }
 
 }  // namespace pagedserve
