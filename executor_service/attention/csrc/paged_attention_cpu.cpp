@@ -113,6 +113,14 @@ ALWAYS_INLINE void add_block_values(float* __restrict acc, const float* __restri
   for (int64_t t = 0; t < n; ++t) add_scaled(acc, v + t * stride, p[t], D);
 }
 
+// Every cache line that floats [from, to) touch, into L1.
+ALWAYS_INLINE void prefetch_lines(const float* from, const float* to) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(to);
+  for (uintptr_t at = reinterpret_cast<uintptr_t>(from) & ~(kLine - 1); at < end; at += kLine)
+    __builtin_prefetch(reinterpret_cast<const void*>(at));
+}
+
 // s[t] = scale * (q . k[t * stride]) for keys t < n (D floats each). With AVX2 and FMA and kD a multiple of 8, 8 keys
 // at a time: a vector of partial sums per key, reduced together by a transpose (no horizontal sum per key); keys
 // past n in the last 8 repeat key n - 1 and are not stored.
@@ -185,8 +193,8 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   const int32_t* table = tile.table;
   const float* const* q = tile.q;
   const int64_t *last_key = tile.last_key, *head_offset = tile.head_offset;
-  // The floats of a token's K (or V) row that the tile's KV heads take, from a line's start.
-  const int64_t span0 = *std::min_element(head_offset, head_offset + rows) / 16 * 16;
+  // The floats of a token's K (or V) row that the tile's KV heads take.
+  const int64_t span0 = *std::min_element(head_offset, head_offset + rows);
   const int64_t span1 = *std::max_element(head_offset, head_offset + rows) + D;
   for (int64_t start = 0; start < end; start += BS) {
     const int64_t n = std::min(BS, end - start);
@@ -205,9 +213,9 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
     for (int64_t r = 0; r < rows; ++r) {
       if (fetch_next)  // the next block's keys spread over the rows
         for (int64_t t = r * n / rows; t < (r + 1) * n / rows; ++t)
-          for (int64_t x = t * L.cache_token_stride + span0; x < t * L.cache_token_stride + span1; x += 16) {
-            __builtin_prefetch(L.k_cache + next + x);
-            __builtin_prefetch(L.v_cache + next + x);
+          for (const float* cache : {L.k_cache, L.v_cache}) {
+            const float* row = cache + next + t * L.cache_token_stride;
+            prefetch_lines(row + span0, row + span1);
           }
       if (visible[r] > 0)
         score_block<kD>(q[r], k + head_offset[r], L.cache_token_stride, visible[r], L.scale, scores + r * BS, D);

@@ -220,11 +220,11 @@ ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, int
                               int64_t columns, float* out, int64_t ldo, Prefetcher& prefetch) {
   for (int64_t c0 = 0; c0 < columns; c0 += 16) {
     const __m256i mask[2] = {lanes_below(columns - c0), lanes_below(columns - c0 - 8)};
-    const bool whole = columns - c0 >= 16;
+    const bool whole[2] = {columns - c0 >= 8, columns - c0 >= 16};
     __m256 acc[R][2];
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < 2; ++c)
-        acc[r][c] = k0 == 0 ? _mm256_setzero_ps() : load_lanes(out + r * ldo + c0 + c * 8, whole, mask[c]);
+        acc[r][c] = k0 == 0 ? _mm256_setzero_ps() : load_lanes(out + r * ldo + c0 + c * 8, whole[c], mask[c]);
     const float* wk = panel + k0 * kPanel + c0;
     for (int64_t k = k0; k < k1; ++k, wk += kPanel) {
       prefetch.step();
@@ -237,9 +237,9 @@ ALWAYS_INLINE void panel_tile(const float* x, const float* panel, int64_t K, int
     }
     const bool last = k1 == K;
     for (int64_t c = 0; c < 2; ++c) {
-      const __m256 b = bias && last ? load_lanes(bias + c0 + c * 8, whole, mask[c]) : _mm256_setzero_ps();
+      const __m256 b = bias && last ? load_lanes(bias + c0 + c * 8, whole[c], mask[c]) : _mm256_setzero_ps();
       for (int64_t r = 0; r < R; ++r)
-        store_lanes(out + r * ldo + c0 + c * 8, whole, mask[c], last ? _mm256_add_ps(acc[r][c], b) : acc[r][c]);
+        store_lanes(out + r * ldo + c0 + c * 8, whole[c], mask[c], last ? _mm256_add_ps(acc[r][c], b) : acc[r][c]);
     }
   }
 }
