@@ -107,22 +107,26 @@ constexpr auto kPrefetchHint = _MM_HINT_T1;  // the next panel, into L2
 constexpr auto kPrefetchHint = _MM_HINT_T0;  // AVX2: the next chunk of kChunk steps along `in`, into L1
 #endif
 
-// Cache lines still to prefetch, handed out a few per iteration.
+// Cache lines to prefetch, spread evenly over a known number of iterations: each step earns `lines` credits and
+// fetches a line for every `iterations` of them, so the last of `iterations` steps fetches the last line. Handing
+// them out a few per step from the first one instead front-loads a tile's fetches when there are more iterations
+// than lines (over 6 rows): its first tile stalls on the misses while the rest fetch nothing (on a Zen 3, the
+// benchmark model's linears at 8 - 32 rows 1.1 - 1.2x: BENCHMARKS.md section 17, twelfth session).
 struct Prefetcher {
   const float* next;
-  int64_t lines_left;
-  int64_t per_iteration;
+  int64_t lines;
+  int64_t iterations;
+  int64_t credit;
 
   ALWAYS_INLINE void step() {
-    for (int64_t j = 0; j < per_iteration && lines_left > 0; ++j, --lines_left, next += kLane)
+    for (credit += lines; credit >= iterations; credit -= iterations, next += kLane)
       _mm_prefetch(reinterpret_cast<const char*>(next), kPrefetchHint);
   }
 };
 
 // `floats` from `next` prefetched evenly over `iterations` steps.
 Prefetcher spread(const float* next, int64_t floats, int64_t iterations) {
-  const int64_t lines = floats / kLane;
-  return Prefetcher{next, lines, (lines + iterations - 1) / std::max<int64_t>(1, iterations)};
+  return Prefetcher{next, floats / kLane, std::max<int64_t>(1, iterations), 0};
 }
 
 // f(std::integral_constant<int64_t, R>{}, m) for tiles of rows [m, m + R) covering [0, M): whole tiles of kRows rows,
