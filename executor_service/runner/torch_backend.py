@@ -181,7 +181,7 @@ class TorchBackend:
                 count_device_blocks(config, model, sampler, shape, device, layout.layer_slots), device)
             num_swap_blocks = count_swap_blocks(config, shape)
             kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
-                               device=device, layer_slots=layout.layer_slots)
+                               device=device, layer_slots=layout.layer_slots, huge_pages=config.cpu_huge_pages)
         with phases.phase("tokenizer"):
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)
@@ -400,7 +400,7 @@ def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelCo
     shape = CacheShape(draft_cfg.num_layers, kv_cache.shape.block_size, draft.layout.num_kv_heads,
                        draft_cfg.head_dim, dtype)
     cache = KVCache(shape, num_device_blocks=kv_cache.num_device_blocks, num_swap_blocks=kv_cache.num_swap_blocks,
-                    device=backend.device)
+                    device=backend.device, huge_pages=kv_cache.huge_pages)
     log.info("draft model %s: %d layers, its own KV cache of %d device and %d swap blocks", draft_dir,
              draft_cfg.num_layers, kv_cache.num_device_blocks, kv_cache.num_swap_blocks)
     return DraftModel(draft, cache, lambda items: build_batch(items, backend.info, backend.device))

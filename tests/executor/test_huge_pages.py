@@ -1,0 +1,101 @@
+"""--cpu-huge-pages (#29): the KV cache's map and torch's large allocations come in transparent huge pages, and
+--no-cpu-huge-pages leaves both in 4 KiB pages. Each check reads the kernel's own account of the mapping
+(/proc/self/smaps), so it fails if the pages are not huge, whatever the code asked for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_service import placement
+from executor_service.config import ExecutorConfig
+from executor_service.runner.kv_cache import HUGE_PAGE, CacheShape, KVCache, lazy_zeros
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    """The kernel's transparent_hugepage setting: always, madvise or never ('' where there is none)."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
+
+
+needs_thp = pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
+                               reason="this kernel gives no transparent huge pages on madvise")
+
+
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_flag_sets_torch_s_switch_and_defaults_on() -> None:
+    assert ExecutorConfig.from_args([]).cpu_huge_pages
+    assert not ExecutorConfig.from_args(["--no-cpu-huge-pages"]).cpu_huge_pages
+    assert placement.huge_pages_environment(True) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert placement.huge_pages_environment(False) == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+@needs_thp
+def test_a_huge_page_kv_map_is_aligned_zero_and_backed_by_huge_pages() -> None:
+    dims = (2, 2, 256, 16, 4, 64)  # 16 MiB: layers, K/V, blocks, block size, KV heads, head size
+    cache = lazy_zeros(dims, torch.float32, huge_pages=True)
+    assert cache.data_ptr() % HUGE_PAGE == 0 and cache.is_contiguous() and tuple(cache.shape) == dims
+    assert huge_bytes_at(cache.data_ptr()) == 0  # nothing is touched yet: lazy still
+    cache.fill_(1.0)
+    assert float(cache.sum()) == cache.numel()
+    assert huge_bytes_at(cache.data_ptr()) >= 4 * HUGE_PAGE  # of 8 (a fragmented machine may fall back for some)
+    plain = lazy_zeros(dims, torch.float32)
+    plain.fill_(1.0)
+    if thp_mode() == "madvise":
+        assert huge_bytes_at(plain.data_ptr()) == 0
+
+
+@needs_thp
+def test_the_kv_cache_takes_the_setting_for_its_blocks_and_its_swap_area() -> None:
+    shape = CacheShape(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    cache = KVCache(shape, num_device_blocks=256, num_swap_blocks=128, device=torch.device("cpu"), huge_pages=True)
+    for kv in (cache.device_kv, cache.swap_kv):
+        kv.fill_(2.0)
+        assert kv.data_ptr() % HUGE_PAGE == 0 and huge_bytes_at(kv.data_ptr()) >= HUGE_PAGE
+
+
+ALLOCATE = """
+import sys
+from executor_service import placement
+placement.set_torch_environment(placement.huge_pages_environment(sys.argv[1] == "on"))
+import torch
+x = torch.ones(16 << 20)  # 64 MiB through torch's CPU allocator
+from tests.executor.test_huge_pages import huge_bytes_at
+print(huge_bytes_at(x.data_ptr()))
+"""
+
+
+@needs_thp
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_torch_s_large_allocations_follow_the_setting(setting: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != placement.THP_VARIABLE}
+    out = subprocess.run([sys.executable, "-c", ALLOCATE, setting], capture_output=True, text=True, check=True,
+                         cwd=root, env={**env, "PYTHONPATH": str(root)}, timeout=120)
+    huge = int(out.stdout.split()[-1])
+    if setting == "on":
+        assert huge >= 16 * HUGE_PAGE  # of 32
+    elif thp_mode() == "madvise":
+        assert huge == 0
