@@ -46,7 +46,7 @@ from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.model import ModelOps
 from executor_service.model.parallel import Linear
-from executor_service.placement import OMP_VARIABLES, THP_VARIABLE, huge_pages_environment, omp_environment
+from executor_service.placement import OMP_VARIABLES, omp_environment
 from executor_service.runner.torch_backend import TorchBackend
 
 SHAPES = [("prefill", 32, 64), ("prefill", 8, 256), ("decode", 128, 100), ("decode", 64, 200),
@@ -232,20 +232,17 @@ def run_threads(model: Path, threads: list[int], repeats: int, split: bool = Fal
 REEXEC_ENV = "PAGEDSERVE_FORWARD_STEPS_REEXEC"
 
 
-def apply_executor_environment(requested: str, spin_count: int, huge_pages: bool) -> str:
-    """Run this benchmark under the executor's environment before torch loads: the OpenMP one for `requested` and
-    `spin_count` ('default': libgomp's own) and torch's huge-page switch for --cpu-huge-pages (`huge_pages`).
-    Re-execute the process with it where it differs, since this process's libgomp and torch have read it already.
-    Returns it, as text."""
-    names = (*OMP_VARIABLES, THP_VARIABLE)
-    current = {k: os.environ[k] for k in names if os.environ.get(k)}
+def apply_wait_policy(requested: str, spin_count: int) -> str:
+    """Run this benchmark under the executor's OpenMP environment for `requested` and `spin_count` ('default':
+    libgomp's own): re-execute the process with it where it differs, since this process's libgomp has read it
+    already. Returns it, as text."""
+    current = {k: os.environ[k] for k in OMP_VARIABLES if os.environ.get(k)}
     if requested == "default":
         wanted = {"GOMP_SPINCOUNT": str(spin_count)} if spin_count >= 0 else {}
     else:  # what the executor runs under: the environment, plus what its flags set
-        wanted = {k: v for k, v in current.items() if k in OMP_VARIABLES} | omp_environment(requested, spin_count)
-    wanted |= huge_pages_environment(huge_pages)
+        wanted = current | omp_environment(requested, spin_count)
     if current != wanted and not env_switch(REEXEC_ENV, False):
-        env = {k: v for k, v in os.environ.items() if k not in names} | wanted | {REEXEC_ENV: "1"}
+        env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES} | wanted | {REEXEC_ENV: "1"}
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.forward_steps", *sys.argv[1:]], env)
     return " ".join(f"{k}={v}" for k, v in current.items()) or "libgomp default"
 
@@ -267,11 +264,12 @@ def main(argv: list[str] | None = None) -> None:
                    "settings); default: no variables at all, libgomp's own")
     p.add_argument("--omp-spin-count", type=int, default=-1,
                    help="as the executor's --cpu-omp-spin-count (GOMP_SPINCOUNT; -1: the wait policy's)")
-    p.add_argument("--no-huge-pages", action="store_true", help="as the executor's --no-cpu-huge-pages")
+    p.add_argument("--no-huge-pages", action="store_true", help="as the executor's --no-cpu-huge-pages (the KV cache "
+                   "in 4 KiB pages)")
     args = p.parse_args(argv)
     model = ensure_model(args.model)
     if args.threads:
-        policy = apply_executor_environment(args.omp_wait_policy, args.omp_spin_count, not args.no_huge_pages)
+        policy = apply_wait_policy(args.omp_wait_policy, args.omp_spin_count)
         load = os.getloadavg()
         print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
         rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats, args.split,

@@ -28,7 +28,7 @@ from executor_service.deferred_imports import (
     lock_holder_is_awaited,
     run_in_background,
 )
-from executor_service.placement import bind_cores, huge_pages_environment, omp_environment, set_torch_environment
+from executor_service.placement import bind_cores, omp_environment, set_omp_environment
 from executor_service.prefetch import cache_for, conversion_for, finish_prefetch, prefetch_weights
 from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
@@ -184,8 +184,7 @@ def run(argv: list[str] | None = None) -> int:
     prefetch, cache = None, cache_for(config) if converted is not None else None
     if not config.simulated:  # the disk reads them (and widens bfloat16 ones, or maps them widened) while torch imports
         prefetch = prefetch_weights(config.model, converted, cache)
-    set_torch_environment({**omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count),
-                           **huge_pages_environment(config.cpu_huge_pages)})  # before torch loads
+    set_omp_environment(omp_environment(config.cpu_omp_wait_policy, config.cpu_omp_spin_count))  # before torch loads
     try:
         if distributed(config):
             from executor_service.parallel.launch import launch

@@ -94,10 +94,9 @@ class ExecutorConfig:
         " benchmark box 100,000: 0.1 - 0.4 ms, 300,000: ~4 ms), set before torch loads; overrides the wait"
         " policy's (auto 300,000, passive 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
     cpu_huge_pages: bool = field(default=True, metadata=flag(
-        "CPU: transparent huge pages (2 MiB) for the KV cache and for torch's allocations of 2 MiB and more (the"
-        " packed weights among them; THP_MEM_ALLOC_ENABLE, set before torch loads): a decode step's reads of"
-        " weights and of blocks scattered over the cache miss the TLB far less. Needs the kernel's"
-        " transparent_hugepage at madvise or always; memory is then taken 2 MiB at a time"))
+        "CPU: the KV cache (and the swap area) in transparent huge pages of 2 MiB (MADV_HUGEPAGE): a decode step's"
+        " reads of blocks scattered over the cache miss the TLB far less. Needs the kernel's transparent_hugepage at"
+        " madvise or always; the cache then takes memory 2 MiB at a time"))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

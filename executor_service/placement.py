@@ -60,27 +60,18 @@ def omp_environment(requested: str, spin_count: int) -> dict[str, str]:
     return env
 
 
-THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
-
-
-def huge_pages_environment(enabled: bool) -> dict[str, str]:
-    """torch's switch for --cpu-huge-pages: with THP_MEM_ALLOC_ENABLE=1 (read once, when torch loads) its CPU
-    allocator aligns every allocation of 2 MiB or more to 2 MiB and asks for transparent huge pages there."""
-    return {THP_VARIABLE: "1" if enabled else "0"}
-
-
-def set_torch_environment(env: dict[str, str]) -> bool:
-    """Set `env` for torch and the OpenMP runtime it loads; False (and a warning) if torch is loaded already, since
-    libgomp and torch's allocator read it once, when they start."""
+def set_omp_environment(env: dict[str, str]) -> bool:
+    """Set `env` for the OpenMP runtime torch loads; False (and a warning) if torch is loaded already, since libgomp
+    reads it once, when it starts."""
     import sys
 
     if not env:
         return True
     if "torch" in sys.modules:
-        log.warning("settings %s ignored: torch is already loaded", env)
+        log.warning("OpenMP settings %s ignored: torch is already loaded", env)
         return False
     os.environ.update(env)
-    log.info("before torch loads: %s", " ".join(f"{k}={v}" for k, v in env.items()))
+    log.info("OpenMP: %s", " ".join(f"{k}={v}" for k, v in env.items()))
     return True
 
 

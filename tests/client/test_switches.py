@@ -111,7 +111,7 @@ def test_a_benchmarks_reexec_marker_reads_as_a_switch(module: str, marker: str, 
     """The marker a benchmark sets before re-executing itself under the executor's OpenMP settings: set on, it
     does not re-execute again; set off (before: any non-empty text counted as set), it does."""
     bench = pytest.importorskip(module)
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(bench.REEXEC_ENV, marker)
     calls: list[str] = []
@@ -119,7 +119,7 @@ def test_a_benchmarks_reexec_marker_reads_as_a_switch(module: str, marker: str, 
     if module.endswith("skinny_stream"):
         bench.apply_executor_omp()
     else:
-        bench.apply_executor_environment("auto", -1, True)
+        bench.apply_wait_policy("auto", -1)
     assert calls == (["1"] if reexecs else [])
 
 

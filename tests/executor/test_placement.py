@@ -68,11 +68,11 @@ def test_the_flags_reach_the_config() -> None:
 
 def test_the_openmp_environment_is_set_before_torch_loads_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert placement.set_torch_environment({}) and "OMP_WAIT_POLICY" not in os.environ
-    assert not placement.set_torch_environment({"OMP_WAIT_POLICY": "PASSIVE"})  # torch is loaded here: too late
+    assert placement.set_omp_environment({}) and "OMP_WAIT_POLICY" not in os.environ
+    assert not placement.set_omp_environment({"OMP_WAIT_POLICY": "PASSIVE"})  # torch is loaded here: too late
     assert "OMP_WAIT_POLICY" not in os.environ
     script = ("import os, sys; from executor_service import placement; "
-              "ok = placement.set_torch_environment({'OMP_WAIT_POLICY': 'PASSIVE', 'GOMP_SPINCOUNT': '5'}); "
+              "ok = placement.set_omp_environment({'OMP_WAIT_POLICY': 'PASSIVE', 'GOMP_SPINCOUNT': '5'}); "
               "print(ok, os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -109,7 +109,7 @@ def test_auto_polls_a_bounded_while_and_the_flags_and_the_environment_override_i
 IDLE_SPIN = """
 import os, sys, threading, time
 from executor_service import placement
-placement.set_torch_environment(placement.omp_environment(sys.argv[1], int(sys.argv[2])))
+placement.set_omp_environment(placement.omp_environment(sys.argv[1], int(sys.argv[2])))
 import torch
 torch.set_num_threads(2)
 x = torch.ones(1 << 22)
