@@ -50,7 +50,7 @@ def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fal
     LAZY_MIN_BYTES) are plain torch.zeros. With `huge_pages` the map starts on a 2 MiB boundary and asks for
     transparent huge pages (MADV_HUGEPAGE): memory is then taken 2 MiB at a time (a layer's 128 blocks of the
     benchmark model), and a decode step's reads of blocks scattered over the cache miss the TLB far less (paged
-    attention 1.1 - 1.2x on an AMD Zen 3: BENCHMARKS.md section 17, twelfth session)."""
+    attention 1.0 - 1.16x on an AMD Zen 3: BENCHMARKS.md section 17, twelfth session)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(dims) * itemsize
     if nbytes < LAZY_MIN_BYTES:
