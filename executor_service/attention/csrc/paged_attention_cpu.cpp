@@ -199,9 +199,11 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
   for (int64_t start = 0; start < end; start += BS) {
     const int64_t n = std::min(BS, end - start);
     const int64_t base = static_cast<int64_t>(table[start / BS]) * L.cache_block_stride;
-    // While the rows are scored, the next block's keys are fetched, a few per row (their K and V rows, the tile's
-    // heads): the block after a random jump arrives whole, not line by line behind the hardware prefetcher (decode
-    // attention from memory 5 - 15% faster on an AMD Zen 3 than fetching only the next block's first lines).
+    // While the rows are scored, the next block's K rows (the tile's heads) are fetched, a few keys per row, and
+    // its V rows while the rows add their values: the block after a random jump arrives whole, not line by line
+    // behind the hardware prefetcher (decode attention from memory 5 - 15% faster on an AMD Zen 3 than fetching only
+    // the next block's first lines); each phase fetching what the same phase of the next block reads is 0.96 - 1.23x
+    // the speed of fetching both while scoring (BENCHMARKS.md section 17, twelfth session).
     const bool fetch_next = start + BS < end;
     const int64_t next = fetch_next ? static_cast<int64_t>(table[start / BS + 1]) * L.cache_block_stride : 0;
     // Row by row, the block's keys of the row's head (the block's K rows in L1 after the first rows). Keys before
@@ -210,13 +212,15 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
     const float* v = L.v_cache + base;
     int64_t visible[kRowTile];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
+    // Row r's share of the next block's keys: their rows of `cache` (K or V), the tile's heads.
+    const auto fetch_share = [&](const float* cache, int64_t r) {
+      for (int64_t t = r * n / rows; fetch_next && t < (r + 1) * n / rows; ++t) {
+        const float* row = cache + next + t * L.cache_token_stride;
+        prefetch_lines(row + span0, row + span1);
+      }
+    };
     for (int64_t r = 0; r < rows; ++r) {
-      if (fetch_next)  // the next block's keys spread over the rows
-        for (int64_t t = r * n / rows; t < (r + 1) * n / rows; ++t)
-          for (const float* cache : {L.k_cache, L.v_cache}) {
-            const float* row = cache + next + t * L.cache_token_stride;
-            prefetch_lines(row + span0, row + span1);
-          }
+      fetch_share(L.k_cache, r);
       if (visible[r] > 0)
         score_block<kD>(q[r], k + head_offset[r], L.cache_token_stride, visible[r], L.scale, scores + r * BS, D);
     }
@@ -243,8 +247,10 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
         for (int64_t d = 0; d < D; ++d) a[d] *= corr;
       }
     }
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
+      fetch_share(L.v_cache, r);
       add_block_values<kD>(acc + r * D, v + head_offset[r], L.cache_token_stride, scores + r * BS, n, D);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = tile.out[r];
