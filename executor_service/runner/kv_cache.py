@@ -9,6 +9,7 @@ CUDA, swaps run on a side stream ordered against the compute stream with wait_st
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ import torch
 from torch import Tensor
 
 from protos.contract import BlockMap
+
+log = logging.getLogger("pagedserve.executor")
 
 GIB = 1 << 30
 LAZY_MIN_BYTES = 1 << 20
@@ -57,12 +60,20 @@ def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = Fal
         return torch.zeros(dims, dtype=dtype)
     huge = huge_pages and hasattr(mmap, "MADV_HUGEPAGE")
     buffer = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = 0
-    if huge:
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-        offset = -address_of(buffer) % HUGE_PAGE
+    offset = -address_of(buffer) % HUGE_PAGE if huge and advise_huge(buffer) else 0
     flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
     return flat.view(dtype).view(dims)  # the tensor holds the map
+
+
+def advise_huge(buffer: mmap.mmap) -> bool:
+    """Ask for transparent huge pages on the map; False (with a warning) where the kernel refuses, as one built
+    without THP does (EINVAL): the map then stays in 4 KiB pages and the executor starts all the same."""
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as error:
+        log.warning("no transparent huge pages for a KV cache map (%s): it stays in 4 KiB pages", error)
+        return False
+    return True
 
 
 def address_of(buffer: mmap.mmap) -> int:

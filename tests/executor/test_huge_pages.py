@@ -4,12 +4,15 @@ are not huge, whatever the code asked for."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 from pathlib import Path
 
 import pytest
 import torch
 
 from executor_service.config import ExecutorConfig
+from executor_service.runner import kv_cache
 from executor_service.runner.kv_cache import HUGE_PAGE, CacheShape, KVCache, lazy_zeros
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -68,3 +71,24 @@ def test_the_kv_cache_takes_the_setting_for_its_blocks_and_its_swap_area() -> No
     for kv in (cache.device_kv, cache.swap_kv):
         kv.fill_(2.0)
         assert kv.data_ptr() % HUGE_PAGE == 0 and huge_bytes_at(kv.data_ptr()) >= HUGE_PAGE
+
+
+class RefusingMap(mmap.mmap):
+    """A map on a kernel built without transparent huge pages: madvise(MADV_HUGEPAGE) fails with EINVAL."""
+
+    def madvise(self, option: int, start: int = 0, length: int = 0) -> None:
+        if option == mmap.MADV_HUGEPAGE:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        super().madvise(option, start, length)
+
+
+def test_a_kernel_without_huge_pages_leaves_the_cache_in_small_pages_and_usable(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kv_cache.mmap, "mmap", RefusingMap)
+    shape = CacheShape(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    cache = KVCache(shape, num_device_blocks=256, num_swap_blocks=128, device=torch.device("cpu"), huge_pages=True)
+    for kv in (cache.device_kv, cache.swap_kv):
+        assert float(kv.abs().sum()) == 0.0
+        kv.fill_(3.0)
+        assert float(kv.sum()) == 3.0 * kv.numel()
+    assert "no transparent huge pages" in caplog.text
