@@ -143,6 +143,10 @@ def time_parts(backend: TorchBackend) -> dict[str, float]:
                 spent[part] += time.perf_counter() - start
         return timed_run
 
+    lean = backend.model.lean
+    if lean is not None:  # the layers' loop calls its linears and attention itself (model/lean_layers.py)
+        lean.dense = timed("linears", lean.dense)
+        lean.paged_attention = timed("attention", lean.paged_attention)
     for module in backend.model.modules():
         if isinstance(module, Linear):
             module.forward = timed("linears", module.forward)  # type: ignore[method-assign]

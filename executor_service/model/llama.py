@@ -19,6 +19,7 @@ from executor_service.attention.reference import write_kv as reference_write_kv
 from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
+from executor_service.model.lean_layers import LeanLayers
 from executor_service.model.moe import OaiMoE, SparseMoE
 from executor_service.model.packed import Packing, can_pack
 from executor_service.model.parallel import (
@@ -254,6 +255,16 @@ class DecoderLayer(nn.Module):
         if self.layout_kind != NormLayout.PRE:
             self.post_feedforward_layernorm = norm()
 
+    def is_plain(self) -> bool:
+        """Llama's own layer over the fused CPU kernels, which LeanLayers runs: norms before each block, no q/k norm,
+        window, soft-capping or sinks, global RoPE, a dense SiLU MLP."""
+        attention, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm) if self.layout_kind == NormLayout.PRE else ()
+        return (bool(norms) and not self.uses_local_rope and attention.qk_norm == QKNorm.NONE
+                and not attention.has_extras and attention.ops.rope_write_kv is not None
+                and isinstance(mlp, MLP) and mlp.fused_silu_and_mul is not None
+                and all(n.fused_norm is not None and n.fused_add_norm is not None for n in norms))
+
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """This layer's output and the residual stream it is yet to be added to; `x` is the last layer's output
@@ -325,6 +336,7 @@ class LlamaForCausalLM(nn.Module):
     parameter is this rank's shard, as `layout` describes."""
 
     inv_freq: Tensor
+    lean: LeanLayers | None
 
     def __init__(self, cfg: ModelConfig, ops: ModelOps, *, device: torch.device,
                  dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> None:
@@ -346,6 +358,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", self.rope.inv_freq, persistent=False)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.features.embed_scale else None
         self.final_softcap = cfg.features.final_softcap
+        self.lean = self.lean_layers(ops)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: KVCaches,
                 output_rows: Tensor | None = None) -> Tensor:
@@ -357,16 +370,29 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.cos_sin.cos_sin(positions, x.dtype)
         local = self.local_cos_sin.cos_sin(positions, x.dtype) if self.local_cos_sin is not None else (cos, sin)
-        residual = None
+        residual: Tensor | None = None
         # (torch.compile traces with meta None: runner/compiled.py hands each layer its step's metadata itself)
-        metas = meta.layer_metas if meta is not None and meta.layer_metas else [meta] * len(kv_caches)
-        for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
-            layer_cos, layer_sin = local if layer.uses_local_rope else (cos, sin)
-            x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, layer_meta)
+        if self.lean is not None and meta is not None and not meta.layer_metas and not meta.read_fresh \
+                and not torch.compiler.is_compiling():
+            x, residual = self.lean.run(x, cos, sin, kv_caches, meta)
+        else:
+            metas = meta.layer_metas if meta is not None and meta.layer_metas else [meta] * len(kv_caches)
+            for layer, kv_cache, layer_meta in zip(self.model.layers, kv_caches, metas, strict=True):
+                layer_cos, layer_sin = local if layer.uses_local_rope else (cos, sin)
+                x, residual = layer(x, residual, layer_cos, layer_sin, kv_cache, layer_meta)
         if output_rows is not None:
             x = x.index_select(0, output_rows)
             residual = None if residual is None else residual.index_select(0, output_rows)
         return self.model.norm.add_forward(x, residual)[0]
+
+    def lean_layers(self, ops: ModelOps) -> LeanLayers | None:
+        """The layers as one loop over their tensors (model/lean_layers.py), where all of them are plain and run on one
+        rank with the fused kernels; None otherwise (the modules run them)."""
+        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        plain = self.parallel.world_size == 1 and self.embed_scale is None and all(layer.is_plain() for layer in layers)
+        if not plain or ops.rms_norm is None or ops.add_rms_norm is None or ops.silu_and_mul is None:
+            return None
+        return LeanLayers(layers, ops, self.config.rms_norm_eps)
 
     def pack_weights(self, requested: str = "auto", skinny_rows: int = -1, cache: MeasureCache | None = None,
                      measure_later: bool = False) -> Packing:
