@@ -12,6 +12,7 @@ import torch
 from executor_service.backend import BatchItem, SamplingConfig
 from executor_service.config import ExecutorConfig
 from executor_service.model import LlamaForCausalLM, ModelConfig
+from executor_service.model.llama import AttentionMetadata
 from executor_service.runner.torch_backend import TorchBackend, build_batch, model_ops
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -105,3 +106,28 @@ def test_layers_that_are_not_plain_keep_the_modules() -> None:
     float64 = LlamaForCausalLM(tiny_config(), model_ops(torch.device("cpu"), torch.float64),
                                device=torch.device("cpu"), dtype=torch.float64)
     assert float64.lean is None  # no fused kernels for it
+
+
+def test_biases_and_a_query_scale_go_through_the_lean_loop_unchanged() -> None:
+    """A Qwen2-like layer (biased q/k/v) and biased o_proj and MLP, prefill and decode: bit-identical to the modules."""
+    cfg = tiny_config(attention_bias=True, mlp_bias=True)
+    model = build(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    assert model.lean is not None and model.lean.layers[0].qkv.bias is not None
+    caches = [(torch.zeros(4, BLOCK, 2, 8), torch.zeros(4, BLOCK, 2, 8)) for _ in range(cfg.num_layers)]
+    lens = [5, 7]
+    ids = torch.randint(3, 64, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    slots = torch.cat([torch.arange(n) + BLOCK * i for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slots, torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor([0, 5, 12], dtype=torch.int32))
+    lean = model.lean
+    with torch.inference_mode():
+        fast = model(ids, positions, meta, caches)
+        model.lean = None
+        modules = model(ids, positions, meta, caches)
+    assert torch.equal(fast, modules) and bool(torch.isfinite(fast).all())
+    assert lean is not None and lean.layers[0].o.bias is not None
