@@ -37,7 +37,7 @@ from executor_service.model.packed import (
     packing_key,
     skinny_available,
 )
-from executor_service.model.parallel import Linear, ParallelLMHead
+from executor_service.model.parallel import Linear
 from executor_service.startup import MeasureCache
 
 PROVISIONAL_SKINNY_ROWS = 32
@@ -104,11 +104,9 @@ def defer_choice(linears: Sequence[Linear], packing: Packing) -> Packing:
 
 
 def measure_gemm(linears: Sequence[Linear], requested: str) -> Gemm | None:
-    """choose_gemm on the layers' linears' shapes, timed on their own weights. Not the LM head's: a prefill chunk,
-    where the GEMM's time goes, runs it over the rows it samples only, a few."""
-    timed = [m for m in linears if not isinstance(m, ParallelLMHead)] or list(linears)
-    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in timed})
-    own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in timed}
+    """choose_gemm on the linears' shapes, timed on their own weights."""
+    shapes = sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears})
+    own = {(m.weight.shape[1], m.weight.shape[0]): m.weight.detach() for m in linears}
     return choose_gemm(shapes, requested, own)
 
 

@@ -50,10 +50,10 @@ CALIBRATION_ROWS = (4, 32)  # the GEMM's rows where the skinny kernel cannot run
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
 SKINNY_CALIBRATION_ROWS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 # Where the skinny kernel runs, the GEMM serves the rows past its threshold (at most the last of
-# SKINNY_CALIBRATION_ROWS): prefill chunks above all, compute-bound, where the order of the two GEMMs can be the
-# reverse of theirs at a few rows (an AVX2 AMD Zen 3 at 2 threads: oneDNN 1.7x MKL at 32 rows, even at 512, MKL
-# 1.09x at 2,048; BENCHMARKS.md section 17, thirteenth session).
-GEMM_ROWS_PAST_SKINNY = (512,)
+# SKINNY_CALIBRATION_ROWS): prefill chunks and large decode steps, compute-bound, where the order of the two GEMMs can
+# be the reverse of theirs at a few rows (an AVX2 AMD Zen 3: oneDNN 1.5x MKL at 4 rows, MKL 1.06 - 1.1x oneDNN at
+# 128 - 2,048; BENCHMARKS.md section 17, thirteenth session).
+GEMM_ROWS_PAST_SKINNY = (SKINNY_CALIBRATION_ROWS[-1] + 32,)
 SKINNY_MARGIN = 1.05
 SKINNY_ROUNDS = 3
 SKINNY_CALIBRATION_BYTES = 256 << 20

@@ -322,25 +322,3 @@ def test_the_skinny_panels_are_kept_only_where_the_skinny_kernel_is_taken() -> N
     for m in modules:
         assert m.packed is not None and m.packed.skinny_panels is not None
         assert torch.equal(m(x), torch.ops.pagedserve_model.skinny_panel_linear(x, m.packed.skinny_panels, 256, None))
-
-
-def test_the_gemm_choice_times_the_layers_linears_not_the_lm_head(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill chunk runs the LM head over its sampled rows only, so the GEMM is chosen on the layers' shapes."""
-    from executor_service.model import calibration
-    from executor_service.model.parallel import ParallelLMHead
-
-    model = make_model(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=512, seed=3)
-    b = backend(model, False)
-    timed: list[list[tuple[int, int]]] = []
-
-    def choose(shapes: list[tuple[int, int]], *args: object) -> str:
-        timed.append(shapes)
-        return "mkl"
-
-    monkeypatch.setattr(calibration, "choose_gemm", choose)
-    linears = b.model.packable_linears()
-    assert calibration.measure_gemm(linears, "auto") == "mkl"
-    head = next(m for m in linears if isinstance(m, ParallelLMHead))
-    layer_shapes = {(m.weight.shape[1], m.weight.shape[0]) for m in linears if m is not head}
-    assert timed == [sorted(layer_shapes)] and (head.weight.shape[1], head.weight.shape[0]) not in layer_shapes
