@@ -46,14 +46,9 @@ MIN_ROWS = 2
 BITWISE_ROWS = 16
 Gemm = Literal["mkl", "onednn"]
 GEMMS: tuple[Gemm, ...] = ("mkl", "onednn")
-CALIBRATION_ROWS = (4, 32)  # the GEMM's rows where the skinny kernel cannot run, so that the GEMM serves decode too
+CALIBRATION_ROWS = (4, 32)
 ONEDNN_MARGIN = 1.1  # oneDNN must be this much faster to give up MKL's bit-identity with F.linear
 SKINNY_CALIBRATION_ROWS = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
-# Where the skinny kernel runs, the GEMM serves the rows past its threshold (at most the last of
-# SKINNY_CALIBRATION_ROWS): prefill chunks and large decode steps, compute-bound, where the order of the two GEMMs can
-# be the reverse of theirs at a few rows (an AVX2 AMD Zen 3: oneDNN 1.5x MKL at 4 rows, MKL 1.06 - 1.1x oneDNN at
-# 128 - 2,048; BENCHMARKS.md section 17, thirteenth session).
-GEMM_ROWS_PAST_SKINNY = (SKINNY_CALIBRATION_ROWS[-1] + 32,)
 SKINNY_MARGIN = 1.05
 SKINNY_ROUNDS = 3
 SKINNY_CALIBRATION_BYTES = 256 << 20
@@ -167,7 +162,6 @@ def packing_key(shapes: list[tuple[int, int]], skinny_shapes: list[tuple[int, in
         "requested": requested,
         "skinny_rows": skinny_rows,
         "skinny_calibration": [*SKINNY_CALIBRATION_ROWS, SKINNY_MARGIN, SKINNY_ROUNDS],
-        "gemm_rows": list(gemm_rows()),
         "shapes": [list(s) for s in shapes],
         "skinny_shapes": [list(s) for s in skinny_shapes],
         "linears": count,
@@ -193,8 +187,7 @@ def dense(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight |
 def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto",
                 weights: dict[tuple[int, int], Tensor] | None = None) -> Gemm | None:
     """The packed GEMM to use for linears of these (in, out) shapes: `requested` if it is one (and can run here),
-    else the faster of the two on these shapes at the rows it will serve (gemm_rows; MKL unless oneDNN is clearly
-    faster);
+    else the faster of the two on these shapes at CALIBRATION_ROWS rows (MKL unless oneDNN is clearly faster);
     None if neither can run. `weights` (one per shape, the model's own) spares making random ones."""
     if requested != "auto":
         forced = next((g for g in GEMMS if g == requested), None)
@@ -208,21 +201,15 @@ def choose_gemm(shapes: list[tuple[int, int]], requested: str = "auto",
     return "onednn" if seconds["onednn"] * ONEDNN_MARGIN < seconds["mkl"] else "mkl"
 
 
-def gemm_rows() -> tuple[int, ...]:
-    """The row counts choose_gemm times: those the GEMM will serve."""
-    return GEMM_ROWS_PAST_SKINNY if skinny_available() else CALIBRATION_ROWS
-
-
 def gemm_seconds(gemm: Gemm, shapes: list[tuple[int, int]], rounds: int = 3,
                  weights: dict[tuple[int, int], Tensor] | None = None) -> float:
-    """Best time of one pass of these linears at each of gemm_rows() rows, packed for `gemm`."""
+    """Best time of one pass of these linears at each of CALIBRATION_ROWS rows, packed for `gemm`."""
     gen = torch.Generator().manual_seed(0)
     given = weights or {}
     tensors = [given[(i, o)] if (i, o) in given else torch.randn(o, i, generator=gen) for i, o in shapes]
     packs = [pack(w, gemm) for w in tensors]
-    rows = gemm_rows()
-    inputs = [torch.randn(m, i, generator=gen) for m in rows for i, _ in shapes]
-    operands = list(zip(inputs, tensors * len(rows), packs * len(rows), strict=True))
+    inputs = [torch.randn(m, i, generator=gen) for m in CALIBRATION_ROWS for i, _ in shapes]
+    operands = list(zip(inputs, tensors * len(CALIBRATION_ROWS), packs * len(CALIBRATION_ROWS), strict=True))
 
     def one_pass() -> None:
         for x, w, p in operands:

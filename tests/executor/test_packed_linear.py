@@ -86,30 +86,6 @@ def test_choose_gemm_takes_a_forced_choice_and_refuses_an_unknown_one() -> None:
         packed.choose_gemm(shapes, "blas")
 
 
-
-@pytest.mark.parametrize("skinny", [True, False])
-def test_the_gemm_is_timed_at_the_rows_it_will_serve(monkeypatch: pytest.MonkeyPatch, skinny: bool) -> None:
-    """With the skinny kernel taking the rows up to its threshold (at most the last calibration row count), the GEMMs
-    are compared past it; without that kernel the GEMM serves decode too and is compared at a few rows."""
-    monkeypatch.setattr(packed, "skinny_available", lambda: skinny)
-    timed: list[int] = []
-    dense = packed.dense
-
-    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
-        timed.append(x.shape[0])
-        return dense(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(packed, "dense", recording)
-    packed.gemm_seconds("mkl", [(32, 64)], rounds=1)
-    assert set(timed) == set(packed.gemm_rows())
-    if skinny:
-        assert min(timed) > max(packed.SKINNY_CALIBRATION_ROWS)
-    else:
-        assert set(timed) == set(packed.CALIBRATION_ROWS)
-    key = packed.packing_key([(32, 64)], [], 1, "auto", -1)
-    assert key["gemm_rows"] == list(packed.gemm_rows())
-
-
 needs_skinny = pytest.mark.skipif(not packed.skinny_available(), reason="the skinny kernel needs AVX-512 or AVX2")
 
 
