@@ -6,7 +6,9 @@ parameter lookups, the family switches of each layer: some 1,000 Python calls a 
 block, no q/k norm, no window, soft-capping or sinks, a dense SiLU MLP, one rank) and the fused CPU kernels are
 loaded, LeanLayers runs the same kernels in the same order over tensors gathered once: the hidden states are
 bit-identical to the modules' (tests/executor/test_lean_layers.py). The linears still go through `dense`, which
-reads each one's packing as it is now (the packing after ready swaps it between steps).
+reads each one's packing as it is now (the packing after ready swaps it between steps). The loop takes the kernels
+when it is built: patching Linear.forward, an Attention's ops or packed.dense afterwards does not reach it; patch its
+own `dense` and `paged_attention` (as benchmarks/forward_steps.py --split does), or set the model's `lean` to None.
 """
 
 from __future__ import annotations
