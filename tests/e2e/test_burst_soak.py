@@ -58,13 +58,14 @@ def test_a_burst_of_2000_calls_is_served_in_full(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_burst_past_the_limits_is_refused_retryably_logged_and_counted(tmp_path: Path) -> None:
+    running, queued = 32, 64  # were 64 and 200: the same refusals, a third of the streamed tokens
     with running_stack(tmp_path, ["--simulated", "--sim-step-latency-ms", "5"],
-                       ["--max-num-seqs", "64", "--max-queue-len", "200"]) as stack:
+                       ["--max-num-seqs", str(running), "--max-queue-len", str(queued)]) as stack:
         # Requests of 200 steps (1 s or more) hold their places while the burst arrives, however slowly the
-        # client sends it: the 64 running and 200 queued places fill, and the rest are refused.
+        # client sends it: the running and queued places fill, and the rest are refused.
         codes = asyncio.run(burst(stack, BURST, max_tokens=200))
         assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
-        assert codes["OK"] >= 264 and sum(codes.values()) == BURST
+        assert codes["OK"] >= running + queued and sum(codes.values()) == BURST
         assert stack.metrics()["pagedserve:requests_refused_total{RESOURCE_EXHAUSTED}"] == codes["RESOURCE_EXHAUSTED"]
     assert "refused a call with RESOURCE_EXHAUSTED" in (tmp_path / "scheduler.log").read_text()
 

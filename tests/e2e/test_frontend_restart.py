@@ -47,14 +47,14 @@ async def test_a_call_resumed_on_another_frontend_supersedes_the_one_still_strea
         other, frontend = tiers.start_other_frontend()
         await asyncio.to_thread(wait_healthy, other, frontend)
         params = {"prompt_token_ids": [7, 8, 9], "max_tokens": 60, "ignore_eos": True, "temperature": 1.0}
-        for i in range(4):
+        for i in range(2):  # one unseeded and one seeded call (were four, alternating), cut early and late
             request = build_request(request_id=f"r{i}", seed=i if i % 2 else None, **params)  # type: ignore[arg-type]
             async with PagedServeClient(tiers.public) as a, PagedServeClient(other) as b:
                 state = ResumeState()
                 first = a._stub.Generate(request, timeout=60)
                 async for r in first:
                     state.take(r)
-                    if len(state.tokens.get(0, [])) >= 5 + 9 * i:
+                    if len(state.tokens.get(0, [])) >= 5 + 27 * i:
                         break
                 rest = [t async for r in b._stub.Generate(state.point(request), timeout=60) for t in r.token_ids]
                 first.cancel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,9 +293,29 @@ def tensor_parallel_executor(model: Served, tmp_path: Path) -> Iterator[str]:
         assert stop(proc) == 0, log.read_text()[-3000:]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, Served], str]]:
+    """The address of an executor process serving a family at --tensor-parallel-size 2. The last one started is
+    kept for the next test of the same family (the prompt-logprobs test follows qwen3's), so one family's
+    executor starts once; each is stopped cleanly when another is asked for, or at the module's end."""
+    held: dict[str, str] = {}
+    with ExitStack() as stack:
+        def get(name: str, model: Served) -> str:
+            if name not in held:
+                stack.close()
+                held.clear()
+                held[name] = stack.enter_context(tensor_parallel_executor(model, tmp_path_factory.mktemp(f"tp-{name}")))
+            return held[name]
+
+        yield get
+
+
+TP_ORDER = [name for name in FAMILIES if name != "qwen3"] + ["qwen3"]  # qwen3's executor serves the next test too
+
+
+@pytest.mark.parametrize("name", TP_ORDER)
 async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[str], Served], name: str,
-                                                            tmp_path: Path) -> None:
+                                                            tensor_parallel: Callable[[str, Served], str]) -> None:
     """`python -m executor_service --tensor-parallel-size 2` (two gloo ranks on the CPU): heads, windows and
     soft-capping per rank (Gemma 2); every expert's and the shared expert's intermediate rows split (Qwen2-MoE);
     the checkpoint's fused qkv and gate/up cut part by part (Phi-3); the q/k norm over all heads all-reduced
@@ -303,13 +323,13 @@ async def test_tensor_parallel_size_2_gives_the_same_tokens(served: Callable[[st
     (GPT-OSS)."""
     model = served(name)
     prompt = make_prompt(50, seed=23, vocab=VOCAB)
-    with tensor_parallel_executor(model, tmp_path) as address:
-        info, tokens = await greedy_over_grpc(address, prompt)
+    info, tokens = await greedy_over_grpc(tensor_parallel(name, model), prompt)
     assert info.architecture == model.hf.config.architectures[0]
     assert_same_tokens(tokens, hf_greedy(model.hf, prompt, NEW_TOKENS), model.backend.info.eos_token_ids)
 
 
-async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[[str], Served], tmp_path: Path) -> None:
+async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[[str], Served],
+                                                               tensor_parallel: Callable[[str, Served], str]) -> None:
     """Prompt logprobs under tensor parallelism: every rank computes the prompt rows' logprobs in run_batch, in step
     (the rows' logits are gathered from both ranks), from the targets rank 0 packed in the batch; the answer equals
     one rank's."""
@@ -319,14 +339,13 @@ async def test_tensor_parallel_prompt_logprobs_equal_one_ranks(served: Callable[
                       SamplingConfig(temperature=0.0, prompt_logprobs=3))
     model.backend.execute([whole])
     assert whole.prompt_out is not None
-    with tensor_parallel_executor(model, tmp_path) as address:
-        async with grpc.aio.insecure_channel(address) as channel:
-            call = executor_pb2_grpc.ExecutorStub(channel).Execute()
-            await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[executor_pb2.NewRequest(
-                request_id="p", token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
-                block_ids=list(range(7)), sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=3))]))
-            result = await call.read()
-            await call.done_writing()
+    async with grpc.aio.insecure_channel(tensor_parallel("qwen3", model)) as channel:
+        call = executor_pb2_grpc.ExecutorStub(channel).Execute()
+        await call.write(executor_pb2.StepRequest(step_id=1, new_requests=[executor_pb2.NewRequest(
+            request_id="p", token_ids=prompt, num_prompt_tokens=len(prompt), num_scheduled_tokens=len(prompt),
+            block_ids=list(range(7)), sampling=common_pb2.SamplingParams(temperature=0.0, prompt_logprobs=3))]))
+        result = await call.read()
+        await call.done_writing()
     assert not result.error and len(result.prompt_logprobs) == 1
     got = result.prompt_logprobs[0]
     assert got.first_position == whole.prompt_out.first_position == 1

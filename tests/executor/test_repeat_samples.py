@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from executor_service.default_model import model as dm
 from executor_service.default_model import training
 from executor_service.default_model.copy_check import (
     ngram_tokens_per_step,
+    probe_copying,
     quote_fidelity,
     quote_passages,
     quote_prompt,
@@ -87,7 +90,10 @@ def test_quote_prompts_repeat_the_first_third_of_the_benchmark_passages() -> Non
     assert quote_prompt(passages[0]) == passages[0] + "\n\n" + " ".join(words[: len(words) // 3])
 
 
-def test_a_probed_run_stops_when_copying_stops_improving(tmp_path: Path) -> None:
+def test_a_probed_run_stops_when_copying_stops_improving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the real probe at a quarter of its prompts and answer length (8 x 96 greedy tokens in transformers, four
+    # times, were ~90% of the test's time): what is checked is when the run probes and stops, and what it keeps
+    monkeypatch.setattr(training, "probe_copying", partial(probe_copying, prompts=2, output_len=24))
     cfg = TrainConfig(steps=8, batch_size=2, seq_len=64, warmup=1, log_every=1, repeat_steps=2, repeat_max_len=16,
                       repeat_fraction=0.5, probe_every=1, probe_patience=2, probe_min_gain=100.0)
     training.train(tmp_path / "m", cfg, TINY)

@@ -8,6 +8,7 @@ Kept small (two ranks, few short requests): the test machine has two shared core
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import re
@@ -273,7 +274,10 @@ async def generate_all(address: str, max_tokens: int = MAX_TOKENS) -> list[tuple
         return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
 
+@functools.cache
 def hf_greedy(path: Path) -> list[list[int]]:
+    """transformers' greedy outputs for PROMPTS, computed once per model (the embedded model's serves the
+    fixture's case and the two-node test)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for prompt in PROMPTS:
