@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -87,66 +88,133 @@ def cpu_identity() -> dict[str, str]:
 
 
 class MeasureCache:
-    """JSON entries under `directory`, one file per kind of measurement, each with the key it was measured under.
-    Under tensor parallelism each rank (`rank` of `world_size`) has its own file per kind, with its place in the
-    group in the key: ranks measure on their own shards and cores, and sharing one file they overwrote each
-    other's choice, so every start measured again."""
+    """JSON entries under `directory`, one file per kind of measurement holding the latest entry with the key it was
+    measured under, and beside it up to MAX_KEYED_ENTRIES earlier entries of the kind by key (`kind.<digest>.json`,
+    moved there when an entry for another key replaced them; each key's entry is in one file), so a
+    machine that starts several models (or trees) in turn finds each one's measurement instead of measuring again
+    whenever another was started in between. Under tensor parallelism each rank (`rank` of `world_size`) has its own
+    files per kind, with its place in the group in the key: ranks measure on their own shards and cores, and sharing
+    one file they overwrote each other's choice, so every start measured again."""
 
     def __init__(self, directory: Path | None, rank: int = 0, world_size: int = 1) -> None:
         self.directory, self.rank, self.world_size = directory, rank, world_size
 
-    def path(self, kind: str) -> Path | None:
+    def path(self, kind: str, key: dict[str, Any] | None = None) -> Path | None:
+        """The kind's latest entry; with `key`, the file of the entry kept for that key."""
         if self.directory is None:
             return None
         name = kind if self.world_size == 1 else f"{kind}.rank{self.rank}-of-{self.world_size}"
-        return self.directory / f"{name}.json"
+        suffix = "" if key is None else f".{key_digest(self.scoped(key))}"
+        return self.directory / f"{name}{suffix}.json"
 
     def scoped(self, key: dict[str, Any]) -> dict[str, Any]:
         """The key as stored: a tensor-parallel rank's with its rank and the group's size (one rank's as it is)."""
         return key if self.world_size == 1 else {**key, "rank": self.rank, "world_size": self.world_size}
 
     def get(self, kind: str, key: dict[str, Any]) -> dict[str, Any] | None:
-        """The stored value for exactly this key; None (and a log line saying why) where there is none to trust."""
-        key = self.scoped(key)
-        path = self.path(kind)
-        if path is None or not path.is_file():
+        """The stored value for exactly this key (the latest entry, else the one kept for the key); None (and a log
+        line saying why) where there is none to trust."""
+        latest, keyed = self.path(kind), self.path(kind, key)
+        if latest is None or keyed is None:
             return None
+        value, why = self.read(latest, self.scoped(key))
+        shown = latest
+        if value is None and keyed.is_file():
+            value, keyed_why = self.read(keyed, self.scoped(key))
+            if value is not None or keyed_why:
+                why, shown = keyed_why, keyed
+        if why:
+            log.info("start-up cache %s %s; measuring again", shown, why)
+        return value
+
+    @staticmethod
+    def read(path: Path, key: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """The value of the entry at `path` if it is there, trusted, intact and for `key`; else None and why not ("":
+        there is no entry)."""
+        if not path.is_file():
+            return None, ""
         distrust = untrusted(path)
         if distrust:
-            log.info("start-up cache %s not used (%s); measuring again", path, distrust)
-            return None
+            return None, f"not used ({distrust})"
         try:
             entry = read_entry(path)
             stored, value, digest = entry["key"], entry["value"], entry["digest"]
         except (OSError, ValueError, KeyError, TypeError):
-            log.info("start-up cache %s unreadable; measuring again", path)
-            return None
+            return None, "unreadable"
         if digest != fingerprint(stored, value) or not isinstance(value, dict) or not isinstance(stored, dict):
-            log.info("start-up cache %s corrupt; measuring again", path)
-            return None
+            return None, "corrupt"
         if stored != key:
             changed = sorted(k for k in set(stored) | set(key) if stored.get(k) != key.get(k))
-            log.info("start-up cache %s is stale or foreign (%s differ); measuring again", path, ", ".join(changed))
-            return None
-        return value
+            return None, f"is stale or foreign ({', '.join(changed)} differ)"
+        return value, ""
 
     def put(self, kind: str, key: dict[str, Any], value: dict[str, Any]) -> str:
-        """Keep `value` under `key` for the next start: "" where it is kept, else why not (the cache is off, or the
-        write failed: a read-only home still starts, it just measures every time)."""
-        path = self.path(kind)
-        if path is None:
+        """Keep `value` under `key` for the next start, as the kind's latest entry and as the entry for the key
+        (dropping the kind's oldest keyed entries past MAX_KEYED_ENTRIES): "" where it is kept, else why not (the
+        cache is off, or the write failed: a read-only home still starts, it just measures every time)."""
+        latest, keyed = self.path(kind), self.path(kind, key)
+        if latest is None or keyed is None:
             return "the start-up cache is off"
         key = self.scoped(key)
         data = json.dumps({"key": key, "value": value, "digest": fingerprint(key, value)}, sort_keys=True)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{kind}-", dir=path.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            latest.parent.mkdir(parents=True, exist_ok=True)
+            self.keep_aside(kind, latest, key)
+            write_atomically(latest, kind, data)
         except OSError as exc:
-            return f"start-up cache {path} not written: {exc.strerror or exc}"
+            return f"start-up cache {latest} not written: {exc.strerror or exc}"
+        with contextlib.suppress(OSError):
+            keyed.unlink(missing_ok=True)  # one file per key: the latest now
+        keyed_name = re.compile(rf"{re.escape(latest.stem)}\.[0-9a-f]{{{KEY_DIGEST_CHARS}}}\.json")
+        drop_oldest([p for p in latest.parent.iterdir() if keyed_name.fullmatch(p.name)], MAX_KEYED_ENTRIES)
         return ""
+
+
+    def keep_aside(self, kind: str, latest: Path, key: dict[str, Any]) -> None:
+        """Move the kind's latest entry, if it is a trusted one for another key, to that key's file."""
+        if not latest.is_file() or untrusted(latest):
+            return
+        try:
+            stored = read_entry(latest)["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if isinstance(stored, dict) and stored != key:
+            aside = self.path(kind, stored if self.world_size == 1 else without_rank(stored))
+            if aside is not None:
+                os.replace(latest, aside)
+
+
+def without_rank(key: dict[str, Any]) -> dict[str, Any]:
+    """A stored tensor-parallel key as MeasureCache.path takes it (path scopes it again)."""
+    return {k: v for k, v in key.items() if k not in ("rank", "world_size")}
+
+
+MAX_KEYED_ENTRIES = 8
+KEY_DIGEST_CHARS = 16
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:KEY_DIGEST_CHARS]
+
+
+def write_atomically(path: Path, kind: str, data: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{kind}-", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def drop_oldest(paths: list[Path], keep: int) -> None:
+    """Remove all but the `keep` most recently written of `paths` (a file that is gone already is skipped)."""
+    def written(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    for path in sorted(paths, key=written, reverse=True)[keep:]:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def untrusted(path: Path) -> str:

@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,14 @@ from executor_service.model.loader import MappedSafetensors
 from executor_service.model.parallel import Linear, ParallelContext
 from executor_service.runner.kv_cache import LAZY_MIN_BYTES, lazy_zeros
 from executor_service.runner.torch_backend import TorchBackend, model_ops, startup_cache
-from executor_service.startup import MeasureCache, Phases, cpu_identity, fingerprint, process_start_time
+from executor_service.startup import (
+    MAX_KEYED_ENTRIES,
+    MeasureCache,
+    Phases,
+    cpu_identity,
+    fingerprint,
+    process_start_time,
+)
 
 
 def test_mapped_tensors_equal_safetensors_reading(tmp_path: Path) -> None:
@@ -376,3 +384,48 @@ def test_the_benchmarks_disk_floor_is_the_first_read_only_where_it_was_slower_th
     cached = Floors([0.70, 0.66, 0.62], size=10**9)
     assert not cached.first_from_disk and cached.disk is None and "not measured" in cached.describe()
     assert Floors([0.70, 0.66, 0.62], size=10**9, disk_gbps=0.4).disk == pytest.approx(2.5)
+
+
+def kept_name(cache: MeasureCache, key: dict[str, Any]) -> str:
+    path = cache.path("packing", key)
+    assert path is not None
+    return path.name
+
+
+def test_models_started_in_turn_each_find_their_own_measurement(tmp_path: Path) -> None:
+    """An entry replaced by another key's is kept aside under its own key (one file per key), up to MAX_KEYED_ENTRIES
+    of them, the oldest dropped; a tensor-parallel rank's files are not among a single rank's."""
+    cache = MeasureCache(tmp_path)
+    a, b = {"shapes": [[64, 64]]}, {"shapes": [[512, 1536]]}
+    cache.put("packing", a, {"gemm": "mkl"})
+    cache.put("packing", b, {"gemm": "onednn"})
+    assert cache.get("packing", a) == {"gemm": "mkl"} and cache.get("packing", b) == {"gemm": "onednn"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["packing.json", kept_name(cache, a)])
+    cache.put("packing", a, {"gemm": "mkl", "skinny_rows": 8})  # a again: b aside, a's old file gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["packing.json", kept_name(cache, b)])
+    assert cache.get("packing", a) == {"gemm": "mkl", "skinny_rows": 8}
+    MeasureCache(tmp_path, 0, 2).put("packing", a, {"gemm": "mkl"})
+    MeasureCache(tmp_path, 0, 2).put("packing", b, {"gemm": "mkl"})
+    keys = [{"shapes": [[n, n]]} for n in range(1, 13)]
+    for n, key in enumerate(keys):
+        cache.put("packing", key, {"n": n})
+    single = [p for p in tmp_path.iterdir() if p.name.startswith("packing.") and ".rank" not in p.name]
+    assert len(single) == 1 + MAX_KEYED_ENTRIES  # the latest and the kept
+    assert [cache.get("packing", key) for key in keys[-MAX_KEYED_ENTRIES - 1:]] == \
+        [{"n": n} for n in range(12 - MAX_KEYED_ENTRIES - 1, 12)]
+    assert cache.get("packing", keys[0]) is None and cache.get("packing", b) is None  # the oldest dropped
+    assert MeasureCache(tmp_path, 0, 2).get("packing", a) == {"gemm": "mkl"}  # the rank's kept entry survives
+
+
+def test_a_kept_entry_another_user_could_have_written_is_not_used(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    cache = MeasureCache(tmp_path)
+    a, b = {"shapes": [[64, 64]]}, {"shapes": [[512, 1536]]}
+    cache.put("packing", a, {"gemm": "mkl"})
+    cache.put("packing", b, {"gemm": "onednn"})
+    kept = cache.path("packing", a)
+    assert kept is not None and kept.is_file()
+    os.chmod(kept, 0o666)
+    with caplog.at_level(logging.INFO, "pagedserve.executor"):
+        assert cache.get("packing", a) is None
+    assert f"{kept} not used (not a regular file of this user" in caplog.text
