@@ -19,7 +19,7 @@ from executor_service.attention.reference import write_kv as reference_write_kv
 from executor_service.model.calibration import calibrate, choose_packing
 from executor_service.model.config import ModelConfig
 from executor_service.model.families import Activation, NormLayout, QKNorm
-from executor_service.model.lean_layers import LeanLayers
+from executor_service.model.lean_layers import AttentionShape, LeanKernels, LeanLayer, LeanLayers, LeanLinear
 from executor_service.model.moe import OaiMoE, SparseMoE
 from executor_service.model.packed import Packing, can_pack
 from executor_service.model.parallel import (
@@ -265,6 +265,15 @@ class DecoderLayer(nn.Module):
                 and isinstance(mlp, MLP) and mlp.fused_silu_and_mul is not None
                 and all(n.fused_norm is not None and n.fused_add_norm is not None for n in norms))
 
+    def lean(self) -> LeanLayer:
+        """This (plain) layer's tensors for LeanLayers."""
+        attention, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):
+            raise TypeError("only a plain layer (is_plain) has a lean form")
+        return LeanLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                         LeanLinear.of(attention.qkv_proj), LeanLinear.of(attention.o_proj),
+                         LeanLinear.of(mlp.gate_up_proj), LeanLinear.of(mlp.down_proj))
+
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """This layer's output and the residual stream it is yet to be added to; `x` is the last layer's output
@@ -390,9 +399,13 @@ class LlamaForCausalLM(nn.Module):
         rank with the fused kernels; None otherwise (the modules run them)."""
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         plain = self.parallel.world_size == 1 and self.embed_scale is None and all(layer.is_plain() for layer in layers)
-        if not plain or ops.rms_norm is None or ops.add_rms_norm is None or ops.silu_and_mul is None:
+        if not plain or ops.rope_write_kv is None or ops.rms_norm is None or ops.add_rms_norm is None \
+                or ops.silu_and_mul is None:
             return None
-        return LeanLayers(layers, ops, self.config.rms_norm_eps)
+        kernels = LeanKernels(ops.rope_write_kv, ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.paged_attention)
+        attention = layers[0].self_attn
+        shape = AttentionShape(attention.num_heads, attention.num_kv_heads, attention.q_size, attention.scale)
+        return LeanLayers([layer.lean() for layer in layers], kernels, shape, self.config.rms_norm_eps)
 
     def pack_weights(self, requested: str = "auto", skinny_rows: int = -1, cache: MeasureCache | None = None,
                      measure_later: bool = False) -> Packing:
