@@ -101,10 +101,14 @@ class MeasureCache:
 
     def path(self, kind: str, key: dict[str, Any] | None = None) -> Path | None:
         """The kind's latest entry; with `key`, the file of the entry kept for that key."""
+        return self.file(kind, None if key is None else self.scoped(key))
+
+    def file(self, kind: str, stored: dict[str, Any] | None) -> Path | None:
+        """The kind's latest entry; with a key as stored (scoped), the file of the entry kept for it."""
         if self.directory is None:
             return None
         name = kind if self.world_size == 1 else f"{kind}.rank{self.rank}-of-{self.world_size}"
-        suffix = "" if key is None else f".{key_digest(self.scoped(key))}"
+        suffix = "" if stored is None else f".{key_digest(stored)}"
         return self.directory / f"{name}{suffix}.json"
 
     def scoped(self, key: dict[str, Any]) -> dict[str, Any]:
@@ -149,9 +153,10 @@ class MeasureCache:
         return value, ""
 
     def put(self, kind: str, key: dict[str, Any], value: dict[str, Any]) -> str:
-        """Keep `value` under `key` for the next start, as the kind's latest entry and as the entry for the key
-        (dropping the kind's oldest keyed entries past MAX_KEYED_ENTRIES): "" where it is kept, else why not (the
-        cache is off, or the write failed: a read-only home still starts, it just measures every time)."""
+        """Keep `value` under `key` for the next start as the kind's latest entry, the latest one before it (for
+        another key) moved aside to that key's file and the oldest of those past MAX_KEYED_ENTRIES dropped: "" where
+        it is kept, else why not (the cache is off, or the write failed: a read-only home still starts, it just
+        measures every time)."""
         latest, keyed = self.path(kind), self.path(kind, key)
         if latest is None or keyed is None:
             return "the start-up cache is off"
@@ -169,7 +174,6 @@ class MeasureCache:
         drop_oldest([p for p in latest.parent.iterdir() if keyed_name.fullmatch(p.name)], MAX_KEYED_ENTRIES)
         return ""
 
-
     def keep_aside(self, kind: str, latest: Path, key: dict[str, Any]) -> None:
         """Move the kind's latest entry, if it is a trusted one for another key, to that key's file."""
         if not latest.is_file() or untrusted(latest):
@@ -178,15 +182,9 @@ class MeasureCache:
             stored = read_entry(latest)["key"]
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if isinstance(stored, dict) and stored != key:
-            aside = self.path(kind, stored if self.world_size == 1 else without_rank(stored))
-            if aside is not None:
-                os.replace(latest, aside)
-
-
-def without_rank(key: dict[str, Any]) -> dict[str, Any]:
-    """A stored tensor-parallel key as MeasureCache.path takes it (path scopes it again)."""
-    return {k: v for k, v in key.items() if k not in ("rank", "world_size")}
+        aside = self.file(kind, stored) if isinstance(stored, dict) and stored != key else None
+        if aside is not None:
+            os.replace(latest, aside)
 
 
 MAX_KEYED_ENTRIES = 8

@@ -256,13 +256,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
 
     def is_plain(self) -> bool:
-        """Llama's own layer over the fused CPU kernels, which LeanLayers runs: norms before each block, no q/k norm,
-        window, soft-capping or sinks, global RoPE, a dense SiLU MLP."""
+        """Llama's own layer, which LeanLayers runs (LlamaForCausalLM.lean_layers checks the fused kernels are there):
+        norms before each block (fused, not Gemma's), no q/k norm, window, soft-capping or sinks, global RoPE, a dense
+        SiLU MLP."""
         attention, mlp = self.self_attn, self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm) if self.layout_kind == NormLayout.PRE else ()
         return (bool(norms) and not self.uses_local_rope and attention.qk_norm == QKNorm.NONE
-                and not attention.has_extras and attention.ops.rope_write_kv is not None
-                and isinstance(mlp, MLP) and mlp.fused_silu_and_mul is not None
+                and not attention.has_extras and isinstance(mlp, MLP) and mlp.fused_silu_and_mul is not None
                 and all(n.fused_norm is not None and n.fused_add_norm is not None for n in norms))
 
     def lean(self) -> LeanLayer:
