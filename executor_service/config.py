@@ -52,6 +52,11 @@ class ExecutorConfig:
         "here, beside the model, over its own KV cache of the same blocks (docs/speculative.md)"))
     device: str = field(default="auto", metadata=flag(choices=["auto", "cuda", "cpu"]))
     dtype: str = field(default="auto", metadata=flag(choices=["auto", "float32", "float16", "bfloat16"]))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "the KV cache's element type: auto (the model's dtype) or float16 (half the memory per block, and on the"
+        " CPU decode attention reads half the bytes; keys and values rounded as written, as llama.cpp's default"
+        " f16 cache does, so greedy outputs may part from transformers' float32 ones; on a GPU only the model's"
+        " dtype)", choices=["auto", "float16"]))
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = field(default=1.0, metadata=flag("CPU swap area in GiB"))

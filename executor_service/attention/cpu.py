@@ -6,11 +6,13 @@ a warning, when the kernel cannot be built (no compiler): callers then use the p
 executor_service.attention.cpu` builds it ahead of time (scripts/setup.sh builds every CPU extension with
 `python -m executor_service.kernels`).
 
-The kernel computes float32 only; `paged_attention` below sends it decode-like sequences, short chunks (query
-length <= KERNEL_MAX_QUERY) and longer chunks whose cached prefix is under KERNEL_MAX_PREFIX_SHARE of their length
-(whole prompts: the kernel skips the masked half of the causal square, which the padded SDPA computes; 1.6 - 2.6x
-faster), and the rest (chunks behind a long prefix, mostly a rectangle of scores, where the reference's batched SDPA
-is faster: BENCHMARKS.md section 8) to the reference, in one output tensor.
+The kernel takes float32 queries over float32 or float16 caches (`--kv-cache-dtype float16`: rows widened as they
+are read, rounded to nearest even as they are written); `paged_attention` below sends it decode-like sequences,
+short chunks (query length <= KERNEL_MAX_QUERY) and longer chunks whose cached prefix is under
+KERNEL_MAX_PREFIX_SHARE of their length (whole prompts: the kernel skips the masked half of the causal square, which
+the padded SDPA computes; 1.6 - 2.6x faster), and the rest (chunks behind a long prefix, mostly a rectangle of
+scores, where the reference's batched SDPA is faster: BENCHMARKS.md section 8) to the reference, in one output
+tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Split:
     plan: Plan
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)  # what the kernel reads and writes
+
+
 def plan_split(query: Tensor, k_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                query_start_loc: Tensor) -> Split:
     tables, lens, starts = (t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc))
@@ -65,7 +70,8 @@ def load() -> bool:
 
 
 def supports(query: Tensor, k_cache: Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype == k_cache.dtype == torch.float32
+    """float32 queries over a float32 or float16 cache (--kv-cache-dtype float16) on the CPU."""
+    return query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype in CACHE_DTYPES
 
 
 def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

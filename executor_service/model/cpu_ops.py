@@ -41,7 +41,8 @@ def load() -> bool:
 def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                   num_heads: int, num_kv_heads: int) -> Tensor:
     """Rotated queries [tokens, num_heads, head_dim] of the fused qkv rows; the rotated keys and the values written
-    into the caches at slot_mapping (float32 CPU tensors; bit-identical to apply_rope + write_kv)."""
+    into the caches at slot_mapping (float32 CPU tensors, the caches float32 or float16; bit-identical to
+    apply_rope + write_kv)."""
     return torch.ops.pagedserve_model.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                     num_kv_heads)
 

@@ -174,7 +174,7 @@ class TorchBackend:
         if layout.window_only and config.draft_model:  # the draft model's full-attention layers read the table
             layout = KVLayout.single(model_cfg.num_layers)
         shape = CacheShape(layout.page_layers, config.block_size, model.layout.num_kv_heads,
-                           model_cfg.head_dim, dtype)
+                           model_cfg.head_dim, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device))
         sampler = Sampler(config.seed, device)
         with phases.phase("kv"):
             num_device_blocks = parallel.min_int(
@@ -209,7 +209,8 @@ class TorchBackend:
             drafts = min(drafts, config.block_size)
         if config.draft_model:
             with phases.phase("draft model"):
-                backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel)
+                backend.draft = load_draft_model(config, model_dir, model_cfg, backend, kv_cache, ops, parallel,
+                                                 dtype)
         backend.info = replace(info, startup_phases=tuple(phases.seconds.items()), max_num_draft_tokens=drafts,
                                max_num_model_draft_tokens=drafts if backend.draft is not None else 0)
         if packing.deferred:
@@ -384,7 +385,7 @@ class TorchBackend:
 
 
 def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, backend: TorchBackend,
-                     kv_cache: KVCache, ops: ModelOps, parallel: ParallelContext) -> DraftModel:
+                     kv_cache: KVCache, ops: ModelOps, parallel: ParallelContext, dtype: torch.dtype) -> DraftModel:
     """--draft-model: the draft model on the model's device and dtype, checked to share its tokenizer, over a KV
     cache of its own with the model's block size and block counts (a block id means the same in both)."""
     if parallel.world_size > 1:
@@ -395,10 +396,9 @@ def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelCo
     except (OSError, ValueError) as e:
         raise ValueError(f"--draft-model {draft_dir}: {e}") from None
     check_draft_vocabulary(draft_dir, draft_cfg, model_dir, model_cfg)
-    dtype = kv_cache.shape.dtype
     draft = load_model(draft_dir, device=backend.device, dtype=dtype, ops=ops)
     shape = CacheShape(draft_cfg.num_layers, kv_cache.shape.block_size, draft.layout.num_kv_heads,
-                       draft_cfg.head_dim, dtype)
+                       draft_cfg.head_dim, kv_cache.shape.dtype)
     cache = KVCache(shape, num_device_blocks=kv_cache.num_device_blocks, num_swap_blocks=kv_cache.num_swap_blocks,
                     device=backend.device, huge_pages=kv_cache.huge_pages)
     log.info("draft model %s: %d layers, its own KV cache of %d device and %d swap blocks", draft_dir,
@@ -482,6 +482,19 @@ def resolve_dtype(requested: str, model_dtype: str, device: torch.device) -> tor
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return torch.float16
     return dtype
+
+
+def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: auto is the model's dtype; float16 anywhere on the CPU (the C++ kernels read and write it
+    under a float32 model, the torch reference under others), on a GPU only where the model is float16 itself."""
+    if requested == "auto":
+        return dtype
+    if requested != "float16":
+        raise ValueError(f"--kv-cache-dtype must be auto or float16, got {requested!r}")
+    if device.type == "cuda" and dtype != torch.float16:
+        raise ValueError(f"--kv-cache-dtype float16: on a GPU the KV cache takes the model's dtype "
+                         f"({str(dtype).removeprefix('torch.')}); use auto")
+    return torch.float16
 
 
 def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,

@@ -202,10 +202,52 @@ def test_kernel_gives_the_same_bits_on_any_number_of_threads() -> None:
 def test_other_dtypes_go_to_the_reference() -> None:
     batch = make_batch([(12, 1), (0, 9)], 16, 2, 2, 32, torch.bfloat16)
     assert torch.equal(cpu.paged_attention(*args(batch)), reference.paged_attention(*args(batch)))
+    halves = make_batch([(12, 1), (0, 9)], 16, 2, 2, 32, torch.float16)  # float16 queries (a float16 model)
+    assert not cpu.supports(halves.query, halves.k_cache)
+    assert torch.equal(cpu.paged_attention(*args(halves)), reference.paged_attention(*args(halves)))
+
+
+def float16_cache(batch: Batch) -> Batch:
+    """`batch` with its caches in float16 (--kv-cache-dtype float16) and its keys and values as they are stored."""
+    return Batch(**{**batch.__dict__, "k_cache": batch.k_cache.half(), "v_cache": batch.v_cache.half(),
+                    "keys": [k.half().float() for k in batch.keys],
+                    "values": [v.half().float() for v in batch.values]})
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"), SHAPES[::2],
+                         ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in SHAPES[::2]])
+def test_a_float16_cache_is_read_as_the_float32_values_it_holds(block_size: int, kv_heads: int, group: int,
+                                                                head_dim: int, portable: bool) -> None:
+    """Both tiles over a float16 cache: attention over the stored (rounded) keys and values, as the reference
+    computes it (the reference widens the gathered rows), in float32 throughout."""
+    batch = float16_cache(make_batch(SHAPE_SEQS, block_size, kv_heads, group, head_dim, torch.float32))
+    _poison_unused_slots(batch, block_size)
+    raw = kernel_only(batch, portable=portable)
+    torch.testing.assert_close(raw.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
+    assert cpu.supports(batch.query, batch.k_cache)
+    expected = reference.paged_attention(*args(batch))
+    torch.testing.assert_close(cpu.paged_attention(*args(batch), scratch=reference.Scratch()), expected, atol=2e-6,
+                               rtol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_over_a_float16_cache_larger_than_the_caches_matches_dense(threads: int) -> None:
+    """The prefetching decode paths over float16 rows (a line holds 32 of them): over 8 MiB of K/V in one call."""
+    contexts = [299, 300, 17, 1, 600, 16, 450, 333, 1500, 64, 287, 515, 2000, 1200, 900]
+    batch = float16_cache(make_batch([(ctx, 1) for ctx in contexts], 16, 4, 2, 64, torch.float32))
+    assert batch.k_cache.element_size() * 2 * sum(contexts) * 4 * 64 > 8 << 20
+    _poison_unused_slots(batch, 16)
+    out = kernel_on_threads(batch, threads)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_rejects_mismatched_shapes() -> None:
     batch = make_batch([(12, 1)], 16, 2, 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="k/v caches differ"):
+        kernel_only(Batch(**{**batch.__dict__, "v_cache": batch.v_cache.half()}))
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        kernel_only(Batch(**{**batch.__dict__, "k_cache": batch.k_cache.double(), "v_cache": batch.v_cache.double()}))
     with pytest.raises(RuntimeError, match="disagree"):
         kernel_only(batch, out=torch.empty(batch.query.shape[0], batch.query.shape[1], 16))
     with pytest.raises(RuntimeError, match="int32"):
@@ -231,14 +273,17 @@ def test_kernel_refuses_metadata_that_would_read_outside_the_cache() -> None:
         kernel_only(batch, seqs=[2])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("skip", [True, False], ids=["with-skipped-slot", "all-mapped"])
-def test_write_kv_equals_the_reference(skip: bool) -> None:
+def test_write_kv_equals_the_reference(skip: bool, cache_dtype: torch.dtype) -> None:
+    """Into a float16 cache, rounded to nearest even as torch's .to(torch.float16) (over 8 floats at a time and
+    the rest one by one: a head size of 20)."""
     gen = torch.Generator().manual_seed(3)
-    shape = (6, 4, 2, 16)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    shape = (6, 4, 2, 20)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(2))
     slots = torch.randperm(24, generator=gen)[:7]
     slot_mapping = torch.cat([slots, torch.tensor([-1])]) if skip else slots
-    qkv = torch.randn(len(slot_mapping), 3, 2, 16, generator=gen)  # strided K/V views, as the model passes them
+    qkv = torch.randn(len(slot_mapping), 3, 2, 20, generator=gen) * 1e3  # strided K/V, as the model passes them
     key, value = qkv[:, 1], qkv[:, 2]
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     reference.write_kv(key, value, k_expected, v_expected, slot_mapping)

@@ -97,8 +97,12 @@ def test_cuda_graph_decode_matches_eager() -> None:
         assert tokens[0] == tokens[1]
 
 
-def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32-cache", "float16-cache"])
+def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path(cache_dtype: torch.dtype) -> None:
+    """Into a float16 cache (--kv-cache-dtype float16) the rotated keys and the values are rounded as torch's
+    .to(torch.float16) rounds them."""
     from executor_service.attention import cpu as attention_cpu
+    from executor_service.attention import reference
     from executor_service.model import cpu_ops
 
     if not cpu_ops.load() or not attention_cpu.load():
@@ -110,11 +114,11 @@ def test_fused_rope_and_kv_write_are_bit_identical_to_the_torch_path() -> None:
     freqs = torch.randn(tokens, dim // 2, generator=gen) * 3
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
     slots = torch.tensor([5, 0, -1, 17, 3, 30, 12, 8, 1])  # -1: not written
-    k_cache, v_cache = (torch.randn(8, 4, kv_heads, dim, generator=gen) for _ in range(2))
+    k_cache, v_cache = (torch.randn(8, 4, kv_heads, dim, generator=gen).to(cache_dtype) for _ in range(2))
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-    attention_cpu.write_kv(qk[:, heads:], v, k_expected, v_expected, slots)
+    reference.write_kv(qk[:, heads:], v, k_expected, v_expected, slots)
     q = cpu_ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
     assert torch.equal(q, qk[:, :heads])
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)

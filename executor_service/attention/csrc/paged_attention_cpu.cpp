@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -42,10 +43,11 @@ constexpr int64_t kStreamBytes = int64_t{8} << 20;  // K/V per call above which 
 // 7 - 20%; above, even a layer's K/V that fits the L3 reads 1.7 - 2x faster with them: BENCHMARKS.md section 17).
 constexpr int64_t kDecodePrefetchBytes = int64_t{256} << 10;
 
+template <class KV>  // float or c10::Half: the cache's element (--kv-cache-dtype)
 struct Layout {
   const float* query;
-  const float* k_cache;
-  const float* v_cache;
+  const KV* k_cache;
+  const KV* v_cache;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -60,10 +62,41 @@ struct Layout {
   bool prefetch_decode;     // more than kDecodePrefetchBytes: the decode tile prefetches rows kDecodeAhead chunks ahead
 };
 
-ALWAYS_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// A cache element as a float32 (the cache holds float32, or float16 under --kv-cache-dtype float16).
+ALWAYS_INLINE float widen(float x) { return x; }
+ALWAYS_INLINE float widen(c10::Half x) { return static_cast<float>(x); }
+
+// Floats of a cache element type per 64-byte line (what a prefetch of one line covers).
+template <class KV>
+constexpr int64_t kLineElements = 64 / static_cast<int64_t>(sizeof(KV));
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 cache elements from p as floats.
+ALWAYS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+ALWAYS_INLINE __m256 load8(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = widen(p[i]);
+  return _mm256_load_ps(wide);
+#endif
+}
+#endif
+
+#ifdef __AVX512F__
+// 16 cache elements from p as floats.
+ALWAYS_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+ALWAYS_INLINE __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+template <class KV>
+ALWAYS_INLINE float dot(const float* __restrict a, const KV* __restrict b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * widen(b[d]);
   return sum;
 }
 
@@ -86,16 +119,17 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
   return p * scale;
 }
 
-ALWAYS_INLINE void add_scaled(float* __restrict acc, const float* __restrict v, float p, int64_t n) {
+template <class KV>
+ALWAYS_INLINE void add_scaled(float* __restrict acc, const KV* __restrict v, float p, int64_t n) {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * v[d];
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * widen(v[d]);
 }
 
 // acc += sum over keys t < n of p[t] * v[t * stride] (rows of D floats), key by key, the same sums in the same order
 // as add_scaled's. With AVX2 and FMA and kD a multiple of 8, acc stays in registers over the keys, each V row read
 // once, instead of acc loaded and stored again for every key.
-template <int64_t kD>
-ALWAYS_INLINE void add_block_values(float* __restrict acc, const float* __restrict v, int64_t stride,
+template <int64_t kD, class KV>
+ALWAYS_INLINE void add_block_values(float* __restrict acc, const KV* __restrict v, int64_t stride,
                                     const float* __restrict p, int64_t n, int64_t D) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kD > 0 && kD % 8 == 0) {
@@ -104,7 +138,7 @@ ALWAYS_INLINE void add_block_values(float* __restrict acc, const float* __restri
     for (int64_t i = 0; i < kV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t t = 0; t < n; ++t) {
       const __m256 pt = _mm256_broadcast_ss(p + t);
-      for (int64_t i = 0; i < kV; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * stride + 8 * i), a[i]);
+      for (int64_t i = 0; i < kV; ++i) a[i] = _mm256_fmadd_ps(pt, load8(v + t * stride + 8 * i), a[i]);
     }
     for (int64_t i = 0; i < kV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
     return;
@@ -114,7 +148,7 @@ ALWAYS_INLINE void add_block_values(float* __restrict acc, const float* __restri
 }
 
 // Every cache line that floats [from, to) touch, into L1.
-ALWAYS_INLINE void prefetch_lines(const float* from, const float* to) {
+ALWAYS_INLINE void prefetch_lines(const void* from, const void* to) {
   constexpr uintptr_t kLine = 64;
   const uintptr_t end = reinterpret_cast<uintptr_t>(to);
   for (uintptr_t at = reinterpret_cast<uintptr_t>(from) & ~(kLine - 1); at < end; at += kLine)
@@ -124,19 +158,19 @@ ALWAYS_INLINE void prefetch_lines(const float* from, const float* to) {
 // s[t] = scale * (q . k[t * stride]) for keys t < n (D floats each). With AVX2 and FMA and kD a multiple of 8, 8 keys
 // at a time: a vector of partial sums per key, reduced together by a transpose (no horizontal sum per key); keys
 // past n in the last 8 repeat key n - 1 and are not stored.
-template <int64_t kD>
-ALWAYS_INLINE void score_block(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+template <int64_t kD, class KV>
+ALWAYS_INLINE void score_block(const float* __restrict q, const KV* __restrict k, int64_t stride, int64_t n,
                                float scale, float* __restrict s, int64_t D) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kD > 0 && kD % 8 == 0) {
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const float* keys[8];
+      const KV* keys[8];
       for (int64_t t = 0; t < 8; ++t) keys[t] = k + std::min(t0 + t, n - 1) * stride;
       __m256 partial[8];
       for (int64_t t = 0; t < 8; ++t) partial[t] = _mm256_setzero_ps();
       for (int64_t i = 0; i < kD; i += 8) {
         const __m256 query = _mm256_loadu_ps(q + i);
-        for (int64_t t = 0; t < 8; ++t) partial[t] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[t] + i), partial[t]);
+        for (int64_t t = 0; t < 8; ++t) partial[t] = _mm256_fmadd_ps(query, load8(keys[t] + i), partial[t]);
       }
       const __m256 sums = _mm256_mul_ps(pagedserve::sum_lanes8(partial), _mm256_set1_ps(scale));
       if (n - t0 >= 8) {
@@ -156,7 +190,8 @@ ALWAYS_INLINE void score_block(const float* __restrict q, const float* __restric
 // Rows [row0, row1) of one sequence: row r is query token r / num_heads, query head r % num_heads. Where each
 // row's query, output and KV head lie, the last key it sees, and its accumulators cleared.
 struct TileRows {
-  TileRows(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t D, float* acc, float* max_score,
+  template <class KV>
+  TileRows(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t D, float* acc, float* max_score,
            float* denom)
       : table(L.block_tables + seq * L.table_stride), rows(row1 - row0) {
     const int64_t first = L.query_start_loc[seq], q_len = L.query_start_loc[seq + 1] - first;
@@ -184,8 +219,8 @@ struct TileRows {
 // The portable tile (rows as in TileRows). The rows of a tile read the same K/V blocks, each block (all KV
 // heads, contiguous) once per tile, front to back. kD > 0: the head size as a compile-time constant (fully
 // unrolled loops); 0: L.head_dim.
-template <int64_t kD>
-void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+template <int64_t kD, class KV>
+void attend_rows_portable(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                  float* denom, float* scores) {
   const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size;
   const TileRows tile(L, seq, row0, row1, D, acc, max_score, denom);
@@ -208,14 +243,14 @@ void attend_rows_portable(const Layout& L, int64_t seq, int64_t row0, int64_t ro
     const int64_t next = fetch_next ? static_cast<int64_t>(table[start / BS + 1]) * L.cache_block_stride : 0;
     // Row by row, the block's keys of the row's head (the block's K rows in L1 after the first rows). Keys before
     // `end` are all written, so a row's masked keys (probability 0) may take part in the V sum.
-    const float* k = L.k_cache + base;
-    const float* v = L.v_cache + base;
+    const KV* k = L.k_cache + base;
+    const KV* v = L.v_cache + base;
     int64_t visible[kRowTile];
     for (int64_t r = 0; r < rows; ++r) visible[r] = std::max<int64_t>(0, std::min(n, last_key[r] - start + 1));
     // Row r's share of the next block's keys: their rows of `cache` (K or V), the tile's heads.
-    const auto fetch_share = [&](const float* cache, int64_t r) {
+    const auto fetch_share = [&](const KV* cache, int64_t r) {
       for (int64_t t = r * n / rows; fetch_next && t < (r + 1) * n / rows; ++t) {
-        const float* row = cache + next + t * L.cache_token_stride;
+        const KV* row = cache + next + t * L.cache_token_stride;
         prefetch_lines(row + span0, row + span1);
       }
     };
@@ -286,12 +321,13 @@ struct Reads {
 };
 constexpr Reads kBoth{true, true};
 
-ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t from, int64_t to, Reads reads) {
+template <class KV>
+ALWAYS_INLINE void prefetch_keys(const Layout<KV>& L, const int32_t* table, int64_t from, int64_t to, Reads reads) {
   const int64_t BS = L.block_size;
   for (int64_t key = from; key < to;) {
     const int64_t in_block = key % BS, n = std::min(BS - in_block, to - key);
     const int64_t base = static_cast<int64_t>(table[key / BS]) * L.cache_block_stride + in_block * L.cache_token_stride;
-    for (int64_t x = 0; x < n * L.cache_token_stride; x += 16) {
+    for (int64_t x = 0; x < n * L.cache_token_stride; x += kLineElements<KV>) {
       if (reads.k) __builtin_prefetch(L.k_cache + base + x, 0, 2);
       if (reads.v) __builtin_prefetch(L.v_cache + base + x, 0, 2);
     }
@@ -302,7 +338,8 @@ ALWAYS_INLINE void prefetch_keys(const Layout& L, const int32_t* table, int64_t 
 // Where the chunk of keys [start, start + 16) lies (block, in_block: where it starts; moved to where the next one
 // starts), and the prefetch of what follows it: whole chunks kPrefetchAhead ahead where the call streams from
 // memory, else the first lines of the next chunk (the hardware prefetcher does the rest).
-ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t start, int64_t end, int64_t& block,
+template <class KV>
+ALWAYS_INLINE void locate_chunk(const Layout<KV>& L, const int32_t* table, int64_t start, int64_t end, int64_t& block,
                                 int64_t& in_block, KeyChunk& chunk, Reads reads = kBoth) {
   const int64_t BS = L.block_size;
   chunk.count = std::min(kKeyChunk, end - start);
@@ -316,15 +353,15 @@ ALWAYS_INLINE void locate_chunk(const Layout& L, const int32_t* table, int64_t s
   } else if (start + kKeyChunk < end) {
     const int64_t next = static_cast<int64_t>(table[block]) * L.cache_block_stride + in_block * L.cache_token_stride;
     for (int64_t line = 0; line < 4; ++line) {
-      if (reads.k) __builtin_prefetch(L.k_cache + next + line * 16);
-      if (reads.v) __builtin_prefetch(L.v_cache + next + line * 16);
+      if (reads.k) __builtin_prefetch(L.k_cache + next + line * kLineElements<KV>);
+      if (reads.v) __builtin_prefetch(L.v_cache + next + line * kLineElements<KV>);
     }
   }
 }
 
 // Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
-template <int64_t kD>
-ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
+template <int64_t kD, class KV>
+ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const KV* __restrict k, const KeyChunk& chunk, int64_t m,
                          int64_t D) {
   __m512 partial[kKeyChunk];
 #pragma GCC unroll 16
@@ -333,10 +370,10 @@ ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restri
       partial[t] = _mm512_setzero_ps();
       continue;
     }
-    const float* key = k + chunk.offset[t];
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+    const KV* key = k + chunk.offset[t];
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), load16(key));
 #pragma GCC unroll 8
-    for (int64_t d = 16; d < D; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(key + d), sum);
+    for (int64_t d = 16; d < D; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(key + d), sum);
     partial[t] = sum;
   }
   return sum_lanes16(partial);
@@ -344,8 +381,8 @@ ALWAYS_INLINE __m512 score_keys(const float* __restrict q, const float* __restri
 
 // acc = acc * corr + sum over the first m keys of p[t] * v[offset[t]]. p[t] is broadcast from memory once per key
 // (a load, not a shuffle); kD > 0: acc in 2 x kD / 16 registers (even and odd keys), else 16 lanes at a time.
-template <int64_t kD>
-ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk, const float* p,
+template <int64_t kD, class KV>
+ALWAYS_INLINE void add_values(float* __restrict acc, const KV* __restrict v, const KeyChunk& chunk, const float* p,
                        int64_t m, float corr, int64_t D) {
   asm volatile("" : : "r"(p) : "memory");  // read p back from memory: GCC would otherwise permute it out of a register
   const __m512 c = _mm512_set1_ps(corr);
@@ -355,18 +392,18 @@ ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, 
     for (int64_t i = 0; i < kC; ++i) even[i] = odd[i] = _mm512_setzero_ps();
     int64_t t = 0;
     for (; t + 1 < m; t += 2) {
-      const float* v0 = v + chunk.offset[t];
-      const float* v1 = v + chunk.offset[t + 1];
+      const KV* v0 = v + chunk.offset[t];
+      const KV* v1 = v + chunk.offset[t + 1];
       const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t)), p1 = _mm512_broadcastss_ps(_mm_load_ss(p + t + 1));
       for (int64_t i = 0; i < kC; ++i) {
-        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
-        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), odd[i]);
+        even[i] = _mm512_fmadd_ps(p0, load16(v0 + 16 * i), even[i]);
+        odd[i] = _mm512_fmadd_ps(p1, load16(v1 + 16 * i), odd[i]);
       }
     }
     if (t < m) {
-      const float* v0 = v + chunk.offset[t];
+      const KV* v0 = v + chunk.offset[t];
       const __m512 p0 = _mm512_broadcastss_ps(_mm_load_ss(p + t));
-      for (int64_t i = 0; i < kC; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), even[i]);
+      for (int64_t i = 0; i < kC; ++i) even[i] = _mm512_fmadd_ps(p0, load16(v0 + 16 * i), even[i]);
     }
     for (int64_t i = 0; i < kC; ++i)
       _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * i), c, _mm512_add_ps(even[i], odd[i])));
@@ -374,7 +411,7 @@ ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, 
     for (int64_t d = 0; d < D; d += 16) {
       __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(acc + d), c);
       for (int64_t t = 0; t < m; ++t)
-        sum = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p + t)), _mm512_loadu_ps(v + chunk.offset[t] + d), sum);
+        sum = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p + t)), load16(v + chunk.offset[t] + d), sum);
       _mm512_storeu_ps(acc + d, sum);
     }
   }
@@ -382,8 +419,8 @@ ALWAYS_INLINE void add_values(float* __restrict acc, const float* __restrict v, 
 
 // The AVX-512 tile (head size a multiple of 16): rows as in attend_rows_portable; keys 16 at a time (a chunk may
 // span blocks), every row of the tile scoring the chunk's keys of its KV head while they are in L1.
-template <int64_t kD>
-void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
+template <int64_t kD, class KV>
+void attend_rows_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, float* acc, float* max_score,
                         float* denom) {
   const int64_t D = kD > 0 ? kD : L.head_dim, BS = L.block_size;
   const TileRows tile(L, seq, row0, row1, D, acc, max_score, denom);
@@ -436,14 +473,14 @@ void attend_rows_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1
 // once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
 // loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
 // The kD floats at `row` into the caches (one line per 16 floats).
-template <int64_t kD>
-ALWAYS_INLINE void prefetch_row(const float* row) {
-  for (int64_t i = 0; i < kD; i += 16) __builtin_prefetch(row + i, 0, 2);
+template <int64_t kD, class KV>
+ALWAYS_INLINE void prefetch_row(const KV* row) {
+  for (int64_t i = 0; i < kD; i += kLineElements<KV>) __builtin_prefetch(row + i, 0, 2);
 }
 
-template <int64_t kD, int64_t kG>
-ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k, const KeyChunk& chunk, int64_t m,
-                               const KeyChunk& ahead, const float* ahead_rows, float* const* scores) {
+template <int64_t kD, int64_t kG, class KV>
+ALWAYS_INLINE void score_group(const float* const* q, const KV* __restrict k, const KeyChunk& chunk, int64_t m,
+                               const KeyChunk& ahead, const KV* ahead_rows, float* const* scores) {
   constexpr int64_t kC = kD / 16;
   __m512 qv[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
@@ -454,10 +491,10 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
       for (int64_t g = 0; g < kG; ++g) partial[g][t] = _mm512_setzero_ps();
       continue;
     }
-    const float* key = k + chunk.offset[t];
+    const KV* key = k + chunk.offset[t];
     if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
     __m512 kv[kC];
-    for (int64_t i = 0; i < kC; ++i) kv[i] = _mm512_loadu_ps(key + 16 * i);
+    for (int64_t i = 0; i < kC; ++i) kv[i] = load16(key + 16 * i);
     for (int64_t g = 0; g < kG; ++g) {
       __m512 sum = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int64_t i = 1; i < kC; ++i) sum = _mm512_fmadd_ps(qv[g][i], kv[i], sum);
@@ -468,20 +505,20 @@ ALWAYS_INLINE void score_group(const float* const* q, const float* __restrict k,
 }
 
 // acc[g] += sum over the first m keys of p[g][t] * v[offset[t]], each V row loaded once for the kG rows.
-template <int64_t kD, int64_t kG>
-ALWAYS_INLINE void add_values_group(float* __restrict acc, const float* __restrict v, const KeyChunk& chunk,
+template <int64_t kD, int64_t kG, class KV>
+ALWAYS_INLINE void add_values_group(float* __restrict acc, const KV* __restrict v, const KeyChunk& chunk,
                                     const float* const* p, int64_t m, const KeyChunk& ahead,
-                                    const float* ahead_rows) {
+                                    const KV* ahead_rows) {
   asm volatile("" : : "r"(p) : "memory");  // broadcast p from memory (as add_values)
   constexpr int64_t kC = kD / 16;
   __m512 sum[kG][kC];
   for (int64_t g = 0; g < kG; ++g)
     for (int64_t i = 0; i < kC; ++i) sum[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
   for (int64_t t = 0; t < m; ++t) {
-    const float* row = v + chunk.offset[t];
+    const KV* row = v + chunk.offset[t];
     if (t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
     for (int64_t i = 0; i < kC; ++i) {
-      const __m512 value = _mm512_loadu_ps(row + 16 * i);
+      const __m512 value = load16(row + 16 * i);
       for (int64_t g = 0; g < kG; ++g)
         sum[g][i] = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm_load_ss(p[g] + t)), value, sum[g][i]);
     }
@@ -526,7 +563,8 @@ struct Ahead {
   KeyChunk chunk{{}, 0};
 
   // The next chunk (count 0 past the last).
-  void advance(const Layout& L) {
+  template <class KV>
+  void advance(const Layout<KV>& L) {
     if (start >= end && !values) {
       values = true, start = block = in_block = 0;
     } else if (start >= end && next_table != nullptr) {
@@ -540,8 +578,8 @@ struct Ahead {
   }
 };
 
-template <int64_t kD, int64_t kG>
-void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+template <int64_t kD, int64_t kG, class KV>
+void attend_decode_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                           float* max_score, float* denom, float* scores) {
   const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
   const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
@@ -557,7 +595,7 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
     for (int64_t start = 0; start < end; start += kKeyChunk) {
       locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
       if (L.prefetch_decode) ahead.advance(L);
-      const float* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
+      const KV* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
       float* at[kRowTile];
       for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
       for (int64_t r0 = 0; r0 < rows; r0 += kG) {
@@ -582,7 +620,8 @@ void attend_decode_avx512(const Layout& L, int64_t seq, int64_t row0, int64_t ro
 
 // The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
 // where it does not apply (the caller runs the general tile).
-bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+template <class KV>
+bool attend_decode(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                    float* max_score, float* denom, std::vector<float>& scores) {
   if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
   const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
@@ -592,11 +631,11 @@ bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int
     return true;
   };
   switch (L.head_dim * 16 + L.group) {
-    case 64 * 16 + 2: return run(attend_decode_avx512<64, 2>);
-    case 64 * 16 + 4: return run(attend_decode_avx512<64, 4>);
-    case 128 * 16 + 2: return run(attend_decode_avx512<128, 2>);
-    case 32 * 16 + 2: return run(attend_decode_avx512<32, 2>);
-    case 32 * 16 + 4: return run(attend_decode_avx512<32, 4>);
+    case 64 * 16 + 2: return run(attend_decode_avx512<64, 2, KV>);
+    case 64 * 16 + 4: return run(attend_decode_avx512<64, 4, KV>);
+    case 128 * 16 + 2: return run(attend_decode_avx512<128, 2, KV>);
+    case 32 * 16 + 2: return run(attend_decode_avx512<32, 2, KV>);
+    case 32 * 16 + 4: return run(attend_decode_avx512<32, 4, KV>);
     default: return false;
   }
 }
@@ -604,7 +643,8 @@ bool attend_decode(const Layout& L, int64_t seq, int64_t row0, int64_t row1, int
 
 // The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
 // next_seq: the sequence this thread computes next (-1: none), which the decode tile starts fetching.
-void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1,
+template <class KV>
+void attend(const Layout<KV>& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1,
             [[maybe_unused]] int64_t next_seq, float* acc, float* max_score, float* denom, std::vector<float>& scores) {
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
@@ -627,7 +667,8 @@ void attend(const Layout& L, [[maybe_unused]] bool portable, int64_t seq, int64_
 
 // Every read the named sequences imply stays inside the tensors (bad metadata raises instead of crashing).
 // Returns the number of context keys they read.
-int64_t check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
+template <class KV>
+int64_t check_metadata(const Layout<KV>& L, const int32_t* seq_ids, int64_t count, int64_t num_seqs, int64_t num_tokens,
                        int64_t table_width, int64_t num_blocks) {
   int64_t keys = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -652,6 +693,18 @@ int64_t check_metadata(const Layout& L, const int32_t* seq_ids, int64_t count, i
 void check_float(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == dim && t.stride(dim - 1) == 1, name, " must be ", dim, "-D with a contiguous last dim");
+}
+
+// A K or V cache: float32, or float16 (--kv-cache-dtype float16), [blocks, block_size, kv_heads, head_dim].
+void check_cache(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf), name,
+              " must be a float32 or float16 CPU tensor");
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be 4-D with a contiguous last dim");
+}
+
+template <class KV>
+const KV* cache_data(const at::Tensor& t) {
+  return reinterpret_cast<const KV*>(t.const_data_ptr());
 }
 
 void check_int(const at::Tensor& t, const char* name, int64_t dim) {
@@ -680,7 +733,8 @@ struct WorkItem {
 // row is read by two items of the same query token; each row's result does not depend on how rows are grouped.
 constexpr int64_t kItemsPerThread = 4;
 
-std::vector<WorkItem> split_work(const Layout& L, const int32_t* seq_ids, int64_t count, int64_t tile) {
+template <class KV>
+std::vector<WorkItem> split_work(const Layout<KV>& L, const int32_t* seq_ids, int64_t count, int64_t tile) {
   const int64_t H = L.num_kv_heads * L.group;
   int64_t total_rows = 0;
   for (int64_t i = 0; i < count; ++i)
@@ -700,7 +754,8 @@ std::vector<WorkItem> split_work(const Layout& L, const int32_t* seq_ids, int64_
 // Where each thread's run of items begins (threads + 1 entries, the last items.size()): contiguous runs of about equal
 // cost, an item costing its rows times the keys they read. Equal counts of items would leave most of a causal
 // prefill to the thread of its last rows, which read the most keys (1 x 512 tokens on 2 threads: 74% of the work).
-std::vector<int64_t> balance(const Layout& L, const std::vector<WorkItem>& items, int64_t threads) {
+template <class KV>
+std::vector<int64_t> balance(const Layout<KV>& L, const std::vector<WorkItem>& items, int64_t threads) {
   const int64_t H = L.num_kv_heads * L.group;
   std::vector<double> prefix(items.size() + 1, 0.0);
   for (size_t i = 0; i < items.size(); ++i) {
@@ -717,35 +772,21 @@ std::vector<int64_t> balance(const Layout& L, const std::vector<WorkItem>& items
   return starts;
 }
 
-// out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
-// `seqs` (int32) names the sequences to compute; the rows of other sequences in out are left untouched.
-void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                   const at::Tensor& seqs, double scale, bool portable) {
-  check_float(out, "out", 3);
-  check_float(query, "query", 3);
-  check_float(k_cache, "k_cache", 4);
-  check_float(v_cache, "v_cache", 4);
-  check_int(block_tables, "block_tables", 2);
-  check_int(seq_lens, "seq_lens", 1);
-  check_int(query_start_loc, "query_start_loc", 1);
-  check_int(seqs, "seqs", 1);
-  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
-              "block_tables, seq_lens and query_start_loc disagree on the number of sequences");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes(), "k/v caches differ");
-  TORCH_CHECK(k_cache.stride(2) == k_cache.size(3), "cache heads must be contiguous");
+// The attention of the named sequences over caches of element KV (the metadata already checked for shape).
+template <class KV>
+void attend_sequences(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                      const at::Tensor& seqs, double scale, bool portable) {
   const int64_t num_kv_heads = k_cache.size(2), num_heads = query.size(1), head_dim = query.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim == k_cache.size(3) && out.sizes() == query.sizes(),
-              "query, out and cache shapes disagree");
-  Layout L{query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-           block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-           out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
-           k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
-           num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false, false};
+  Layout<KV> L{query.data_ptr<float>(), cache_data<KV>(k_cache), cache_data<KV>(v_cache),
+               block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+               out.data_ptr<float>(), query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+               k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), num_kv_heads,
+               num_heads / num_kv_heads, head_dim, k_cache.size(1), static_cast<float>(scale), false, false};
   const int32_t* seq_ids = seqs.data_ptr<int32_t>();
   const int64_t keys =
       check_metadata(L, seq_ids, seqs.size(0), seq_lens.size(0), query.size(0), block_tables.size(1), k_cache.size(0));
-  const int64_t kv_bytes = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(float));
+  const int64_t kv_bytes = keys * L.cache_token_stride * static_cast<int64_t>(2 * sizeof(KV));
   L.stream_from_memory = kv_bytes > kStreamBytes;
   L.prefetch_decode = kv_bytes > kDecodePrefetchBytes;
   const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
@@ -758,6 +799,35 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
       attend(L, portable, items[i].seq, items[i].row0, items[i].row1, i + 1 < end ? items[i + 1].seq : -1,
              acc.data(), max_score.data(), denom.data(), scores);
   });
+}
+
+// out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
+// `seqs` (int32) names the sequences to compute; the rows of other sequences in out are left untouched.
+void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& seqs, double scale, bool portable) {
+  check_float(out, "out", 3);
+  check_float(query, "query", 3);
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  check_int(block_tables, "block_tables", 2);
+  check_int(seq_lens, "seq_lens", 1);
+  check_int(query_start_loc, "query_start_loc", 1);
+  check_int(seqs, "seqs", 1);
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
+              "block_tables, seq_lens and query_start_loc disagree on the number of sequences");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches differ");
+  TORCH_CHECK(k_cache.stride(2) == k_cache.size(3), "cache heads must be contiguous");
+  const int64_t num_kv_heads = k_cache.size(2), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim == k_cache.size(3) && out.sizes() == query.sizes(),
+              "query, out and cache shapes disagree");
+  if (k_cache.scalar_type() == at::kHalf)
+    attend_sequences<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale,
+                                portable);
+  else
+    attend_sequences<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs, scale,
+                            portable);
 }
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -782,34 +852,46 @@ bool has_avx512() {
 }
 
 // Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
+// Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
+template <class KV>
+void scatter_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                const int64_t* slot) {
+  const int64_t tokens = key.size(0), heads = key.size(1), D = key.size(2), row = heads * D;
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  KV* kc = reinterpret_cast<KV*>(k_cache.data_ptr());
+  KV* vc = reinterpret_cast<KV*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      pagedserve::store_row(kc + slot[t] * row + h * D, k + t * key.stride(0) + h * key.stride(1), D);
+      pagedserve::store_row(vc + slot[t] * row + h * D, v + t * value.stride(0) + h * value.stride(1), D);
+    }
+  }
+}
+
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   check_float(key, "key", 3);
   check_float(value, "value", 3);
-  check_float(k_cache, "k_cache", 4);
-  check_float(v_cache, "v_cache", 4);
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches differ");
   TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
               "slot_mapping must be a 1-D int64 CPU tensor");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t tokens = key.size(0), heads = key.size(1), D = key.size(2);
   TORCH_CHECK(slot_mapping.size(0) == tokens && value.sizes() == key.sizes() && heads == k_cache.size(2) &&
               D == k_cache.size(3), "key, value, slots and cache shapes disagree");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = heads * D;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " out of range [0, ", num_slots, ")");
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slot[t] < 0) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + slot[t] * row + h * D, k + t * key.stride(0) + h * key.stride(1), D * sizeof(float));
-      std::memcpy(vc + slot[t] * row + h * D, v + t * value.stride(0) + h * value.stride(1), D * sizeof(float));
-    }
-  }
+  if (k_cache.scalar_type() == at::kHalf)
+    scatter_kv<c10::Half>(key, value, k_cache, v_cache, slot);
+  else
+    scatter_kv<float>(key, value, k_cache, v_cache, slot);
 }
 
 }  // namespace
