@@ -2,12 +2,13 @@
 threads, beside a plain read of the same number of bytes (#29).
 
     python -m benchmarks.attention_decode [--threads 1,2] [--cases 5x300,20x300,64x300,128x300] [--rounds 5]
-        [--source LABEL=FILE ...] [--layouts shuffled,shuffled+huge,sequential]
+        [--source LABEL=FILE ...] [--layouts shuffled,shuffled+huge,sequential,shuffled+huge+f16]
 
 The cache is laid out as the executor's KVCache (one tensor [layers, 2, blocks, block, kv_heads, head_dim], an
 anonymous map as runner/kv_cache.py makes it), for the 32M benchmark model's heads (8 query / 4 KV / 64, 8 layers,
 block 16); each sequence's blocks are shuffled across the cache (`shuffled`, a long-running server's free list) or
-consecutive (`sequential`), in 4 KB pages or (`+huge`) 2 MB transparent huge pages (madvise); each layout named in
+consecutive (`sequential`), in 4 KB pages or (`+huge`) 2 MB transparent huge pages (madvise), in float32 or (`+f16`)
+float16 (--kv-cache-dtype float16: half the bytes, widened as they are read); each layout named in
 --layouts gets its own cache, all timed in the same rounds. One step = the op called once per layer, as the model
 does. Figures: best wall-clock ms of a step per implementation@layout and thread count (all interleaved round by
 round), the K/V bytes it reads over that time (GB/s), and `read`: torch's sum over a contiguous tensor of the same
@@ -53,24 +54,27 @@ class Step:
     control: Tensor  # a contiguous tensor of kv_bytes
 
 
-def cache_map(dims: tuple[int, ...], hugepages: bool) -> Tensor:
+def cache_map(dims: tuple[int, ...], hugepages: bool, dtype: torch.dtype) -> Tensor:
     """An anonymous private map as runner/kv_cache.py's lazy_zeros makes it, optionally in huge pages."""
     if not hugepages:
-        return lazy_zeros(dims, torch.float32)
-    buffer = mmap.mmap(-1, math.prod(dims) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return lazy_zeros(dims, dtype)
+    buffer = mmap.mmap(-1, math.prod(dims) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=torch.float32).view(dims)
+    return torch.frombuffer(buffer, dtype=dtype).view(dims)
 
 
-def make_step(batch: int, context: int, order: str, hugepages: bool, gen: torch.Generator) -> Step:
+def make_step(batch: int, context: int, layout: str, gen: torch.Generator) -> Step:
+    """A step over a cache laid out as `layout` says (shuffled|sequential[+huge][+f16])."""
+    order, *options = layout.split("+")
+    dtype = torch.float16 if "f16" in options else torch.float32
     per_seq = -(-context // BLOCK)
     num_blocks = batch * per_seq + 16
-    cache = cache_map((LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), hugepages)
-    cache.normal_(generator=gen)
+    cache = cache_map((LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), "huge" in options, dtype)
+    cache.copy_(torch.randn(cache.shape, generator=gen))
     ids = torch.randperm(num_blocks, generator=gen) if order == "shuffled" else torch.arange(num_blocks)
     tables = ids[: batch * per_seq].reshape(batch, per_seq).to(torch.int32).contiguous()
     query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
-    kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
     return Step(query, torch.empty_like(query), [(cache[i, 0], cache[i, 1]) for i in range(LAYERS)], tables,
                 torch.full((batch,), context, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32),
                 torch.arange(batch, dtype=torch.int32), kv_bytes, torch.ones(kv_bytes // 4))
@@ -154,7 +158,8 @@ def main() -> None:
         impls[label] = load_source(label, Path(path))
     layouts = args.layouts.split(",")
     for layout in layouts:
-        if layout.removesuffix("+huge") not in ("shuffled", "sequential"):
+        order, *options = layout.split("+")
+        if order not in ("shuffled", "sequential") or not set(options) <= {"huge", "f16"}:
             raise SystemExit(f"--layouts: unknown layout {layout!r}")
     threads = [int(t) for t in args.threads.split(",")]
     names = [f"{name}@{layout}" for layout in layouts for name in impls] + ["read"]
@@ -164,14 +169,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for case in args.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
-        steps = {layout: make_step(batch, context, layout.removesuffix("+huge"), layout.endswith("+huge"), gen)
-                 for layout in layouts}
+        steps = {layout: make_step(batch, context, layout, gen) for layout in layouts}
         for step in steps.values():
             check_same(impls, step)
         best = time_case(impls, steps, threads, args.rounds)
-        kv_bytes = next(iter(steps.values())).kv_bytes
+        read_bytes = {name: steps[name.partition("@")[2]].kv_bytes for name in names if name != "read"}
+        read_bytes["read"] = next(iter(steps.values())).control.nbytes
         for n in threads:
-            cells = [f"{best[name, n] * 1e3:8.2f} ({kv_bytes / best[name, n] / 1e9:5.1f})" for name in names]
+            cells = [f"{best[name, n] * 1e3:8.2f} ({read_bytes[name] / best[name, n] / 1e9:5.1f})" for name in names]
             print(f"{case:10s} {n:3d} " + " ".join(f"{c:>24s}" for c in cells))
 
 

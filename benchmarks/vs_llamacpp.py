@@ -16,8 +16,8 @@ one with those executor flags, each --scheduler-variant one with those scheduler
 whose executor and scheduler run another tree's code (from DIR, with PYTHONPATH=DIR; e.g. a `git archive` of main:
 two trees' whole stacks in one run); --rounds N repeats every run N
 times, interleaved, and reports each one's mean.
-Greedy equality first: the first --check-requests prompts, 16 tokens each, at temperature 0 on both (texts
-compared). Prints one
+Greedy equality first: the first --check-requests prompts, 16 tokens each, at temperature 0 on llama.cpp and on each
+pagedserve configuration with its own executor flags (texts compared, counted by label). Prints one
 JSON line per run and a summary with pagedserve / llama.cpp's best slot count at each thread count. Skips cleanly
 (exit 0, a JSON line saying why) where llama-server cannot be found or built, or the model cannot be converted.
 """
@@ -175,12 +175,22 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0)
     raise RuntimeError("llama-server not healthy in time")
 
 
-def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest], log_dir: Path) -> dict[str, int]:
-    with pagedserve(model, 1) as (url, _):
-        ours = asyncio.run(greedy_texts(url, reqs))
+def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest], log_dir: Path,
+                 configs: Configs) -> dict[str, Any]:
+    """Greedy texts of each pagedserve configuration whose executor flags differ (the defaults, a variant such as
+    --kv-cache-dtype float16), at one thread, against llama.cpp's: how many are equal, by label."""
     with llama_server(server, gguf, 1, 1, log_dir) as (url, _):
         theirs = asyncio.run(greedy_texts(url, reqs))
-    return {"prompts": len(reqs), "equal": sum(a == b for a, b in zip(ours, theirs, strict=True))}
+    equal: dict[str, int] = {}
+    checked: set[tuple[tuple[str, ...], Path]] = set()
+    for label, config in configs.items():
+        if (config.executor, config.tree) in checked:
+            continue
+        checked.add((config.executor, config.tree))
+        with pagedserve(model, 1, config.executor, tree=config.tree) as (url, _):
+            ours = asyncio.run(greedy_texts(url, reqs))
+        equal[label] = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    return {"prompts": len(reqs), "equal": equal}
 
 
 DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
@@ -302,11 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     slots = [int(s) for s in args.slots.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="vs-llamacpp-") as tmp:
         log_dir = Path(tmp)
-        greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir) if args.check_requests else {}
-        print(json.dumps({"greedy_check": greedy}), flush=True)
         configs = pagedserve_configs(tuple(args.executor_args.split()), tuple(args.scheduler_args.split()),
                                      args.dedicated, args.variant, args.baseline_tree,
                                      args.scheduler_variant)
+        greedy = check_greedy(model, server, gguf, reqs[:args.check_requests], log_dir, configs) \
+            if args.check_requests else {}
+        print(json.dumps({"greedy_check": greedy}), flush=True)
         rows = [one_thread_count(model, server, gguf, int(t), slots, reqs, log_dir, configs, max(1, args.rounds))
                 for t in args.threads.split(",")]
     print(json.dumps({"bench": "vs_llamacpp", "server": str(server), "found": how, "gguf": converted,

@@ -3,9 +3,11 @@ no model made and nothing started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,32 @@ def test_a_measured_choice_the_cache_could_not_keep_counts_as_calibrated(tmp_pat
                    "linear weights packed for onednn after ready, in the background (2.13 s): skinny kernel up to 4 "
                    "rows (measured; not kept: start-up cache /c/packing.json not written: Read-only file system)\n")
     assert vs_llamacpp.wait_calibrated(log, timeout=5.0)
+
+
+def test_the_greedy_check_runs_each_distinct_executor_configuration_once(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The defaults and an executor variant (--kv-cache-dtype float16) are each checked against llama.cpp's texts; a
+    scheduler variant, with the defaults' executor flags, is not checked again."""
+    started: list[tuple[str, ...]] = []
+
+    @contextlib.contextmanager
+    def pagedserve(model: Path, threads: int, extra: tuple[str, ...] = (), scheduler_extra: tuple[str, ...] = (),
+                   tree: Path = vs_llamacpp.ROOT) -> Iterator[tuple[str, dict[str, int]]]:
+        started.append(extra)
+        yield "pagedserve " + " ".join(extra), {}
+
+    @contextlib.contextmanager
+    def llama_server(*args: object) -> Iterator[tuple[str, dict[str, int]]]:
+        yield "llama.cpp", {}
+
+    async def greedy_texts(url: str, reqs: list[object]) -> list[str]:
+        return ["same", "other"] if url.endswith("float16") else ["same", "same"]
+
+    monkeypatch.setattr(vs_llamacpp, "pagedserve", pagedserve)
+    monkeypatch.setattr(vs_llamacpp, "llama_server", llama_server)
+    monkeypatch.setattr(vs_llamacpp, "greedy_texts", greedy_texts)
+    configs = vs_llamacpp.pagedserve_configs((), (), False, ["f16kv=--kv-cache-dtype float16"], None,
+                                             ["nice=--cpu-nice 10"])
+    greedy = vs_llamacpp.check_greedy(Path("model"), Path("server"), Path("gguf"), [], tmp_path, configs)
+    assert greedy == {"prompts": 0, "equal": {"pagedserve": 2, "pagedserve f16kv": 1}}
+    assert started == [(), ("--kv-cache-dtype", "float16")]
