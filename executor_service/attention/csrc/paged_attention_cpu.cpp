@@ -119,6 +119,30 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// s[t] = exp(s[t] - shift) for t < m (each s[t] <= shift); returns their sum. With AVX2 and FMA 8 at a time (exp8,
+// the same polynomial): GCC does not vectorize the scalar loop (the portable tile spent ~10% of a decode step in it).
+ALWAYS_INLINE float exponentiate(float* s, int64_t m, float shift) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 by = _mm256_set1_ps(shift), floor = _mm256_set1_ps(-87.3f);
+  __m256 sums = _mm256_setzero_ps();
+  for (; t + 8 <= m; t += 8) {
+    const __m256 e = pagedserve::exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), by), floor));
+    _mm256_storeu_ps(s + t, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  for (const float lane : lanes) sum += lane;
+#endif
+  for (; t < m; ++t) {
+    s[t] = exp_nonpositive(s[t] - shift);
+    sum += s[t];
+  }
+  return sum;
+}
+
 template <class KV>
 ALWAYS_INLINE void add_scaled(float* __restrict acc, const KV* __restrict v, float p, int64_t n) {
 #pragma omp simd
@@ -265,12 +289,7 @@ void attend_rows_portable(const Layout<KV>& L, int64_t seq, int64_t row0, int64_
       float block_max = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < m; ++t) block_max = std::max(block_max, s[t]);
       const float new_max = std::max(max_score[r], block_max);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < m; ++t) {
-        s[t] = exp_nonpositive(s[t] - new_max);
-        sum += s[t];
-      }
+      const float sum = exponentiate(s, m, new_max);
       for (int64_t t = m; t < n; ++t) s[t] = 0.f;
       if (m == 0) continue;
       const float corr = exp_nonpositive(max_score[r] - new_max);
