@@ -1,7 +1,7 @@
 """The torch executor's forward steps in process, against the roofline, in CPU time (robust on a shared machine).
 
     python -m benchmarks.forward_steps [--model DIR] [--repeats 5] [--attention cpu,reference] [--json-out FILE]
-    python -m benchmarks.forward_steps --threads 1,2 [--split] [--omp-wait-policy auto]
+    python -m benchmarks.forward_steps --threads 1,2 [--split] [--omp-wait-policy auto] [--kv-cache-dtype float16]
 
 TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
 offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
@@ -68,7 +68,8 @@ def step_items(kind: str, n: int, length: int, vocab: int, blocks_each: int) -> 
     return items
 
 
-def make_backends(model: Path, attention: list[str], huge_pages: bool = True) -> dict[str, TorchBackend]:
+def make_backends(model: Path, attention: list[str], huge_pages: bool = True,
+                  kv_cache_dtype: str = "auto") -> dict[str, TorchBackend]:
     """One backend per attention implementation (PAGEDSERVE_ATTENTION value; "" = the executor's default)."""
     backends = {}
     saved = os.environ.get(ENV_VAR)
@@ -76,7 +77,7 @@ def make_backends(model: Path, attention: list[str], huge_pages: bool = True) ->
         for name in attention:
             os.environ[ENV_VAR] = name
             backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", num_gpu_blocks=NUM_BLOCKS,
-                                                         cpu_huge_pages=huge_pages))
+                                                         cpu_huge_pages=huge_pages, kv_cache_dtype=kv_cache_dtype))
             backend.wait_for_packing()  # the packing after ready: done and swapped in before timing
             backends[name or "default"] = backend
     finally:
@@ -203,9 +204,9 @@ def amdahl(fraction: float, threads: int) -> float:
 
 
 def run_threads(model: Path, threads: list[int], repeats: int, split: bool = False,
-                huge_pages: bool = True) -> list[dict[str, object]]:
+                huge_pages: bool = True, kv_cache_dtype: str = "auto") -> list[dict[str, object]]:
     shape = ModelShape.from_dir(model)
-    backend = make_backends(model, [""], huge_pages)["default"]
+    backend = make_backends(model, [""], huge_pages, kv_cache_dtype)["default"]
     spent = time_parts(backend) if split else None
     blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
     rows: list[dict[str, object]] = []
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="as the executor's --cpu-omp-spin-count (GOMP_SPINCOUNT; -1: the wait policy's)")
     p.add_argument("--no-huge-pages", action="store_true", help="as the executor's --no-cpu-huge-pages (the KV cache "
                    "in 4 KiB pages)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
+                   help="as the executor's --kv-cache-dtype (with --threads)")
     args = p.parse_args(argv)
     model = ensure_model(args.model)
     if args.threads:
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         load = os.getloadavg()
         print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
         rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats, args.split,
-                           not args.no_huge_pages)
+                           not args.no_huge_pages, args.kv_cache_dtype)
         print(json.dumps({"bench": "forward_steps_threads", "omp_wait_policy": policy, "rows": rows,
                           "load_before": [round(x, 2) for x in load],
                           "load_after": [round(x, 2) for x in os.getloadavg()]}))
