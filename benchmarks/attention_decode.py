@@ -148,7 +148,8 @@ def main() -> None:
     p.add_argument("--layouts", default="shuffled", help="comma-separated cache layouts timed side by side: "
                    "shuffled or sequential blocks, +huge for transparent huge pages (e.g. shuffled,shuffled+huge)")
     p.add_argument("--source", action="append", default=[], metavar="LABEL=FILE",
-                   help="another paged_attention_cpu.cpp to time beside the kernel (repeatable)")
+                   help="another paged_attention_cpu.cpp to time beside the kernel (repeatable; with a +f16 "
+                   "layout, one that reads float16 caches)")
     args = p.parse_args()
     if not cpu.load():
         raise SystemExit("the CPU attention kernel did not build")

@@ -182,6 +182,8 @@ class TorchBackend:
             num_swap_blocks = count_swap_blocks(config, shape)
             kv_cache = KVCache(shape, num_device_blocks=num_device_blocks, num_swap_blocks=num_swap_blocks,
                                device=device, layer_slots=layout.layer_slots, huge_pages=config.cpu_huge_pages)
+            log.info("KV cache in %s: %d device and %d swap blocks of %d bytes",
+                     str(shape.dtype).removeprefix("torch."), num_device_blocks, num_swap_blocks, shape.bytes_per_block)
         with phases.phase("tokenizer"):
             info = build_info(config, model_dir, model_cfg, dtype, device, max_model_len, num_device_blocks,
                               num_swap_blocks)

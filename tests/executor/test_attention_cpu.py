@@ -207,6 +207,24 @@ def test_other_dtypes_go_to_the_reference() -> None:
     assert torch.equal(cpu.paged_attention(*args(halves)), reference.paged_attention(*args(halves)))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("position", [3, 17], ids=["among-8-keys", "in-the-tail"])
+def test_a_nan_key_gives_its_heads_nan_wherever_it_sits(position: int, portable: bool,
+                                                        cache_dtype: torch.dtype) -> None:
+    """A NaN key (a float16 cache stores a key beyond 65,504 as inf, whose scores can be NaN) makes the rows of its
+    KV head NaN, as the reference does, whether it falls among the keys whose exponentials are taken 8 at a time
+    (the first 16 of 21) or after them (the last 5): never a finite output that hides it."""
+    batch = make_batch([(20, 1)], 16, 2, 2, 64, torch.float32)
+    batch = Batch(**{**batch.__dict__, "k_cache": batch.k_cache.to(cache_dtype),
+                     "v_cache": batch.v_cache.to(cache_dtype)})
+    block = int(batch.block_tables[0, position // 16])
+    batch.k_cache[block, position % 16, 0] = float("nan")  # KV head 0: query heads 0 and 1
+    out = kernel_only(batch, portable=portable)
+    assert bool(out[0, :2].isnan().all()) and not bool(out[0, 2:].isnan().any())
+    assert torch.equal(out.isnan(), reference.paged_attention(*args(batch)).isnan())
+
+
 def float16_cache(batch: Batch) -> Batch:
     """`batch` with its caches in float16 (--kv-cache-dtype float16) and its keys and values as they are stored."""
     return Batch(**{**batch.__dict__, "k_cache": batch.k_cache.half(), "v_cache": batch.v_cache.half(),

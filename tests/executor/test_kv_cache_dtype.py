@@ -6,6 +6,7 @@ model dtype."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def test_swapped_float16_blocks_come_back_bit_for_bit() -> None:
     assert torch.equal(cache.device_kv[:, :, 5], before[:, :, 4])
 
 
-def test_a_draft_model_runs_in_the_models_dtype_over_a_float16_cache(tmp_path: Path) -> None:
+def test_a_draft_model_runs_in_the_models_dtype_over_a_float16_cache(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pagedserve.executor")
     model = make_model(tmp_path / "m", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=64,
                        init_std=0.2)
     backend = TorchBackend.create(ExecutorConfig(model=str(model), draft_model=str(model), device="cpu",
@@ -139,3 +142,4 @@ def test_a_draft_model_runs_in_the_models_dtype_over_a_float16_cache(tmp_path: P
     assert {p.dtype for p in draft.model.parameters()} == {torch.float32}
     out = backend.execute([BatchItem("a", [1, 2, 3, 4, 5], 5, 0, 5, [0, 1], True, GREEDY)])
     assert out[0] is not None
+    assert "KV cache in float16: 32 device and 0 swap blocks" in caplog.text  # the log says what the cache holds

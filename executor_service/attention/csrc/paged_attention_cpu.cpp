@@ -128,7 +128,9 @@ ALWAYS_INLINE float exponentiate(float* s, int64_t m, float shift) {
   const __m256 by = _mm256_set1_ps(shift), floor = _mm256_set1_ps(-87.3f);
   __m256 sums = _mm256_setzero_ps();
   for (; t + 8 <= m; t += 8) {
-    const __m256 e = pagedserve::exp8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), by), floor));
+    // max(floor, x), not max(x, floor): a NaN score (an inf or NaN key) stays NaN, as in the scalar loop and the
+    // reference, instead of turning into a tiny probability
+    const __m256 e = pagedserve::exp8(_mm256_max_ps(floor, _mm256_sub_ps(_mm256_loadu_ps(s + t), by)));
     _mm256_storeu_ps(s + t, e);
     sums = _mm256_add_ps(sums, e);
   }
@@ -325,7 +327,8 @@ struct KeyChunk {
 using pagedserve::sum_lanes16;
 
 // exp_nonpositive on 16 lanes (the same polynomial).
-ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm512_max_ps(x, _mm512_set1_ps(-87.3f))); }
+// (max(floor, x): a NaN stays NaN, as in exponentiate.)
+ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm512_max_ps(_mm512_set1_ps(-87.3f), x)); }
 
 
 // Every line of the K/V rows of keys [from, to) into L2 (rows of a block are contiguous), kPrefetchAhead chunks
@@ -491,7 +494,7 @@ void attend_rows_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t 
 // on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
 // once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
 // loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
-// The kD floats at `row` into the caches (one line per 16 floats).
+// The kD elements at `row` into the caches (one prefetch per 64-byte line).
 template <int64_t kD, class KV>
 ALWAYS_INLINE void prefetch_row(const KV* row) {
   for (int64_t i = 0; i < kD; i += kLineElements<KV>) __builtin_prefetch(row + i, 0, 2);
@@ -870,7 +873,6 @@ bool has_avx512() {
 #endif
 }
 
-// Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
 // Scatter key/value [T, kv_heads, D] into the caches at flat slots (slot < 0: skipped).
 template <class KV>
 void scatter_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
