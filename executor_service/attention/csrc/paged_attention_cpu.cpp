@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "kv_cache_element.h"
 #include "parallel_probe.h"
 
 namespace {
@@ -717,13 +718,6 @@ void check_float(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.dim() == dim && t.stride(dim - 1) == 1, name, " must be ", dim, "-D with a contiguous last dim");
 }
 
-// A K or V cache: float32, or float16 (--kv-cache-dtype float16), [blocks, block_size, kv_heads, head_dim].
-void check_cache(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf), name,
-              " must be a float32 or float16 CPU tensor");
-  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, name, " must be 4-D with a contiguous last dim");
-}
-
 template <class KV>
 const KV* cache_data(const at::Tensor& t) {
   return reinterpret_cast<const KV*>(t.const_data_ptr());
@@ -830,16 +824,15 @@ void run_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
                    const at::Tensor& seqs, double scale, bool portable) {
   check_float(out, "out", 3);
   check_float(query, "query", 3);
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
+  pagedserve::check_caches(k_cache, v_cache);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "k_cache must be 4-D with a contiguous last dim");
   check_int(block_tables, "block_tables", 2);
   check_int(seq_lens, "seq_lens", 1);
   check_int(query_start_loc, "query_start_loc", 1);
   check_int(seqs, "seqs", 1);
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
               "block_tables, seq_lens and query_start_loc disagree on the number of sequences");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches differ");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes(), "k/v caches differ");
   TORCH_CHECK(k_cache.stride(2) == k_cache.size(3), "cache heads must be contiguous");
   const int64_t num_kv_heads = k_cache.size(2), num_heads = query.size(1), head_dim = query.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim == k_cache.size(3) && out.sizes() == query.sizes(),
@@ -895,9 +888,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
               const at::Tensor& slot_mapping) {
   check_float(key, "key", 3);
   check_float(value, "value", 3);
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches differ");
+  pagedserve::check_caches(k_cache, v_cache);
   TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
               "slot_mapping must be a 1-D int64 CPU tensor");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");

@@ -1,6 +1,5 @@
 // What the executor's C++ CPU kernels share (attention/csrc, model/csrc): the inlining macro, AVX-512 helpers
-// (a 16-lane horizontal sum, e^x), AVX2's (an 8-lane horizontal sum, e^x) and the store of a row of floats into a
-// KV cache of float32 or float16 (store_row).
+// (a 16-lane horizontal sum, e^x) and AVX2's (an 8-lane horizontal sum, e^x).
 // On the include path of every extension executor_service/kernels/build.py builds.
 #pragma once
 
@@ -82,28 +81,3 @@ ALWAYS_INLINE __m256 sum_lanes8(const __m256* p) {
 }  // namespace pagedserve
 #endif  // __AVX2__ && __FMA__
 
-#include <c10/util/Half.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
-#include <cstdint>
-#include <cstring>
-
-namespace pagedserve {
-
-// n floats into a cache row: copied into a float32 cache, rounded to nearest even into a float16 one (as torch's
-// .to(torch.float16), so the C++ writes and the reference's agree bit for bit).
-inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void store_row(c10::Half* dst, const float* src, int64_t n) {
-  int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
-}
-
-}  // namespace pagedserve

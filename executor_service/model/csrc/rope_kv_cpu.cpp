@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_simd.h"
+#include "kv_cache_element.h"
 
 namespace {
 
@@ -32,11 +32,6 @@ void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-void check_cache(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf), name,
-              " must be a float32 or float16 CPU tensor");
-}
-
 // The rotated queries into `query`; the rotated keys and the values into the caches (elements KV) at the slots.
 template <class KV>
 void rotate_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -48,7 +43,7 @@ void rotate_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   float* q = query.data_ptr<float>();
   KV* kc = reinterpret_cast<KV*>(k_cache.data_ptr());
   KV* vc = reinterpret_cast<KV*>(v_cache.data_ptr());
-  std::vector<float> rotated(D);
+  std::vector<float> rotated(std::is_same_v<KV, float> ? 0 : D);  // a float16 key, rotated before it is rounded
   for (int64_t t = 0; t < tokens; ++t) {
     const float* x = qkv.data_ptr<float>() + t * qkv.stride(0);
     const float* ct = c + t * half;
@@ -75,9 +70,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   check_float(qkv, "qkv");
   check_float(cos, "cos");
   check_float(sin, "sin");
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches differ");
+  pagedserve::check_caches(k_cache, v_cache);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == num_kv_heads,
               "caches must be contiguous [blocks, block_size, ", num_kv_heads, ", head_dim] and alike");
