@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
