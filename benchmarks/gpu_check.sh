@@ -9,21 +9,27 @@
 #
 #   bash benchmarks/gpu_check.sh            # LIMIT=900 bash benchmarks/gpu_check.sh for a longer budget
 #
-# A machine without internet whose Python lacks this project's pins can take wheels from .gpu-wheels/
-# (made beforehand where PyPI is reachable, for that machine's Python, e.g.
-#  pip download --only-binary=:all: --python-version 3.12 -d .gpu-wheels grpcio==1.85.3 protobuf==7.36.2 \
-#      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 uvloop prometheus-client pytest-asyncio pytest-timeout)
+# A machine without internet whose Python lacks some of this project's packages takes wheels from .whl/ (the
+# device tool's folder) or .gpu-wheels/, made beforehand where PyPI is reachable, for that machine's Python, e.g.
+#  pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#      --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl grpcio==1.85.3 protobuf==7.36.2 \
+#      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 msgspec pyzmq 'pytest-asyncio>=1.0'
+# They are installed into a folder put first on PYTHONPATH (the servers the tests start inherit it), so the
+# machine's own torch, Triton and transformers stay in use.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if [ -d .gpu-wheels ]; then
-  "$PY" -m venv --system-site-packages /tmp/pagedserve-gpu-venv
-  PY=/tmp/pagedserve-gpu-venv/bin/python
-  "$PY" -m pip install -q --no-index --find-links .gpu-wheels .gpu-wheels/*.whl
-fi
-export PAGEDSERVE_TEST_DEVICE=cuda TRITON_INTERPRET=0 PAGEDSERVE_CACHE_DIR="$OUT/cache"
+for wheels in .whl .gpu-wheels; do
+  if [ -d "$wheels" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pagedserve-site \
+      "$wheels"/*.whl || exit 1
+    export PYTHONPATH=/tmp/pagedserve-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+done
+# the model and kernel caches stay outside $OUT, which holds only the step logs
+export PAGEDSERVE_TEST_DEVICE=cuda TRITON_INTERPRET=0 PAGEDSERVE_CACHE_DIR=${PAGEDSERVE_CACHE_DIR:-/tmp/pagedserve-gpu-cache}
 LIMIT=${LIMIT:-540}
 deadline=$((SECONDS + LIMIT))
 status=0
@@ -36,9 +42,10 @@ run() {
   status=$((status | PIPESTATUS[0]))
 }
 run nvidia-smi nvidia-smi
+run attention "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/executor/test_attention.py \
+  tests/executor/test_forward_path.py::test_cuda_graph_decode_matches_eager
 run gpu_bench "$PY" -m benchmarks.gpu_bench --json-out "$OUT/gpu_bench.json"
-run attention "$PY" -m pytest -q -p no:cacheprovider tests/executor/test_attention.py tests/executor/test_forward_path.py
-run equality "$PY" -m pytest -q -p no:cacheprovider tests/e2e/test_torch_grpc.py tests/e2e/test_conformance.py
+run equality "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/e2e/test_torch_grpc.py tests/e2e/test_conformance.py
 run executor "$PY" -m benchmarks.executor --device cuda --batch-sizes 1,16,64,256 --steps 64
 run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda
 # Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
