@@ -133,6 +133,28 @@ def decode_steps(lengths: list[int], tables: list[list[int]], next_block: int, c
     return steps
 
 
+def prefill_steps(batch: list[list[int]], block_size: int, budget: int
+                  ) -> tuple[list[executor_pb2.StepRequest], list[list[int]], int]:
+    """The batch's prompts as new requests, whole, in as few steps as fit `budget` tokens each (the executor's
+    max_num_batched_tokens; the requests already sent sit those steps out); their block tables; the next free
+    block."""
+    steps: list[executor_pb2.StepRequest] = []
+    tables: list[list[int]] = []
+    next_block = scheduled = 0
+    for i, prompt in enumerate(batch):
+        if not steps or scheduled + len(prompt) > budget:
+            steps.append(executor_pb2.StepRequest())
+            scheduled = 0
+        blocks = -(-len(prompt) // block_size)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+        scheduled += len(prompt)
+        steps[-1].new_requests.append(executor_pb2.NewRequest(
+            request_id=str(i), token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+            num_scheduled_tokens=len(prompt), block_ids=tables[i], sampling=GREEDY))
+    return steps, tables, next_block
+
+
 async def executor_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[int]], steps: int,
                        block_size: int, in_flight: int = 1) -> tuple[float, float]:
     """(wall seconds, executor busy seconds) of `steps` decode steps of the batch on a fresh stream, with up
@@ -153,18 +175,11 @@ async def executor_run(stub: executor_pb2_grpc.ExecutorStub, batch: list[list[in
         return result
 
     try:
-        next_block = 0
-        tables: list[list[int]] = []
-        first = executor_pb2.StepRequest()
-        for i, prompt in enumerate(batch):
-            blocks = -(-len(prompt) // block_size)
-            tables.append(list(range(next_block, next_block + blocks)))
-            next_block += blocks
-            first.new_requests.append(executor_pb2.NewRequest(
-                request_id=str(i), token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
-                num_scheduled_tokens=len(prompt), block_ids=tables[i], sampling=GREEDY))
-        await send(first)
-        await receive()
+        budget = (await stub.Describe(executor_pb2.DescribeRequest())).capabilities.max_num_batched_tokens
+        prefills, tables, next_block = prefill_steps(batch, block_size, budget)
+        for msg in prefills:
+            await send(msg)
+            await receive()
         lengths = [len(p) for p in batch]
         for msg in decode_steps(lengths, tables, next_block, WARMUP_STEPS, block_size):
             await send(msg)

@@ -81,20 +81,26 @@ def attention_cases(read_gbs: float) -> list[dict[str, Any]]:
 
 
 def swap_case() -> dict[str, Any]:
+    """GB/s of KVCache swaps of 1,024 blocks (2 GiB), to and from consecutive swap blocks and to and from
+    swap blocks in a shuffled order (each its own DMA), beside a plain pinned copy of the same bytes."""
     from executor_service.runner.kv_cache import CacheShape, KVCache
 
     shape = CacheShape(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float16)
     blocks = 1024
     cache = KVCache(shape, num_device_blocks=blocks, num_swap_blocks=blocks, device=torch.device("cuda"))
     mapping = [(i, i) for i in range(blocks)]
+    shuffled = list(zip(range(blocks), torch.randperm(blocks).tolist(), strict=True))
+    back = [(swap, device) for device, swap in shuffled]
     nbytes = blocks * shape.bytes_per_block
-    out = cuda_time(lambda: cache.swap_out(mapping), reps=3)
-    back = cuda_time(lambda: cache.swap_in(mapping), reps=3)
+    times = {"swap_out": cuda_time(lambda: cache.swap_out(mapping), reps=3),
+             "swap_in": cuda_time(lambda: cache.swap_in(mapping), reps=3),
+             "swap_out_shuffled": cuda_time(lambda: cache.swap_out(shuffled), reps=3),
+             "swap_in_shuffled": cuda_time(lambda: cache.swap_in(back), reps=3)}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     d2h = cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=3)
     h2d = cuda_time(lambda: dev.copy_(host, non_blocking=True), reps=3)
-    return {"bytes": nbytes, "swap_out_gbs": round(nbytes / out / 1e9, 1), "swap_in_gbs": round(nbytes / back / 1e9, 1),
+    return {"bytes": nbytes, **{f"{k}_gbs": round(nbytes / v / 1e9, 1) for k, v in times.items()},
             "pinned_d2h_gbs": round(nbytes / d2h / 1e9, 1), "pinned_h2d_gbs": round(nbytes / h2d / 1e9, 1)}
 
 

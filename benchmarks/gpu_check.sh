@@ -43,7 +43,7 @@ run() {
 }
 run nvidia-smi nvidia-smi
 run attention "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/executor/test_attention.py \
-  tests/executor/test_forward_path.py::test_cuda_graph_decode_matches_eager
+  tests/executor/test_forward_path.py::test_cuda_graph_decode_matches_eager tests/executor/test_kv_cache_swap.py
 run gpu_bench "$PY" -m benchmarks.gpu_bench --json-out "$OUT/gpu_bench.json"
 run equality "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/e2e/test_torch_grpc.py tests/e2e/test_conformance.py
 run executor "$PY" -m benchmarks.executor --device cuda --batch-sizes 1,16,64,256 --steps 64

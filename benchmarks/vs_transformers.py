@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import shlex
@@ -186,8 +187,11 @@ def continuous_peer(model_dir: Path, requests: list[tuple[list[int], int]], args
                            pad_token_id=0)
     page = 256
     blocks = sum(-(-(len(ids) + m) // page) for ids, m in requests) + 8
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=args.max_num_batched_tokens,
-                                  max_requests_per_batch=args.max_num_seqs, allow_block_sharing=False)
+    # transformers 5.17 calls the page size block_size; 5.25 calls it page_size
+    size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    settings: dict[str, Any] = {size_name: page, "num_blocks": blocks, "max_batch_tokens": args.max_num_batched_tokens,
+                                "max_requests_per_batch": args.max_num_seqs, "allow_block_sharing": False}
+    cb = ContinuousBatchingConfig(**settings)
 
     def generate(batch: list[tuple[list[int], int]]) -> tuple[float, int]:
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,

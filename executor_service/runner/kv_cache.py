@@ -1,9 +1,12 @@
-"""Paged KV cache on the device plus a CPU swap area of the same layout.
+"""Paged KV cache on the device plus a CPU swap area.
 
-Storage is one tensor per side, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim],
-so a swap or copy of any set of blocks is one index_select + one index_copy_ over all layers. With KV cache
-groups (kv_groups.py) num_layers is a group's size and each model layer reads its page slot of the blocks. Under
-CUDA, swaps run on a side stream ordered against the compute stream with wait_stream / events.
+Device storage is one tensor, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so a copy
+of any set of blocks is one index_select + one index_copy_ over all layers. With KV cache groups (kv_groups.py)
+num_layers is a group's size and each model layer reads its page slot of the blocks. On a CPU the swap area has
+the same layout. Under CUDA it is pinned host memory laid out block first, [num_blocks, num_layers, 2, ...], so
+that each swap block is one contiguous range: the GPU gathers the blocks into that order and the copy engine
+moves each run of consecutive swap blocks in one DMA, with no gather or scatter by the host's cores. CUDA swaps
+run on a side stream ordered against the compute stream with wait_stream / events.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class CacheShape:
 
     def dims(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def block_first_dims(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> Tensor:
@@ -96,8 +102,8 @@ class KVCache:
         self.huge_pages = huge_pages
         self.device_kv = (lazy_zeros(shape.dims(num_device_blocks), shape.dtype, huge_pages) if device.type == "cpu"
                           else torch.zeros(shape.dims(num_device_blocks), dtype=shape.dtype, device=device))
-        self.swap_kv = (torch.zeros(shape.dims(num_swap_blocks), dtype=shape.dtype, pin_memory=True) if self.is_cuda
-                        else lazy_zeros(shape.dims(num_swap_blocks), shape.dtype, huge_pages))
+        self.swap_kv = (torch.zeros(shape.block_first_dims(num_swap_blocks), dtype=shape.dtype, pin_memory=True)
+                        if self.is_cuda else lazy_zeros(shape.dims(num_swap_blocks), shape.dtype, huge_pages))
         slots = range(shape.num_layers) if layer_slots is None else layer_slots
         self.layers = [(self.device_kv[i, 0], self.device_kv[i, 1]) for i in slots]
         self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
@@ -110,16 +116,18 @@ class KVCache:
         if self.swap_stream is None:
             self.swap_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
             return
+        order = dst.argsort()
+        src, dst = src[order], dst[order]
         compute = torch.cuda.current_stream(self.device)
-        staged = torch.empty(self.shape.dims(len(mapping)), dtype=self.shape.dtype, pin_memory=True)
         with torch.cuda.stream(self.swap_stream):
             self.swap_stream.wait_stream(compute)
-            gathered = self.device_kv.index_select(2, src.to(self.device, non_blocking=True))
+            gathered = self.device_kv.index_select(2, src.to(self.device, non_blocking=True)).movedim(2, 0)
+            gathered = gathered.contiguous()
             compute.wait_stream(self.swap_stream)
-            staged.copy_(gathered, non_blocking=True)
+            for start, first, count in contiguous_runs(dst.tolist()):
+                self.swap_kv[first:first + count].copy_(gathered[start:start + count], non_blocking=True)
             done = self.swap_stream.record_event()
         done.synchronize()
-        self.swap_kv.index_copy_(2, dst, staged)
 
     def swap_in(self, mapping: BlockMap) -> None:
         """Copy swap blocks to device blocks: mapping = [(swap_block, device_block)]."""
@@ -129,13 +137,16 @@ class KVCache:
         if self.swap_stream is None:
             self.device_kv.index_copy_(2, dst, self.swap_kv.index_select(2, src))
             return
+        order = src.argsort()
+        src, dst = src[order], dst[order]
         compute = torch.cuda.current_stream(self.device)
-        staged = torch.empty(self.shape.dims(len(mapping)), dtype=self.shape.dtype, pin_memory=True)
-        torch.index_select(self.swap_kv, 2, src, out=staged)
         with torch.cuda.stream(self.swap_stream):
             self.swap_stream.wait_stream(compute)
-            uploaded = staged.to(self.device, non_blocking=True)
-            self.device_kv.index_copy_(2, dst.to(self.device, non_blocking=True), uploaded)
+            uploaded = torch.empty(self.shape.block_first_dims(len(mapping)), dtype=self.shape.dtype,
+                                   device=self.device)
+            for start, first, count in contiguous_runs(src.tolist()):
+                uploaded[start:start + count].copy_(self.swap_kv[first:first + count], non_blocking=True)
+            self.device_kv.index_copy_(2, dst.to(self.device, non_blocking=True), uploaded.movedim(0, 2))
         compute.wait_stream(self.swap_stream)
 
     def copy(self, mapping: BlockMap) -> None:
@@ -155,6 +166,19 @@ class KVCache:
         if torch.unique(dst).numel() != dst.numel():
             raise ValueError(f"{what}: duplicate destination blocks in {mapping}")
         return src, dst
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position, first id, count) of each run of consecutive ids in `ids`: [4, 5, 6, 9, 10] gives
+    [(0, 4, 3), (3, 9, 2)]."""
+    runs: list[tuple[int, int, int]] = []
+    for position, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((position, block, 1))
+    return runs
 
 
 def check_range(ids: Tensor, limit: int, what: str) -> None:
