@@ -215,6 +215,24 @@ def test_triton_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs Triton compiling for a GPU")
+def test_decode_steps_of_any_batch_size_and_table_width_share_one_compiled_kernel() -> None:
+    """Each new class (1, a multiple of 16, other) of a specialised integer argument costs a compile of ~1 s in the
+    middle of serving; the sequence count and the block table's width change every step."""
+    kernel = triton_paged._paged_attention_kernel
+    compiled: int | None = None
+    for num_seqs in (1, 5, 16, 17, 32):
+        for context in (3, 40, 230):  # tables 2, 4 and 16 - 18 blocks wide
+            batch = make_batch([(context + i, 1) for i in range(num_seqs)], 16, 2, 2, 32, torch.float16)
+            out = run_attention(triton_paged.paged_attention, batch)
+            expected = run_attention(reference.paged_attention, batch)
+            torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
+            count = sum(len(caches[0]) for caches in kernel.device_caches.values())
+            compiled = count if compiled is None else compiled
+            assert count == compiled, f"a new compile at {num_seqs} sequences of {context}+ tokens"
+
+
 @pytest.mark.parametrize("skip", [True, False], ids=["with-skipped-slot", "all-mapped"])
 @pytest.mark.parametrize("write_fn", [reference.write_kv, triton_paged.write_kv], ids=["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
