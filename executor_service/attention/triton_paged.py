@@ -58,10 +58,12 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr) -> 
     return lo - 1
 
 
-# Triton compiles a kernel for each class of its integer arguments (1, a multiple of 16, any other): the two that
-# change from step to step, the batch's sequence count and its block table's width, would otherwise cost a compile
-# of ~1 s whenever a step met a new combination (an H200 serving 128 requests: 6 - 7 such stalls, 4.5 - 8.5 s).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# Triton compiles a kernel for each class of its integer arguments (1, a multiple of 16, any other) and of its
+# pointers' alignment (16 bytes or not). What changes from step to step: the batch's sequence count, its block
+# table's width, and where query_start_loc starts in the decode path's one packed upload (4 x the sequence count
+# bytes in). Specialised, each new combination cost a compile of ~1 s in the middle of serving (an H200 serving
+# 128 requests: 6 - 7 such stalls, 4.5 - 8.5 s).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
