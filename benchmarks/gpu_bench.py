@@ -81,21 +81,22 @@ def attention_cases(read_gbs: float) -> list[dict[str, Any]]:
 
 
 def swap_case() -> dict[str, Any]:
-    """GB/s of KVCache swaps of 1,024 blocks (2 GiB), to and from consecutive swap blocks and to and from
-    swap blocks in a shuffled order (each its own DMA), beside a plain pinned copy of the same bytes."""
+    """GB/s of KVCache swaps of 1,024 blocks (2 GiB): to and from consecutive swap blocks (one DMA), and to and from
+    swap blocks scattered over twice as many (a DMA per run of consecutive ones, most of them one block), beside a
+    plain pinned copy of the same bytes."""
     from executor_service.runner.kv_cache import CacheShape, KVCache
 
     shape = CacheShape(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float16)
     blocks = 1024
-    cache = KVCache(shape, num_device_blocks=blocks, num_swap_blocks=blocks, device=torch.device("cuda"))
+    cache = KVCache(shape, num_device_blocks=blocks, num_swap_blocks=2 * blocks, device=torch.device("cuda"))
     mapping = [(i, i) for i in range(blocks)]
-    shuffled = list(zip(range(blocks), torch.randperm(blocks).tolist(), strict=True))
-    back = [(swap, device) for device, swap in shuffled]
+    scattered = list(zip(range(blocks), torch.randperm(2 * blocks)[:blocks].tolist(), strict=True))
+    back = [(swap, device) for device, swap in scattered]
     nbytes = blocks * shape.bytes_per_block
     times = {"swap_out": cuda_time(lambda: cache.swap_out(mapping), reps=3),
              "swap_in": cuda_time(lambda: cache.swap_in(mapping), reps=3),
-             "swap_out_shuffled": cuda_time(lambda: cache.swap_out(shuffled), reps=3),
-             "swap_in_shuffled": cuda_time(lambda: cache.swap_in(back), reps=3)}
+             "swap_out_scattered": cuda_time(lambda: cache.swap_out(scattered), reps=3),
+             "swap_in_scattered": cuda_time(lambda: cache.swap_in(back), reps=3)}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     d2h = cuda_time(lambda: host.copy_(dev, non_blocking=True), reps=3)

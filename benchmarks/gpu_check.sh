@@ -4,8 +4,8 @@
 # whole gRPC stack with the executor on CUDA (swap to pinned CPU memory included), the executor conformance
 # suite on CUDA, the device's limits and kernels (benchmarks/gpu_bench.py: matmul peak, HBM bandwidth, Triton
 # vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), decode throughput, served throughput against
-# transformers eager and with CUDA graphs (its step log's stalls show any Triton compile mid-serving), and with two
-# or more GPUs tensor parallelism (TP=2) over NCCL. Writes one log per step (at most 8 files) under $OUT (default
+# transformers eager and with CUDA graphs (their step logs: a step of ~1 s is a Triton compile mid-serving), and
+# with two or more GPUs tensor parallelism (TP=2) over NCCL. Writes one log per step (8 files) under $OUT (default
 # /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left; the
 # first H200 run needed 242 s of 430 for what it ran then.
 #
@@ -43,16 +43,16 @@ run() {
   timeout --signal=TERM --kill-after=10 "$left" "$@" 2>&1 | tee "$OUT/$name.txt"
   status=$((status | PIPESTATUS[0]))
 }
-run nvidia-smi nvidia-smi
+nvidia-smi  # to the output only: $OUT holds the 8 files below
 run attention "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/executor/test_attention.py \
   tests/executor/test_forward_path.py::test_cuda_graph_decode_matches_eager tests/executor/test_kv_cache_swap.py \
   tests/executor/test_triton_specialization.py
-run gpu_bench "$PY" -m benchmarks.gpu_bench --json-out "$OUT/gpu_bench.json"
+run gpu_bench "$PY" -m benchmarks.gpu_bench  # one JSON line per part
 run equality "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/e2e/test_torch_grpc.py tests/e2e/test_conformance.py
 run executor "$PY" -m benchmarks.executor --device cuda --batch-sizes 1,16,64,256 --steps 64
-run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda --repeats 3 --step-log /tmp/pagedserve-gpu-steps.log
+run vs_transformers "$PY" -m benchmarks.vs_transformers --device cuda --repeats 3 --step-log "$OUT/steps_eager.log"
 run vs_transformers_graphs "$PY" -m benchmarks.vs_transformers --device cuda --repeats 3 --only pagedserve \
-  --executor-args "--cuda-graph-sizes 1,2,4,8,16,32,64,128"
+  --step-log "$OUT/steps_graphs.log" --executor-args "--cuda-graph-sizes 1,2,4,8,16,32,64,128"
 # Tensor parallelism over NCCL needs two devices (NCCL refuses two ranks on one GPU); on one GPU, TP=2
 # still runs over gloo on the CPU in the conformance suite above.
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)

@@ -146,7 +146,7 @@ def run_pagedserve(model: Path, requests: list[tuple[list[int], int]], args: arg
     with service("executor_service", ex_args, env=env, name="executor") as ex:
         sc_args = ["--executor", ex.address, "--metrics-port", "-1", *sc_flags]
         with service("scheduler_service", sc_args, name="scheduler") as sc:
-            if args.device == "cuda":  # untimed, as the peer's: Triton compiles a kernel for each shape it meets
+            if args.device == "cuda":  # untimed: one-off compiles and allocations (the peer warms up on two requests)
                 asyncio.run(drive(sc.address, requests))
             for _ in range(args.repeats):
                 seconds, tokens, bad = asyncio.run(drive(sc.address, requests))

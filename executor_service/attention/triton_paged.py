@@ -12,7 +12,7 @@ PREFILL_ROWS = 64
 MIN_ROWS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -60,10 +60,14 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr) -> 
 
 # Triton compiles a kernel for each class of its integer arguments (1, a multiple of 16, any other) and of its
 # pointers' alignment (16 bytes or not). What changes from step to step: the batch's sequence count, its block
-# table's width, and where query_start_loc starts in the decode path's one packed upload (4 x the sequence count
-# bytes in). Specialised, each new combination cost a compile of ~1 s in the middle of serving (an H200 serving
-# 128 requests: 6 - 7 such stalls, 4.5 - 8.5 s).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
+# table's width, and where the metadata lie (the decode path uploads them as one packed tensor and views it, 4 x the
+# sequence count bytes apart; CUDA graphs read them from static buffers). Specialised, each new combination cost a
+# compile of ~1 s in the middle of serving (an H200 serving 128 requests: 6 - 7 such stalls). The metadata are read
+# one scalar at a time, so alignment buys them nothing.
+METADATA_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"]
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"], do_not_specialize_on_alignment=METADATA_POINTERS)
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,

@@ -8,11 +8,38 @@ attention ops are capturable (the reference ops plan on the host). Opt-in with -
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from executor_service.model import AttentionMetadata, LlamaForCausalLM
 from executor_service.model.llama import KVCaches
+
+
+@dataclass(frozen=True, slots=True)
+class StaticInputs:
+    """The graphs' inputs, sized for the largest graph: a replay reads whatever these buffers hold."""
+
+    input_ids: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+
+    @classmethod
+    def allocate(cls, largest: int, max_blocks: int, device: torch.device) -> StaticInputs:
+        return cls(input_ids=torch.zeros(largest, dtype=torch.long, device=device),
+                   positions=torch.zeros(largest, dtype=torch.long, device=device),
+                   slot_mapping=torch.full((largest,), -1, dtype=torch.long, device=device),
+                   block_tables=torch.zeros(largest, max_blocks, dtype=torch.int32, device=device),
+                   seq_lens=torch.ones(largest, dtype=torch.int32, device=device),
+                   query_start_loc=torch.arange(largest + 1, dtype=torch.int32, device=device))
+
+    def meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
+                                 self.query_start_loc[: size + 1])
 
 
 class DecodeGraphs:
@@ -21,26 +48,17 @@ class DecodeGraphs:
         if device.type != "cuda" or not sizes:
             raise ValueError("decode graphs need a CUDA device and at least one batch size")
         self.sizes = sizes
-        largest = sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.inputs = StaticInputs.allocate(sizes[-1], max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.capture(model, kv_caches)
-
-    def meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
-                                 self.query_start_loc[: size + 1])
 
     def capture(self, model: LlamaForCausalLM, kv_caches: KVCaches) -> None:
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-                args = (self.input_ids[:size], self.positions[:size], self.meta(size), kv_caches)
+                args = (self.inputs.input_ids[:size], self.inputs.positions[:size], self.inputs.meta(size),
+                        kv_caches)
                 model(*args)  # warm-up outside the graph (kernel compilation, allocator)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -57,14 +75,15 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         size = self.bucket(n)
         width = meta.block_tables.shape[1]
-        if size is None or meta.seq_lens.shape[0] != n or width > self.block_tables.shape[1]:
+        inputs = self.inputs
+        if size is None or meta.seq_lens.shape[0] != n or width > inputs.block_tables.shape[1]:
             return None
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:size].fill_(1)
+        inputs.input_ids[:n].copy_(input_ids)
+        inputs.positions[:n].copy_(positions)
+        inputs.slot_mapping[:n].copy_(meta.slot_mapping)
+        inputs.slot_mapping[n:size].fill_(-1)
+        inputs.block_tables[:n, :width].copy_(meta.block_tables)
+        inputs.seq_lens[:n].copy_(meta.seq_lens)
+        inputs.seq_lens[n:size].fill_(1)
         self.graphs[size].replay()
         return self.outputs[size][:n]

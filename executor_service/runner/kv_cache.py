@@ -121,8 +121,7 @@ class KVCache:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.swap_stream):
             self.swap_stream.wait_stream(compute)
-            gathered = self.device_kv.index_select(2, src.to(self.device, non_blocking=True)).movedim(2, 0)
-            gathered = gathered.contiguous()
+            gathered = self.device_kv.movedim(2, 0).index_select(0, src.to(self.device, non_blocking=True))
             compute.wait_stream(self.swap_stream)
             for start, first, count in contiguous_runs(dst.tolist()):
                 self.swap_kv[first:first + count].copy_(gathered[start:start + count], non_blocking=True)

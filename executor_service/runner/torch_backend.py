@@ -227,14 +227,11 @@ class TorchBackend:
         return backend
 
     def warm_up(self) -> None:
-        """One greedy decode step of WARM_UP_ROWS one-token sequences in block 0 (written over by the first
-        request that uses it), so that the kernels' first-call costs (oneDNN's JIT, first page faults of the
-        weights and the activations) are not the first request's; the sampler's generator is not drawn from."""
-        greedy = SamplingConfig(temperature=0.0)
-        windows = [[0]] * self.layout.num_window_groups
-        items = [BatchItem(f"warm-up-{i}", [0], 1, 0, 1, [0], True, greedy, window_tables=windows)
-                 for i in range(WARM_UP_ROWS)]
-        self.execute(items)
+        """warm_up_steps, so that the kernels' first-call costs (oneDNN's JIT, Triton's compiles, first page faults
+        of the weights and the activations) are not the first request's; the sampler's generator is not drawn
+        from."""
+        for items in warm_up_steps(self.layout.num_window_groups, self.device):
+            self.execute(items)
         self._last_decode = DecodeTime()
 
     def install_packs(self, rows: int = 0) -> None:
@@ -499,6 +496,21 @@ def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.dev
     return torch.float16
 
 
+def warm_up_steps(num_window_groups: int, device: torch.device) -> list[list[BatchItem]]:
+    """One greedy decode step of WARM_UP_ROWS one-token sequences in block 0 (written over by the first request
+    that uses it); on CUDA also a prefill step of one two-token sequence, so that both of the Triton attention
+    kernel's variants compile before ready, also where --num-gpu-blocks skips the memory profile's pass."""
+    greedy = SamplingConfig(temperature=0.0)
+    windows = [[0]] * num_window_groups
+    decode = [BatchItem(f"warm-up-{i}", [0], 1, 0, 1, [0], True, greedy, window_tables=windows)
+              for i in range(WARM_UP_ROWS)]
+    if device.type != "cuda":
+        return [decode]
+    prefill = BatchItem("warm-up-prefill", [0, 0], 2, 0, 2, [0, 0], True, greedy,
+                        window_tables=[[0, 0]] * num_window_groups)
+    return [decode, [prefill]]
+
+
 def count_device_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler: Sampler, shape: CacheShape,
                         device: torch.device, layer_slots: tuple[int, ...] | None = None) -> int:
     if config.num_gpu_blocks is not None:
@@ -548,12 +560,7 @@ def profile_cuda_blocks(config: ExecutorConfig, model: LlamaForCausalLM, sampler
 def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, num_tokens: int,
                      device: torch.device, sample_rows: int = PROFILE_SAMPLE_ROWS) -> None:
     positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=positions.clone(),
-        block_tables=torch.arange(cache.num_device_blocks, dtype=torch.int32, device=device)[None, :],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-    )
+    meta = profile_metadata(num_tokens, cache.num_device_blocks, device)
     rows = min(num_tokens, sample_rows)  # a step samples at most --max-num-seqs rows
     output_rows = torch.arange(num_tokens - rows, num_tokens, device=device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
@@ -561,6 +568,16 @@ def run_profile_pass(model: LlamaForCausalLM, sampler: Sampler, cache: KVCache, 
         logits = model.compute_logits(model(input_ids, positions, meta, cache.layers, output_rows))
         request = SampleRequest(SamplingConfig(temperature=1.0, top_p=0.9, top_k=50), (), 0, 0)
         sampler.sample(logits, [request] * rows)
+
+
+def profile_metadata(num_tokens: int, num_blocks: int, device: torch.device) -> AttentionMetadata:
+    """One sequence of num_tokens new tokens over blocks 0, 1, ...: the memory profile's forward pass."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+    )
 
 
 def build_info(config: ExecutorConfig, model_dir: Path, model_cfg: ModelConfig, dtype: torch.dtype,

@@ -218,14 +218,30 @@ def test_triton_matches_reference(
 @pytest.mark.skipif(DEVICE.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="needs Triton compiling for a GPU")
 def test_decode_steps_of_any_batch_size_and_table_width_share_one_compiled_kernel() -> None:
-    """Each new class (1, a multiple of 16, other) of a specialised integer argument costs a compile of ~1 s in the
-    middle of serving; the sequence count and the block table's width change every step."""
+    """Each new class of a specialised argument (an integer: 1, a multiple of 16, other; a pointer: 16-byte aligned
+    or not) costs a compile of ~1 s in the middle of serving. The metadata come from the executor's own decode
+    batch builder (one packed upload, viewed), as in serving. tests/executor/test_triton_specialization.py checks
+    the same on the CPU."""
+    from executor_service.backend import BackendInfo, BatchItem, SamplingConfig
+    from executor_service.runner.torch_backend import build_decode_batch
+
     kernel = triton_paged._paged_attention_kernel
     compiled: int | None = None
     for num_seqs in (1, 5, 16, 17, 32):
-        for context in (3, 40, 230):  # tables 2, 4 and 16 - 18 blocks wide
+        for context in (3, 40, 230):  # tables 1, 3 and 15 - 17 blocks wide
             batch = make_batch([(context + i, 1) for i in range(num_seqs)], 16, 2, 2, 32, torch.float16)
-            out = run_attention(triton_paged.paged_attention, batch)
+            seq_lens = batch.seq_lens.tolist()
+            info = BackendInfo("m", vocab_size=1, eos_token_ids=(), max_model_len=4096, block_size=16,
+                               num_device_blocks=batch.k_cache.shape[0], num_swap_blocks=0, dtype="float16",
+                               device="cuda")
+            items = [BatchItem(str(i), [0] * n, 1, n - 1, 1, batch.block_tables[i].tolist(), True, SamplingConfig())
+                     for i, n in enumerate(seq_lens)]
+            step = build_decode_batch(items, info, DEVICE)
+            assert step is not None
+            meta = step.meta
+            out = triton_paged.paged_attention(batch.query.to(DEVICE), batch.k_cache.to(DEVICE),
+                                               batch.v_cache.to(DEVICE), meta.block_tables, meta.seq_lens,
+                                               meta.query_start_loc, batch.scale).cpu()
             expected = run_attention(reference.paged_attention, batch)
             torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
             count = sum(len(caches[0]) for caches in kernel.device_caches.values())

@@ -33,9 +33,7 @@ def test_shuffled_swaps_out_and_back_in_move_exactly_the_named_blocks(device: st
     cache.device_kv.zero_()
     targets = torch.randperm(24, generator=generator)[:12].tolist()
     cache.swap_in(list(zip(slots, targets, strict=True)))
-    if device == "cuda":
-        torch.cuda.synchronize()
-    after = cache.device_kv.cpu()
+    after = cache.device_kv.cpu()  # on the compute stream, which a swap_in orders itself before
     for source, target in zip(sources, targets, strict=True):
         assert torch.equal(after[:, :, target], original[:, :, source])
     untouched = sorted(set(range(24)) - set(targets))
@@ -49,8 +47,6 @@ def test_a_swap_in_may_read_one_swap_block_into_two_device_blocks(device: str) -
     original = cache.device_kv.cpu().clone()
     cache.swap_out([(5, 2)])
     cache.swap_in([(2, 0), (2, 3)])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    after = cache.device_kv.cpu()
+    after = cache.device_kv.cpu()  # on the compute stream, which a swap_in orders itself before
     assert torch.equal(after[:, :, 0], original[:, :, 5])
     assert torch.equal(after[:, :, 3], original[:, :, 5])
