@@ -15,7 +15,7 @@ import ctypes
 import logging
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,15 +116,14 @@ class KVCache:
         if self.swap_stream is None:
             self.swap_kv.index_copy_(2, dst, self.device_kv.index_select(2, src))
             return
-        order = dst.argsort()
-        src, dst = src[order], dst[order]
+        dst, src = by_swap_block(dst, src)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.swap_stream):
             self.swap_stream.wait_stream(compute)
             gathered = self.device_kv.movedim(2, 0).index_select(0, src.to(self.device, non_blocking=True))
             compute.wait_stream(self.swap_stream)
-            for start, first, count in contiguous_runs(dst.tolist()):
-                self.swap_kv[first:first + count].copy_(gathered[start:start + count], non_blocking=True)
+            for host, staged in self.swap_runs(dst, gathered):
+                host.copy_(staged, non_blocking=True)
             done = self.swap_stream.record_event()
         done.synchronize()
 
@@ -136,17 +135,22 @@ class KVCache:
         if self.swap_stream is None:
             self.device_kv.index_copy_(2, dst, self.swap_kv.index_select(2, src))
             return
-        order = src.argsort()
-        src, dst = src[order], dst[order]
+        src, dst = by_swap_block(src, dst)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.swap_stream):
             self.swap_stream.wait_stream(compute)
             uploaded = torch.empty(self.shape.block_first_dims(len(mapping)), dtype=self.shape.dtype,
                                    device=self.device)
-            for start, first, count in contiguous_runs(src.tolist()):
-                uploaded[start:start + count].copy_(self.swap_kv[first:first + count], non_blocking=True)
+            for host, staged in self.swap_runs(src, uploaded):
+                staged.copy_(host, non_blocking=True)
             self.device_kv.index_copy_(2, dst.to(self.device, non_blocking=True), uploaded.movedim(0, 2))
         compute.wait_stream(self.swap_stream)
+
+    def swap_runs(self, swap_ids: Tensor, staged: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """(swap area range, staged range) for each run of consecutive ids in sorted `swap_ids`, `staged` holding
+        their blocks in that order, block first: the pairs one DMA each moves."""
+        for start, first, count in contiguous_runs(swap_ids.tolist()):
+            yield self.swap_kv[first:first + count], staged[start:start + count]
 
     def copy(self, mapping: BlockMap) -> None:
         """Copy device blocks to device blocks (copy-on-write): mapping = [(src_block, dst_block)]."""
@@ -165,6 +169,12 @@ class KVCache:
         if torch.unique(dst).numel() != dst.numel():
             raise ValueError(f"{what}: duplicate destination blocks in {mapping}")
         return src, dst
+
+
+def by_swap_block(swap_ids: Tensor, device_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Both columns of a block mapping in the order of its swap blocks."""
+    order = swap_ids.argsort()
+    return swap_ids[order], device_ids[order]
 
 
 def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
