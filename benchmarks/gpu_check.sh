@@ -5,8 +5,8 @@
 # suite on CUDA, the device's limits and kernels (benchmarks/gpu_bench.py: matmul peak, HBM bandwidth, Triton
 # vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), decode throughput, served throughput against
 # transformers eager and with CUDA graphs (their step logs: a step of ~1 s is a Triton compile mid-serving), and
-# with two or more GPUs tensor parallelism (TP=2) over NCCL. Writes one log per step (8 files) under $OUT (default
-# /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left; the
+# with two or more GPUs tensor parallelism (TP=2) over NCCL. Writes one log per step (8 files; 10 with two GPUs)
+# under $OUT (default /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left; the
 # first H200 run needed 242 s of 430 for what it ran then.
 #
 #   bash benchmarks/gpu_check.sh            # LIMIT=900 bash benchmarks/gpu_check.sh for a longer budget
@@ -43,7 +43,7 @@ run() {
   timeout --signal=TERM --kill-after=10 "$left" "$@" 2>&1 | tee "$OUT/$name.txt"
   status=$((status | PIPESTATUS[0]))
 }
-nvidia-smi  # to the output only: $OUT holds the 8 files below
+nvidia-smi  # to the output only: $OUT holds the step logs (the device tool returns 8 files)
 run attention "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/executor/test_attention.py \
   tests/executor/test_forward_path.py::test_cuda_graph_decode_matches_eager tests/executor/test_kv_cache_swap.py \
   tests/executor/test_triton_specialization.py
