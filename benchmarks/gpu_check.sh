@@ -6,8 +6,8 @@
 # vs SDPA, pinned swap GB/s, CUDA-graph decode vs eager), decode throughput, served throughput against
 # transformers eager and with CUDA graphs (their step logs: a step of ~1 s is a Triton compile mid-serving), and
 # with two or more GPUs tensor parallelism (TP=2) over NCCL. Writes one log per step (8 files; 10 with two GPUs)
-# under $OUT (default /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets what is left; the
-# first H200 run needed 242 s of 430 for what it ran then.
+# under $OUT (default /tmp/gpu_check). The whole script stops after LIMIT seconds (default 540): each step gets
+# what is left; the first H200 run needed 242 s of 430 for what it ran then.
 #
 #   bash benchmarks/gpu_check.sh            # LIMIT=900 bash benchmarks/gpu_check.sh for a longer budget
 #
