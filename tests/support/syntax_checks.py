@@ -1,10 +1,13 @@
 """`g++ -fsyntax-only -march=x86-64-v3` over every C++ kernel source, in the background (a pytest plugin:
 tests/conftest.py loads it).
 
-Each check parses torch's headers alone, ~7 s of one core, and the suite mostly keeps one core busy: once
+Each check parses torch's headers alone, ~7 s of one core, and one pytest process mostly keeps one core busy: once
 collection shows a test that uses the `syntax_checks` fixture (tests/executor/test_attention_cpu.py), every check
 starts at once at the lowest priority, so they take the core the tests leave idle; each test then waits for its
-own source's result. Whatever still runs when the session ends is killed.
+own source's result. Under pytest-xdist (scripts/test.sh) every worker collects every test, so there the checks
+start with the first test that asks for them, in the worker that runs it, at normal priority (that test waits for
+them, and niced they would starve behind the other worker's processes). Whatever still runs when the session
+ends is killed.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ class SyntaxChecks:
     def __init__(self) -> None:
         self.procs: dict[Path, subprocess.Popen[str]] = {}
 
-    def start(self) -> None:
+    def start(self, niceness: int) -> None:
         command = compile_command()
         for source in sources():
-            self.procs[source] = subprocess.Popen(["nice", "-n", "19", *command, str(source)],
+            self.procs[source] = subprocess.Popen(["nice", "-n", str(niceness), *command, str(source)],
                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def result(self, source: Path, timeout: float = 300.0) -> tuple[int, str]:
@@ -67,10 +70,16 @@ def compile_command() -> list[str]:
 CHECKS = pytest.StashKey[SyntaxChecks]()
 
 
+def is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if is_xdist_worker(session.config):  # every worker collects every test: the one that runs them starts them
+        return
     if any(FIXTURE in getattr(item, "fixturenames", ()) for item in session.items):
         checks = session.config.stash[CHECKS] = SyntaxChecks()
-        checks.start()
+        checks.start(niceness=19)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -81,9 +90,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def syntax_checks(request: pytest.FixtureRequest) -> SyntaxChecks:
-    """The checks started after collection (started here when a test asks for them otherwise)."""
+    """The checks started after collection (started here when a test asks for them otherwise, as on an xdist
+    worker)."""
     stash = request.config.stash
     if CHECKS not in stash:
         stash[CHECKS] = SyntaxChecks()
-        stash[CHECKS].start()
+        stash[CHECKS].start(niceness=0)
     return stash[CHECKS]
