@@ -22,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from executor_service.model.packed import (
     GEMMS,
     PACK_THREADS,
@@ -242,6 +244,14 @@ def cpuinfo_field(name: str) -> str:
             if key.strip() == name:
                 return value.strip()
     return ""
+
+
+def keep_thread_count(threads: int) -> None:
+    """Run this thread's torch ops on `threads` intra-op threads. A thread takes torch's process-wide count at its
+    first torch call and keeps it, so a background thread started after the count changed on another thread would
+    measure at another count than the loading thread's, and key its measurement (packing_key's "threads") so that
+    the next start, which looks the key up on its loading thread, never finds it."""
+    torch.set_num_threads(threads)
 
 
 def lower_thread_priority() -> None:

@@ -20,7 +20,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import torch
+
 from executor_service.model.calibration import (
+    keep_thread_count,
     lower_thread_priority,
     measure_gemm,
     measure_skinny_rows,
@@ -54,12 +57,15 @@ class BackgroundPacking:
         if not self.unpacked:
             self.first_packs.set()
         self.done: Future[Packing] = Future()
+        self.threads = torch.get_num_threads()
+        """The loading thread's count, which the cache key of its choice has (keep_thread_count)."""
 
     def start(self) -> BackgroundPacking:
         threading.Thread(target=self.run, name="pack-after-ready", daemon=True).start()
         return self
 
     def run(self) -> None:
+        keep_thread_count(self.threads)
         lower_thread_priority()
         t0 = time.perf_counter()
         try:

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import torch
 
 from executor_service.model import LlamaForCausalLM
-from executor_service.model.calibration import lower_thread_priority
+from executor_service.model.calibration import keep_thread_count, lower_thread_priority
 from executor_service.model.packed import Packing
 from executor_service.startup import MeasureCache
 
@@ -28,8 +28,10 @@ def start_calibration(model: LlamaForCausalLM, requested: str, skinny_rows: int,
                       cache: MeasureCache) -> Future[Packing]:
     """Measure the packing choice on a daemon thread at the lowest priority; the future has the measured choice."""
     future: Future[Packing] = Future()
+    threads = torch.get_num_threads()  # the loading thread's count, which its cache key has
 
     def run() -> None:
+        keep_thread_count(threads)
         lower_thread_priority()
         try:
             with torch.inference_mode():

@@ -147,10 +147,33 @@ def test_packs_made_after_ready_hold_skinny_panels_only_where_the_skinny_kernel_
     (tmp_path / "packing.json").write_text(json.dumps(entry, sort_keys=True))
     b = backend(model, tmp_path, cpu_gemm="mkl", cpu_pack_after_ready=True)
     assert b.packing_after_ready is not None
+    assert b.packing_after_ready.packing.cached, "the restart measured again instead of taking the kept choice"
     b.wait_for_packing(timeout=120)
     packs = [m.packed for m in linears(b) if packed.can_skinny(m.weight)]
     assert packs and all(p is not None and p.panels is not None for p in packs)
     assert all((p.skinny_panels is not None) == (skinny_rows > 0) for p in packs if p is not None)
+
+
+@pytest.mark.parametrize("pack_after_ready", [False, True])
+def test_a_choice_measured_after_the_thread_count_changed_on_another_thread_is_found_by_the_next_start(
+        model: Path, tmp_path: Path, pack_after_ready: bool) -> None:
+    """A thread takes torch's process-wide thread count at its first torch call and keeps it; set on another thread
+    afterwards, the count differs between the loading thread and a background thread started later. The first
+    start measures on such a thread (start_calibration, or BackgroundPacking after ready) and keys the choice with
+    the loading thread's count, which is what the next start looks up."""
+    before = torch.get_num_threads()  # this thread's count, taken long ago
+    setter = threading.Thread(target=torch.set_num_threads, args=(before + 1,))  # new threads now take before + 1
+    setter.start()
+    setter.join()
+    try:
+        first = backend(model, tmp_path, cpu_pack_after_ready=pack_after_ready)
+        first.wait_for_packing(timeout=120)
+        assert (tmp_path / "packing.json").is_file()
+        again = backend(model, tmp_path, cpu_pack_after_ready=True)
+        assert again.packing_after_ready is not None and again.packing_after_ready.packing.cached
+        again.wait_for_packing(timeout=120)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_test_process_waits_for_the_packing_thread_before_it_exits(model: Path, tmp_path: Path,
