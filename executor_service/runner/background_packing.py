@@ -36,6 +36,10 @@ from executor_service.startup import MeasureCache
 log = logging.getLogger("pagedserve.executor")
 
 
+class PackingStopped(Exception):
+    """The backend that owns the packing was closed (or collected) before the packing finished."""
+
+
 class BackgroundPacking:
     """Packs `linears` for `packing` on a daemon thread at the lowest priority (measuring the choice first where it is
     provisional: `requested`, `skinny_rows` and `cache` as for the measurement at load); install() swaps in what is
@@ -57,6 +61,8 @@ class BackgroundPacking:
         if not self.unpacked:
             self.first_packs.set()
         self.done: Future[Packing] = Future()
+        """Cancelled where stop() came first."""
+        self.stopping = threading.Event()
         self.threads = torch.get_num_threads()
         """The loading thread's count, which the cache key of its choice has (keep_thread_count)."""
 
@@ -72,8 +78,12 @@ class BackgroundPacking:
             packing = self.packing
             self.pack_unpacked()
             self.first_packs.wait()  # a pass may still be packing one: its pack comes before any repack
+            self.check_stopping()
             if packing.provisional:
                 packing = self.measure(packing)
+        except PackingStopped:
+            self.done.cancel()
+            return
         except Exception as exc:  # what is installed stays: correct, only perhaps slower
             log.warning("packing the linear weights after ready failed (%s); keeping what is packed", exc)
             self.done.set_exception(exc)
@@ -83,11 +93,21 @@ class BackgroundPacking:
                  f" (measured; {packing.kept})" if packing.kept else "")
         self.done.set_result(packing)
 
+    def stop(self) -> None:
+        """End the thread at its next pack or measurement (the backend is closed: no pass will install them); a pass
+        that waits for first packs goes on with what is made (the rest stay on F.linear)."""
+        self.stopping.set()
+        self.first_packs.set()
+
+    def check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise PackingStopped
+
     def pack_unpacked(self) -> None:
         """Make the first packs (for self.packing) of the linears no thread has taken yet; called by the background
         thread and by a pass that needs them all (finish_first_packs): each linear is taken by one of them."""
         gemm, rows = self.packing.gemm, self.packing.skinny_rows
-        while gemm is not None:
+        while gemm is not None and not self.stopping.is_set():
             with self.lock:
                 if not self.unpacked:
                     return
@@ -117,6 +137,7 @@ class BackgroundPacking:
 
     def pack_for(self, gemm: Gemm, rows: int) -> None:
         for module in self.linears:
+            self.check_stopping()
             self.put(module, self.with_rows(module, pack(module.weight.detach(), gemm), rows))
 
     def measure(self, provisional: Packing) -> Packing:
@@ -127,7 +148,9 @@ class BackgroundPacking:
             return provisional
         if gemm != provisional.gemm:
             self.pack_for(gemm, provisional.skinny_rows)
+        self.check_stopping()
         rows = measure_skinny_rows(self.linears, self.latest, self.skinny_rows)
+        self.check_stopping()
         if rows != provisional.skinny_rows:
             for module in self.linears:
                 self.put(module, self.with_rows(module, self.latest[id(module)], rows))

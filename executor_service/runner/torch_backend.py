@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -219,6 +220,7 @@ class TorchBackend:
             background = BackgroundPacking(model.packable_linears(), packing, config.cpu_gemm, config.cpu_skinny_rows,
                                            startup_cache(config, parallel))
             backend.packing_after_ready = background.start()
+            weakref.finalize(backend, background.stop)  # a backend dropped unclosed (in process) ends it too
             if packing.provisional:
                 backend.calibration = background.done
         elif packing.provisional:
@@ -252,6 +254,13 @@ class TorchBackend:
         if self.packing_after_ready is not None:
             self.packing_after_ready.done.result(timeout)
             self.install_packs()
+
+    def close(self) -> None:
+        """End the forward thread (after a pass under way) and a packing after ready still running: for in-process
+        users that make backends and drop them (tests, benchmarks); the executor's process ends them by exiting."""
+        self._forward_thread.shutdown(wait=True)
+        if self.packing_after_ready is not None:
+            self.packing_after_ready.stop()
 
     def swap_out(self, mapping: BlockMap) -> None:
         self.kv_cache.swap_out(mapping)

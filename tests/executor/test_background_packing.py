@@ -5,8 +5,10 @@ pass, never within one, and a pass of more rows packs what is left itself first.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +188,36 @@ def test_the_test_process_waits_for_the_packing_thread_before_it_exits(model: Pa
     assert [t.name for t in background_threads()] == ["pack-after-ready"]
     hold.set()
     warm.packing_after_ready.done.result(timeout=120)
+
+
+def test_closing_the_backend_ends_its_packing_thread_before_it_packs_more(model: Path, tmp_path: Path,
+                                                                           hold: threading.Event) -> None:
+    first_start(model, tmp_path / "cache")
+    warm = backend(model, tmp_path / "cache")
+    packing = warm.packing_after_ready
+    [thread] = [t for t in background_threads() if t.name == "pack-after-ready"]
+    assert packing is not None
+    warm.close()
+    hold.set()
+    with pytest.raises(CancelledError):
+        packing.done.result(timeout=120)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and not packing.queue
+    assert all(m.packed is None or m.packed.panels is None for m in linears(warm))
+
+
+def test_a_backend_dropped_unclosed_ends_its_packing_thread(model: Path, tmp_path: Path,
+                                                            hold: threading.Event) -> None:
+    first_start(model, tmp_path / "cache")
+    warm = backend(model, tmp_path / "cache")
+    packing = warm.packing_after_ready
+    [thread] = [t for t in background_threads() if t.name == "pack-after-ready"]
+    assert packing is not None
+    del warm
+    gc.collect()
+    assert packing.stopping.is_set()
+    hold.set()
+    with pytest.raises(CancelledError):
+        packing.done.result(timeout=120)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and not packing.queue
