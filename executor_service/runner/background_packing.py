@@ -62,7 +62,9 @@ class BackgroundPacking:
             self.first_packs.set()
         self.done: Future[Packing] = Future()
         """Cancelled where stop() came first."""
-        self.stopping = threading.Event()
+        self.stopping = False
+        """Set by stop(): a plain flag, not an Event, as stop() may run as a finalizer on any thread (this one
+        included, inside an Event's lock)."""
         self.threads = torch.get_num_threads()
         """The loading thread's count, which the cache key of its choice has (keep_thread_count)."""
 
@@ -77,8 +79,8 @@ class BackgroundPacking:
         try:
             packing = self.packing
             self.pack_unpacked()
+            self.check_stopping()  # pack_unpacked left linears unpacked: nothing would set first_packs
             self.first_packs.wait()  # a pass may still be packing one: its pack comes before any repack
-            self.check_stopping()
             if packing.provisional:
                 packing = self.measure(packing)
         except PackingStopped:
@@ -94,20 +96,19 @@ class BackgroundPacking:
         self.done.set_result(packing)
 
     def stop(self) -> None:
-        """End the thread at its next pack or measurement (the backend is closed: no pass will install them); a pass
-        that waits for first packs goes on with what is made (the rest stay on F.linear)."""
-        self.stopping.set()
-        self.first_packs.set()
+        """End the thread at its next pack or measurement (its backend is closed or collected); a pass after it
+        packs nothing more (what is not packed stays on F.linear)."""
+        self.stopping = True
 
     def check_stopping(self) -> None:
-        if self.stopping.is_set():
+        if self.stopping:
             raise PackingStopped
 
     def pack_unpacked(self) -> None:
         """Make the first packs (for self.packing) of the linears no thread has taken yet; called by the background
         thread and by a pass that needs them all (finish_first_packs): each linear is taken by one of them."""
         gemm, rows = self.packing.gemm, self.packing.skinny_rows
-        while gemm is not None and not self.stopping.is_set():
+        while gemm is not None and not self.stopping:
             with self.lock:
                 if not self.unpacked:
                     return
@@ -128,12 +129,16 @@ class BackgroundPacking:
             self.pack_unpacked()
         except Exception as exc:  # that linear stays on F.linear: correct, only slower
             log.warning("packing a linear weight before a pass failed (%s); it stays on F.linear", exc)
-        self.first_packs.wait()
+        with self.lock:
+            all_taken = not self.unpacked  # else stopped, or failed: the rest stays on F.linear for this pass
+        if all_taken:
+            self.first_packs.wait()
 
     def needs_packs(self, rows: int) -> bool:
         """Whether a pass of `rows` rows would run F.linear where the packed GEMM would be used (more rows than the
         skinny kernel takes) while first packs are still missing."""
-        return rows >= MIN_ROWS and rows > self.packing.skinny_rows and not self.first_packs.is_set()
+        return rows >= MIN_ROWS and rows > self.packing.skinny_rows and not self.first_packs.is_set() \
+            and not self.stopping
 
     def pack_for(self, gemm: Gemm, rows: int) -> None:
         for module in self.linears:

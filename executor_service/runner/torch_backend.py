@@ -257,7 +257,8 @@ class TorchBackend:
 
     def close(self) -> None:
         """End the forward thread (after a pass under way) and a packing after ready still running: for in-process
-        users that make backends and drop them (tests, benchmarks); the executor's process ends them by exiting."""
+        users that make backends and drop them (tests, benchmarks); the executor's process ends them by exiting.
+        Not the measurement of --no-cpu-pack-after-ready (runner/calibration.py: one call, it runs to its end)."""
         self._forward_thread.shutdown(wait=True)
         if self.packing_after_ready is not None:
             self.packing_after_ready.stop()
@@ -411,7 +412,8 @@ def load_draft_model(config: ExecutorConfig, model_dir: Path, model_cfg: ModelCo
                     device=backend.device, huge_pages=kv_cache.huge_pages)
     log.info("draft model %s: %d layers, its own KV cache of %d device and %d swap blocks", draft_dir,
              draft_cfg.num_layers, kv_cache.num_device_blocks, kv_cache.num_swap_blocks)
-    return DraftModel(draft, cache, lambda items: build_batch(items, backend.info, backend.device))
+    info, device = backend.info, backend.device  # what build_batch reads of them is settled by now
+    return DraftModel(draft, cache, lambda items: build_batch(items, info, device))  # no cycle through the backend
 
 
 def startup_cache(config: ExecutorConfig, parallel: ParallelContext = SINGLE) -> MeasureCache:

@@ -5,7 +5,6 @@ pass, never within one, and a pass of more rows packs what is left itself first.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from concurrent.futures import CancelledError
@@ -193,31 +192,35 @@ def test_the_test_process_waits_for_the_packing_thread_before_it_exits(model: Pa
 def test_closing_the_backend_ends_its_packing_thread_before_it_packs_more(model: Path, tmp_path: Path,
                                                                            hold: threading.Event) -> None:
     first_start(model, tmp_path / "cache")
+    others = background_threads()
     warm = backend(model, tmp_path / "cache")
     packing = warm.packing_after_ready
-    [thread] = [t for t in background_threads() if t.name == "pack-after-ready"]
+    [thread] = [t for t in background_threads() if t not in others]
     assert packing is not None
     warm.close()
     hold.set()
     with pytest.raises(CancelledError):
         packing.done.result(timeout=120)
     thread.join(timeout=120)
-    assert not thread.is_alive() and not packing.queue
-    assert all(m.packed is None or m.packed.panels is None for m in linears(warm))
+    assert not thread.is_alive() and not packing.latest  # stopped before its first pack
+    wide = step_items("prefill", 4, 20, 512, 2)  # a pass that would have packed the rest first: runs on F.linear
+    assert warm.execute(wide)[-1] is not None and not packing.latest
 
 
-def test_a_backend_dropped_unclosed_ends_its_packing_thread(model: Path, tmp_path: Path,
-                                                            hold: threading.Event) -> None:
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_a_backend_dropped_unclosed_ends_its_packing_thread(model: Path, tmp_path: Path, hold: threading.Event,
+                                                            with_draft: bool) -> None:
     first_start(model, tmp_path / "cache")
-    warm = backend(model, tmp_path / "cache")
+    others = background_threads()
+    warm = backend(model, tmp_path / "cache", **({"draft_model": str(model)} if with_draft else {}))
+    assert (warm.draft is not None) == with_draft
     packing = warm.packing_after_ready
-    [thread] = [t for t in background_threads() if t.name == "pack-after-ready"]
+    [thread] = [t for t in background_threads() if t not in others]
     assert packing is not None
-    del warm
-    gc.collect()
-    assert packing.stopping.is_set()
+    del warm  # no cycle holds it: freed at once
+    assert packing.stopping
     hold.set()
     with pytest.raises(CancelledError):
         packing.done.result(timeout=120)
     thread.join(timeout=120)
-    assert not thread.is_alive() and not packing.queue
+    assert not thread.is_alive() and not packing.latest
