@@ -20,6 +20,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.default_model.model import make_model
 from executor_service.model import packed
 from executor_service.model.parallel import Linear
+from executor_service.runner.background_packing import BackgroundPacking
 from executor_service.runner.torch_backend import TorchBackend
 from tests.support.background_threads import background_threads
 
@@ -189,14 +190,21 @@ def test_the_test_process_waits_for_the_packing_thread_before_it_exits(model: Pa
     warm.packing_after_ready.done.result(timeout=120)
 
 
+def warm_start(model: Path, cache_dir: Path, **settings: Any) -> tuple[TorchBackend, BackgroundPacking,
+                                                                       threading.Thread]:
+    """A restart that packs after ready (the cache measured by a first start), its packing and the thread it
+    started for it (not any other packing thread still alive in this process)."""
+    first_start(model, cache_dir)
+    others = background_threads()
+    warm = backend(model, cache_dir, **settings)
+    assert warm.packing_after_ready is not None
+    [thread] = [t for t in background_threads() if t not in others]
+    return warm, warm.packing_after_ready, thread
+
+
 def test_closing_the_backend_ends_its_packing_thread_before_it_packs_more(model: Path, tmp_path: Path,
                                                                            hold: threading.Event) -> None:
-    first_start(model, tmp_path / "cache")
-    others = background_threads()
-    warm = backend(model, tmp_path / "cache")
-    packing = warm.packing_after_ready
-    [thread] = [t for t in background_threads() if t not in others]
-    assert packing is not None
+    warm, packing, thread = warm_start(model, tmp_path / "cache")
     warm.close()
     hold.set()
     with pytest.raises(CancelledError):
@@ -210,13 +218,8 @@ def test_closing_the_backend_ends_its_packing_thread_before_it_packs_more(model:
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_a_backend_dropped_unclosed_ends_its_packing_thread(model: Path, tmp_path: Path, hold: threading.Event,
                                                             with_draft: bool) -> None:
-    first_start(model, tmp_path / "cache")
-    others = background_threads()
-    warm = backend(model, tmp_path / "cache", **({"draft_model": str(model)} if with_draft else {}))
+    warm, packing, thread = warm_start(model, tmp_path / "cache", **({"draft_model": str(model)} if with_draft else {}))
     assert (warm.draft is not None) == with_draft
-    packing = warm.packing_after_ready
-    [thread] = [t for t in background_threads() if t not in others]
-    assert packing is not None
     del warm  # no cycle holds it: freed at once
     assert packing.stopping
     hold.set()
