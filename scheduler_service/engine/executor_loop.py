@@ -336,6 +336,11 @@ class ExecutorLoop:
         s = self.scheduler.stats()
         return s.num_running + s.num_swapped, s.num_waiting + len(self._awaiting_grammar), s.device_usage
 
+    def reconnecting(self) -> bool:
+        """It lost its executor and its loop is connecting again: a request added now waits for it, at most
+        executor_wait_timeout from its arrival (_fail_if_lost_too_long), as the requests it held do."""
+        return self._lost_since is not None and self._task is not None and not self._task.done()
+
     def fits(self, request: Request) -> bool:
         """Whether this executor's max_model_len holds the request's prompt and all its max_tokens."""
         d = self.describe

@@ -319,13 +319,20 @@ class ExecutorPool:
             raise QueueFull(f"waiting queue is full ({self.max_queue_len} requests)")
         if self._owner(request.request_id) is not None:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
-        loop = self.choose(request)
+        loop = self.choose(request) if self.serving() else self._waiting_room(request)
         if loop is None:
             need = request.num_prompt_tokens + request.sampling.max_tokens
             raise QueueFull("no executor is serving" if not self.serving() else
                             f"no serving executor's max_model_len holds prompt + max_tokens ({need} tokens); "
                             "retry later")
         return loop.add(request, queue, stop_strings)
+
+    def _waiting_room(self, request: Request) -> ExecutorLoop | None:
+        """With no executor serving: a member reconnecting to the executor it lost (not draining or leaving), where
+        a new request waits as the member's own requests do, for that executor or for another to serve
+        (_adopt_orphans), at most --executor-wait-timeout; None where there is none its executor fits."""
+        return next((m.loop for m in self.members.values()
+                     if not (m.draining or m.leaving) and m.loop.reconnecting() and m.loop.fits(request)), None)
 
     def _loops(self) -> list[ExecutorLoop]:
         return [m.loop for m in self.members.values()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -369,3 +370,62 @@ async def test_an_executor_that_leaves_the_dns_answer_is_drained_then_removed_fr
     await refresh()
     assert pool.members == {} and third.stopped and not pool.ready.is_set()
     await pool.stop()
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+def lose(pool: ExecutorPool, engine: ExecutorLoop, reconnecting: asyncio.Task[None] | None = None) -> None:
+    """The member's executor is lost; with `reconnecting` (a running task standing in for its loop) it is
+    connecting again, as ExecutorLoop._recover leaves it."""
+    engine.ready.clear()
+    if reconnecting is not None:
+        engine._lost_since = time.monotonic()
+        engine._task = reconnecting
+    pool._member_ready(pool.members[engine.label], False)
+
+
+async def test_with_no_executor_serving_a_new_request_waits_on_a_reconnecting_member() -> None:
+    pool = pool_of(3)
+    first, second, third = engines(pool)
+    reconnecting = asyncio.create_task(forever())
+    try:
+        lose(pool, first)  # lost, its loop not running: it takes nothing
+        lose(pool, second, reconnecting)
+        lose(pool, third, reconnecting)
+        pool.members[third.label].draining = True
+        assert not pool.serving()
+        pool.add(request("parked"), queue())  # not refused: it waits where the executor is coming back
+        assert list(second.streams) == ["parked"] and not first.streams and not third.streams
+        assert second.scheduler is not None and second.scheduler.requests["parked"].status is RequestStatus.WAITING
+        first.ready.set()  # another executor serves first: the parked request goes there
+        pool._member_ready(pool.members[first.label], True)
+        assert list(first.streams) == ["parked"] and not second.streams
+    finally:
+        reconnecting.cancel()
+
+
+async def test_a_request_parked_with_no_executor_serving_ends_unavailable_after_the_wait_timeout() -> None:
+    pool = pool_of(1)
+    [engine] = engines(pool)
+    reconnecting = asyncio.create_task(forever())
+    try:
+        lose(pool, engine, reconnecting)
+        q = queue()
+        pool.add(request("parked"), q)
+        engine.executor_wait_timeout = 0.0
+        engine._fail_if_lost_too_long()
+        delta = q.get_nowait()
+        assert delta.finish_reason is FinishReason.ERROR and delta.error.startswith("no executor for ")
+        assert not engine.streams
+    finally:
+        reconnecting.cancel()
+
+
+async def test_with_no_member_reconnecting_a_new_request_is_refused_at_once() -> None:
+    pool = pool_of(2)
+    for engine in engines(pool):
+        lose(pool, engine)  # e.g. its engine loop died: nothing would ever serve or expire the request
+    with pytest.raises(QueueFull, match="no executor is serving"):
+        pool.add(request("r"), queue())
