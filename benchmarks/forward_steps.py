@@ -30,11 +30,12 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,6 +56,7 @@ THREAD_SHAPES = [("decode", 5, 300), ("decode", 20, 300), ("decode", 64, 300), (
                  ("prefill", 1, 512), ("prefill", 4, 512)]
 GREEDY = SamplingConfig(temperature=0.0)
 NUM_BLOCKS = 4096
+T = TypeVar("T")
 
 
 def step_items(kind: str, n: int, length: int, vocab: int, blocks_each: int) -> list[BatchItem]:
@@ -206,7 +208,25 @@ def amdahl(fraction: float, threads: int) -> float:
 def run_threads(model: Path, threads: list[int], repeats: int, split: bool = False,
                 huge_pages: bool = True, kv_cache_dtype: str = "auto") -> list[dict[str, object]]:
     shape = ModelShape.from_dir(model)
-    backend = make_backends(model, [""], huge_pages, kv_cache_dtype)["default"]
+    backend = in_passing_thread(lambda: make_backends(model, [""], huge_pages, kv_cache_dtype)["default"])
+    return backend.on_forward_thread(lambda: time_thread_counts(backend, shape, threads, repeats, split))
+
+
+def in_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread that ends after it, and with it the OpenMP team it opened (loading, packing): the passes
+    are then timed with the forward thread's team alone (TorchBackend.on_forward_thread)."""
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), name="create-backend")
+    thread.start()
+    thread.join()
+    if not result:
+        raise RuntimeError("creating the backend failed (its traceback is above)")
+    return result[0]
+
+
+def time_thread_counts(backend: TorchBackend, shape: ModelShape, threads: list[int], repeats: int,
+                       split: bool) -> list[dict[str, object]]:
+    """run_threads' timings, on the backend's forward thread."""
     spent = time_parts(backend) if split else None
     blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
     rows: list[dict[str, object]] = []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.forward_steps import GREEDY, NUM_BLOCKS, make_backends, step_items, time_parts
+from benchmarks.forward_steps import GREEDY, NUM_BLOCKS, in_passing_thread, make_backends, step_items, time_parts
 from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
 from executor_service.backend import BatchItem
 from executor_service.runner import torch_backend
@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
     model = ensure_model(Path(args.model))
-    backend = make_backends(model, [""])["default"]
+    backend = in_passing_thread(lambda: make_backends(model, [""])["default"])
+    backend.on_forward_thread(lambda: time_rests(backend, args))
+
+
+def time_rests(backend: TorchBackend, args: argparse.Namespace) -> None:
+    """main's timings, on the backend's forward thread (one OpenMP team: forward_steps.in_passing_thread)."""
     spent = time_parts(backend)
     threads = [int(t) for t in args.threads.split(",")]
     print(json.dumps({"gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "load": os.getloadavg()}), flush=True)

@@ -7,11 +7,13 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from itertools import chain, pairwise
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -72,6 +74,7 @@ forward thread: libgomp gives each thread that opens a parallel region its own p
 threads mean two pools, more OpenMP threads than cores, and libgomp's throttled waiting (#29)."""
 
 log = logging.getLogger("pagedserve.executor")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -254,6 +257,14 @@ class TorchBackend:
         if self.packing_after_ready is not None:
             self.packing_after_ready.done.result(timeout)
             self.install_packs()
+
+    def on_forward_thread(self, fn: Callable[[], T]) -> T:
+        """fn() on the forward thread, where passes run, with that thread's OpenMP team: for benchmarks that time
+        passes in process. libgomp keeps one team per thread that opens a parallel region; a second one (passes
+        timed on the caller's thread beside the forward thread's warm-up team) puts it past one thread per core,
+        where it stops polling and every region's workers sleep and wake: a 2-thread decode step of 5 rows ran no
+        faster than 1 thread that way (BENCHMARKS.md section 17, eighteenth session)."""
+        return self._forward_thread.submit(fn).result()
 
     def close(self) -> None:
         """End the forward thread (after a pass under way) and a packing after ready still running: for in-process
