@@ -79,3 +79,26 @@ def test_the_executors_kernels_bring_no_second_openmp_runtime() -> None:
                          check=True).stdout
     runtimes = out.split()
     assert len(runtimes) == 1, runtimes
+
+
+def stealing_probes() -> list[Callable[[int, int], int]]:
+    found: list[Callable[[int, int], int]] = []
+    if attention_cpu.load():
+        found.append(torch.ops.pagedserve_cpu.stolen_items)
+    if cpu_ops.load():
+        found.append(torch.ops.pagedserve_model.stolen_items)
+    if not found:
+        pytest.skip("the C++ kernels cannot be built here")
+    return found
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_thread_held_up_in_its_share_has_the_rest_of_it_run_by_the_other() -> None:
+    """Paged attention and the skinny linear hand out work in shares that a finished thread steals from (#29): while
+    the first thread holds its first item (as a preempted thread would), the other runs the rest of its share, and
+    every item runs once. A static split (at::parallel_for alone) leaves them to the held thread: 0."""
+    for probe in stealing_probes():
+        assert probe(64, 10_000) in (31, 32)  # shares [0, 32) and [32, 64)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") as pool:
+            assert pool.submit(probe, 7, 10_000).result() in (2, 3)  # shares [0, 3) and [3, 7)
+        assert probe(1, 10_000) == 0  # one item: one thread, nothing to steal

@@ -33,6 +33,7 @@
 #include "cpu_simd.h"
 #include "kv_cache_element.h"
 #include "parallel_probe.h"
+#include "parallel_steal.h"
 
 namespace {
 
@@ -788,6 +789,14 @@ std::vector<int64_t> balance(const Layout<KV>& L, const std::vector<WorkItem>& i
   return starts;
 }
 
+// A thread's accumulators for a tile of up to kRowTile rows (scores: the portable tile's block of scores per row,
+// grown by the decode tile to a whole context per row).
+struct TileScratch {
+  TileScratch(int64_t head_dim, int64_t block_size)
+      : acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * block_size) {}
+  std::vector<float> acc, max_score, denom, scores;
+};
+
 // The attention of the named sequences over caches of element KV (the metadata already checked for shape).
 template <class KV>
 void attend_sequences(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -808,13 +817,12 @@ void attend_sequences(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   const std::vector<int64_t> starts = balance(L, items, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t last_run) {
-    std::vector<float> acc(kRowTile * head_dim), max_score(kRowTile), denom(kRowTile), scores(kRowTile * L.block_size);
-    const int64_t begin = starts[first_run], end = starts[last_run];
-    for (int64_t i = begin; i < end; ++i)
-      attend(L, portable, items[i].seq, items[i].row0, items[i].row1, i + 1 < end ? items[i + 1].seq : -1,
-             acc.data(), max_score.data(), denom.data(), scores);
-  });
+  pagedserve::parallel_steal(
+      starts, [&] { return TileScratch(head_dim, L.block_size); },
+      [&](TileScratch& s, int64_t i, int64_t next) {
+        attend(L, portable, items[i].seq, items[i].row0, items[i].row1, next < 0 ? -1 : items[next].seq,
+               s.acc.data(), s.max_score.data(), s.denom.data(), s.scores);
+      });
 }
 
 // out [T, H, D] = attention of query [T, H, D] against caches [blocks, block_size, kv_heads, D].
@@ -915,6 +923,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
   m.def("has_avx512() -> bool", has_avx512);
   m.def("threads_used(int items) -> int", pagedserve::threads_used);
+  m.def("stolen_items(int items, int wait_ms) -> int", pagedserve::stolen_items);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -37,6 +37,7 @@
 
 #include "cpu_simd.h"
 #include "parallel_probe.h"
+#include "parallel_steal.h"
 
 namespace {
 
@@ -269,12 +270,12 @@ void panel_rows(const float* x, const float* panel, const float* bias, float* ou
 }
 #endif  // __AVX512F__
 
-// Panels [panel0, panel1) of out [M, N] = x [M, K] @ weight^T (+ bias), the weight as pack_skinny_panels made it.
-void packed_range(const float* x, const float* panels, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
-                  int64_t panel0, int64_t panel1) {
-  for (int64_t p = panel0; p < panel1; ++p)
-    panel_rows(x, panels + p * K * kPanel, bias, out, M, N, K, p, panels + (p + 1) * K * kPanel,
-               p + 1 < panel1 ? K * kPanel : 0);
+// Panel p of out [M, N] = x [M, K] @ weight^T (+ bias), the weight as pack_skinny_panels made it; panel `next`
+// (-1: none) prefetched meanwhile.
+void packed_panel(const float* x, const float* panels, const float* bias, float* out, int64_t M, int64_t N, int64_t K,
+                  int64_t p, int64_t next) {
+  panel_rows(x, panels + p * K * kPanel, bias, out, M, N, K, p, next < 0 ? nullptr : panels + next * K * kPanel,
+             next < 0 ? 0 : K * kPanel);
 }
 
 // The same over the weight [N, K] in place: each panel packed into a scratch panel first, so the sums are the
@@ -366,7 +367,8 @@ at::Tensor skinny_panel_linear(const at::Tensor& x, const at::Tensor& panels, in
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (M > 0 && K > 0)
-    at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) { packed_range(xp, wp, b, op, M, N, K, p0, p1); });
+    pagedserve::parallel_steal(pagedserve::even_shares(panels.size(0)),
+                               [&](int64_t p, int64_t next) { packed_panel(xp, wp, b, op, M, N, K, p, next); });
   else if (M > 0)
     b ? out.copy_(bias->unsqueeze(0).expand({M, N})) : out.zero_();
 #endif
@@ -386,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("skinny_panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("has_skinny() -> bool", has_skinny);
   m.def("threads_used(int items) -> int", pagedserve::threads_used);
+  m.def("stolen_items(int items, int wait_ms) -> int", pagedserve::stolen_items);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) {
