@@ -263,7 +263,8 @@ class TorchBackend:
         passes in process. libgomp keeps one team per thread that opens a parallel region; a second one (passes
         timed on the caller's thread beside the forward thread's warm-up team) puts it past one thread per core,
         where it stops polling and every region's workers sleep and wake: a 2-thread decode step of 5 rows ran no
-        faster than 1 thread that way (BENCHMARKS.md section 17, eighteenth session)."""
+        faster than 1 thread that way (BENCHMARKS.md section 17, eighteenth session). Not from the forward thread
+        itself (fn would wait behind the call)."""
         return self._forward_thread.submit(fn).result()
 
     def close(self) -> None:

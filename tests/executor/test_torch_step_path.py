@@ -191,11 +191,14 @@ def test_on_forward_thread_runs_there_and_hands_back_the_result_or_the_error(tmp
     model = make_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=64)
     backend = TorchBackend.create(ExecutorConfig(model=str(model), device="cpu", block_size=4, num_gpu_blocks=32))
     prefill = BatchItem("a", [5, 6, 7, 8, 9], 5, 0, 5, [0, 1], True, SamplingConfig(temperature=0.0))
-    name, [sampled] = backend.on_forward_thread(lambda: (threading.current_thread().name, backend.execute([prefill])))
-    assert name == "forward_0" and sampled is not None and 0 <= sampled.token_id < 64
-    with pytest.raises(ValueError, match="block ids must be in"):
-        backend.on_forward_thread(lambda: backend.execute([replace(prefill, block_table=[0, 99])]))
-    backend.close()
+    try:
+        name, [sampled] = backend.on_forward_thread(
+            lambda: (threading.current_thread().name, backend.execute([prefill])))
+        assert name == "forward_0" and sampled is not None and 0 <= sampled.token_id < 64
+        with pytest.raises(ValueError, match="block ids must be in"):
+            backend.on_forward_thread(lambda: backend.execute([replace(prefill, block_table=[0, 99])]))
+    finally:
+        backend.close()
 
 
 def decode_step(items: list[BatchItem], **sampling: Any) -> list[BatchItem]:

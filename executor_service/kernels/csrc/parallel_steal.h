@@ -1,13 +1,13 @@
-// Items of work over torch's OpenMP team, each thread starting on a contiguous share of its own (as
-// at::parallel_for would cut them), and a thread that finishes its share taking the items left at the back of the
-// others' (#29). A statically cut region lasts as long as its slowest share: when the OS preempts one of the team's
-// threads (a 2-core box that also runs the scheduler's processes), the other finished its share and waited, so the
-// step lost twice the CPU the preemption took. With stealing it does the preempted thread's remaining items.
-// Without preemption each thread runs exactly its share, front to back, as before.
+// Items of work over torch's OpenMP team, each thread starting on a contiguous share of its own, and a thread that
+// finishes its share early (preempted siblings, uneven shares) taking the items left at the back of the others'
+// (#29). A statically cut region lasts as long as its slowest share: when the OS preempts one of the team's threads
+// (a 2-core box that also runs the scheduler's processes), the other finished its share and waited, so the step lost
+// twice the CPU the preemption took. With stealing it runs the preempted thread's remaining items.
 // On the include path of every extension executor_service/kernels/build.py builds.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,13 +37,15 @@ class alignas(64) Share {
     }
   }
 
-  bool take_back(int64_t& item) {
+  // The back item into `item` (and the one before it, if still in the share, into `next`, else -1).
+  bool take_back(int64_t& item, int64_t& next) {
     uint64_t range = range_.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = front_of(range), back = back_of(range);
       if (front >= back) return false;
       if (range_.compare_exchange_weak(range, pack(front, back - 1), std::memory_order_acq_rel)) {
         item = back - 1;
+        next = back - 2 >= front ? back - 2 : -1;
         return true;
       }
     }
@@ -60,14 +62,19 @@ class alignas(64) Share {
 };
 
 // f(state, item, next) for every item in [0, starts.back()), state = make_state() once per thread (scratch
-// buffers): thread t's share is [starts[t], starts[t + 1]) (fewer than 2^32 items); `next` is the item this thread
-// most likely runs after `item` (to prefetch for), -1 where none is known.
+// buffers): thread t's share is [starts[t], starts[t + 1]) (starts[0] == 0, fewer than 2^32 items); `next` is the
+// item this thread most likely runs after `item` (to prefetch for), -1 where none is known. A thread given several
+// shares (a team smaller than the shares, or a nested call, which runs on one thread) runs them all front to back
+// before it steals.
 template <class MakeState, class F>
 void parallel_steal(const std::vector<int64_t>& starts, MakeState&& make_state, F&& f) {
+  TORCH_CHECK(!starts.empty() && starts.front() == 0 && starts.back() < (int64_t{1} << 32) &&
+                  std::is_sorted(starts.begin(), starts.end()),
+              "parallel_steal: shares must cut [0, n) in order, n < 2^32");
   const int64_t threads = static_cast<int64_t>(starts.size()) - 1;
-  if (threads <= 1) {
+  if (threads <= 1 || at::in_parallel_region()) {
     auto state = make_state();
-    const int64_t n = threads == 1 ? starts[1] : 0;
+    const int64_t n = starts.back();
     for (int64_t i = 0; i < n; ++i) f(state, i, i + 1 < n ? i + 1 : -1);
     return;
   }
@@ -75,12 +82,12 @@ void parallel_steal(const std::vector<int64_t>& starts, MakeState&& make_state, 
   for (int64_t t = 0; t < threads; ++t) shares[t].reset(starts[t], starts[t + 1]);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     auto state = make_state();
-    for (int64_t t = first; t < last; ++t) {
-      int64_t item = 0, next = -1;
+    int64_t item = 0, next = -1;
+    for (int64_t t = first; t < last; ++t)
       while (shares[t].take_front(item, next)) f(state, item, next);
-      for (int64_t k = 1; k < threads; ++k)
-        while (shares[(t + k) % threads].take_back(item)) f(state, item, -1);
-    }
+    for (int64_t k = 0; k < threads; ++k)
+      if (k < first || k >= last)
+        while (shares[k].take_back(item, next)) f(state, item, next);
   });
 }
 
