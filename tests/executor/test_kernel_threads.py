@@ -30,12 +30,13 @@ def two_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def probes() -> list[Callable[[int], int]]:
-    found: list[Callable[[int], int]] = []
+def probes(name: str = "threads_used") -> list[Callable[..., int]]:
+    """The probe `name` of each extension that builds here (threads_used, stolen_items)."""
+    found: list[Callable[..., int]] = []
     if attention_cpu.load():
-        found.append(torch.ops.pagedserve_cpu.threads_used)
+        found.append(getattr(torch.ops.pagedserve_cpu, name))
     if cpu_ops.load():
-        found.append(torch.ops.pagedserve_model.threads_used)
+        found.append(getattr(torch.ops.pagedserve_model, name))
     if not found:
         pytest.skip("the C++ kernels cannot be built here")
     return found
@@ -81,23 +82,12 @@ def test_the_executors_kernels_bring_no_second_openmp_runtime() -> None:
     assert len(runtimes) == 1, runtimes
 
 
-def stealing_probes() -> list[Callable[[int, int], int]]:
-    found: list[Callable[[int, int], int]] = []
-    if attention_cpu.load():
-        found.append(torch.ops.pagedserve_cpu.stolen_items)
-    if cpu_ops.load():
-        found.append(torch.ops.pagedserve_model.stolen_items)
-    if not found:
-        pytest.skip("the C++ kernels cannot be built here")
-    return found
-
-
 @pytest.mark.usefixtures("two_threads")
 def test_a_thread_held_up_in_its_share_has_the_rest_of_it_run_by_the_other() -> None:
     """Paged attention and the skinny linear hand out work in shares that a finished thread steals from (#29): while
     the first thread holds its first item (as a preempted thread would), the other runs the rest of its share, and
     every item runs once. A static split (at::parallel_for alone) leaves them to the held thread: 0."""
-    for probe in stealing_probes():
+    for probe in probes("stolen_items"):
         assert probe(64, 10_000) in (31, 32)  # shares [0, 32) and [32, 64)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") as pool:
             assert pool.submit(probe, 7, 10_000).result() in (2, 3)  # shares [0, 3) and [3, 7)

@@ -815,8 +815,7 @@ void attend_sequences(at::Tensor& out, const at::Tensor& query, const at::Tensor
   L.stream_from_memory = kv_bytes > kStreamBytes;
   L.prefetch_decode = kv_bytes > kDecodePrefetchBytes;
   const std::vector<WorkItem> items = split_work(L, seq_ids, seqs.size(0), row_tile(portable, head_dim));
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const std::vector<int64_t> starts = balance(L, items, threads);
+  const std::vector<int64_t> starts = balance(L, items, pagedserve::team_size(static_cast<int64_t>(items.size())));
   pagedserve::parallel_steal(
       starts, [&] { return TileScratch(head_dim, L.block_size); },
       [&](TileScratch& s, int64_t i, int64_t next) {

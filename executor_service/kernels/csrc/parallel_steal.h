@@ -97,9 +97,12 @@ void parallel_steal(const std::vector<int64_t>& starts, F&& f) {
   parallel_steal(starts, [] { return 0; }, [&](int, int64_t item, int64_t next) { f(item, next); });
 }
 
-// Even shares of n items over min(n, torch's thread count) threads.
+// Threads for `items` items: torch's thread count, at most one per item, at least one.
+inline int64_t team_size(int64_t items) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)); }
+
+// Even shares of n items over team_size(n) threads.
 inline std::vector<int64_t> even_shares(int64_t n) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t threads = team_size(n);
   std::vector<int64_t> starts(threads + 1);
   for (int64_t t = 0; t <= threads; ++t) starts[t] = n * t / threads;
   return starts;
