@@ -136,7 +136,8 @@ def wait_calibrated(log: Path, timeout: float = 600.0) -> bool:
         packed = "linear weights packed" in text
         measured = "packing measured" in text or "(measured; kept for the next start)" in text \
             or "(measured; not kept: " in text
-        if measured or (packed and "measuring in the background" not in text):
+        populating = "pages are faulted in while" in text and "faulted in after ready" not in text
+        if (measured or (packed and "measuring in the background" not in text)) and not populating:
             return True
         time.sleep(0.5)  # polling another process's log; not a test
     return False

@@ -129,6 +129,7 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving,
     gc.set_threshold(20_000, 50, 1000)
     loop = asyncio.get_running_loop()
     loop.call_later(FREEZE_HEAP_AFTER_S, finish_start, deferred, loop, serving.servicer.activity)
+    populate_in_background(backend, serving.servicer.activity)
 
 
 def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLoop,
@@ -157,6 +158,30 @@ def pause_for_steps(activity: StepActivity, limit_s: float = QUIET_WAIT_LIMIT_S)
                                    else min(left, per_pause))
 
     return pause
+
+
+def populate_in_background(backend: Backend, activity: StepActivity | None = None) -> threading.Thread | None:
+    """Where the backend holds a KV cache in CPU memory, fault its pages in on a daemon thread at the lowest CPU
+    priority, a chunk at a time and (with `activity`) only while no step is in flight (for as long as it takes: in
+    an executor never idle the steps fault the pages in as before): the steps that first write a block no longer
+    wait for its page (kv_cache.populate)."""
+    fault_in: Callable[[Callable[[], object]], int] | None = getattr(backend, "populate_kv_cache", None)
+    if fault_in is None or backend.info.device != "cpu":
+        return None
+    pause = activity.wait_quiet if activity is not None else (lambda: None)
+    log.info("KV cache: its pages are faulted in while the executor is idle")
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        t0 = time.perf_counter()
+        done = fault_in(pause)
+        log.info("KV cache: %d MiB of pages faulted in after ready (%.2f s, pauses for steps included)", done >> 20,
+                 time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="kv-populate", daemon=True)
+    thread.start()
+    return thread
 
 
 def call_soon_unless_closed(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:

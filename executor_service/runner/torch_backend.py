@@ -258,6 +258,10 @@ class TorchBackend:
             self.packing_after_ready.done.result(timeout)
             self.install_packs()
 
+    def populate_kv_cache(self, pause: Callable[[], object]) -> int:
+        """Fault in the CPU KV cache's pages now, pause() before each chunk (kv_cache.populate): bytes done."""
+        return self.kv_cache.populate(pause)
+
     def on_forward_thread(self, fn: Callable[[], T]) -> T:
         """fn() on the forward thread, where passes run, with that thread's OpenMP team: for benchmarks that time
         passes in process. libgomp keeps one team per thread that opens a parallel region; a second one (passes

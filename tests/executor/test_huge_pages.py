@@ -31,17 +31,21 @@ needs_thp = pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                                reason="this kernel gives no transparent huge pages on madvise")
 
 
-def huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `address`."""
+def mapping_bytes(address: int, field: str = "AnonHugePages") -> int:
+    """A field (kB) of /proc/self/smaps, in bytes, for the mapping of this process that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == f"{field}:":
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def huge_bytes_at(address: int) -> int:
+    return mapping_bytes(address)
 
 
 def test_the_flag_defaults_on() -> None:
@@ -92,3 +96,69 @@ def test_a_kernel_without_huge_pages_leaves_the_cache_in_small_pages_and_usable(
         kv.fill_(3.0)
         assert float(kv.sum()) == 3.0 * kv.numel()
     assert "no transparent huge pages" in caplog.text
+
+
+def populate_works() -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (Linux 5.14)."""
+    probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        probe.madvise(kv_cache.MADV_POPULATE_WRITE)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+needs_populate = pytest.mark.skipif(not populate_works(), reason="no MADV_POPULATE_WRITE before Linux 5.14")
+
+
+@needs_populate
+@pytest.mark.parametrize("huge", [False, True])
+def test_populate_faults_every_page_in_and_keeps_what_was_written(huge: bool) -> None:
+    cache = lazy_zeros((2, 2, 256, 16, 4, 64), torch.float32, huge_pages=huge)  # 16 MiB
+    size = cache.numel() * cache.element_size()
+    cache[1, 0, 7].fill_(5.0)
+    assert mapping_bytes(cache.data_ptr(), "Rss") < size // 2  # lazy: only what was written is in memory
+    pauses: list[int] = []
+    done = kv_cache.populate(cache, lambda: pauses.append(mapping_bytes(cache.data_ptr(), "Rss")), chunk=4 << 20)
+    assert done == size and len(pauses) == 4  # a pause before each 4 MiB chunk
+    assert mapping_bytes(cache.data_ptr(), "Rss") >= size
+    assert float(cache[1, 0, 7].sum()) == 5.0 * cache[1, 0, 7].numel()
+    assert float(cache.sum()) == 5.0 * cache[1, 0, 7].numel()  # the rest still zero
+
+
+def test_populate_on_a_kernel_without_it_does_nothing_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kv_cache, "MADV_POPULATE_WRITE", 0x7fff)  # no such advice: EINVAL, as before Linux 5.14
+    cache = lazy_zeros((4, 1 << 18), torch.float32)
+    assert kv_cache.populate(cache) == 0
+    assert "faulted in as steps first write them" in caplog.text
+    cache.fill_(1.0)
+    assert float(cache.sum()) == cache.numel()
+
+
+@needs_populate
+def test_the_executor_faults_the_cache_in_only_while_no_step_is_in_flight(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from executor_service.__main__ import populate_in_background
+    from executor_service.activity import StepActivity
+
+    shape = CacheShape(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    cache = KVCache(shape, num_device_blocks=256, num_swap_blocks=0, device=torch.device("cpu"))
+    size = cache.device_kv.numel() * cache.device_kv.element_size()
+
+    class CpuBackend:  # what populate_in_background reads of a TorchBackend: its device and the hook
+        info = type("Info", (), {"device": "cpu"})()
+        populate_kv_cache = staticmethod(cache.populate)
+
+    activity = StepActivity(quiet_s=0.01)
+    caplog.set_level("INFO", logger="pagedserve.executor")
+    with activity.step():
+        thread = populate_in_background(CpuBackend(), activity)  # type: ignore[arg-type]
+        assert thread is not None
+        thread.join(timeout=0.3)
+        assert thread.is_alive() and mapping_bytes(cache.device_kv.data_ptr(), "Rss") < size // 2
+    thread.join(timeout=30)
+    assert not thread.is_alive() and mapping_bytes(cache.device_kv.data_ptr(), "Rss") >= size
+    assert f"KV cache: {size >> 20} MiB of pages faulted in after ready" in caplog.text
