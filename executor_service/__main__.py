@@ -129,7 +129,8 @@ async def ready(config: ExecutorConfig, backend: Backend, serving: Serving,
     gc.set_threshold(20_000, 50, 1000)
     loop = asyncio.get_running_loop()
     loop.call_later(FREEZE_HEAP_AFTER_S, finish_start, deferred, loop, serving.servicer.activity)
-    populate_in_background(backend, serving.servicer.activity)
+    if config.cpu_populate_kv:
+        populate_in_background(backend, serving.servicer.activity)
 
 
 def finish_start(deferred: DeferredImports | None, loop: asyncio.AbstractEventLoop,

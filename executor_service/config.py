@@ -102,6 +102,10 @@ class ExecutorConfig:
         "CPU: the KV cache (and the swap area) in transparent huge pages of 2 MiB (MADV_HUGEPAGE): a decode step's"
         " reads of blocks scattered over the cache miss the TLB far less. Needs the kernel's transparent_hugepage at"
         " madvise or always; the cache then takes memory 2 MiB at a time"))
+    cpu_populate_kv: bool = field(default=True, metadata=flag(
+        "CPU: fault the KV cache's pages in after ready, while no step is in flight (MADV_POPULATE_WRITE), so that"
+        " steps do not wait for a fresh page; the executor then holds the whole cache in memory. Off: the cache"
+        " takes memory as blocks are first written"))
     cpu_cores: str = field(default="", metadata=flag(
         "CPU: bind the executor to these cores, e.g. 0-3 or 0,2,4 (as vLLM's VLLM_CPU_OMP_THREADS_BIND), leaving"
         " the others to the scheduler side (bind that with taskset or a container cpuset); default: no binding"))

@@ -48,9 +48,10 @@ def huge_bytes_at(address: int) -> int:
     return mapping_bytes(address)
 
 
-def test_the_flag_defaults_on() -> None:
-    assert ExecutorConfig.from_args([]).cpu_huge_pages
+def test_the_flags_default_on() -> None:
+    assert ExecutorConfig.from_args([]).cpu_huge_pages and ExecutorConfig.from_args([]).cpu_populate_kv
     assert not ExecutorConfig.from_args(["--no-cpu-huge-pages"]).cpu_huge_pages
+    assert not ExecutorConfig.from_args(["--no-cpu-populate-kv"]).cpu_populate_kv
 
 
 @needs_thp
