@@ -163,9 +163,9 @@ def pause_for_steps(activity: StepActivity, limit_s: float = QUIET_WAIT_LIMIT_S)
 
 def populate_in_background(backend: Backend, activity: StepActivity | None = None) -> threading.Thread | None:
     """Where the backend holds a KV cache in CPU memory, fault its pages in on a daemon thread at the lowest CPU
-    priority, a chunk at a time and (with `activity`) only while no step is in flight (for as long as it takes: in
-    an executor never idle the steps fault the pages in as before): the steps that first write a block no longer
-    wait for its page (kv_cache.populate)."""
+    priority, a huge page at a time and (with `activity`) only while no step is in flight (for as long as it takes:
+    in an executor never idle the steps fault the pages in as before): the steps that first write a block no longer
+    wait for its page (kv_cache.populate). Not for tensor parallelism (its ranks' caches stay lazy)."""
     fault_in: Callable[[Callable[[], object]], int] | None = getattr(backend, "populate_kv_cache", None)
     if fault_in is None or backend.info.device != "cpu":
         return None
@@ -175,10 +175,12 @@ def populate_in_background(backend: Backend, activity: StepActivity | None = Non
     def run() -> None:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        t0 = time.perf_counter()
-        done = fault_in(pause)
-        log.info("KV cache: %d MiB of pages faulted in after ready (%.2f s, pauses for steps included)", done >> 20,
-                 time.perf_counter() - t0)
+        t0, done = time.perf_counter(), 0
+        try:
+            done = fault_in(pause)
+        finally:  # the line benchmarks/vs_llamacpp.py waits for, also after a failure
+            log.info("KV cache: %d MiB of pages faulted in after ready (%.2f s, pauses for steps included)",
+                     done >> 20, time.perf_counter() - t0)
 
     thread = threading.Thread(target=run, name="kv-populate", daemon=True)
     thread.start()

@@ -54,16 +54,18 @@ class StepActivity:
             return max(self.quiet_s, POLL_S)
         return max(0.0, self._last_end + self.quiet_s - time.monotonic())
 
-    def wait_quiet(self, give_way: Callable[[], bool] = lambda: False, timeout: float | None = None) -> bool:
-        """Block until quiet (True), or until `give_way()` says to stop waiting or `timeout` passes (False)."""
+    def wait_quiet(self, give_way: Callable[[], bool] | None = None, timeout: float | None = None) -> bool:
+        """Block until quiet (True), or until `give_way()` says to stop waiting or `timeout` passes (False). With
+        neither, a waiter sleeps through the steps in flight (the end of each wakes it) instead of polling."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        polls = give_way is not None or deadline is not None
         with self._cond:
             self.waiting += 1
             try:
                 while (left := self.busy_for()) > 0:
-                    if give_way() or (deadline is not None and time.monotonic() >= deadline):
+                    if (give_way is not None and give_way()) or (deadline is not None and time.monotonic() >= deadline):
                         return False
-                    self._cond.wait(min(left, POLL_S))
+                    self._cond.wait(min(left, POLL_S) if polls or not self._in_flight else None)
                 return True
             finally:
                 self.waiting -= 1

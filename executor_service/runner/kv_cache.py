@@ -11,6 +11,7 @@ run on a side stream ordered against the compute stream with wait_stream / event
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -18,6 +19,7 @@ import math
 import mmap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -30,8 +32,6 @@ GIB = 1 << 30
 LAZY_MIN_BYTES = 1 << 20
 HUGE_PAGE = 2 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14 (not in Python 3.11's mmap module)
-POPULATE_CHUNK = 16 << 20
-"""Bytes faulted in per madvise call: 8 huge pages, 5 - 50 ms (a huge page's fault compacts memory: 1 - 6 ms)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,27 +86,61 @@ def advise_huge(buffer: mmap.mmap) -> bool:
     return True
 
 
-def populate(cache: Tensor, pause: Callable[[], object] = lambda: None, chunk: int = POPULATE_CHUNK) -> int:
-    """Fault in the pages of a lazy_zeros map now (MADV_POPULATE_WRITE, writable and zero where untouched; what
-    is written stays), `chunk` bytes at a time with pause() before each, instead of in the steps that first write
-    each block: a huge page's first write costs 1 - 6 ms of compaction and zeroing, and a step of fresh blocks
-    waited for it (#29). Returns the bytes populated: fewer where the kernel cannot (before Linux 5.14: EINVAL,
-    logged once; nothing else happens then)."""
-    start = cache.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-    end = cache.data_ptr() + cache.numel() * cache.element_size()
+def populate(cache: Tensor, pause: Callable[[], object] = lambda: None, chunk: int = HUGE_PAGE) -> int:
+    """Fault in the pages of a contiguous CPU tensor (a lazy_zeros map) now: MADV_POPULATE_WRITE, writable and
+    zero where untouched, what is written kept; `chunk` bytes at a time with pause() before each, instead of in
+    the steps that first write each block (a huge page's first write costs 1 - 6 ms of compaction and zeroing, and
+    a step of fresh blocks waited for it, #29). A chunk holds the process's address-space lock (mmap_lock) for its
+    length, so chunks are one huge page: an allocation that maps memory meanwhile waits ~3 ms at most, not the
+    ~45 ms of a 16 MiB chunk. Skipped where the machine has not the memory for it (fits_in_memory). Returns the
+    bytes populated: fewer where the kernel cannot (before Linux 5.14: EINVAL; ENOMEM), logged once."""
+    if not cache.is_contiguous() or cache.device.type != "cpu":
+        raise ValueError("populate takes a contiguous CPU tensor")
+    size = cache.numel() * cache.element_size()
+    if size == 0 or not fits_in_memory(size):
+        return 0
+    first = cache.data_ptr()
     madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes drops the GIL for the call
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     done = 0
-    for at in range(start, end, chunk):
+    for at in range(first // mmap.PAGESIZE * mmap.PAGESIZE, first + size, chunk):
         pause()
-        length = min(chunk, end - at)
-        if madvise(at, length, MADV_POPULATE_WRITE) != 0:
+        end = min(at + chunk, first + size)
+        if madvise(at, end - at, MADV_POPULATE_WRITE) != 0:
             code = ctypes.get_errno()
             log.warning("the KV cache's pages are faulted in as steps first write them (madvise: %s)",
                         errno.errorcode.get(code, code))
             break
-        done += length
+        done = end - first
     return done
+
+
+def fits_in_memory(size: int) -> bool:
+    """Whether `size` more bytes fit in the memory this process may still take: MemAvailable, and under a cgroup
+    (v2) limit what is left of it; False logs why (a cache promised more memory than there is stays lazy)."""
+    room = [r for r in (meminfo_bytes("MemAvailable"), cgroup_room()) if r is not None]
+    if room and size > min(room):
+        log.warning("the KV cache's pages are faulted in as steps first write them: its %d MiB exceed the %d MiB "
+                    "of memory left", size >> 20, max(0, min(room)) >> 20)
+        return False
+    return True
+
+
+def cgroup_room() -> int | None:
+    """What is left of this cgroup's (v2) memory limit; None without one."""
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    return None
+
+
+def meminfo_bytes(field: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def address_of(buffer: mmap.mmap) -> int:

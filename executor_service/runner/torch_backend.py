@@ -259,8 +259,14 @@ class TorchBackend:
             self.install_packs()
 
     def populate_kv_cache(self, pause: Callable[[], object]) -> int:
-        """Fault in the CPU KV cache's pages now, pause() before each chunk (kv_cache.populate): bytes done."""
-        return self.kv_cache.populate(pause)
+        """Fault in the CPU KV caches' pages (the model's and a draft model's), pause() before each chunk
+        (kv_cache.populate), once the packing after ready and a first start's measurement are done (the zeroing
+        would skew what the start-up cache keeps): bytes done."""
+        self.calibration.result()
+        if self.packing_after_ready is not None:
+            self.packing_after_ready.done.result()
+        caches = [self.kv_cache, *([self.draft.kv_cache] if self.draft is not None else [])]
+        return sum(cache.populate(pause) for cache in caches)
 
     def on_forward_thread(self, fn: Callable[[], T]) -> T:
         """fn() on the forward thread, where passes run, with that thread's OpenMP team: for benchmarks that time

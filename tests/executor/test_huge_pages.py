@@ -4,6 +4,7 @@ are not huge, whatever the code asked for."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 from pathlib import Path
@@ -114,17 +115,28 @@ def populate_works() -> bool:
 needs_populate = pytest.mark.skipif(not populate_works(), reason="no MADV_POPULATE_WRITE before Linux 5.14")
 
 
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's pages in memory (mincore over exactly its range, whatever maps lie beside it)."""
+    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, pages * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
 @needs_populate
 @pytest.mark.parametrize("huge", [False, True])
 def test_populate_faults_every_page_in_and_keeps_what_was_written(huge: bool) -> None:
     cache = lazy_zeros((2, 2, 256, 16, 4, 64), torch.float32, huge_pages=huge)  # 16 MiB
     size = cache.numel() * cache.element_size()
     cache[1, 0, 7].fill_(5.0)
-    assert mapping_bytes(cache.data_ptr(), "Rss") < size // 2  # lazy: only what was written is in memory
     pauses: list[int] = []
-    done = kv_cache.populate(cache, lambda: pauses.append(mapping_bytes(cache.data_ptr(), "Rss")), chunk=4 << 20)
+    done = kv_cache.populate(cache, lambda: pauses.append(resident_bytes(cache)), chunk=4 << 20)
     assert done == size and len(pauses) == 4  # a pause before each 4 MiB chunk
-    assert mapping_bytes(cache.data_ptr(), "Rss") >= size
+    assert pauses[0] < size // 2 and pauses == sorted(pauses) and pauses[-1] < size  # lazy until populated
+    assert resident_bytes(cache) == size
     assert float(cache[1, 0, 7].sum()) == 5.0 * cache[1, 0, 7].numel()
     assert float(cache.sum()) == 5.0 * cache[1, 0, 7].numel()  # the rest still zero
 
@@ -134,9 +146,20 @@ def test_populate_on_a_kernel_without_it_does_nothing_and_says_so(
     monkeypatch.setattr(kv_cache, "MADV_POPULATE_WRITE", 0x7fff)  # no such advice: EINVAL, as before Linux 5.14
     cache = lazy_zeros((4, 1 << 18), torch.float32)
     assert kv_cache.populate(cache) == 0
-    assert "faulted in as steps first write them" in caplog.text
+    assert "faulted in as steps first write them (madvise: EINVAL)" in caplog.text
     cache.fill_(1.0)
     assert float(cache.sum()) == cache.numel()
+
+
+@needs_populate
+def test_a_cache_larger_than_the_memory_left_stays_lazy(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    cache = lazy_zeros((4, 1 << 18), torch.float32)  # 4 MiB
+    monkeypatch.setattr(kv_cache, "meminfo_bytes", lambda field: 3 << 20)
+    assert kv_cache.populate(cache) == 0 and resident_bytes(cache) < cache.numel() * cache.element_size()
+    assert "exceed the 3 MiB of memory left" in caplog.text
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_cache.populate(cache[:, :100])
 
 
 @needs_populate
@@ -146,7 +169,7 @@ def test_the_executor_faults_the_cache_in_only_while_no_step_is_in_flight(
     from executor_service.activity import StepActivity
 
     shape = CacheShape(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
-    cache = KVCache(shape, num_device_blocks=256, num_swap_blocks=0, device=torch.device("cpu"))
+    cache = KVCache(shape, num_device_blocks=512, num_swap_blocks=0, device=torch.device("cpu"))  # 32 MiB
     size = cache.device_kv.numel() * cache.device_kv.element_size()
 
     class CpuBackend:  # what populate_in_background reads of a TorchBackend: its device and the hook
@@ -158,8 +181,11 @@ def test_the_executor_faults_the_cache_in_only_while_no_step_is_in_flight(
     with activity.step():
         thread = populate_in_background(CpuBackend(), activity)  # type: ignore[arg-type]
         assert thread is not None
-        thread.join(timeout=0.3)
-        assert thread.is_alive() and mapping_bytes(cache.device_kv.data_ptr(), "Rss") < size // 2
-    thread.join(timeout=30)
-    assert not thread.is_alive() and mapping_bytes(cache.device_kv.data_ptr(), "Rss") >= size
+        for _ in range(1000):  # until the thread waits for the step (at most ~10 s)
+            if activity.waiting:
+                break
+            thread.join(timeout=0.01)
+        assert activity.waiting == 1 and resident_bytes(cache.device_kv) < size // 2
+    thread.join(timeout=60)
+    assert not thread.is_alive() and resident_bytes(cache.device_kv) == size
     assert f"KV cache: {size >> 20} MiB of pages faulted in after ready" in caplog.text
