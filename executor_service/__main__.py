@@ -28,7 +28,7 @@ from executor_service.deferred_imports import (
     lock_holder_is_awaited,
     run_in_background,
 )
-from executor_service.placement import bind_cores, omp_environment, set_omp_environment
+from executor_service.placement import bind_cores, lower_thread_priority, omp_environment, set_omp_environment
 from executor_service.prefetch import cache_for, conversion_for, finish_prefetch, prefetch_weights
 from executor_service.server import Serving, start_serving
 from executor_service.startup import process_start_time
@@ -173,8 +173,7 @@ def populate_in_background(backend: Backend, activity: StepActivity | None = Non
     log.info("KV cache: its pages are faulted in while the executor is idle")
 
     def run() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_thread_priority()
         t0, done = time.perf_counter(), 0
         try:
             done = fault_in(pause)

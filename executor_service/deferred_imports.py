@@ -26,7 +26,6 @@ import contextlib
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import re
 import sys
 import threading
@@ -36,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+from executor_service.placement import lower_thread_priority
 
 if TYPE_CHECKING:
     from importlib.abc import Loader
@@ -335,8 +336,7 @@ def run_in_background(finder: DeferredImports, then: Callable[[], object],
     does not use it (its import would have failed the start without the deferral)."""
 
     def run() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        lower_thread_priority()
         names, t0 = finder.pending_names(), time.perf_counter()
         try:
             finder.run_all(pause)

@@ -12,12 +12,19 @@ import contextlib
 import logging
 import math
 import os
+import threading
 from pathlib import Path
 
 from client.cpu_cores import parse_cores
 
 log = logging.getLogger("pagedserve.executor")
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def lower_thread_priority() -> None:
+    """Give this thread (and the threads it starts) the lowest CPU priority, where the OS lets it (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def usable_cores() -> int:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from executor_service.placement import lower_thread_priority
+
 if TYPE_CHECKING:
     from executor_service.config import ExecutorConfig
     from executor_service.converted import ConvertedFile, ConvertedWeights
@@ -148,8 +150,7 @@ def store_converted(cache: ConvertedCache | None, to_store: list[tuple[Source, C
     lowest priority: on a cold start it copies 2x the checkpoint's bytes while the loader and the packing run."""
     if cache is None or not to_store:
         return
-    with contextlib.suppress(OSError, AttributeError):  # behind the loading and the packing: the next start's gain
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    lower_thread_priority()  # behind the loading and the packing: the next start's gain
     t0 = time.perf_counter()
     for source, result in to_store:
         cache.store(source, result, result.size)

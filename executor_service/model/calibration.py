@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -254,7 +253,3 @@ def keep_thread_count(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def lower_thread_priority() -> None:
-    """Give this thread (and the threads it starts) the lowest CPU priority, where the OS lets it (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

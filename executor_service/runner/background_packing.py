@@ -24,13 +24,13 @@ import torch
 
 from executor_service.model.calibration import (
     keep_thread_count,
-    lower_thread_priority,
     measure_gemm,
     measure_skinny_rows,
     store_choice,
 )
 from executor_service.model.packed import MIN_ROWS, Gemm, PackedWeight, Packing, can_skinny, pack, with_skinny_rows
 from executor_service.model.parallel import Linear
+from executor_service.placement import lower_thread_priority
 from executor_service.startup import MeasureCache
 
 log = logging.getLogger("pagedserve.executor")

@@ -11,8 +11,9 @@ from concurrent.futures import Future
 import torch
 
 from executor_service.model import LlamaForCausalLM
-from executor_service.model.calibration import keep_thread_count, lower_thread_priority
+from executor_service.model.calibration import keep_thread_count
 from executor_service.model.packed import Packing
+from executor_service.placement import lower_thread_priority
 from executor_service.startup import MeasureCache
 
 log = logging.getLogger("pagedserve.executor")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from executor_service.prefetch import available_bytes
 from protos.contract import BlockMap
 
 log = logging.getLogger("pagedserve.executor")
@@ -116,10 +117,11 @@ def populate(cache: Tensor, pause: Callable[[], object] = lambda: None, chunk: i
 
 
 def fits_in_memory(size: int) -> bool:
-    """Whether `size` more bytes fit in the memory this process may still take: MemAvailable, and under a cgroup
-    (v2) limit what is left of it; False logs why (a cache promised more memory than there is stays lazy)."""
-    room = [r for r in (meminfo_bytes("MemAvailable"), cgroup_room()) if r is not None]
-    if room and size > min(room):
+    """Whether `size` more bytes fit in the memory this process may still take: MemAvailable (0 where it cannot be
+    read, as for the prefetch), and under a cgroup (v2) limit what is left of it; False logs why (a cache promised
+    more memory than there is stays lazy)."""
+    room = [r for r in (available_bytes(), cgroup_room()) if r is not None]
+    if size > min(room):
         log.warning("the KV cache's pages are faulted in as steps first write them: its %d MiB exceed the %d MiB "
                     "of memory left", size >> 20, max(0, min(room)) >> 20)
         return False
@@ -132,14 +134,6 @@ def cgroup_room() -> int | None:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
             return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
-    return None
-
-
-def meminfo_bytes(field: str) -> int | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
     return None
 
 

@@ -253,18 +253,21 @@ class TorchBackend:
     def wait_for_packing(self, timeout: float | None = None) -> None:
         """Wait for the packing after ready (and a first start's measurement) and swap it all in: for tests and
         benchmarks that time or compare passes, called while no pass runs."""
-        self.calibration.result(timeout)
+        for work in self.background_work():
+            work.result(timeout)
         if self.packing_after_ready is not None:
-            self.packing_after_ready.done.result(timeout)
             self.install_packs()
+
+    def background_work(self) -> list[Future[Packing]]:
+        """What runs on threads after ready: a first start's measurement, and the packing after ready."""
+        return [self.calibration, *([self.packing_after_ready.done] if self.packing_after_ready is not None else [])]
 
     def populate_kv_cache(self, pause: Callable[[], object]) -> int:
         """Fault in the CPU KV caches' pages (the model's and a draft model's), pause() before each chunk
         (kv_cache.populate), once the packing after ready and a first start's measurement are done (the zeroing
         would skew what the start-up cache keeps): bytes done."""
-        self.calibration.result()
-        if self.packing_after_ready is not None:
-            self.packing_after_ready.done.result()
+        for work in self.background_work():
+            work.result()
         caches = [self.kv_cache, *([self.draft.kv_cache] if self.draft is not None else [])]
         return sum(cache.populate(pause) for cache in caches)
 

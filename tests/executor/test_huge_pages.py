@@ -32,21 +32,17 @@ needs_thp = pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
                                reason="this kernel gives no transparent huge pages on madvise")
 
 
-def mapping_bytes(address: int, field: str = "AnonHugePages") -> int:
-    """A field (kB) of /proc/self/smaps, in bytes, for the mapping of this process that holds `address`."""
+def huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == f"{field}:":
+        elif inside and head == "AnonHugePages:":
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def huge_bytes_at(address: int) -> int:
-    return mapping_bytes(address)
 
 
 def test_the_flags_default_on() -> None:
@@ -155,7 +151,7 @@ def test_populate_on_a_kernel_without_it_does_nothing_and_says_so(
 def test_a_cache_larger_than_the_memory_left_stays_lazy(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cache = lazy_zeros((4, 1 << 18), torch.float32)  # 4 MiB
-    monkeypatch.setattr(kv_cache, "meminfo_bytes", lambda field: 3 << 20)
+    monkeypatch.setattr(kv_cache, "available_bytes", lambda: 3 << 20)
     assert kv_cache.populate(cache) == 0 and resident_bytes(cache) < cache.numel() * cache.element_size()
     assert "exceed the 3 MiB of memory left" in caplog.text
     with pytest.raises(ValueError, match="contiguous"):
