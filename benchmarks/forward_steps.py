@@ -2,6 +2,7 @@
 
     python -m benchmarks.forward_steps [--model DIR] [--repeats 5] [--attention cpu,reference] [--json-out FILE]
     python -m benchmarks.forward_steps --threads 1,2 [--split] [--omp-wait-policy auto] [--kv-cache-dtype float16]
+        [--compete 1,11]
 
 TorchBackend.execute (batch building, model, paged attention, sampler; no gRPC) on typical step shapes of the
 offline benchmark's model: prefill steps (32 x 64 and 8 x 256 prompt tokens) and decode steps (one token for
@@ -19,6 +20,11 @@ defaults; the benchmark re-executes itself with OMP_WAIT_POLICY / GOMP_SPINCOUNT
 when torch loads).
 --split adds, per step and thread count, the time inside the model's linears and its attention calls during the
 best execute and the rest (the serial part: Python between the kernels, serial kernels, batch building, sampler).
+--compete BURST_MS,PERIOD_MS adds, per step, how much slower the top thread count runs while another process
+takes BURST_MS of CPU every PERIOD_MS (as the scheduler side's processes do on a shared box): the median of
+interleaved rounds quiet and competed, the slowdown, and its amplification: the slowdown's excess over the share of
+the team's cores the competitor took (1.0: the team lost only that CPU; 2.0 at 2 threads: a preempted thread
+stalled the other as long, at the barrier that ends each parallel region).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
 round by round) and prints each one's speedup over the last named.
 """
@@ -29,11 +35,14 @@ import argparse
 import json
 import os
 import random
+import signal
+import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -131,6 +140,67 @@ def time_threads(backend: TorchBackend, kind: str, items: list[BatchItem], lengt
     return best
 
 
+COMPETITOR = """
+import sys, time
+burst, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    end = time.perf_counter() + burst
+    while time.perf_counter() < end:
+        pass
+    time.sleep(period - burst)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Compete:
+    """A competing process's CPU use: burst_ms of busy looping every period_ms."""
+
+    burst_ms: float
+    period_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> Compete:
+        burst, _, period = text.partition(",")
+        compete = cls(float(burst), float(period or "nan"))
+        if not 0 < compete.burst_ms < compete.period_ms:
+            raise argparse.ArgumentTypeError(f"--compete {text!r}: BURST_MS,PERIOD_MS with 0 < BURST_MS < PERIOD_MS")
+        return compete
+
+    def start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", COMPETITOR, str(self.burst_ms), str(self.period_ms)])
+
+    def amplification(self, slowdown: float, threads: int) -> float:
+        """How many times the CPU it took the team lost: (slowdown - 1) over its share of the team's cores."""
+        return (slowdown - 1) / (self.burst_ms / self.period_ms / threads)
+
+
+def time_competed(backend: TorchBackend, items: list[BatchItem], threads: int, repeats: int,
+                  compete: Compete) -> tuple[float, float]:
+    """Median wall-clock seconds of one execute at `threads` threads, quiet and with the competitor running, the
+    two interleaved round by round (several executes a round, so that a round spans many of its periods). The
+    competitor starts once and is stopped (SIGSTOP) through the quiet rounds."""
+    torch.set_num_threads(threads)
+    backend.execute(items)  # warm-up
+    per_round = max(3, round(0.5 / max(1e-3, time_once(backend, items))))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    competitor = compete.start()
+    try:
+        for _ in range(repeats):
+            for competing in (False, True):
+                competitor.send_signal(signal.SIGCONT if competing else signal.SIGSTOP)
+                times[competing].extend(time_once(backend, items) for _ in range(per_round))
+    finally:
+        competitor.kill()
+        competitor.wait()
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def time_once(backend: TorchBackend, items: list[BatchItem]) -> float:
+    start = time.perf_counter()
+    backend.execute(items)
+    return time.perf_counter() - start
+
+
 def time_parts(backend: TorchBackend) -> dict[str, float]:
     """--split: timers around the model's linears (LM head included) and its attention calls, from now on; returns
     the seconds each has spent (time_threads resets them before each execute). The rest of a step is the serial part:
@@ -206,10 +276,11 @@ def amdahl(fraction: float, threads: int) -> float:
 
 
 def run_threads(model: Path, threads: list[int], repeats: int, split: bool = False,
-                huge_pages: bool = True, kv_cache_dtype: str = "auto") -> list[dict[str, object]]:
+                huge_pages: bool = True, kv_cache_dtype: str = "auto",
+                compete: Compete | None = None) -> list[dict[str, object]]:
     shape = ModelShape.from_dir(model)
     backend = in_passing_thread(lambda: make_backends(model, [""], huge_pages, kv_cache_dtype)["default"])
-    return backend.on_forward_thread(lambda: time_thread_counts(backend, shape, threads, repeats, split))
+    return backend.on_forward_thread(lambda: time_thread_counts(backend, shape, threads, repeats, split, compete))
 
 
 def in_passing_thread(fn: Callable[[], T]) -> T:
@@ -225,7 +296,7 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
 
 
 def time_thread_counts(backend: TorchBackend, shape: ModelShape, threads: list[int], repeats: int,
-                       split: bool) -> list[dict[str, object]]:
+                       split: bool, compete: Compete | None = None) -> list[dict[str, object]]:
     """run_threads' timings, on the backend's forward thread."""
     spent = time_parts(backend) if split else None
     blocks_each = NUM_BLOCKS // max(n for _, n, _ in THREAD_SHAPES)
@@ -249,6 +320,12 @@ def time_thread_counts(backend: TorchBackend, shape: ModelShape, threads: list[i
             fraction = serial_fraction(top // threads[0], speedup)
             row |= {f"speedup_{top}t": round(speedup, 2), "serial_fraction": round(fraction, 3),
                     "model_16t": round(amdahl(fraction, 16), 1), "model_64t": round(amdahl(fraction, 64), 1)}
+        if compete is not None and kind not in controls:
+            quiet, competed = time_competed(backend, items, top, repeats, compete)
+            slowdown = competed / quiet
+            row |= {f"median_ms_{top}t": round(quiet * 1e3, 2), f"competed_ms_{top}t": round(competed * 1e3, 2),
+                    "competed_slowdown": round(slowdown, 3),
+                    "amplification": round(compete.amplification(slowdown, top), 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -293,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
                    "in 4 KiB pages)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
                    help="as the executor's --kv-cache-dtype (with --threads)")
+    p.add_argument("--compete", type=Compete.parse, default=None, metavar="BURST_MS,PERIOD_MS",
+                   help="with --threads: also time each step at the top thread count while another process busy-loops "
+                   "BURST_MS every PERIOD_MS, and print the slowdown and its amplification")
     args = p.parse_args(argv)
     model = ensure_model(args.model)
     if args.threads:
@@ -300,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         load = os.getloadavg()
         print(json.dumps({"omp_wait_policy": policy, "load_before": [round(x, 2) for x in load]}), flush=True)
         rows = run_threads(model, [int(t) for t in args.threads.split(",")], args.repeats, args.split,
-                           not args.no_huge_pages, args.kv_cache_dtype)
+                           not args.no_huge_pages, args.kv_cache_dtype, args.compete)
         print(json.dumps({"bench": "forward_steps_threads", "omp_wait_policy": policy, "rows": rows,
                           "load_before": [round(x, 2) for x in load],
                           "load_after": [round(x, 2) for x in os.getloadavg()]}))
