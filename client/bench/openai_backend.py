@@ -73,14 +73,31 @@ class OpenAIBenchClient:
         return body
 
     async def send_one(self, req: BenchRequest, cfg: RunConfig, t0: float) -> RequestTrace:
-        """Stream one completion; chunk times are when text arrived, output_len is the reported usage."""
+        """Stream one completion; chunk times are when text arrived, output_len is the reported usage. A request
+        whose connection is lost before any response (a pooled connection the server had closed: llama-server
+        closes a keep-alive connection after a few requests; aiohttp raises ServerDisconnectedError, or
+        ClientOSError while writing the body) is sent once more; one lost after its answer began is not."""
+        start = time.perf_counter() - t0
+        try:
+            return await self._stream(req, cfg, t0, start)
+        except aiohttp.ClientConnectionError:
+            pass  # the connection went before a response came (errors after one are the trace's): once more
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return failed(req, start, t0, f"{type(e).__name__}: {e}")
+        try:
+            return await self._stream(req, cfg, t0, start)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return failed(req, start, t0, f"{type(e).__name__}: {e}")
+
+    async def _stream(self, req: BenchRequest, cfg: RunConfig, t0: float, start: float) -> RequestTrace:
+        """The request's trace; raises what the session raised before a response came (errors after it are the
+        trace's)."""
         chunks: list[float] = []
         texts: list[str] = []
         output_len, error = 0, ""
-        start = time.perf_counter() - t0
         timeout = aiohttp.ClientTimeout(total=cfg.timeout)
-        try:
-            async with self.session.post(f"{self.root}/completions", json=self.body(req, cfg), timeout=timeout) as r:
+        async with self.session.post(f"{self.root}/completions", json=self.body(req, cfg), timeout=timeout) as r:
+            try:
                 if r.status != 200:
                     return failed(req, start, t0, f"HTTP {r.status}: {(await r.text())[:200]}")
                 async for line in r.content:
@@ -97,8 +114,8 @@ class OpenAIBenchClient:
                             error = str(choice["finish_reason"])
                     if event.get("usage"):
                         output_len = event["usage"]["completion_tokens"]
-        except (aiohttp.ClientError, TimeoutError) as e:
-            error = f"{type(e).__name__}: {e}"
+            except (aiohttp.ClientError, TimeoutError) as e:
+                error = f"{type(e).__name__}: {e}"
         return RequestTrace(prompt_len=req.prompt_len, start=start, end=time.perf_counter() - t0,
                             chunk_times=tuple(chunks), output_len=output_len, success=not error, error=error,
                             text="".join(texts))
