@@ -21,10 +21,11 @@ when torch loads).
 --split adds, per step and thread count, the time inside the model's linears and its attention calls during the
 best execute and the rest (the serial part: Python between the kernels, serial kernels, batch building, sampler).
 --compete BURST_MS,PERIOD_MS adds, per step, how much slower the top thread count runs while another process
-takes BURST_MS of CPU every PERIOD_MS (as the scheduler side's processes do on a shared box): the median of
-interleaved rounds quiet and competed, the slowdown, and its amplification: the slowdown's excess over the share of
-the team's cores the competitor took (1.0: the team lost only that CPU; 2.0 at 2 threads: a preempted thread
-stalled the other as long, at the barrier that ends each parallel region).
+takes BURST_MS of CPU every PERIOD_MS (as the scheduler side's processes do on a shared box): the medians of
+interleaved rounds' means, quiet and competed, the share of a core the competitor took (measured), the slowdown,
+and its amplification: the slowdown's excess over the share of the team's cores the competitor took (1.0: the team
+lost only that CPU; 2.0 at 2 threads: a preempted thread stalled the other as long, at the barrier that ends each
+parallel region).
 --attention times several attention implementations side by side (one backend each, their timings interleaved
 round by round) and prints each one's speedup over the last named.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -49,6 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from benchmarks.roofline import ModelShape, limits_record, measure_limits
+from benchmarks.vs_llamacpp import cpu_seconds
 from benchmarks.vs_transformers import DEFAULT_CACHE, ensure_model
 from client.switches import env_switch
 from executor_service.attention import ENV_VAR
@@ -141,9 +144,10 @@ def time_threads(backend: TorchBackend, kind: str, items: list[BatchItem], lengt
 
 
 COMPETITOR = """
-import sys, time
+import os, sys, time
 burst, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
-while True:
+parent = os.getppid()
+while os.getppid() == parent:  # not past its benchmark, however that ended
     end = time.perf_counter() + burst
     while time.perf_counter() < end:
         pass
@@ -153,46 +157,66 @@ while True:
 
 @dataclass(frozen=True, slots=True)
 class Compete:
-    """A competing process's CPU use: burst_ms of busy looping every period_ms."""
+    """A competing process: burst_ms of busy looping every period_ms."""
 
     burst_ms: float
     period_ms: float
 
     @classmethod
     def parse(cls, text: str) -> Compete:
-        burst, _, period = text.partition(",")
-        compete = cls(float(burst), float(period or "nan"))
-        if not 0 < compete.burst_ms < compete.period_ms:
+        burst, comma, period = text.partition(",")
+        compete = cls(float(burst), float(period)) if comma else None
+        if compete is None or not (math.isfinite(compete.period_ms) and 0 < compete.burst_ms < compete.period_ms):
             raise argparse.ArgumentTypeError(f"--compete {text!r}: BURST_MS,PERIOD_MS with 0 < BURST_MS < PERIOD_MS")
         return compete
 
     def start(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-c", COMPETITOR, str(self.burst_ms), str(self.period_ms)])
 
-    def amplification(self, slowdown: float, threads: int) -> float:
+
+@dataclass(frozen=True, slots=True)
+class Competed:
+    """Median seconds of an execute, quiet and competed, and the share of one core the competitor took."""
+
+    quiet: float
+    competed: float
+    share: float
+
+    @property
+    def slowdown(self) -> float:
+        return self.competed / self.quiet
+
+    def amplification(self, threads: int) -> float:
         """How many times the CPU it took the team lost: (slowdown - 1) over its share of the team's cores."""
-        return (slowdown - 1) / (self.burst_ms / self.period_ms / threads)
+        return (self.slowdown - 1) / (self.share / threads) if self.share > 0 else math.nan
 
 
 def time_competed(backend: TorchBackend, items: list[BatchItem], threads: int, repeats: int,
-                  compete: Compete) -> tuple[float, float]:
-    """Median wall-clock seconds of one execute at `threads` threads, quiet and with the competitor running, the
-    two interleaved round by round (several executes a round, so that a round spans many of its periods). The
-    competitor starts once and is stopped (SIGSTOP) through the quiet rounds."""
+                  compete: Compete) -> Competed:
+    """An execute at `threads` threads, quiet and with the competitor running, the two interleaved round by round:
+    the medians of the rounds' means (a round runs the step for ~0.5 s, many of the competitor's periods), and the
+    share of a core the competitor took in its rounds (its CPU time over their wall time). The competitor starts
+    once per call and is stopped (SIGSTOP) through the quiet rounds."""
     torch.set_num_threads(threads)
     backend.execute(items)  # warm-up
     per_round = max(3, round(0.5 / max(1e-3, time_once(backend, items))))
-    times: dict[bool, list[float]] = {False: [], True: []}
+    means: dict[bool, list[float]] = {False: [], True: []}
     competitor = compete.start()
+    cpu = wall = 0.0
     try:
         for _ in range(repeats):
             for competing in (False, True):
                 competitor.send_signal(signal.SIGCONT if competing else signal.SIGSTOP)
-                times[competing].extend(time_once(backend, items) for _ in range(per_round))
+                cpu_before, start = cpu_seconds(competitor.pid), time.perf_counter()
+                means[competing].append(statistics.fmean(time_once(backend, items) for _ in range(per_round)))
+                if competing:
+                    cpu, wall = cpu + cpu_seconds(competitor.pid) - cpu_before, wall + time.perf_counter() - start
+        if competitor.poll() is not None:
+            raise RuntimeError(f"the competing process ended early (exit {competitor.returncode})")
     finally:
         competitor.kill()
         competitor.wait()
-    return statistics.median(times[False]), statistics.median(times[True])
+    return Competed(statistics.median(means[False]), statistics.median(means[True]), cpu / wall)
 
 
 def time_once(backend: TorchBackend, items: list[BatchItem]) -> float:
@@ -321,11 +345,11 @@ def time_thread_counts(backend: TorchBackend, shape: ModelShape, threads: list[i
             row |= {f"speedup_{top}t": round(speedup, 2), "serial_fraction": round(fraction, 3),
                     "model_16t": round(amdahl(fraction, 16), 1), "model_64t": round(amdahl(fraction, 64), 1)}
         if compete is not None and kind not in controls:
-            quiet, competed = time_competed(backend, items, top, repeats, compete)
-            slowdown = competed / quiet
-            row |= {f"median_ms_{top}t": round(quiet * 1e3, 2), f"competed_ms_{top}t": round(competed * 1e3, 2),
-                    "competed_slowdown": round(slowdown, 3),
-                    "amplification": round(compete.amplification(slowdown, top), 2)}
+            competed = time_competed(backend, items, top, repeats, compete)
+            row |= {f"median_ms_{top}t": round(competed.quiet * 1e3, 2),
+                    f"competed_ms_{top}t": round(competed.competed * 1e3, 2),
+                    "competitor_share": round(competed.share, 3), "competed_slowdown": round(competed.slowdown, 3),
+                    "amplification": round(competed.amplification(top), 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

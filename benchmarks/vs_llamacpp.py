@@ -85,7 +85,8 @@ async def serve_run(url: str, reqs: list[BenchRequest], pids: dict[str, int]) ->
         after = cpu_snapshot(pids)
     m = compute_metrics(result.traces, result.duration, [50.0], SLO())
     tokens = sum(t.output_len for t in result.traces if t.success)
-    return {"completed": m.completed, "output_tok_s": round(m.output_throughput, 1),
+    return {"completed": m.completed, "resent": sum(t.resent for t in result.traces),
+            "output_tok_s": round(m.output_throughput, 1),
             "ttft_ms": round(m.ttft.mean, 1), "tpot_ms": round(m.tpot.mean, 2), "seconds": round(result.duration, 2),
             "cpu_s_per_1k_tokens": cpu_per_1k(before, after, tokens)}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -31,8 +33,10 @@ class OpenAIBenchClient:
 
     async def __aenter__(self) -> OpenAIBenchClient:
         connector = aiohttp.TCPConnector(limit=0)
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(note_reuse)
         self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
-                                              timeout=aiohttp.ClientTimeout(total=None))
+                                              timeout=aiohttp.ClientTimeout(total=None), trace_configs=[reuse])
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -74,29 +78,34 @@ class OpenAIBenchClient:
 
     async def send_one(self, req: BenchRequest, cfg: RunConfig, t0: float) -> RequestTrace:
         """Stream one completion; chunk times are when text arrived, output_len is the reported usage. A request
-        whose connection is lost before any response (a pooled connection the server had closed: llama-server
-        closes a keep-alive connection after a few requests; aiohttp raises ServerDisconnectedError, or
-        ClientOSError while writing the body) is sent once more; one lost after its answer began is not."""
+        sent on a reused keep-alive connection that is lost before any response (the server had closed it as the
+        request went: llama-server closes a keep-alive connection after a few requests; aiohttp raises
+        ServerDisconnectedError, or ClientOSError writing the body) is sent once more, on another connection, and
+        its trace says so (`resent`); a request lost on a new connection, or after its answer began, is not."""
         start = time.perf_counter() - t0
+        reused: list[bool] = []
         try:
-            return await self._stream(req, cfg, t0, start)
-        except aiohttp.ClientConnectionError:
-            pass  # the connection went before a response came (errors after one are the trace's): once more
+            return await self._stream(req, cfg, t0, start, reused)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if not reused or isinstance(e, aiohttp.ClientConnectorError):
+                return failed(req, start, t0, describe(e))
         except (aiohttp.ClientError, TimeoutError) as e:
-            return failed(req, start, t0, f"{type(e).__name__}: {e}")
+            return failed(req, start, t0, describe(e))
         try:
-            return await self._stream(req, cfg, t0, start)
+            return replace(await self._stream(req, cfg, t0, start, []), resent=True)
         except (aiohttp.ClientError, TimeoutError) as e:
-            return failed(req, start, t0, f"{type(e).__name__}: {e}")
+            return replace(failed(req, start, t0, describe(e)), resent=True)
 
-    async def _stream(self, req: BenchRequest, cfg: RunConfig, t0: float, start: float) -> RequestTrace:
+    async def _stream(self, req: BenchRequest, cfg: RunConfig, t0: float, start: float,
+                      reused: list[bool]) -> RequestTrace:
         """The request's trace; raises what the session raised before a response came (errors after it are the
-        trace's)."""
+        trace's). `reused` gets an entry if the request went on a pooled connection."""
         chunks: list[float] = []
         texts: list[str] = []
         output_len, error = 0, ""
         timeout = aiohttp.ClientTimeout(total=cfg.timeout)
-        async with self.session.post(f"{self.root}/completions", json=self.body(req, cfg), timeout=timeout) as r:
+        async with self.session.post(f"{self.root}/completions", json=self.body(req, cfg), timeout=timeout,
+                                     trace_request_ctx=reused) as r:
             try:
                 if r.status != 200:
                     return failed(req, start, t0, f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -115,10 +124,21 @@ class OpenAIBenchClient:
                     if event.get("usage"):
                         output_len = event["usage"]["completion_tokens"]
             except (aiohttp.ClientError, TimeoutError) as e:
-                error = f"{type(e).__name__}: {e}"
+                error = describe(e)
         return RequestTrace(prompt_len=req.prompt_len, start=start, end=time.perf_counter() - t0,
                             chunk_times=tuple(chunks), output_len=output_len, success=not error, error=error,
                             text="".join(texts))
+
+
+async def note_reuse(session: aiohttp.ClientSession, context: SimpleNamespace,
+                     params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    """A request went on a pooled connection: its trace_request_ctx (a list) gets an entry."""
+    if isinstance(context.trace_request_ctx, list):
+        context.trace_request_ctx.append(True)
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def failed(req: BenchRequest, start: float, t0: float, error: str) -> RequestTrace:

@@ -27,6 +27,7 @@ class RequestTrace:
     success: bool = True
     error: str = ""
     text: str = ""
+    resent: bool = False               # sent again after a reused connection was lost before any response
 
 
 @dataclass(frozen=True, slots=True)
