@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import vs_llamacpp
 from benchmarks.forward_steps import Compete, Competed
+from tests.support.procs import process_gone, wait_until
 
 
 def test_burst_and_period_are_parsed_and_checked() -> None:
@@ -53,8 +54,5 @@ def test_the_competitor_ends_with_its_benchmark() -> None:
     parent = subprocess.run([sys.executable, "-c", "from benchmarks.forward_steps import Compete; "
                              "print(Compete(1.0, 10.0).start().pid)"], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[1], timeout=60)
-    stat = Path(f"/proc/{int(parent.stdout)}/stat")
-    deadline = time.monotonic() + 20
-    while stat.is_file() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline, "the competitor outlived the process that started it"
-        time.sleep(0.05)  # polling another process's end (not our child: no wait to block on)
+    competitor = int(parent.stdout)
+    wait_until(lambda: process_gone(competitor), 20.0, "the competitor to end with the process that started it")

@@ -19,7 +19,15 @@ from client.lib import build_request
 from protos.pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.wire import GRPC_OPTIONS
 from scheduler_service.frontend.generation import API_SERVER_HEADER
-from tests.support.procs import ROOT, Stack, running_http_stack, running_stack, wait_healthy, wait_until
+from tests.support.procs import (
+    ROOT,
+    Stack,
+    process_gone,
+    running_http_stack,
+    running_stack,
+    wait_healthy,
+    wait_until,
+)
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 EXECUTOR = ["--simulated", "--sim-step-latency-ms", "5"]
@@ -150,12 +158,8 @@ def test_the_engine_core_dying_takes_the_api_servers_down(tmp_path: Path) -> Non
         assert len(pids) == 2
         s.scheduler.send_signal(signal.SIGKILL)
         s.scheduler.wait(timeout=10)
-
-        def gone() -> bool:
-            return not any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
-                           for p in pids)
-
-        wait_until(gone, timeout=30.0, what="the api servers to exit")  # ~2.5 s; a loaded box took over 10
+        # ~2.5 s; a loaded box took over 10
+        wait_until(lambda: all(map(process_gone, pids)), timeout=30.0, what="the api servers to exit")
         assert "is gone; this api server exits" in (tmp_path / "scheduler.log").read_text()
         with pytest.raises(TimeoutError):
             wait_healthy(s.address, s.executor, timeout=1.0)
@@ -235,11 +239,6 @@ def feed(fifo: Path, text: str, what: str) -> None:
     wait_until(reader_came, 60.0, what)
     with os.fdopen(opened[0], "w") as f:
         f.write(text)
-
-
-def process_gone(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_an_api_server_whose_core_died_while_it_started_exits(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from tests.support.procs import (
     free_port,
     loopback,
     port_file_of,
+    process_gone,
     running_stack,
     start,
     start_listening,
@@ -229,7 +230,7 @@ def test_a_size_the_model_cannot_take_fails_at_start_with_one_line(tmp_path: Pat
     assert "Traceback" not in proc.stderr
     spawned = [int(pid) for pid in re.findall(r"tensor-parallel rank \d+ started as pid (\d+)", proc.stderr)]
     assert len(spawned) == 2, "the ranks start before rank 0 imports torch and checks the split"
-    assert all(gone(pid) for pid in spawned), "rank 0 exited leaving spawned ranks behind"
+    assert all(process_gone(pid) for pid in spawned), "rank 0 exited leaving spawned ranks behind"
 
 
 def test_the_launch_imports_no_torch_before_it_spawns_the_ranks() -> None:
@@ -452,14 +453,6 @@ def worker_pid(log: Path, proc: subprocess.Popen[bytes]) -> int:
     return int(match.group(1))
 
 
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
 def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_path: Path) -> None:
     args = ["--device", DEVICE, "--num-gpu-blocks", "128", "--num-cpu-blocks", "16", *TP2]
     # requests wait for the restarted executor (two ranks starting on a loaded machine) instead of failing
@@ -480,7 +473,7 @@ def test_killed_worker_rank_ends_the_executor_and_the_scheduler_recomputes(tmp_p
             return await task
 
         disturbed = asyncio.run(killed_midway())
-        assert gone(pid)
+        assert process_gone(pid)
         assert disturbed == reference
         assert stack.scheduler.poll() is None
 
@@ -536,10 +529,7 @@ def test_killed_rank_0_ends_the_other_ranks(tmp_path: Path) -> None:
         pid = worker_pid(log, proc)
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 30
-        while not gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert gone(pid), "rank 1 outlived rank 0"
+        wait_until(lambda: process_gone(pid), 30.0, "rank 1 to end with rank 0")
     finally:
         stop(proc)
 
@@ -561,6 +551,6 @@ def test_a_hung_rank_ends_the_executor_within_the_collective_timeout(tmp_path: P
         assert time.monotonic() - stopped >= 2.0, "rank 0 gave up before the timeout"
         assert "going down" in log.read_text(errors="replace")
     finally:
-        if pid and not gone(pid):  # rank 0 kills it on the way down; this is for a failed assertion
+        if pid and not process_gone(pid):  # rank 0 kills it on the way down; this is for a failed assertion
             os.kill(pid, signal.SIGKILL)
         stop(proc)

@@ -110,6 +110,15 @@ def refusing_address() -> Iterator[str]:
         yield loopback(s.getsockname()[1])
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited: no /proc entry, or only its zombie (or dead) entry left for a parent to reap."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
 def thread_count(proc: subprocess.Popen[bytes]) -> int:
     return len(os.listdir(f"/proc/{proc.pid}/task"))
 
