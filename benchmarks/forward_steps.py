@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", action="store_true", help="with --threads: also time the model's linears and attention "
                    "calls inside each best step (timers around them) and print them and the rest (the serial part)")
     p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "active", "passive", "default"],
-                   help="as the executor's --cpu-omp-wait-policy (auto: poll 300,000 times, or the environment's "
+                   help="as the executor's --cpu-omp-wait-policy (auto: poll 10,000 times, or the environment's "
                    "settings); default: no variables at all, libgomp's own")
     p.add_argument("--omp-spin-count", type=int, default=-1,
                    help="as the executor's --cpu-omp-spin-count (GOMP_SPINCOUNT; -1: the wait policy's)")

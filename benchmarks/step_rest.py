@@ -9,7 +9,7 @@ cos and sin computed per step (not gathered from the cache), the final rows gath
 sampled, the sampler's full path for plain greedy rows, and validate_item per item. The variants alternate step by
 step, each thread count in turn; per (rows, threads, variant) the step of the least wall time is kept, and its
 rest printed (ms) with the ratio before / after. Run it under the executor's OpenMP environment
-(GOMP_SPINCOUNT=300000, as forward_steps re-executes itself with).
+(GOMP_SPINCOUNT=10000 under auto, as forward_steps re-executes itself with).
 """
 
 from __future__ import annotations

@@ -85,19 +85,19 @@ class ExecutorConfig:
         " after ready instead of before it; the first use of one of them (torch.compile, meta tensors) runs it at"
         " once. Off for --compile-sizes and tensor parallelism; also off with PAGEDSERVE_LAZY_TORCH_IMPORT=0"))
     cpu_threads: int = field(default=0, metadata=flag(
-        "CPU: threads of the forward pass (one OpenMP pool shared by torch, the C++ kernels, MKL and oneDNN);"
-        " 0: one per core this process may use (affinity mask, cgroup CPU quota). Tensor parallelism splits the"
-        " cores between ranks instead"))
+        "CPU: threads of the forward pass: the C++ kernels' own pool and torch's OpenMP team (torch's ops, MKL,"
+        " oneDNN), which take turns; 0: one per core this process may use (affinity mask, cgroup CPU quota)."
+        " Tensor parallelism splits the cores between ranks instead"))
     cpu_omp_wait_policy: str = field(default="auto", metadata=flag(
-        "CPU: how the forward pool's idle OpenMP threads wait, set before torch loads: auto (poll 300,000 times,"
-        " about 4 ms of CPU on the benchmark box, then sleep: awake between a step's parallel regions, asleep when"
-        " the server idles; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept; BENCHMARKS.md section"
-        " 17), passive (sleep at once: for cores shared with other busy processes), active (poll for minutes, also"
-        " while the server idles)", choices=["auto", "active", "passive"]))
+        "CPU: how torch's idle OpenMP threads wait, set before torch loads: auto (poll 10,000 times, 10 - 40 us on"
+        " the benchmark box, then sleep, leaving the cores to the kernels' pool, which runs most of a step; an"
+        " OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept; BENCHMARKS.md section 17), passive (sleep"
+        " at once), active (poll for minutes, also while the server idles: holds cores the kernels' pool needs)",
+        choices=["auto", "active", "passive"]))
     cpu_omp_spin_count: int = field(default=-1, metadata=flag(
-        "CPU: GOMP_SPINCOUNT, how many times an idle forward thread polls for work before it sleeps (on the"
+        "CPU: GOMP_SPINCOUNT, how many times an idle OpenMP thread polls for work before it sleeps (on the"
         " benchmark box 100,000: 0.1 - 0.4 ms, 300,000: ~4 ms), set before torch loads; overrides the wait"
-        " policy's (auto 300,000, passive 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
+        " policy's (auto 10,000, passive 0, active ~30 billion); -1: the wait policy's", parse=parse_spin_count))
     cpu_huge_pages: bool = field(default=True, metadata=flag(
         "CPU: the KV cache (and the swap area) in transparent huge pages of 2 MiB (MADV_HUGEPAGE): a decode step's"
         " reads of blocks scattered over the cache miss the TLB far less. Needs the kernel's transparent_hugepage at"

@@ -1,7 +1,9 @@
 """Where the executor computes on the CPU (#29): the cores it is bound to (--cpu-cores, as vLLM's
-VLLM_CPU_OMP_THREADS_BIND) and the threads of its forward pass (--cpu-threads). torch's intra-op pool, the C++
-kernels' at::parallel_for, MKL and oneDNN all run on one OpenMP pool (torch's libgomp), so one thread count sizes
-them all; nothing else in the executor computes in parallel, so there is no second pool to oversubscribe the cores.
+VLLM_CPU_OMP_THREADS_BIND) and the threads of its forward pass (--cpu-threads). The C++ kernels run on their own
+pool (executor_service/kernels/csrc/elastic_pool.h: a region ends when its items are done, without waiting for a
+thread the OS kept off its core); torch's intra-op ops, MKL and oneDNN on torch's OpenMP team. torch's thread count
+sizes both, and the two take turns: each polls only briefly (the pool yielding its core as it polls, the OpenMP team
+AUTO_SPIN_COUNT times under auto) before it sleeps, so neither holds a core the other needs.
 
 Default: one thread per core this process may run on (its affinity mask, capped by a cgroup v2 CPU quota as
 `docker run --cpus` sets), so a container or `taskset` that gives the executor N cores gets N threads."""
@@ -46,16 +48,16 @@ def cgroup_quota() -> float | None:
 OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-AUTO_SPIN_COUNT = 300_000  # polls before an idle OpenMP thread sleeps under auto: ~4 ms of CPU on the benchmark box
+AUTO_SPIN_COUNT = 10_000  # polls before an idle OpenMP thread sleeps under auto: 10 - 40 us on the benchmark box
 
 
 def omp_environment(requested: str, spin_count: int) -> dict[str, str]:
     """The OpenMP environment for --cpu-omp-wait-policy `requested` and --cpu-omp-spin-count `spin_count` (-1: the
-    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps (libgomp's nominal default, set),
-    so the team stays awake through a busy server's back-to-back parallel regions and steps, sleeps when it idles,
-    and a step does not pay a futex wake per region; the 128-request benchmark at 2 threads ran 5 - 12% faster than
-    passive and as fast as active (BENCHMARKS.md section 17, fifth session). An OMP_WAIT_POLICY or GOMP_SPINCOUNT
-    already in the environment is kept under auto. passive suits cores shared with other busy processes: a polling
+    policy's). auto: an idle thread polls AUTO_SPIN_COUNT times before it sleeps: the kernels' own pool runs the
+    decode steps' regions, so OpenMP's team serves torch's GEMMs and ops, and a team that polled for milliseconds
+    after them held the cores the pool then needed (the 128-request benchmark at 2 threads: 4 - 8% faster than
+    300,000 polls, BENCHMARKS.md section 17, twenty-first session). An OMP_WAIT_POLICY or GOMP_SPINCOUNT already in
+    the environment is kept under auto. passive suits cores shared with other busy processes: a polling
     thread holds a core another runnable thread wants."""
     env: dict[str, str] = {}
     if requested != "auto":

@@ -1,13 +1,16 @@
-"""The C++ kernels run on every thread torch is given (#29): each extension's threads_used probe (an
+"""The C++ kernels run on every thread torch is given (#29). Each extension's threads_used probe (an
 at::parallel_for compiled with the kernels' flags) must see 2 threads when torch has 2, from the main thread and
 from a thread of the executor's kind (the forward thread), and 1 when torch has 1. A build without OpenMP (ATen's
 serial fallback) answers 1 and fails this; so does a build linked to a second OpenMP runtime that ignores torch's
-thread count."""
+thread count. The kernels themselves run on their own pool (kernels/csrc/elastic_pool.h): one per process, sized by
+torch's thread count, handing every item of back-to-back regions out once, safe for concurrent callers and after a
+fork."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,3 +95,59 @@ def test_a_thread_held_up_in_its_share_has_the_rest_of_it_run_by_the_other() -> 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") as pool:
             assert pool.submit(probe, 7, 10_000).result() in (2, 3)  # shares [0, 3) and [3, 7)
         assert probe(1, 10_000) == 0  # one item: one thread, nothing to steal
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_the_kernels_pool_runs_on_every_thread_torch_is_given() -> None:
+    for probe in probes("pool_threads_used"):
+        assert probe(64) == 2
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward") as pool:
+            assert pool.submit(probe, 64).result() == 2
+        assert probe(1) == 1
+    torch.set_num_threads(1)
+    assert all(probe(64) == 1 for probe in probes("pool_threads_used"))
+
+
+def test_both_extensions_share_one_pool() -> None:
+    """Two pools would keep two sets of workers polling for the same cores."""
+    addresses = {probe() for probe in probes("pool_address")}
+    assert len(addresses) == 1
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_back_to_back_regions_hand_every_item_out_once() -> None:
+    """A worker still finishing one region, or waking after it ended, must take nothing of the next."""
+    for probe in probes("pool_faulty_regions"):
+        assert probe(20_000, 2) == 0
+        assert probe(2_000, 37) == 0
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_callers_on_two_threads_at_once_each_get_all_their_items() -> None:
+    """The pool runs one caller's region at a time; a second caller meanwhile runs its own alone."""
+    probe = probes("pool_faulty_regions")[0]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = [pool.submit(probe, 3_000, 9) for _ in range(3)]
+        assert [r.result() for r in results] == [0, 0, 0]
+
+
+FORKED = textwrap.dedent("""
+    import os, sys, torch
+    from tests.executor.test_kernel_threads import probes
+    torch.set_num_threads(2)
+    used, faulty = probes("pool_threads_used")[0], probes("pool_faulty_regions")[0]
+    assert used(64) == 2  # the parent's workers run
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if used(64) == 2 and faulty(2_000, 5) == 0 else 3)
+    _, status = os.waitpid(child, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+""")
+
+
+def test_a_forked_child_starts_a_pool_of_its_own() -> None:
+    """A child has none of its parent's threads: kept as they were, its pool would count workers that are not there
+    and run every region on the caller alone."""
+    probes()
+    done = subprocess.run([sys.executable, "-c", FORKED], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -923,6 +923,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("has_avx512() -> bool", has_avx512);
   m.def("threads_used(int items) -> int", pagedserve::threads_used);
   m.def("stolen_items(int items, int wait_ms) -> int", pagedserve::stolen_items);
+  m.def("pool_address() -> int", pagedserve::pool_address);
+  m.def("pool_threads_used(int items) -> int", pagedserve::pool_threads_used);
+  m.def("pool_faulty_regions(int regions, int items) -> int", pagedserve::pool_faulty_regions);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -1,13 +1,15 @@
-// Items of work over torch's OpenMP team, each thread starting on a contiguous share of its own, and a thread that
-// finishes its share early (preempted siblings, uneven shares) taking the items left at the back of the others'
-// (#29). A statically cut region lasts as long as its slowest share: when the OS preempts one of the team's threads
-// (a 2-core box that also runs the scheduler's processes), the other finished its share and waited, so the step lost
-// twice the CPU the preemption took. With stealing it runs the preempted thread's remaining items.
+// Items of work over the kernels' thread pool (elastic_pool.h), each thread starting on a contiguous share of its
+// own, and a thread that finishes its share early (preempted siblings, uneven shares) taking the items left at the
+// back of the others' (#29). A statically cut region lasts as long as its slowest share: when the OS preempts one of
+// the threads (a 2-core box that also runs the scheduler's processes), the other finished its share and waited, so
+// the step lost twice the CPU the preemption took. With stealing it runs the preempted thread's remaining items.
 // On the include path of every extension executor_service/kernels/build.py builds.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#include "elastic_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -18,77 +20,42 @@
 
 namespace pagedserve {
 
-// The items [front, back) of one share not yet taken; the owner takes from the front, others from the back.
-class alignas(64) Share {
- public:
-  void reset(int64_t front, int64_t back) { range_.store(pack(front, back), std::memory_order_relaxed); }
-
-  // The front item into `item` (and the one after it, if still in the share, into `next`, else -1).
-  bool take_front(int64_t& item, int64_t& next) {
-    uint64_t range = range_.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t front = front_of(range), back = back_of(range);
-      if (front >= back) return false;
-      if (range_.compare_exchange_weak(range, pack(front + 1, back), std::memory_order_acq_rel)) {
-        item = front;
-        next = front + 1 < back ? front + 1 : -1;
-        return true;
-      }
-    }
-  }
-
-  // The back item into `item` (and the one before it, if still in the share, into `next`, else -1).
-  bool take_back(int64_t& item, int64_t& next) {
-    uint64_t range = range_.load(std::memory_order_relaxed);
-    for (;;) {
-      const int64_t front = front_of(range), back = back_of(range);
-      if (front >= back) return false;
-      if (range_.compare_exchange_weak(range, pack(front, back - 1), std::memory_order_acq_rel)) {
-        item = back - 1;
-        next = back - 2 >= front ? back - 2 : -1;
-        return true;
-      }
-    }
-  }
-
- private:
-  static uint64_t pack(int64_t front, int64_t back) {
-    return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
-  }
-  static int64_t front_of(uint64_t range) { return static_cast<int64_t>(range & 0xFFFFFFFFu); }
-  static int64_t back_of(uint64_t range) { return static_cast<int64_t>(range >> 32); }
-
-  std::atomic<uint64_t> range_{0};
-};
-
 // f(state, item, next) for every item in [0, starts.back()), state = make_state() once per thread (scratch
-// buffers): thread t's share is [starts[t], starts[t + 1]) (starts[0] == 0, fewer than 2^32 items); `next` is the
-// item this thread most likely runs after `item` (to prefetch for), -1 where none is known. A thread given several
-// shares (a team smaller than the shares, or a nested call, which runs on one thread) runs them all front to back
-// before it steals.
+// buffers): thread t's share is [starts[t], starts[t + 1]) (starts[0] == 0); `next` is the item this thread most
+// likely runs after `item` (to prefetch for), -1 where none is known. The calling thread takes share 0 and the pool's
+// workers the others; a thread done with its share takes items from the back of the others'. Runs on the calling
+// thread alone where there is one share, inside another region (OpenMP's or the pool's), or while the pool runs
+// another caller's region; a thread given several shares runs them front to back before it steals.
 template <class MakeState, class F>
 void parallel_steal(const std::vector<int64_t>& starts, MakeState&& make_state, F&& f) {
-  TORCH_CHECK(!starts.empty() && starts.front() == 0 && starts.back() < (int64_t{1} << 32) &&
-                  std::is_sorted(starts.begin(), starts.end()),
-              "parallel_steal: shares must cut [0, n) in order, n < 2^32");
-  const int64_t threads = static_cast<int64_t>(starts.size()) - 1;
-  if (threads <= 1 || at::in_parallel_region()) {
+  TORCH_CHECK(!starts.empty() && starts.front() == 0 && std::is_sorted(starts.begin(), starts.end()),
+              "parallel_steal: shares must cut [0, n) in order");
+  const int64_t threads = static_cast<int64_t>(starts.size()) - 1, n = starts.back();
+  const auto run_alone = [&] {
     auto state = make_state();
-    const int64_t n = starts.back();
     for (int64_t i = 0; i < n; ++i) f(state, i, i + 1 < n ? i + 1 : -1);
-    return;
-  }
-  const std::unique_ptr<Share[]> shares(new Share[threads]);
-  for (int64_t t = 0; t < threads; ++t) shares[t].reset(starts[t], starts[t + 1]);
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    auto state = make_state();
-    int64_t item = 0, next = -1;
-    for (int64_t t = first; t < last; ++t)
-      while (shares[t].take_front(item, next)) f(state, item, next);
-    for (int64_t k = 0; k < threads; ++k)
-      if (k < first || k >= last)
-        while (shares[k].take_back(item, next)) f(state, item, next);
-  });
+  };
+  if (threads <= 1 || threads > ElasticPool::kMaxThreads || n >= Share::kMaxItems || at::in_parallel_region() ||
+      pool_thread_index != 0)
+    return run_alone();
+  struct Body {
+    MakeState& make_state;
+    F& f;
+  } body{make_state, f};
+  Region region{[](const Region& r, int me, uint32_t tag, int64_t item, int64_t next) {
+                  Body& b = *static_cast<Body*>(r.body);
+                  const int threads = r.threads;
+                  ElasticPool& pool = ElasticPool::instance();
+                  auto state = b.make_state();
+                  for (;;) {
+                    b.f(state, item, next);
+                    const bool more = pool.claim(tag, threads, me, item, next);
+                    pool.finish_item();  // with no item claimed, the region (r, b) may end here
+                    if (!more) return;
+                  }
+                },
+                &body, 0};
+  if (!ElasticPool::instance().run(region, starts)) run_alone();
 }
 
 // The same without a per-thread state: f(item, next).
@@ -108,6 +75,17 @@ inline std::vector<int64_t> even_shares(int64_t n) {
   return starts;
 }
 
+// f(begin, end) over [0, n) in ranges of `grain` items (the last one shorter; more where n would need more than
+// Share::kMaxItems ranges), on the pool as parallel_steal: at::parallel_for's contract, without OpenMP's team.
+template <class F>
+void parallel_ranges(int64_t n, int64_t grain, F&& f) {
+  if (n <= 0) return;
+  grain = std::max({grain, int64_t{1}, (n + Share::kMaxItems - 2) / (Share::kMaxItems - 1)});
+  const int64_t ranges = (n + grain - 1) / grain;
+  if (ranges == 1) return f(int64_t{0}, n);
+  parallel_steal(even_shares(ranges), [&](int64_t r, int64_t) { f(r * grain, std::min(n, (r + 1) * grain)); });
+}
+
 // A probe of the stealing (tests): `items` items in even shares; the team's first thread, whose share is the first,
 // holds the first item it runs until other threads have run all but one of that share's items (at most `wait_ms`),
 // as a thread preempted for long would. Returns how many of the first share's items other threads ran, or -1 if any
@@ -124,7 +102,7 @@ inline int64_t stolen_items(int64_t items, int64_t wait_ms) {
   };
   std::atomic<bool> held{false};
   parallel_steal(starts, [&](int64_t item, int64_t) {
-    const int me = at::get_thread_num();
+    const int me = pool_thread_index;
     runner[item] = me;
     ++runs[item];
     if (me != 0 || held.exchange(true)) return;
@@ -135,6 +113,38 @@ inline int64_t stolen_items(int64_t items, int64_t wait_ms) {
   for (const auto& count : runs)
     if (count.load() != 1) return -1;
   return others_ran();
+}
+
+// Probes of the pool (tests). The pool this extension runs its regions on (one per process: every extension answers
+// the same).
+inline int64_t pool_address() { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&ElasticPool::instance())); }
+
+// How many distinct threads ran `items` one-item ranges (each holding its item ~0.2 ms, so every thread joins).
+inline int64_t pool_threads_used(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  parallel_ranges(items, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (pool_thread_index % 64), std::memory_order_relaxed);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  });
+  return __builtin_popcountll(seen.load());
+}
+
+// `regions` regions of `items` items back to back, each item adding its region's number to its slot: the regions
+// whose items did not all run exactly once, in the region they were handed out in (workers arriving late into the
+// next one must take nothing of the last). 0 when the pool is sound.
+inline int64_t pool_faulty_regions(int64_t regions, int64_t items) {
+  std::vector<std::atomic<int64_t>> sum(items);
+  int64_t faulty = 0;
+  for (int64_t r = 1; r <= regions; ++r) {
+    for (auto& s : sum) s.store(0, std::memory_order_relaxed);
+    parallel_steal(even_shares(items), [&](int64_t item, int64_t) { sum[item].fetch_add(r); });
+    bool sound = true;
+    for (const auto& s : sum) sound = sound && s.load() == r;
+    faulty += !sound;
+  }
+  return faulty;
 }
 
 }  // namespace pagedserve

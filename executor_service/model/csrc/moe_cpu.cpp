@@ -15,7 +15,6 @@
 // AVX-512 only (has_moe() says whether it was built so).
 // Registered as torch.ops.pagedserve_model.{moe_experts,has_moe}; built by executor_service/model/cpu_ops.py.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -27,6 +26,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "parallel_steal.h"
 
 namespace {
 
@@ -191,7 +191,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   for (int64_t i = 0; i < s.T * s.k; ++i) scale[i] = wp[slots[i]];
   std::vector<float> ys(s.T * s.k * s.H);
   const float *xp = x.data_ptr<float>(), *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
-  at::parallel_for(0, s.E, 1, [&](int64_t e0, int64_t e1) {
+  pagedserve::parallel_ranges(s.E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t m = start[e + 1] - start[e];
       if (m > 0)
@@ -199,7 +199,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                    scale.data() + start[e], m, ys.data());
     }
   });
-  at::parallel_for(0, s.T, 64, [&](int64_t t0, int64_t t1) { sum_choices(s, id, ys.data(), out.data_ptr<float>(), t0, t1); });
+  pagedserve::parallel_ranges(s.T, 64, [&](int64_t t0, int64_t t1) { sum_choices(s, id, ys.data(), out.data_ptr<float>(), t0, t1); });
 #endif
   return out;
 }

@@ -5,7 +5,6 @@
 // the sum of squares is taken in another order than torch's, so the result equals it up to rounding.
 // Registered as torch.ops.pagedserve_model.{rms_norm,add_rms_norm}; built by executor_service/model/cpu_ops.py.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -16,6 +15,7 @@
 #include <cstdint>
 
 #include "cpu_simd.h"
+#include "parallel_steal.h"
 
 namespace {
 
@@ -72,7 +72,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
+  pagedserve::parallel_ranges(x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) norm_row(xp + t * ldx, wp, static_cast<float>(eps), op + t * H, H);
   });
   return out;
@@ -89,7 +89,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldr = residual.stride(0);
-  at::parallel_for(0, x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
+  pagedserve::parallel_ranges(x.size(0), chunk_rows(H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       add_row(xp + t * ldx, rp + t * ldr, H);
       norm_row(rp + t * ldr, wp, static_cast<float>(eps), op + t * H, H);

@@ -7,7 +7,6 @@
 // included.
 // Registered as torch.ops.pagedserve_model.silu_and_mul; built by executor_service/model/cpu_ops.py.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -18,6 +17,7 @@
 #include <cstdint>
 
 #include "cpu_simd.h"
+#include "parallel_steal.h"
 
 namespace {
 
@@ -74,7 +74,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({T, I}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, chunk_rows(I), [&](int64_t t0, int64_t t1) {
+  pagedserve::parallel_ranges(T, chunk_rows(I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) silu_mul_row(in + t * ld, in + t * ld + I, op + t * I, I);
   });
   return out;

@@ -23,7 +23,6 @@
 // Registered as torch.ops.pagedserve_model.{skinny_linear,pack_skinny_panels,skinny_panel_linear,has_skinny};
 // built by executor_service/model/cpu_ops.py.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -327,7 +326,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const st
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (M > 0)
-    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    pagedserve::parallel_ranges((N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
       in_place_range(xp, wp, b, op, M, N, K, p0, p1);
     });
 #endif
@@ -344,7 +343,7 @@ at::Tensor pack_skinny_panels(const at::Tensor& weight) {
   at::Tensor panels = at::empty({P, K, kPanel}, weight.options());
   const float* w = weight.data_ptr<float>();
   float* d = panels.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  pagedserve::parallel_ranges(P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) pack_panel(w, N, K, p, d + p * K * kPanel);
   });
   return panels;
@@ -389,6 +388,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("has_skinny() -> bool", has_skinny);
   m.def("threads_used(int items) -> int", pagedserve::threads_used);
   m.def("stolen_items(int items, int wait_ms) -> int", pagedserve::stolen_items);
+  m.def("pool_address() -> int", pagedserve::pool_address);
+  m.def("pool_threads_used(int items) -> int", pagedserve::pool_threads_used);
+  m.def("pool_faulty_regions(int regions, int items) -> int", pagedserve::pool_faulty_regions);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) {
