@@ -120,6 +120,7 @@ def test_back_to_back_regions_hand_every_item_out_once() -> None:
     for probe in probes("pool_faulty_regions"):
         assert probe(20_000, 2) == 0
         assert probe(2_000, 37) == 0
+        assert probe(3, 70_000) == 0  # more items than a share can count: handed out in groups
 
 
 @pytest.mark.usefixtures("two_threads")
@@ -129,6 +130,15 @@ def test_callers_on_two_threads_at_once_each_get_all_their_items() -> None:
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = [pool.submit(probe, 3_000, 9) for _ in range(3)]
         assert [r.result() for r in results] == [0, 0, 0]
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_an_item_that_throws_fails_its_call_and_not_the_pool() -> None:
+    """On a worker the exception would end the process; on the caller it would leave the region running."""
+    for probe in probes("pool_rethrows"):
+        assert probe(64, 0)  # the caller's first item
+        assert probe(64, 63)  # the worker's last
+        assert probe(64, 40)
 
 
 FORKED = textwrap.dedent("""

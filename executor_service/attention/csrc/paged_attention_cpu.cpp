@@ -926,6 +926,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("pool_address() -> int", pagedserve::pool_address);
   m.def("pool_threads_used(int items) -> int", pagedserve::pool_threads_used);
   m.def("pool_faulty_regions(int regions, int items) -> int", pagedserve::pool_faulty_regions);
+  m.def("pool_rethrows(int items, int failing) -> bool", pagedserve::pool_rethrows);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

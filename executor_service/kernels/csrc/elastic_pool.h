@@ -7,7 +7,7 @@
 // One pool per process: instance() is an inline function's static, which g++ emits as a unique symbol that the
 // dynamic loader binds to one object across every extension that includes this header, so the attention and model
 // extensions share one set of workers. The workers run on the cores the process may use when they start (the
-// executor binds itself before its first forward pass). An idle worker polls for new work for kSpin before it sleeps
+// executor binds itself before its first forward pass, and starts them from its forward thread). An idle worker polls for new work for kSpin before it sleeps
 // on a futex, so a busy server's back-to-back regions and steps cost no wake-up; it yields its core while it polls,
 // to OpenMP's team (torch's GEMMs still run there) and the scheduler's processes, which a plain poll holds off for
 // its whole time slice (prefill at 2 threads ran 1.8x slower beside a polling pool).
@@ -106,6 +106,10 @@ class ElasticPool {
   // caller's region, for that caller to run it alone.
   bool run(Region& region, const std::vector<int64_t>& starts) {
     if (busy_.exchange(true, std::memory_order_acquire)) return false;
+    const struct Release {
+      std::atomic<bool>& busy;
+      ~Release() { busy.store(false, std::memory_order_release); }
+    } release{busy_};
     const int threads = static_cast<int>(starts.size()) - 1;
     start_workers(threads - 1);
     const uint32_t tag = generation_.load(std::memory_order_relaxed) + 1;
@@ -119,13 +123,14 @@ class ElasticPool {
     int64_t item = 0, next = -1;
     if (claim(tag, threads, 0, item, next)) region.run(region, 0, tag, item, next);
     wait_for_items();
-    busy_.store(false, std::memory_order_release);
     return true;
   }
 
   // An item of the region `tag` for thread `me` of `threads`: the front of its own share, else the back of another's.
+  // Workers beyond the region's thread count (started for a larger one) take nothing.
   bool claim(uint32_t tag, int threads, int me, int64_t& item, int64_t& next) {
-    if (me < threads && shares_[me].take_front(tag, item, next)) return true;
+    if (me >= threads) return false;
+    if (shares_[me].take_front(tag, item, next)) return true;
     for (int k = 1; k < threads; ++k)
       if (shares_[(me + k) % threads].take_back(tag, item, next)) return true;
     return false;
@@ -135,7 +140,12 @@ class ElasticPool {
   void finish_item() { remaining_.fetch_sub(1, std::memory_order_acq_rel); }
 
  private:
-  ElasticPool() { pthread_atfork(nullptr, nullptr, [] { instance().forget_workers(); }); }
+  ElasticPool() {
+    pthread_atfork(nullptr, nullptr, [] {
+      if (ElasticPool* pool = constructed_.load()) pool->forget_workers();
+    });
+    constructed_.store(this);
+  }
 
   // A forked child has none of the parent's threads: the next region starts its own.
   void forget_workers() {
@@ -144,9 +154,14 @@ class ElasticPool {
     sleepers_.store(0);
   }
 
+  // Workers 1..wanted, as far as the OS lets this process start threads (a pids limit): a share without its worker
+  // is taken by the threads that run.
   void start_workers(int wanted) {
-    for (; workers_ < wanted && workers_ < kMaxThreads - 1; ++workers_)
-      std::thread([this, me = workers_ + 1, seen = generation_.load()] { work(me, seen); }).detach();
+    try {
+      for (; workers_ < wanted && workers_ < kMaxThreads - 1; ++workers_)
+        std::thread([this, me = workers_ + 1, seen = generation_.load()] { work(me, seen); }).detach();
+    } catch (const std::system_error&) {
+    }
   }
 
   // Worker `me`'s loop, from the generation before the region that started it.
@@ -207,6 +222,8 @@ class ElasticPool {
   alignas(64) std::atomic<int64_t> remaining_{0};
   alignas(64) std::atomic<int> sleepers_{0};
   std::atomic<bool> busy_{false};
+  static inline std::atomic<ElasticPool*> constructed_{nullptr};  // for the fork handler, which must not wait on
+                                                                   // instance()'s guard (held by a thread now gone)
   int workers_ = 0;
 };
 

@@ -15,10 +15,56 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <vector>
 
 namespace pagedserve {
+
+// parallel_steal (below) on the pool, for fewer than Share::kMaxItems items.
+template <class MakeState, class F>
+void steal_on_pool(const std::vector<int64_t>& starts, MakeState& make_state, F& f) {
+  const int64_t threads = static_cast<int64_t>(starts.size()) - 1, n = starts.back();
+  const auto run_alone = [&] {
+    auto state = make_state();
+    for (int64_t i = 0; i < n; ++i) f(state, i, i + 1 < n ? i + 1 : -1);
+  };
+  if (threads <= 1 || threads > ElasticPool::kMaxThreads || at::in_parallel_region() || pool_thread_index != 0)
+    return run_alone();
+  struct Body {
+    MakeState& make_state;
+    F& f;
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;  // the first item's exception, rethrown on the caller
+
+    void fail(std::exception_ptr e) {
+      if (!failed.exchange(true)) error = std::move(e);
+    }
+  } body{make_state, f};
+  // An exception ends this thread's part: the item it held is counted done, and so is every item it can still take
+  // (the region stops early); a worker's would otherwise end the process, a caller's leave the region running.
+  Region region{[](const Region& r, int me, uint32_t tag, int64_t item, int64_t next) {
+                  Body& b = *static_cast<Body*>(r.body);
+                  const int threads = r.threads;
+                  ElasticPool& pool = ElasticPool::instance();
+                  try {
+                    auto state = b.make_state();
+                    for (;;) {
+                      b.f(state, item, next);
+                      const bool more = pool.claim(tag, threads, me, item, next);
+                      pool.finish_item();  // with no item claimed, the region (r, b) may end here
+                      if (!more) return;
+                    }
+                  } catch (...) {
+                    b.fail(std::current_exception());
+                    pool.finish_item();
+                    while (pool.claim(tag, threads, me, item, next)) pool.finish_item();
+                  }
+                },
+                &body, 0};
+  if (!ElasticPool::instance().run(region, starts)) return run_alone();
+  if (body.failed.load()) std::rethrow_exception(body.error);
+}
 
 // f(state, item, next) for every item in [0, starts.back()), state = make_state() once per thread (scratch
 // buffers): thread t's share is [starts[t], starts[t + 1]) (starts[0] == 0); `next` is the item this thread most
@@ -30,32 +76,18 @@ template <class MakeState, class F>
 void parallel_steal(const std::vector<int64_t>& starts, MakeState&& make_state, F&& f) {
   TORCH_CHECK(!starts.empty() && starts.front() == 0 && std::is_sorted(starts.begin(), starts.end()),
               "parallel_steal: shares must cut [0, n) in order");
-  const int64_t threads = static_cast<int64_t>(starts.size()) - 1, n = starts.back();
-  const auto run_alone = [&] {
-    auto state = make_state();
-    for (int64_t i = 0; i < n; ++i) f(state, i, i + 1 < n ? i + 1 : -1);
+  const int64_t n = starts.back();
+  if (n < Share::kMaxItems) return steal_on_pool(starts, make_state, f);
+  // More items than a share counts: consecutive items in groups, each handed out as one item.
+  const int64_t size = n / (Share::kMaxItems - 1) + 1;
+  std::vector<int64_t> groups(starts.size());
+  for (size_t t = 0; t < starts.size(); ++t) groups[t] = (starts[t] + size - 1) / size;
+  using State = decltype(make_state());
+  auto grouped = [&](State& state, int64_t group, int64_t) {
+    const int64_t end = std::min(n, (group + 1) * size);
+    for (int64_t i = group * size; i < end; ++i) f(state, i, i + 1 < end ? i + 1 : -1);
   };
-  if (threads <= 1 || threads > ElasticPool::kMaxThreads || n >= Share::kMaxItems || at::in_parallel_region() ||
-      pool_thread_index != 0)
-    return run_alone();
-  struct Body {
-    MakeState& make_state;
-    F& f;
-  } body{make_state, f};
-  Region region{[](const Region& r, int me, uint32_t tag, int64_t item, int64_t next) {
-                  Body& b = *static_cast<Body*>(r.body);
-                  const int threads = r.threads;
-                  ElasticPool& pool = ElasticPool::instance();
-                  auto state = b.make_state();
-                  for (;;) {
-                    b.f(state, item, next);
-                    const bool more = pool.claim(tag, threads, me, item, next);
-                    pool.finish_item();  // with no item claimed, the region (r, b) may end here
-                    if (!more) return;
-                  }
-                },
-                &body, 0};
-  if (!ElasticPool::instance().run(region, starts)) run_alone();
+  steal_on_pool(groups, make_state, grouped);
 }
 
 // The same without a per-thread state: f(item, next).
@@ -64,8 +96,10 @@ void parallel_steal(const std::vector<int64_t>& starts, F&& f) {
   parallel_steal(starts, [] { return 0; }, [&](int, int64_t item, int64_t next) { f(item, next); });
 }
 
-// Threads for `items` items: torch's thread count, at most one per item, at least one.
-inline int64_t team_size(int64_t items) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)); }
+// Threads for `items` items: torch's thread count, at most one per item and the pool's most, at least one.
+inline int64_t team_size(int64_t items) {
+  return std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), items, ElasticPool::kMaxThreads}));
+}
 
 // Even shares of n items over team_size(n) threads.
 inline std::vector<int64_t> even_shares(int64_t n) {
@@ -75,12 +109,12 @@ inline std::vector<int64_t> even_shares(int64_t n) {
   return starts;
 }
 
-// f(begin, end) over [0, n) in ranges of `grain` items (the last one shorter; more where n would need more than
-// Share::kMaxItems ranges), on the pool as parallel_steal: at::parallel_for's contract, without OpenMP's team.
+// f(begin, end) over [0, n) in ranges of `grain` items (the last one shorter), on the pool as parallel_steal:
+// at::parallel_for's contract, without OpenMP's team.
 template <class F>
 void parallel_ranges(int64_t n, int64_t grain, F&& f) {
   if (n <= 0) return;
-  grain = std::max({grain, int64_t{1}, (n + Share::kMaxItems - 2) / (Share::kMaxItems - 1)});
+  grain = std::max(grain, int64_t{1});
   const int64_t ranges = (n + grain - 1) / grain;
   if (ranges == 1) return f(int64_t{0}, n);
   parallel_steal(even_shares(ranges), [&](int64_t r, int64_t) { f(r * grain, std::min(n, (r + 1) * grain)); });
@@ -145,6 +179,17 @@ inline int64_t pool_faulty_regions(int64_t regions, int64_t items) {
     faulty += !sound;
   }
   return faulty;
+}
+
+// A region whose item `failing` throws: true if the exception reached the caller and the pool still runs the next
+// region on every thread (tests).
+inline bool pool_rethrows(int64_t items, int64_t failing) {
+  try {
+    parallel_ranges(items, 1, [&](int64_t begin, int64_t) { TORCH_CHECK(begin != failing, "item ", failing); });
+    return false;
+  } catch (const c10::Error&) {
+    return pool_threads_used(64) == team_size(64) && pool_faulty_regions(100, items) == 0;
+  }
 }
 
 }  // namespace pagedserve

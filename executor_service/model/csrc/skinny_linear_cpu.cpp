@@ -391,6 +391,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_model, m) {
   m.def("pool_address() -> int", pagedserve::pool_address);
   m.def("pool_threads_used(int items) -> int", pagedserve::pool_threads_used);
   m.def("pool_faulty_regions(int regions, int items) -> int", pagedserve::pool_faulty_regions);
+  m.def("pool_rethrows(int items, int failing) -> bool", pagedserve::pool_rethrows);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_model, CPU, m) {
