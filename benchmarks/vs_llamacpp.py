@@ -11,7 +11,7 @@ float32 safetensors) to GGUF f32 with llama.cpp's own converter. Then, per threa
 sent the same ShareGPT-like requests (lognormal prompt and output lengths, the prompts as token ids, ignore_eos, all at
 once) after a warm-up of 8; useful output tok/s from the streams' usage, and the CPU seconds per 1,000 output
 tokens of each server process (executor, engine core, api servers; llama-server) and of this client. --dedicated adds
-a pagedserve run with the documented settings for a machine that runs nothing but the server, and each --variant
+a pagedserve run with the settings once documented for a machine that runs nothing but the server, and each --variant
 one with those executor flags, each --scheduler-variant one with those scheduler flags; --baseline-tree DIR one
 whose executor and scheduler run another tree's code (from DIR, with PYTHONPATH=DIR; e.g. a `git archive` of main:
 two trees' whole stacks in one run); --rounds N repeats every run N
@@ -195,7 +195,7 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
     return {"prompts": len(reqs), "equal": equal}
 
 
-DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: a server-only box
+DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: once for a server-only box
 
 
 @dataclass(frozen=True)
@@ -287,9 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--executor-args", default="", help="extra executor flags, space-separated")
     p.add_argument("--scheduler-args", default="", help="extra scheduler flags, space-separated")
-    p.add_argument("--dedicated", action="store_true", help="also run pagedserve as docs/operations.md says for a "
-                   "machine that runs nothing but the server (executor --cpu-omp-wait-policy active, scheduler "
-                   "--cpu-nice 10)")
+    p.add_argument("--dedicated", action="store_true", help="also run pagedserve with the settings once documented "
+                   "for a machine that runs nothing but the server (executor --cpu-omp-wait-policy active, scheduler "
+                   "--cpu-nice 10; since the kernels' own pool, 30%% slower: docs/operations.md)")
     p.add_argument("--variant", action="append", default=[], help="LABEL=EXECUTOR FLAGS: one more pagedserve run "
                    "with these executor flags added (repeatable), e.g. 'spin=--cpu-omp-spin-count 50000'")
     p.add_argument("--scheduler-variant", action="append", default=[], help="LABEL=SCHEDULER FLAGS: one more "
