@@ -195,7 +195,7 @@ def check_greedy(model: Path, server: Path, gguf: Path, reqs: list[BenchRequest]
     return {"prompts": len(reqs), "equal": equal}
 
 
-DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # docs/operations.md: once for a server-only box
+DEDICATED = (("--cpu-omp-wait-policy", "active"), ("--cpu-nice", "10"))  # once documented for a server-only box
 
 
 @dataclass(frozen=True)
