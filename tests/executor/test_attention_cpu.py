@@ -76,7 +76,8 @@ def test_kernel_matches_dense_and_reference(seqs: list[tuple[int, int]], block_s
 SHAPE_SEQS = [(0, 1), (1, 1), (15, 1), (16, 1), (17, 1), (40, 1), (100, 1), (0, 5), (23, 5), (31, 16), (10, 40),
               (64, 3), (300, 1)]
 # Block size, KV heads, group, head size: 64/128 (constant-size tiles), 80/16 (run-time size), 24 (portable); the
-# decode tile's (head size, group) pairs: (64, 2), (64, 4), (128, 2), (32, 2), (32, 4).
+# decode tiles' (head size, group) pairs: (64, 2), (64, 4), (128, 2), (32, 2), (32, 4), and AVX2's (over float16
+# caches) also (64, 1), (128, 1), (128, 4).
 SHAPES = [
     (16, 2, 2, 64), (16, 1, 4, 64), (8, 2, 1, 64), (32, 1, 8, 64), (16, 2, 4, 128), (8, 1, 8, 128), (32, 4, 1, 128),
     (16, 2, 2, 80), (8, 1, 4, 80), (32, 2, 1, 24), (16, 1, 8, 24), (16, 4, 2, 16), (8, 2, 2, 32), (16, 2, 2, 128),

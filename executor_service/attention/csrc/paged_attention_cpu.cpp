@@ -11,9 +11,9 @@
 // row by row (with AVX2 and FMA, 8 keys a vector, reduced by a transpose: prefill attention 1.2x one dot product
 // per key on an AMD Zen 3), takes a scalar softmax step per key, then each row's P.V over the block (with AVX2 and
 // FMA, in registers: 12 - 15% faster than adding key by key into memory). Decode rows (one query
-// token) of the common (head size, group) pairs take the AVX-512 decode tile instead (attend_decode_avx512): two
-// passes, all scores then P.V, each K/V row loaded once for the query heads of its GQA group, prefetches spread over
-// the compute (#29).
+// token) of the common (head size, group) pairs take a decode tile instead (attend_decode_avx512, or with AVX2 and
+// FMA alone, over float16 caches, attend_decode_avx2): two passes, all scores then P.V, each K/V row loaded once
+// for the query heads of its GQA group, prefetches spread over the compute (#29).
 // Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
 // executor_service/attention/cpu.py.
 
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -319,19 +320,12 @@ void attend_rows_portable(const Layout<KV>& L, int64_t seq, int64_t row0, int64_
   }
 }
 
-#ifdef __AVX512F__
+// What the chunked tiles share (the AVX-512 tile, and the decode tiles of AVX-512 and of AVX2).
 // Where a tile's 16 keys starting at `start` lie: the cache offset of each key's token (its KV heads follow).
 struct KeyChunk {
   int64_t offset[kKeyChunk];
   int64_t count;
 };
-
-using pagedserve::sum_lanes16;
-
-// exp_nonpositive on 16 lanes (the same polynomial).
-// (max(floor, x): a NaN stays NaN, as in exponentiate.)
-ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm512_max_ps(_mm512_set1_ps(-87.3f), x)); }
-
 
 // Every line of the K/V rows of keys [from, to) into L2 (rows of a block are contiguous), kPrefetchAhead chunks
 // ahead of the one being computed: with K/V in memory the hardware prefetcher alone keeps too few lines in flight.
@@ -382,6 +376,50 @@ ALWAYS_INLINE void locate_chunk(const Layout<KV>& L, const int32_t* table, int64
     }
   }
 }
+
+// The kD elements at `row` into the caches (one prefetch per 64-byte line).
+template <int64_t kD, class KV>
+ALWAYS_INLINE void prefetch_row(const KV* row) {
+  for (int64_t i = 0; i < kD; i += kLineElements<KV>) __builtin_prefetch(row + i, 0, 2);
+}
+
+// How many chunks ahead of the one computed the decode tile prefetches its rows (L.prefetch_decode).
+constexpr int64_t kDecodeAhead = 4;
+
+// The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
+// keys, then their V rows (so the first V rows are on their way while the last scores are computed), then the K
+// rows of the sequence the thread computes next, if any (next_table: its block table, next_end: its context).
+struct Ahead {
+  const int32_t* table;
+  int64_t end;
+  const int32_t* next_table;
+  int64_t next_end;
+  int64_t start = 0, block = 0, in_block = 0;
+  bool values = false;
+  KeyChunk chunk{{}, 0};
+
+  // The next chunk (count 0 past the last).
+  template <class KV>
+  void advance(const Layout<KV>& L) {
+    if (start >= end && !values) {
+      values = true, start = block = in_block = 0;
+    } else if (start >= end && next_table != nullptr) {
+      table = next_table, end = next_end, next_table = nullptr;
+      values = false, start = block = in_block = 0;
+    }
+    chunk.count = 0;
+    if (start >= end) return;
+    locate_chunk(L, table, start, end, block, in_block, chunk, Reads{false, false});
+    start += kKeyChunk;
+  }
+};
+
+#ifdef __AVX512F__
+using pagedserve::sum_lanes16;
+
+// exp_nonpositive on 16 lanes (the same polynomial).
+// (max(floor, x): a NaN stays NaN, as in exponentiate.)
+ALWAYS_INLINE __m512 exp16_nonpositive(__m512 x) { return pagedserve::exp16(_mm512_max_ps(_mm512_set1_ps(-87.3f), x)); }
 
 // Lane t: q . k[offset[t]] for the first `m` keys of the chunk, 0 for the rest.
 template <int64_t kD, class KV>
@@ -496,11 +534,6 @@ void attend_rows_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t 
 // on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
 // once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
 // loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
-// The kD elements at `row` into the caches (one prefetch per 64-byte line).
-template <int64_t kD, class KV>
-ALWAYS_INLINE void prefetch_row(const KV* row) {
-  for (int64_t i = 0; i < kD; i += kLineElements<KV>) __builtin_prefetch(row + i, 0, 2);
-}
 
 template <int64_t kD, int64_t kG, class KV>
 ALWAYS_INLINE void score_group(const float* const* q, const KV* __restrict k, const KeyChunk& chunk, int64_t m,
@@ -571,37 +604,6 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// How many chunks ahead of the one computed the decode tile prefetches its rows (L.prefetch_decode).
-constexpr int64_t kDecodeAhead = 4;
-
-// The chunk kDecodeAhead ahead of the one the decode tile computes, over its two passes in turn: the K rows of the
-// keys, then their V rows (so the first V rows are on their way while the last scores are computed), then the K
-// rows of the sequence the thread computes next, if any (next_table: its block table, next_end: its context).
-struct Ahead {
-  const int32_t* table;
-  int64_t end;
-  const int32_t* next_table;
-  int64_t next_end;
-  int64_t start = 0, block = 0, in_block = 0;
-  bool values = false;
-  KeyChunk chunk{{}, 0};
-
-  // The next chunk (count 0 past the last).
-  template <class KV>
-  void advance(const Layout<KV>& L) {
-    if (start >= end && !values) {
-      values = true, start = block = in_block = 0;
-    } else if (start >= end && next_table != nullptr) {
-      table = next_table, end = next_end, next_table = nullptr;
-      values = false, start = block = in_block = 0;
-    }
-    chunk.count = 0;
-    if (start >= end) return;
-    locate_chunk(L, table, start, end, block, in_block, chunk, Reads{false, false});
-    start += kKeyChunk;
-  }
-};
-
 template <int64_t kD, int64_t kG, class KV>
 void attend_decode_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                           float* max_score, float* denom, float* scores) {
@@ -641,6 +643,144 @@ void attend_decode_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_
     for (int64_t d = 0; d < kD; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + d), inv));
   }
 }
+#endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The decode tile with AVX2 and FMA (CPUs without AVX-512, e.g. AMD Zen 1 - 3): the same two passes and prefetches
+// as attend_decode_avx512, in 16 ymm registers. Scores: kKeys = 8 / kG keys at a time, one accumulator per (query
+// head, key), each K vector loaded once for the group and the 8 accumulators reduced together (sum_lanes8). P.V: the
+// head size in slabs of at most 8 accumulators (kG x kS / 8), each V vector loaded once for the group.
+template <int64_t kD, int64_t kG, class KV>
+ALWAYS_INLINE void score_group8(const float* const* q, const KV* __restrict k, const KeyChunk& chunk,
+                                const KeyChunk& ahead, const KV* ahead_rows, float* const* scores) {
+  static_assert(kD % 8 == 0 && 8 % kG == 0, "head size a multiple of 8, group dividing 8");
+  constexpr int64_t kKeys = 8 / kG;
+  const int64_t m = chunk.count;
+  for (int64_t t0 = 0; t0 < m; t0 += kKeys) {
+    const KV* keys[kKeys];
+    for (int64_t t = 0; t < kKeys; ++t) {
+      keys[t] = k + chunk.offset[std::min(t0 + t, m - 1)];  // past m: the last key again, its score unused
+      if (t0 + t < ahead.count) prefetch_row<kD>(ahead_rows + ahead.offset[t0 + t]);
+    }
+    __m256 partial[8];
+    for (int64_t j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kD; i += 8) {
+      __m256 qv[kG];
+      for (int64_t g = 0; g < kG; ++g) qv[g] = _mm256_loadu_ps(q[g] + i);
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const __m256 kv = load8(keys[t] + i);
+        for (int64_t g = 0; g < kG; ++g) partial[g * kKeys + t] = _mm256_fmadd_ps(qv[g], kv, partial[g * kKeys + t]);
+      }
+    }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, pagedserve::sum_lanes8(partial));
+    for (int64_t g = 0; g < kG; ++g) std::memcpy(scores[g] + t0, sums + g * kKeys, sizeof(float) * kKeys);
+  }
+}
+
+// acc[g] += sum over the chunk's keys of p[g][t] * v[offset[t]].
+template <int64_t kD, int64_t kG, class KV>
+ALWAYS_INLINE void add_values_group8(float* __restrict acc, const KV* __restrict v, const KeyChunk& chunk,
+                                     const float* const* p, const KeyChunk& ahead, const KV* ahead_rows) {
+  constexpr int64_t kS = std::min<int64_t>(kD, 64 / kG), kA = kS / 8;
+  const int64_t m = chunk.count;
+  for (int64_t t = 0; t < ahead.count; ++t) prefetch_row<kD>(ahead_rows + ahead.offset[t]);
+  for (int64_t s0 = 0; s0 < kD; s0 += kS) {
+    __m256 sum[kG][kA];
+    for (int64_t g = 0; g < kG; ++g)
+      for (int64_t i = 0; i < kA; ++i) sum[g][i] = _mm256_loadu_ps(acc + g * kD + s0 + 8 * i);
+    for (int64_t t = 0; t < m; ++t) {
+      const KV* row = v + chunk.offset[t] + s0;
+      __m256 pt[kG];
+      for (int64_t g = 0; g < kG; ++g) pt[g] = _mm256_broadcast_ss(p[g] + t);
+      for (int64_t i = 0; i < kA; ++i) {
+        const __m256 value = load8(row + 8 * i);
+        for (int64_t g = 0; g < kG; ++g) sum[g][i] = _mm256_fmadd_ps(pt[g], value, sum[g][i]);
+      }
+    }
+    for (int64_t g = 0; g < kG; ++g)
+      for (int64_t i = 0; i < kA; ++i) _mm256_storeu_ps(acc + g * kD + s0 + 8 * i, sum[g][i]);
+  }
+}
+
+// softmax_numerators on 8 lanes: s[0, n) = exp(s * scale - max), zeros past n up to a multiple of 8; returns their sum.
+ALWAYS_INLINE float softmax_numerators8(float* s, int64_t n, float scale_) {
+  const __m256 scale = _mm256_set1_ps(scale_), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const auto valid = [&](int64_t t) {
+    return _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - t)), _CMP_LT_OQ);
+  };
+  __m256 best = minus_inf;
+  for (int64_t t = 0; t < n; t += 8)
+    best = _mm256_max_ps(best, _mm256_blendv_ps(minus_inf, _mm256_mul_ps(_mm256_loadu_ps(s + t), scale), valid(t)));
+  best = _mm256_max_ps(best, _mm256_permute2f128_ps(best, best, 0x01));
+  best = _mm256_max_ps(best, _mm256_permute_ps(best, _MM_SHUFFLE(1, 0, 3, 2)));
+  best = _mm256_max_ps(best, _mm256_permute_ps(best, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m256 floor = _mm256_set1_ps(-87.3f);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + t), scale), best);
+    const __m256 e = _mm256_and_ps(pagedserve::exp8(_mm256_max_ps(floor, x)), valid(t));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0.f;
+  for (const float x : lanes) total += x;
+  return total;
+}
+
+template <int64_t kD, int64_t kG, class KV>
+void attend_decode_avx2(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                        float* max_score, float* denom, float* scores) {
+  const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
+  const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+  float* row_scores[kRowTile];
+  for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
+  Ahead ahead{tile.table, end, next_seq < 0 ? nullptr : L.block_tables + next_seq * L.table_stride,
+              next_seq < 0 ? 0 : L.seq_lens[next_seq]};
+  if (L.prefetch_decode)
+    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L);
+  for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
+    KeyChunk chunk;
+    int64_t block = 0, in_block = 0;
+    for (int64_t start = 0; start < end; start += kKeyChunk) {
+      locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
+      if (L.prefetch_decode) ahead.advance(L);
+      const KV* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
+      float* at[kRowTile];
+      for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
+      for (int64_t r0 = 0; r0 < rows; r0 += kG) {
+        const int64_t head = tile.head_offset[r0];
+        if (values)
+          add_values_group8<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, ahead.chunk, ahead_cache + head);
+        else
+          score_group8<kD, kG>(tile.q + r0, L.k_cache + head, chunk, ahead.chunk, ahead_cache + head, at + r0);
+      }
+    }
+    if (!values)
+      for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators8(row_scores[r], end, L.scale);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = tile.out[r];
+    const __m256 inv = _mm256_set1_ps(1.f / denom[r]);
+    for (int64_t d = 0; d < kD; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d), inv));
+  }
+}
+#endif  // __AVX2__ && __FMA__
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The decode tile of the widest vectors built: AVX-512's where built, else AVX2's.
+template <int64_t kD, int64_t kG, class KV>
+void attend_decode_tile(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+                        float* max_score, float* denom, float* scores) {
+#ifdef __AVX512F__
+  attend_decode_avx512<kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
+#else
+  attend_decode_avx2<kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
+#endif
+}
 
 // The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
 // where it does not apply (the caller runs the general tile).
@@ -648,6 +788,12 @@ template <class KV>
 bool attend_decode(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                    float* max_score, float* denom, std::vector<float>& scores) {
   if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
+#ifndef __AVX512F__
+  // With AVX2 alone the decode tile is the faster one over float16 caches only: 1.1 - 1.5x the portable tile on an
+  // AMD Zen 1, where over float32 ones (twice the bytes) its two passes read slower than the portable tile's one,
+  // 0.7 - 0.9x (BENCHMARKS.md section 17, "Twenty-third session").
+  if constexpr (std::is_same_v<KV, float>) return false;
+#endif
   const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
   scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
   const auto run = [&](auto tile) {
@@ -655,24 +801,32 @@ bool attend_decode(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1,
     return true;
   };
   switch (L.head_dim * 16 + L.group) {
-    case 64 * 16 + 2: return run(attend_decode_avx512<64, 2, KV>);
-    case 64 * 16 + 4: return run(attend_decode_avx512<64, 4, KV>);
-    case 128 * 16 + 2: return run(attend_decode_avx512<128, 2, KV>);
-    case 32 * 16 + 2: return run(attend_decode_avx512<32, 2, KV>);
-    case 32 * 16 + 4: return run(attend_decode_avx512<32, 4, KV>);
+    case 64 * 16 + 2: return run(attend_decode_tile<64, 2, KV>);
+    case 64 * 16 + 4: return run(attend_decode_tile<64, 4, KV>);
+    case 128 * 16 + 2: return run(attend_decode_tile<128, 2, KV>);
+    case 32 * 16 + 2: return run(attend_decode_tile<32, 2, KV>);
+    case 32 * 16 + 4: return run(attend_decode_tile<32, 4, KV>);
+#ifndef __AVX512F__  // (AVX-512's tile keeps a group's queries in registers: too many for these)
+    case 64 * 16 + 1: return run(attend_decode_tile<64, 1, KV>);
+    case 128 * 16 + 1: return run(attend_decode_tile<128, 1, KV>);
+    case 128 * 16 + 4: return run(attend_decode_tile<128, 4, KV>);
+#endif
     default: return false;
   }
 }
-#endif  // __AVX512F__
+#endif
 
-// The AVX-512 tile where it is built and the head size allows, else (or when `portable`) the portable one.
+// The decode tile where it applies (rows of one query token), then the AVX-512 tile where it is built and the head
+// size allows, else (or when `portable`) the portable one.
 // next_seq: the sequence this thread computes next (-1: none), which the decode tile starts fetching.
 template <class KV>
 void attend(const Layout<KV>& L, [[maybe_unused]] bool portable, int64_t seq, int64_t row0, int64_t row1,
             [[maybe_unused]] int64_t next_seq, float* acc, float* max_score, float* denom, std::vector<float>& scores) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (!portable && attend_decode(L, seq, row0, row1, next_seq, acc, max_score, denom, scores)) return;
+#endif
 #ifdef __AVX512F__
   if (!portable && L.head_dim % 16 == 0) {
-    if (attend_decode(L, seq, row0, row1, next_seq, acc, max_score, denom, scores)) return;
     switch (L.head_dim) {
       case 64: return attend_rows_avx512<64>(L, seq, row0, row1, acc, max_score, denom);
       case 128: return attend_rows_avx512<128>(L, seq, row0, row1, acc, max_score, denom);
