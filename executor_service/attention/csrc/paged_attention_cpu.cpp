@@ -10,10 +10,10 @@
 // any head size; also registered as paged_attention_portable, for tests and benchmarks) scores a block's keys
 // row by row (with AVX2 and FMA, 8 keys a vector, reduced by a transpose: prefill attention 1.2x one dot product
 // per key on an AMD Zen 3), takes a scalar softmax step per key, then each row's P.V over the block (with AVX2 and
-// FMA, in registers: 12 - 15% faster than adding key by key into memory). Decode rows (one query
-// token) of the common (head size, group) pairs take a decode tile instead (attend_decode_avx512, or with AVX2 and
-// FMA alone, over float16 caches, attend_decode_avx2): two passes, all scores then P.V, each K/V row loaded once
-// for the query heads of its GQA group, prefetches spread over the compute (#29).
+// FMA, in registers: 12 - 15% faster than adding key by key into memory). Decode rows (one query token) of the
+// common (head size, group) pairs take a decode tile instead (attend_decode_rows: AVX-512's steps, or with AVX2 and
+// FMA alone, over float16 caches, AVX2's): two passes, all scores then P.V, each K/V row loaded once for the query
+// heads of its GQA group, prefetches spread over the compute (#29).
 // Registered as torch.ops.pagedserve_cpu.{paged_attention,paged_attention_portable,write_kv}; built by
 // executor_service/attention/cpu.py.
 
@@ -528,12 +528,6 @@ void attend_rows_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t 
   }
 }
 
-// The decode tile (#29): rows [row0, row1) of a sequence with one query token, i.e. whole groups of kG query heads
-// that share a KV head (split_work cuts on KV-head boundaries). Every row sees every key, so instead of an online
-// softmax per chunk of 16 keys (a max, an exp and a rescale of the accumulators per row and chunk, and P.V waiting
-// on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
-// once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
-// loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
 
 template <int64_t kD, int64_t kG, class KV>
 ALWAYS_INLINE void score_group(const float* const* q, const KV* __restrict k, const KeyChunk& chunk, int64_t m,
@@ -604,52 +598,27 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
   return _mm512_reduce_add_ps(sum);
 }
 
-template <int64_t kD, int64_t kG, class KV>
-void attend_decode_avx512(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
-                          float* max_score, float* denom, float* scores) {
-  const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
-  const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-  float* row_scores[kRowTile];
-  for (int64_t r = 0; r < rows; ++r) row_scores[r] = scores + r * padded;
-  Ahead ahead{tile.table, end, next_seq < 0 ? nullptr : L.block_tables + next_seq * L.table_stride,
-              next_seq < 0 ? 0 : L.seq_lens[next_seq]};
-  if (L.prefetch_decode)
-    for (int64_t skip = 0; skip < kDecodeAhead; ++skip) ahead.advance(L);
-  for (const bool values : {false, true}) {  // the scores (K), then P.V (V)
-    KeyChunk chunk;
-    int64_t block = 0, in_block = 0;
-    for (int64_t start = 0; start < end; start += kKeyChunk) {
-      locate_chunk(L, tile.table, start, end, block, in_block, chunk, Reads{false, false});
-      if (L.prefetch_decode) ahead.advance(L);
-      const KV* ahead_cache = ahead.values ? L.v_cache : L.k_cache;
-      float* at[kRowTile];
-      for (int64_t r = 0; r < rows; ++r) at[r] = row_scores[r] + start;
-      for (int64_t r0 = 0; r0 < rows; r0 += kG) {
-        const int64_t head = tile.head_offset[r0];
-        if (values)
-          add_values_group<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, chunk.count, ahead.chunk,
-                                   ahead_cache + head);
-        else
-          score_group<kD, kG>(tile.q + r0, L.k_cache + head, chunk, chunk.count, ahead.chunk, ahead_cache + head,
-                              at + r0);
-      }
-    }
-    if (!values)
-      for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators(row_scores[r], end, L.scale);
+// The AVX-512 steps of the decode tile (attend_decode_rows).
+struct DecodeAvx512 {
+  template <int64_t kD, int64_t kG, class KV>
+  ALWAYS_INLINE static void score(const float* const* q, const KV* k, const KeyChunk& chunk, const KeyChunk& ahead,
+                                  const KV* ahead_rows, float* const* scores) {
+    score_group<kD, kG>(q, k, chunk, chunk.count, ahead, ahead_rows, scores);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = tile.out[r];
-    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int64_t d = 0; d < kD; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + d), inv));
+  template <int64_t kD, int64_t kG, class KV>
+  ALWAYS_INLINE static void add_values(float* acc, const KV* v, const KeyChunk& chunk, const float* const* p,
+                                       const KeyChunk& ahead, const KV* ahead_rows) {
+    add_values_group<kD, kG>(acc, v, chunk, p, chunk.count, ahead, ahead_rows);
   }
-}
+  ALWAYS_INLINE static float softmax(float* s, int64_t n, float scale) { return softmax_numerators(s, n, scale); }
+};
 #endif  // __AVX512F__
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The decode tile with AVX2 and FMA (CPUs without AVX-512, e.g. AMD Zen 1 - 3): the same two passes and prefetches
-// as attend_decode_avx512, in 16 ymm registers. Scores: kKeys = 8 / kG keys at a time, one accumulator per (query
-// head, key), each K vector loaded once for the group and the 8 accumulators reduced together (sum_lanes8). P.V: the
-// head size in slabs of at most 8 accumulators (kG x kS / 8), each V vector loaded once for the group.
+// The decode tile's steps with AVX2 and FMA (CPUs without AVX-512, e.g. AMD Zen 1 - 3), in 16 ymm registers.
+// Scores: kKeys = 8 / kG keys at a time, one accumulator per (query head, key), each K vector loaded once for the
+// group and the 8 accumulators reduced together (sum_lanes8). P.V: the head size in slabs of at most 8 accumulators
+// (kG x kS / 8), each V vector loaded once for the group.
 template <int64_t kD, int64_t kG, class KV>
 ALWAYS_INLINE void score_group8(const float* const* q, const KV* __restrict k, const KeyChunk& chunk,
                                 const KeyChunk& ahead, const KV* ahead_rows, float* const* scores) {
@@ -731,8 +700,32 @@ ALWAYS_INLINE float softmax_numerators8(float* s, int64_t n, float scale_) {
   return total;
 }
 
-template <int64_t kD, int64_t kG, class KV>
-void attend_decode_avx2(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
+// The AVX2 steps of the decode tile (attend_decode_rows).
+struct DecodeAvx2 {
+  template <int64_t kD, int64_t kG, class KV>
+  ALWAYS_INLINE static void score(const float* const* q, const KV* k, const KeyChunk& chunk, const KeyChunk& ahead,
+                                  const KV* ahead_rows, float* const* scores) {
+    score_group8<kD, kG>(q, k, chunk, ahead, ahead_rows, scores);
+  }
+  template <int64_t kD, int64_t kG, class KV>
+  ALWAYS_INLINE static void add_values(float* acc, const KV* v, const KeyChunk& chunk, const float* const* p,
+                                       const KeyChunk& ahead, const KV* ahead_rows) {
+    add_values_group8<kD, kG>(acc, v, chunk, p, ahead, ahead_rows);
+  }
+  ALWAYS_INLINE static float softmax(float* s, int64_t n, float scale) { return softmax_numerators8(s, n, scale); }
+};
+#endif  // __AVX2__ && __FMA__
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The decode tile (#29): rows [row0, row1) of a sequence with one query token, i.e. whole groups of kG query heads
+// that share a KV head (split_work cuts on KV-head boundaries). Every row sees every key, so instead of an online
+// softmax per chunk of 16 keys (a max, an exp and a rescale of the accumulators per row and chunk, and P.V waiting
+// on them) it takes two passes: the scores of all keys (K only, chunk by chunk, each K row loaded into registers
+// once for the kG query heads of its group), one softmax per row over all of them, then P.V (V only, each V row
+// loaded once for the group). The scores wait in `scores` (rows x the context rounded up to 16 floats).
+// Vec: the steps of one vector ISA (DecodeAvx512 or DecodeAvx2).
+template <class Vec, int64_t kD, int64_t kG, class KV>
+void attend_decode_rows(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                         float* max_score, float* denom, float* scores) {
   const TileRows tile(L, seq, row0, row1, kD, acc, max_score, denom);
   const int64_t rows = tile.rows, end = tile.end, padded = (end + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
@@ -754,31 +747,31 @@ void attend_decode_avx2(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t 
       for (int64_t r0 = 0; r0 < rows; r0 += kG) {
         const int64_t head = tile.head_offset[r0];
         if (values)
-          add_values_group8<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, ahead.chunk, ahead_cache + head);
+          Vec::template add_values<kD, kG>(acc + r0 * kD, L.v_cache + head, chunk, at + r0, ahead.chunk,
+                                           ahead_cache + head);
         else
-          score_group8<kD, kG>(tile.q + r0, L.k_cache + head, chunk, ahead.chunk, ahead_cache + head, at + r0);
+          Vec::template score<kD, kG>(tile.q + r0, L.k_cache + head, chunk, ahead.chunk, ahead_cache + head, at + r0);
       }
     }
     if (!values)
-      for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_numerators8(row_scores[r], end, L.scale);
+      for (int64_t r = 0; r < rows; ++r) denom[r] = Vec::softmax(row_scores[r], end, L.scale);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = tile.out[r];
-    const __m256 inv = _mm256_set1_ps(1.f / denom[r]);
-    for (int64_t d = 0; d < kD; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d), inv));
+    const float inv = 1.f / denom[r];
+#pragma omp simd
+    for (int64_t d = 0; d < kD; ++d) o[d] = acc[r * kD + d] * inv;
   }
 }
-#endif  // __AVX2__ && __FMA__
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The decode tile of the widest vectors built: AVX-512's where built, else AVX2's.
 template <int64_t kD, int64_t kG, class KV>
 void attend_decode_tile(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                         float* max_score, float* denom, float* scores) {
 #ifdef __AVX512F__
-  attend_decode_avx512<kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
+  attend_decode_rows<DecodeAvx512, kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
 #else
-  attend_decode_avx2<kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
+  attend_decode_rows<DecodeAvx2, kD, kG>(L, seq, row0, row1, next_seq, acc, max_score, denom, scores);
 #endif
 }
 
