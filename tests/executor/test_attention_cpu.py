@@ -226,6 +226,44 @@ def test_a_nan_key_gives_its_heads_nan_wherever_it_sits(position: int, portable:
     assert torch.equal(out.isnan(), reference.paged_attention(*args(batch)).isnan())
 
 
+def one_decode_row(context: int, magnitude: float, cache_dtype: torch.dtype,
+                   gen: torch.Generator) -> tuple[Tensor, ...]:
+    """A decode step of one sequence (2 KV heads, group 2, head size 64, one block) with a query of `magnitude`:
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seqs."""
+    k_cache = torch.randn(1, 16, 2, 64, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(1, 16, 2, 64, generator=gen).to(cache_dtype)
+    query = torch.randn(1, 4, 64, generator=gen) * magnitude
+    return (query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([context], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_huge_scores_weigh_the_largest_alone_and_one_key_gives_its_value_exactly(portable: bool,
+                                                                                 cache_dtype: torch.dtype) -> None:
+    """The largest score's exponent is exactly 0 in every tile: the decode tiles subtract the row's maximum from
+    the stored scaled scores. With the product fused into that subtraction (GCC contracts it into an FMA) the largest
+    kept its rounding error, which can be positive: finite scores of 1e9 and more then gave wrong weights or inf / inf
+    (NaN), and a single key its value off by an ulp."""
+    gen = torch.Generator().manual_seed(0)
+    op = torch.ops.pagedserve_cpu.paged_attention_portable if portable else torch.ops.pagedserve_cpu.paged_attention
+    for magnitude in (1e9, 1e12, 1e30):
+        for _ in range(20):
+            query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(16, magnitude, cache_dtype, gen)
+            out = torch.zeros_like(query)
+            op(out, query, k_cache, v_cache, tables, lens, starts, seqs, 0.1)
+            keys = k_cache[0].double().repeat_interleave(2, dim=1)  # [16, 4 query heads, 64]
+            weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query[0].double()) * 0.1, dim=-1)
+            expected = torch.einsum("ht,thd->hd", weights, v_cache[0].double().repeat_interleave(2, dim=1))
+            torch.testing.assert_close(out[0].double(), expected, atol=1e-6, rtol=0)
+    for magnitude in (1.0, 1e3):
+        for _ in range(50):
+            query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(1, magnitude, cache_dtype, gen)
+            out = torch.zeros_like(query)
+            op(out, query, k_cache, v_cache, tables, lens, starts, seqs, 0.1)
+            assert torch.equal(out[0], v_cache[0, 0].float().repeat_interleave(2, dim=0))
+
+
 def float16_cache(batch: Batch) -> Batch:
     """`batch` with its caches in float16 (--kv-cache-dtype float16) and its keys and values as they are stored."""
     return Batch(**{**batch.__dict__, "k_cache": batch.k_cache.half(), "v_cache": batch.v_cache.half(),

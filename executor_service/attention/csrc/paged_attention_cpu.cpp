@@ -584,13 +584,19 @@ ALWAYS_INLINE float softmax_numerators(float* s, int64_t n, float scale_) {
   const auto mask_of = [n](int64_t t) {
     return static_cast<__mmask16>(n - t >= kKeyChunk ? 0xFFFF : (1u << (n - t)) - 1);
   };
+  // The scaled scores are stored before the max is subtracted from them: a product fused into the subtraction
+  // (GCC contracts the two into an FMA) would leave the largest score its rounding error, not 0, which can be
+  // positive, beyond exp_nonpositive's range (wrong weights, or inf / inf, for scores of 1e9 and up).
   __m512 best = minus_inf;
-  for (int64_t t = 0; t < n; t += kKeyChunk)
-    best = _mm512_max_ps(best, _mm512_mask_mov_ps(minus_inf, mask_of(t), _mm512_mul_ps(_mm512_loadu_ps(s + t), scale)));
+  for (int64_t t = 0; t < n; t += kKeyChunk) {
+    const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(s + t), scale);
+    _mm512_storeu_ps(s + t, scaled);
+    best = _mm512_max_ps(best, _mm512_mask_mov_ps(minus_inf, mask_of(t), scaled));
+  }
   const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += kKeyChunk) {
-    const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale), max);
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t), max);
     const __m512 e = _mm512_maskz_mov_ps(mask_of(t), exp16_nonpositive(x));
     _mm512_storeu_ps(s + t, e);
     sum = _mm512_add_ps(sum, e);
@@ -680,15 +686,18 @@ ALWAYS_INLINE float softmax_numerators8(float* s, int64_t n, float scale_) {
     return _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - t)), _CMP_LT_OQ);
   };
   __m256 best = minus_inf;
-  for (int64_t t = 0; t < n; t += 8)
-    best = _mm256_max_ps(best, _mm256_blendv_ps(minus_inf, _mm256_mul_ps(_mm256_loadu_ps(s + t), scale), valid(t)));
+  for (int64_t t = 0; t < n; t += 8) {  // the scaled scores stored first (as in softmax_numerators)
+    const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(s + t), scale);
+    _mm256_storeu_ps(s + t, scaled);
+    best = _mm256_max_ps(best, _mm256_blendv_ps(minus_inf, scaled, valid(t)));
+  }
   best = _mm256_max_ps(best, _mm256_permute2f128_ps(best, best, 0x01));
   best = _mm256_max_ps(best, _mm256_permute_ps(best, _MM_SHUFFLE(1, 0, 3, 2)));
   best = _mm256_max_ps(best, _mm256_permute_ps(best, _MM_SHUFFLE(2, 3, 0, 1)));
   const __m256 floor = _mm256_set1_ps(-87.3f);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; t += 8) {
-    const __m256 x = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(s + t), scale), best);
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + t), best);
     const __m256 e = _mm256_and_ps(pagedserve::exp8(_mm256_max_ps(floor, x)), valid(t));
     _mm256_storeu_ps(s + t, e);
     sum = _mm256_add_ps(sum, e);
