@@ -241,10 +241,11 @@ def one_decode_row(context: int, magnitude: float, cache_dtype: torch.dtype,
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 def test_huge_scores_weigh_the_largest_alone_and_one_key_gives_its_value_exactly(portable: bool,
                                                                                  cache_dtype: torch.dtype) -> None:
-    """The largest score's exponent is exactly 0 in every tile: the decode tiles subtract the row's maximum from
-    the stored scaled scores. With the product fused into that subtraction (GCC contracts it into an FMA) the largest
-    kept its rounding error, which can be positive: finite scores of 1e9 and more then gave wrong weights or inf / inf
-    (NaN), and a single key its value off by an ulp."""
+    """The largest score's exponent is exactly 0 in every tile (decode rows, and two query tokens for the general
+    tiles): the decode tiles subtract the row's maximum from the stored scaled scores. With the product fused into
+    that subtraction (GCC contracts it into an FMA) the largest kept its rounding error, which can be positive:
+    finite scores of 1e9 and more then gave wrong weights or inf / inf (NaN), and a single key its value off by an
+    ulp."""
     gen = torch.Generator().manual_seed(0)
     op = torch.ops.pagedserve_cpu.paged_attention_portable if portable else torch.ops.pagedserve_cpu.paged_attention
     for magnitude in (1e9, 1e12, 1e30):
@@ -256,6 +257,17 @@ def test_huge_scores_weigh_the_largest_alone_and_one_key_gives_its_value_exactly
             weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query[0].double()) * 0.1, dim=-1)
             expected = torch.einsum("ht,thd->hd", weights, v_cache[0].double().repeat_interleave(2, dim=1))
             torch.testing.assert_close(out[0].double(), expected, atol=1e-6, rtol=0)
+    for _ in range(20):  # two query tokens: the general tiles (online softmax), the last two of 16 positions
+        query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(16, 1e12, cache_dtype, gen)
+        query = torch.cat([query, torch.randn(1, 4, 64, generator=gen) * 1e12])
+        out = torch.zeros_like(query)
+        op(out, query, k_cache, v_cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32), seqs, 0.1)
+        for token, visible in ((0, 15), (1, 16)):
+            keys = k_cache[0, :visible].double().repeat_interleave(2, dim=1)
+            weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query[token].double()) * 0.1, dim=-1)
+            values = v_cache[0, :visible].double().repeat_interleave(2, dim=1)
+            torch.testing.assert_close(out[token].double(), torch.einsum("ht,thd->hd", weights, values), atol=1e-6,
+                                       rtol=0)
     for magnitude in (1.0, 1e3):
         for _ in range(50):
             query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(1, magnitude, cache_dtype, gen)
