@@ -784,36 +784,45 @@ void attend_decode_tile(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t 
 #endif
 }
 
-// The decode tile for the (head size, group) pairs it is compiled for, where the rows are one query token's; false
-// where it does not apply (the caller runs the general tile).
+#ifdef __AVX512F__
+template <class KV>
+constexpr bool kDecodeTileReads = true;  // whether the decode tile takes caches of element KV
+#else
+// With AVX2 alone the decode tile is the faster one over float16 caches only: 1.1 - 1.5x the portable tile on an
+// AMD Zen 1, where over float32 ones (twice the bytes) its two passes read slower than the portable tile's one,
+// 0.7 - 0.9x (BENCHMARKS.md section 17, "Twenty-third session").
+template <class KV>
+constexpr bool kDecodeTileReads = !std::is_same_v<KV, float>;
+#endif
+
+// The decode tile for the (head size, group) pairs and caches it is compiled for, where the rows are one query
+// token's; false where it does not apply (the caller runs the general tile).
 template <class KV>
 bool attend_decode(const Layout<KV>& L, int64_t seq, int64_t row0, int64_t row1, int64_t next_seq, float* acc,
                    float* max_score, float* denom, std::vector<float>& scores) {
-  if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
-#ifndef __AVX512F__
-  // With AVX2 alone the decode tile is the faster one over float16 caches only: 1.1 - 1.5x the portable tile on an
-  // AMD Zen 1, where over float32 ones (twice the bytes) its two passes read slower than the portable tile's one,
-  // 0.7 - 0.9x (BENCHMARKS.md section 17, "Twenty-third session").
-  if constexpr (std::is_same_v<KV, float>) return false;
-#endif
-  const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
-  scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
-  const auto run = [&](auto tile) {
-    tile(L, seq, row0, row1, next_seq, acc, max_score, denom, scores.data());
-    return true;
-  };
-  switch (L.head_dim * 16 + L.group) {
-    case 64 * 16 + 2: return run(attend_decode_tile<64, 2, KV>);
-    case 64 * 16 + 4: return run(attend_decode_tile<64, 4, KV>);
-    case 128 * 16 + 2: return run(attend_decode_tile<128, 2, KV>);
-    case 32 * 16 + 2: return run(attend_decode_tile<32, 2, KV>);
-    case 32 * 16 + 4: return run(attend_decode_tile<32, 4, KV>);
+  if constexpr (!kDecodeTileReads<KV>) {
+    return false;
+  } else {
+    if (L.query_start_loc[seq + 1] - L.query_start_loc[seq] != 1) return false;
+    const int64_t padded = (L.seq_lens[seq] + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+    scores.resize(std::max<size_t>(scores.size(), static_cast<size_t>((row1 - row0) * padded)));
+    const auto run = [&](auto tile) {
+      tile(L, seq, row0, row1, next_seq, acc, max_score, denom, scores.data());
+      return true;
+    };
+    switch (L.head_dim * 16 + L.group) {
+      case 64 * 16 + 2: return run(attend_decode_tile<64, 2, KV>);
+      case 64 * 16 + 4: return run(attend_decode_tile<64, 4, KV>);
+      case 128 * 16 + 2: return run(attend_decode_tile<128, 2, KV>);
+      case 32 * 16 + 2: return run(attend_decode_tile<32, 2, KV>);
+      case 32 * 16 + 4: return run(attend_decode_tile<32, 4, KV>);
 #ifndef __AVX512F__  // (AVX-512's tile keeps a group's queries in registers: too many for these)
-    case 64 * 16 + 1: return run(attend_decode_tile<64, 1, KV>);
-    case 128 * 16 + 1: return run(attend_decode_tile<128, 1, KV>);
-    case 128 * 16 + 4: return run(attend_decode_tile<128, 4, KV>);
+      case 64 * 16 + 1: return run(attend_decode_tile<64, 1, KV>);
+      case 128 * 16 + 1: return run(attend_decode_tile<128, 1, KV>);
+      case 128 * 16 + 4: return run(attend_decode_tile<128, 4, KV>);
 #endif
-    default: return false;
+      default: return false;
+    }
   }
 }
 #endif
