@@ -237,6 +237,14 @@ def one_decode_row(context: int, magnitude: float, cache_dtype: torch.dtype,
             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
 
 
+def dense_row(query: Tensor, k_cache: Tensor, v_cache: Tensor, visible: int) -> Tensor:
+    """One query token's attention [4 heads, 64] over the first `visible` keys of one_decode_row's block, in float64."""
+    keys = k_cache[0, :visible].double().repeat_interleave(2, dim=1)  # [visible, 4 query heads, 64]
+    values = v_cache[0, :visible].double().repeat_interleave(2, dim=1)
+    weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query.double()) * 0.1, dim=-1)
+    return torch.einsum("ht,thd->hd", weights, values)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 def test_huge_scores_weigh_the_largest_alone_and_one_key_gives_its_value_exactly(portable: bool,
@@ -253,21 +261,15 @@ def test_huge_scores_weigh_the_largest_alone_and_one_key_gives_its_value_exactly
             query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(16, magnitude, cache_dtype, gen)
             out = torch.zeros_like(query)
             op(out, query, k_cache, v_cache, tables, lens, starts, seqs, 0.1)
-            keys = k_cache[0].double().repeat_interleave(2, dim=1)  # [16, 4 query heads, 64]
-            weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query[0].double()) * 0.1, dim=-1)
-            expected = torch.einsum("ht,thd->hd", weights, v_cache[0].double().repeat_interleave(2, dim=1))
-            torch.testing.assert_close(out[0].double(), expected, atol=1e-6, rtol=0)
+            torch.testing.assert_close(out[0].double(), dense_row(query[0], k_cache, v_cache, 16), atol=1e-6, rtol=0)
     for _ in range(20):  # two query tokens: the general tiles (online softmax), the last two of 16 positions
         query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(16, 1e12, cache_dtype, gen)
         query = torch.cat([query, torch.randn(1, 4, 64, generator=gen) * 1e12])
         out = torch.zeros_like(query)
         op(out, query, k_cache, v_cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32), seqs, 0.1)
         for token, visible in ((0, 15), (1, 16)):
-            keys = k_cache[0, :visible].double().repeat_interleave(2, dim=1)
-            weights = torch.softmax(torch.einsum("thd,hd->ht", keys, query[token].double()) * 0.1, dim=-1)
-            values = v_cache[0, :visible].double().repeat_interleave(2, dim=1)
-            torch.testing.assert_close(out[token].double(), torch.einsum("ht,thd->hd", weights, values), atol=1e-6,
-                                       rtol=0)
+            torch.testing.assert_close(out[token].double(), dense_row(query[token], k_cache, v_cache, visible),
+                                       atol=1e-6, rtol=0)
     for magnitude in (1.0, 1e3):
         for _ in range(50):
             query, k_cache, v_cache, tables, lens, starts, seqs = one_decode_row(1, magnitude, cache_dtype, gen)
