@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,14 +82,18 @@ async def start_http(config: SchedulerServiceConfig, public: PublicServer, reuse
 
 
 async def open_api_server(config: SchedulerServiceConfig, engine: EngineHandle, listen: str, *,
-                          reuse_port: bool = False, tenant_secret: bytes | None = None) -> ApiServer:
+                          reuse_port: bool = False, tenant_secret: bytes | None = None,
+                          server_index: int | None = None, refusal_listener: Callable[[str], None] | None = None
+                          ) -> ApiServer:
     """The gRPC port and the HTTP API, NOT_SERVING until follow_readiness sees the engine ready. tenant_secret
-    keys the API keys' prefix-cache tenants (the same in every api server of the service; random if None)."""
+    keys the API keys' prefix-cache tenants (the same in every api server of the service; random if None);
+    server_index and refusal_listener as serve's."""
     public = await serve(engine, listen, config.max_logprobs, tokenizer_dir=config.tokenizer,
                          credentials=public_credentials(config),
                          api_keys=load_api_keys(config.api_key, config.api_key_file),
                          serving=serving_limits(config), reuse_port=reuse_port, tenant_secret=tenant_secret,
-                         share_prefix_cache=config.enable_cross_tenant_prefix_caching)
+                         share_prefix_cache=config.enable_cross_tenant_prefix_caching, server_index=server_index,
+                         refusal_listener=refusal_listener)
     await public.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     http = await start_http(config, public, reuse_port)
     return ApiServer(public, http, set())
@@ -165,9 +170,8 @@ async def serve_engine_core(config: SchedulerServiceConfig, index: int, identity
                             ) -> None:
     core = core_client(config, identity, core_address)
     await core.start()
-    api = await open_api_server(config, core, listen, reuse_port=True, tenant_secret=tenant_secret)
-    api.public.generation.server_index = index
-    api.public.generation.refusals.listener = core.count_refusal
+    api = await open_api_server(config, core, listen, reuse_port=True, tenant_secret=tenant_secret,
+                                server_index=index, refusal_listener=core.count_refusal)
     await follow_readiness(api, core)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -73,8 +73,8 @@ async def serve_frontend(config: SchedulerServiceConfig, engine_cores: list[str]
     if tenants is None and (config.api_key or config.api_key_file):
         log.warning("API keys without --engine-core-secret-file: this front-end's tenant digests are its own, so "
                     "its tenants share no cached prefix with other front-ends")
-    api = await open_api_server(config, core, config.listen, reuse_port=True, tenant_secret=tenants)
-    api.public.generation.refusals.listener = core.count_refusal
+    api = await open_api_server(config, core, config.listen, reuse_port=True, tenant_secret=tenants,
+                                refusal_listener=core.count_refusal)
     record_api_ports(PortFile(config.port_file), api)
     await follow_readiness(api, core)
     stop = asyncio.Event()

@@ -3,6 +3,7 @@ reflection, API keys and TLS."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -39,15 +40,20 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
 async def serve(engine: EngineHandle, listen: str, max_logprobs: int, *, tokenizer_dir: str | None = None,
                 credentials: grpc.ServerCredentials | None = None, api_keys: list[str] | None = None,
                 serving: ServingLimits | None = None, reuse_port: bool = False, tenant_secret: bytes | None = None,
-                share_prefix_cache: bool = False) -> PublicServer:
+                share_prefix_cache: bool = False, server_index: int | None = None,
+                refusal_listener: Callable[[str], None] | None = None) -> PublicServer:
     """The public port; with reuse_port several processes listen on it and the kernel spreads connections. With
     api_keys each key is a tenant of the prefix cache of its own (tenant_secret keys their digests; the api
-    servers of one service share it), unless share_prefix_cache."""
+    servers of one service share it), unless share_prefix_cache. server_index (an api server's, named in each
+    call's initial metadata) and refusal_listener are in place before the port opens: a call that arrives while
+    the rest of the server starts is answered as every later one."""
     serving = serving or ServingLimits()
     interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else []
     options = [*public_server_options(serving.max_request_bytes), ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     generation = GenerationServicer(engine, max_logprobs, tokenizer_dir, serving)
+    generation.server_index = server_index
+    generation.refusals.listener = refusal_listener
     if api_keys:
         generation.keys = TenantScope(tenant_secret)
         generation.share_prefix_cache = share_prefix_cache
