@@ -266,3 +266,50 @@ def test_llama3_json_auto_text_streams_as_content() -> None:
         content, calls, _, reason = stream_all(ToolAnswers(api.tools, ToolCallParser.LLAMA3_JSON), text, 0)
         assert (content, calls, reason) == (text, {}, "stop")
         assert whole(ToolAnswers(api.tools, ToolCallParser.LLAMA3_JSON), text)["message"]["content"] == text
+
+
+@pytest.mark.parametrize("text", ['[{"name', '[{"name": "get_weather", "parameters": {"city"', '['])
+def test_a_required_answer_cut_by_a_stop_string_is_text_whole_and_streamed(text: str) -> None:
+    """A client's stop string can end a constrained answer before its JSON does: the answer is its text (it was a
+    500, "not JSON"), and the stream sends that text as content when no call was read before the cut."""
+    api = chat(tool_choice="required")
+    message = whole(ToolAnswers(api.tools, ToolCallParser.HERMES), text)
+    assert (message["message"], message["finish_reason"]) == ({"role": "assistant", "content": text}, "stop")
+    if '"get_weather"' not in text:
+        for seed in range(3):
+            assert stream_all(ToolAnswers(api.tools, ToolCallParser.HERMES), text, seed) == (text, {}, [], "stop")
+
+
+def test_a_named_answer_cut_by_a_stop_string_is_text_not_arguments() -> None:
+    api = chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = whole(ToolAnswers(api.tools, ToolCallParser.NONE), '{"city"')
+    assert (message["message"], message["finish_reason"]) == ({"role": "assistant", "content": '{"city"'}, "stop")
+    done = whole(ToolAnswers(api.tools, ToolCallParser.NONE), '{"city": "Oslo"}')
+    assert done["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (ToolCallParser.HERMES, 'Hi <tool_call>{"ci\\qty": 1}</tool_call>'),
+    (ToolCallParser.HERMES, '<tool_call>{"ar\\x": {}, "name": "get_time"}</tool_call>'),
+    (ToolCallParser.LLAMA3_JSON, '{"ci\\qty": 1}'),
+    (ToolCallParser.LLAMA3_JSON, '{"\\u12": {}, "name": "get_time"}'),
+])
+def test_an_object_key_that_is_not_a_json_string_streams_as_content(parser: ToolCallParser, text: str) -> None:
+    """A model may write a key with an invalid escape: the object is no call, so the answer is text whole and
+    streamed (the stream's scanner raised JSONDecodeError, which cut the HTTP stream without [DONE])."""
+    api = chat(tool_choice="auto")
+    assert whole(ToolAnswers(api.tools, parser), text)["message"] == {"role": "assistant", "content": text}
+    for seed in range(4):
+        assert stream_all(ToolAnswers(api.tools, parser), text, seed) == (text, {}, [], "stop")
+
+
+@pytest.mark.parametrize("parser", [ToolCallParser.HERMES, ToolCallParser.LLAMA3_JSON])
+def test_a_bad_key_after_a_sent_call_name_ends_the_stream_normally(parser: ToolCallParser) -> None:
+    """Once a call's name has been sent, a bad key after it cannot take the call back (as for a cut answer): the
+    stream goes on to its end with the call."""
+    body = '{"name": "get_time", "\\u12": {}}'
+    text = f"<tool_call>{body}</tool_call>" if parser is ToolCallParser.HERMES else body
+    api = chat(tool_choice="auto")
+    for seed in range(4):
+        _, calls, _, reason = stream_all(ToolAnswers(api.tools, parser), text, seed)
+        assert [c["name"] for c in calls.values()] == ["get_time"] and reason == "tool_calls"

@@ -25,7 +25,7 @@ class ScannedCall:
     args_start: int = -1
     args_end: int = -1
     ended: bool = False
-    valid_name: bool = True  # False: the name value was not a JSON string
+    valid: bool = True  # False: its name value or one of its keys was not a JSON string (the object is no call)
 
 
 class CallScanner:
@@ -89,8 +89,17 @@ class CallScanner:
         elif c == '"':
             self._in_string = False
             if self._key_start >= 0:
-                self._key = json.loads(self.text[self._key_start:i + 1])
+                self._key = self._read_key(self.text[self._key_start:i + 1])
                 self._key_start, self._expect_key = -1, False
+
+    def _read_key(self, raw: str) -> str:
+        """A key's string; a key that is not a JSON string (an invalid escape) names nothing and spoils its call."""
+        try:
+            return str(json.loads(raw))
+        except ValueError:
+            if self.calls:
+                self.calls[-1].valid = False
+            return ""
 
     def _start_value(self, i: int) -> None:
         if not self.calls or self._key not in self.args_keys:
@@ -111,7 +120,7 @@ class CallScanner:
             except ValueError:
                 name = None
             call.name = name if isinstance(name, str) else None
-            call.valid_name = isinstance(name, str)
+            call.valid = call.valid and isinstance(name, str)
         elif self._key in self.args_keys and call.args_start == self._value_start:
             call.args_end = i
         self._value_start = -1

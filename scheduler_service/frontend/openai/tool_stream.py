@@ -85,6 +85,8 @@ class ToolStream:
             rest = self._content_after_calls(rest)
         if self.hermes and self.mode is Mode.CALLS and not self._block_announced():
             return OPEN + self.block_raw + rest
+        if self.required and not self.num_calls:
+            return self.scanner.text  # cut by a stop string before a call was read: the answer is text
         if self.mode is Mode.UNDECIDED or (self.mode is Mode.CALLS and not self.hermes and not self.num_calls):
             return self.raw  # llama3_json: no call came of it: the answer is text
         return rest if self.mode is not Mode.CALLS else ""
@@ -97,7 +99,7 @@ class ToolStream:
         for i, scanned in enumerate(self.scanner.calls):
             tracked = self.tracked[i]
             if tracked is None:
-                if scanned.name is None or scanned.name not in self.names:
+                if scanned.name is None or not scanned.valid or scanned.name not in self.names:
                     continue
                 tracked = self.tracked[i] = self._announce(scanned, parts)
             text = self.scanner.arguments(scanned) if scanned.ended else self.scanner.available(scanned)
@@ -120,8 +122,8 @@ class ToolStream:
         return tracked
 
     def _refused_name(self) -> bool:
-        """The scanner read a call whose name is not an offered function (or not a string)."""
-        return any(not c.valid_name or (c.name is not None and c.name not in self.names) for c in self.scanner.calls)
+        """The scanner read a call whose name is not an offered function (or an object that is no call)."""
+        return any(not c.valid or (c.name is not None and c.name not in self.names) for c in self.scanner.calls)
 
     def _block_announced(self) -> bool:
         return any(t is not None for t in self.tracked)

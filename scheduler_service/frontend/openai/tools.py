@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler_service.frontend.openai.call_scanner import CallScanner
-from scheduler_service.frontend.openai.errors import ApiError, bad_param
+from scheduler_service.frontend.openai.errors import bad_param
 
 MAX_PARALLEL_CALLS = 8
 """The most calls one `required` answer may hold (with parallel_tool_calls; one without)."""
@@ -127,7 +127,10 @@ class ToolCall:
 
 
 def calls_from_output(text: str, tools: ToolRequest, parser: ToolCallParser) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of a finished answer."""
+    """(content, tool calls) of a finished answer. A forced call's answer (named or `required`) that is not whole
+    JSON, cut by one of the client's stop strings, is text: arguments are always whole JSON."""
+    if tools.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED) and not is_json(text):
+        return text, []
     if tools.choice is ToolChoice.NAMED:
         return None, [ToolCall(tools.named, text)]
     if tools.choice is ToolChoice.REQUIRED:
@@ -137,13 +140,17 @@ def calls_from_output(text: str, tools: ToolRequest, parser: ToolCallParser) -> 
     return parse_calls(text, parser, set(tools.schemas))
 
 
-def required_calls(text: str) -> list[ToolCall]:
-    """The calls of a `required` answer; each one's arguments are its `parameters` as the model wrote them (the
-    text the stream sends in fragments: call_scanner.py)."""
+def is_json(text: str) -> bool:
     try:
         json.loads(text)
     except ValueError:
-        raise ApiError(500, "the constrained tool-call output is not JSON (cut by max_tokens?)") from None
+        return False
+    return True
+
+
+def required_calls(text: str) -> list[ToolCall]:
+    """The calls of a `required` answer (whole JSON); each one's arguments are its `parameters` as the model wrote
+    them (the text the stream sends in fragments: call_scanner.py)."""
     scanner = CallScanner(2, ("parameters",))
     scanner.feed(text)
     return [ToolCall(c.name, scanner.arguments(c)) for c in scanner.calls if c.name is not None]
