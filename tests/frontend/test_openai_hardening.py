@@ -4,13 +4,23 @@ downstream takes, template arguments a client may not replace, templates failing
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from scheduler_service.frontend.openai.chat import ChatTemplate
 from scheduler_service.frontend.openai.connections import connection_cap
 from scheduler_service.frontend.openai.errors import ApiError
-from scheduler_service.frontend.openai.protocol import MAX_BODY_DEPTH, check_body, parse_chat, text_bytes
+from scheduler_service.frontend.openai.protocol import (
+    MAX_BODY_DEPTH,
+    MAX_BODY_VALUES,
+    check_body,
+    check_value_count,
+    parse_chat,
+    parse_completion,
+    parse_prompts,
+    text_bytes,
+)
 
 
 @pytest.mark.parametrize(("text", "param"), [
@@ -35,6 +45,55 @@ def test_deep_nesting_is_refused_and_valid_text_passes() -> None:
     assert caught.value.param == "stop" and f"deeper than {MAX_BODY_DEPTH}" in caught.value.message
     check_body(json.loads('{"stop": ' + "[" * (MAX_BODY_DEPTH - 2) + "]" * (MAX_BODY_DEPTH - 2) + "}"))
     check_body({"prompt": "日本語 and emoji \U0001f600", "messages": [{"content": "\u00e9"}], "n": 2})
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [[1]] * (MAX_BODY_VALUES + 1)},
+    {"messages": [{"role": "user"}] * (MAX_BODY_VALUES // 2)},
+    {"logit_bias": {str(i): 1 for i in range(MAX_BODY_VALUES + 1)}},
+    {f"unknown{i}": 1 for i in range(MAX_BODY_VALUES + 1)},
+    {"stop": ['a\\"[{'] * (MAX_BODY_VALUES + 1)},
+])
+def test_a_body_of_too_many_values_is_refused_from_its_bytes(body: dict[str, Any]) -> None:
+    """Millions of `[1]` lists, messages or keys used to be parsed and walked one by one on the event loop (seconds
+    for every other stream of the api server) before any count limit was checked."""
+    with pytest.raises(ApiError) as caught:
+        check_value_count(json.dumps(body).encode())
+    assert caught.value.status == 400
+    assert f"holds more than {MAX_BODY_VALUES} strings, objects and lists" in caught.value.message
+
+
+def test_the_largest_bodies_clients_send_are_within_the_value_limit() -> None:
+    """Also with brackets, quotes and backslashes inside the strings, which open no object, list or string."""
+    code = 'def f(x): return {"a": [x, "\\"", \'[{\']}\n' * 200_000  # 8 MB of brackets in one string
+    for body in ({"prompt": [[1, 2, 3]] * 10_000},  # as many prompts as the api server has open calls
+                 {"prompt": [1] * 1_000_000, "logit_bias": {str(i): 1 for i in range(1024)}},
+                 {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}] * 10_000},
+                 {"prompt": code}, {"prompt": [code[:100]] * 10_000}):
+        data = json.dumps(body).encode()
+        check_value_count(data)
+        check_body(json.loads(data))
+    assert parse_prompts([[1, 2], [3]]) == [[1, 2], [3]] and parse_prompts([1, 2]) == [[1, 2]]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"stop_token_ids": [1] * 256 + [True]}, "stop_token_ids", "at most 256 ids, got 257"),
+    ({"stop": ["a"] * 16 + [7]}, "stop", "at most 16 stop strings, got 17"),
+    ({"logit_bias": {**{str(i): 1 for i in range(1024)}, "not an id": 1}}, "logit_bias", "at most 1024 token ids"),
+])
+def test_a_count_limit_is_checked_before_the_items(body: dict[str, Any], param: str, message: str) -> None:
+    """Each list's count is refused before any per-item work (the bad item at the end is never reached): a body of
+    millions of stop ids or logit_bias keys was read item by item, then refused for its count."""
+    with pytest.raises(ApiError) as caught:
+        parse_completion({"prompt": "x", **body})
+    assert caught.value.param == param and message in caught.value.message
+
+
+@pytest.mark.parametrize("prompt", [[1, True], [1, -1], [1, 2**32], [[1], [2.0]], [[1], "x"], [1.5]])
+def test_token_id_prompts_of_the_wrong_type_or_range_are_refused(prompt: list[Any]) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_prompts(prompt)
+    assert caught.value.param == "prompt"
 
 
 def test_text_bytes_counts_every_string_value_in_utf8() -> None:
@@ -75,3 +134,12 @@ def test_the_connection_cap_leaves_half_the_open_files_to_the_rest_of_the_proces
     assert connection_cap(4096, 1024) == 512
     assert connection_cap(100, 1024) == 100
     assert connection_cap(4096, 20) == 16
+
+
+def test_a_token_id_prompt_as_long_as_max_model_len_is_refused_before_its_ids_are_read() -> None:
+    """The length comes first (a bad id at the end is never reached); each prompt of a batch alike."""
+    for prompt in ([1] * 99 + [True], [[1], [1] * 99 + [-1]]):
+        with pytest.raises(ApiError) as caught:
+            parse_completion({"prompt": prompt}, max_model_len=100)
+        assert caught.value.param == "prompt" and caught.value.message == "prompt: 100 tokens; max_model_len is 100"
+    assert parse_completion({"prompt": [1] * 99}, max_model_len=100).prompts == [[1] * 99]

@@ -35,6 +35,7 @@ from scheduler_service.frontend.openai.errors import ApiError, bad_param, from_s
 from scheduler_service.frontend.openai.protocol import (
     ApiRequest,
     check_body,
+    check_value_count,
     parse_chat,
     parse_completion,
     text_bytes,
@@ -170,7 +171,7 @@ class OpenAIApi:
         return describe.max_model_len if describe is not None else None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        api = parse_completion(await read_json(request))
+        api = parse_completion(await read_json(request), self._max_model_len())
         self._check_model(api.model)
         return await self._serve(request, api, COMPLETIONS)
 
@@ -561,6 +562,7 @@ async def read_json(request: web.Request) -> Any:
         data = await request.read()
     except (RequestPayloadError, HttpProcessingError) as e:
         raise ApiError(400, f"the request body could not be read: {e}") from None
+    check_value_count(data)
     try:
         body = json.loads(data.decode("utf-8"))
     except RecursionError:
