@@ -1,11 +1,15 @@
 """A request's structured-output constraint, checked before any work: the cheap checks (one kind, size, JSON)
-on the event loop, the grammar itself (xgrammar parses it) on a worker thread. Every refusal names the field."""
+on the event loop, the grammar itself (xgrammar parses it) on a worker thread of its own, for at most a budget.
+Every refusal names the field."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import Executor
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from protos.pagedserve.v1 import common_pb2
 from scheduler_service.core.request import Constraint, ConstraintKind
@@ -19,7 +23,17 @@ from scheduler_service.structured import (
     to_grammar,
 )
 
+log = logging.getLogger("pagedserve.frontend")
 FIELD = "sampling.structured_outputs"
+CHECK_BUDGET_S = 1.0
+"""How long the api server's early grammar check may take (queueing included) before the constraint is passed on
+unchecked: the engine core compiles every constraint anyway, in a process it kills past
+--structured-outputs-compile-timeout, taking turns between callers. A schema of 3,000 optional properties with
+minProperties 1,500 took xgrammar 35 s to parse; checked without a budget on the thread that also tokenized long
+prompts, it held every long prompt and every constrained request of its api server that long."""
+SLOW_REMEMBERED = 1024
+"""Constraints (by hash) whose check ran past the budget, passed on at once when sent again: one slow spec sent
+over and over does not keep the check thread busy (a hash collision only skips an early check)."""
 MAX_SCHEMA_DEPTH = 72
 """JSON nesting a schema may have. The HTTP api's bodies are held to 64 levels (MAX_BODY_DEPTH); the gRPC api's
 schema is text, and deeper ones recursed out of json.loads (an UNKNOWN status) or took xgrammar seconds to compile
@@ -200,9 +214,40 @@ def checked_choices(choices: list[str], field: str) -> str:
     return spec
 
 
-async def check_grammar(constraint: Constraint, pool: Executor) -> None:
-    """InvalidArgument naming the field if xgrammar cannot make a grammar of the constraint (on `pool`)."""
-    try:
-        await asyncio.get_running_loop().run_in_executor(pool, to_grammar, constraint)
-    except InvalidConstraint as e:
-        raise InvalidArgument(f"{FIELD}.{FIELD_NAMES[constraint.kind]}", str(e)) from None
+def import_xgrammar() -> None:
+    import xgrammar  # noqa: F401  (about 3 s, once: it imports torch)
+
+
+class GrammarCheck:
+    """The api server's early check that xgrammar can make a grammar of a constraint (an InvalidArgument naming
+    the field if not), one at a time on a thread of its own, within CHECK_BUDGET_S (xgrammar's import, on the
+    first check, is not counted). `build`: to_grammar."""
+
+    def __init__(self, budget: float = CHECK_BUDGET_S, build: Callable[[Constraint], object] = to_grammar) -> None:
+        self.budget = budget
+        self._build = build
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-check")
+        self._imported: asyncio.Future[None] | None = None
+        self._slow: OrderedDict[int, None] = OrderedDict()
+
+    async def check(self, constraint: Constraint) -> None:
+        key = hash(constraint)
+        if key in self._slow:
+            return
+        if self._imported is None:
+            self._imported = asyncio.wrap_future(self._pool.submit(import_xgrammar))
+        await asyncio.shield(self._imported)  # a client that leaves meanwhile does not cancel it for the rest
+        building = asyncio.get_running_loop().run_in_executor(self._pool, self._build, constraint)
+        try:
+            await asyncio.wait_for(building, self.budget)  # a check still queued is cancelled, not run
+        except InvalidConstraint as e:
+            raise InvalidArgument(f"{FIELD}.{FIELD_NAMES[constraint.kind]}", str(e)) from None
+        except TimeoutError:
+            self._remember_slow(key)
+            log.info("a %s constraint's grammar check ran past %.1f s; passed on to the engine core's compile",
+                     constraint.kind.name.lower(), self.budget)
+
+    def _remember_slow(self, key: int) -> None:
+        self._slow[key] = None
+        if len(self._slow) > SLOW_REMEMBERED:
+            self._slow.popitem(last=False)

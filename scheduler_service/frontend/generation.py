@@ -23,7 +23,7 @@ from scheduler_service.core.logprobs import TokenLogprob
 from scheduler_service.core.outputs import RequestDelta
 from scheduler_service.core.request import FinishReason, Request
 from scheduler_service.frontend.auth import ANONYMOUS, Caller, TenantScope, presented_key
-from scheduler_service.frontend.constraints import FIELD, check_grammar, constraint_from
+from scheduler_service.frontend.constraints import FIELD, GrammarCheck, constraint_from
 from scheduler_service.frontend.resume import ResumePoint, resume_point, resumed_requests
 from scheduler_service.frontend.stop_strings import StopMatcher
 from scheduler_service.frontend.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, TokenStream, encode_off_loop
@@ -200,6 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._fixed_tokenizer = (HFTokenizer((Path(tokenizer_dir) / "tokenizer.json").read_text())
                                  if tokenizer_dir else None)
         self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._grammar_check = GrammarCheck()
 
     def tokenizer(self) -> TextTokenizer:
         """--tokenizer's if given, else the one the connected executor ships (rebuilt if it changes)."""
@@ -336,7 +337,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         constraint = constraint_from(request.sampling)
         if constraint is not None:
             self._check_constrainable(request.sampling)
-            await check_grammar(constraint, self._encode_pool)
+            await self._grammar_check.check(constraint)
             sampling = replace(sampling, constraint=constraint)
         n = request.sampling.n if request.sampling.HasField("n") else 1
         point = resume_point(request, n, sampling.max_tokens, limits)
