@@ -36,6 +36,7 @@ from scheduler_service.messages import (
     to_core_decoder,
 )
 
+SUPERSEDED = "superseded: a resumed call of this request took it over"
 log = logging.getLogger("pagedserve.core")
 
 
@@ -224,12 +225,15 @@ class EngineCore:
 
     def _supersede(self, new: NewRequest) -> None:
         """A continuation replaces the same request of the same tenant still held for another session (a client
-        resuming on another front-end before this core noticed the first one gone)."""
+        resuming on another front-end before this core noticed the first one gone). The first call, if its
+        front-end is still there, ends ABORT at once: it used to wait for a delta that never came, open until its
+        client's deadline, its request id still taken on that front-end."""
         for link in self.links.values():
             sink = link.sinks.get(new.request_id)
             if sink is not None and sink.stream is not None and sink.stream.request.tenant == new.tenant:
                 link.release(new.request_id)
                 self.pool.abort(new.request_id)
+                link.put(RequestDelta(new.request_id, [], FinishReason.ABORTED, SUPERSEDED), unavailable=False)
                 return
 
     def _refuse(self, link: FrontendLink, request_id: str, why: Refusal, message: str) -> None:

@@ -8,11 +8,13 @@ import asyncio
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from client.lib import PagedServeClient, ResumeState, build_request
 from client.local import stop, wait_healthy, wait_until
+from protos.pagedserve.v1 import generation_pb2
 from tests.support.streams import EXECUTOR, TokenCount, check_complete, run_all, specs
 from tests.support.tiers import running_tiers
 
@@ -42,7 +44,8 @@ async def test_frontend_sigkill_mid_stream_client_library_resumes_identically(tm
 
 async def test_a_call_resumed_on_another_frontend_supersedes_the_one_still_streaming(tmp_path: Path) -> None:
     """The client's resume reaches the core before it noticed the first front-end gone: the continuation takes the
-    request over (same id) and yields exactly the tokens the first call had still to send."""
+    request over (same id) and yields exactly the tokens the first call had still to send; the first call, its
+    front-end alive, ends at once with ABORT."""
     with running_tiers(tmp_path, EXECUTOR, core_args=CORE) as tiers:
         other, frontend = tiers.start_other_frontend()
         await asyncio.to_thread(wait_healthy, other, frontend)
@@ -57,10 +60,19 @@ async def test_a_call_resumed_on_another_frontend_supersedes_the_one_still_strea
                     if len(state.tokens.get(0, [])) >= 5 + 27 * i:
                         break
                 rest = [t async for r in b._stub.Generate(state.point(request), timeout=60) for t in r.token_ids]
-                first.cancel()
+                last = await asyncio.wait_for(last_response(first), 30)  # it ends: it used to wait for its deadline
+                assert last.finish_reason == generation_pb2.FINISH_REASON_ABORT and "superseded" in last.error
                 reference = [t async for r in b._stub.Generate(request, timeout=60) for t in r.token_ids]
                 assert state.tokens[0] + rest == reference, i
         await asyncio.to_thread(tiers.wait_idle)
+
+
+async def last_response(call: Any) -> generation_pb2.GenerateResponse:
+    """The rest of a call iterated before (grpc.aio keeps its one iterator), to its end: the last response."""
+    last = generation_pb2.GenerateResponse()
+    async for response in call:
+        last = response
+    return last
 
 
 async def sse_completion(session: aiohttp.ClientSession, url: str, i: int) -> tuple[int, str | None]:
