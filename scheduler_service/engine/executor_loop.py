@@ -308,6 +308,11 @@ class ExecutorLoop:
                 stream.invalid_argument = result.invalid
                 self._route([RequestDelta(rid, [], FinishReason.ERROR, result.message)])
                 continue
+            refused = resumed_output_refused(result, stream.request.output_token_ids)
+            if refused:
+                stream.invalid_argument = True  # the client sent those tokens: INVALID_ARGUMENT, not a failure
+                self._route([RequestDelta(rid, [], FinishReason.ERROR, refused)])
+                continue
             stream.grammar = self._constrained[rid] = result
             self._sched().add_request(stream.request)
         self.became_idle.clear()
@@ -719,3 +724,13 @@ class ExecutorLoop:
                 series.executor_busy.inc(self.connection.busy_ns / 1e9)
                 self.connection.busy_ns = 0
         self._refresh_gauges()
+
+
+def resumed_output_refused(grammar: RequestGrammar, output: list[int]) -> str:
+    """Why a resumed request's tokens (what its client already had) are not an output its grammar allows; "" if
+    they are (the matcher has then consumed them). Found later, at its first step, this was blamed on the executor
+    ("the executor sampled token ..."): a server failure for a client's wrong resume point."""
+    if not output or not grammar.sync(output):
+        return ""
+    return (f"resume.token_ids: token {output[grammar.consumed]} at output position {grammar.consumed} is not "
+            "allowed by the request's structured_outputs")

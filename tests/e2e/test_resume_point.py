@@ -72,3 +72,27 @@ async def test_a_bad_resume_point_is_invalid_argument_naming_the_field(
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await responses(client, request)
         assert (e.value.details() or "").startswith("request_id:")
+
+
+def regex_request(resumed: list[int] | None = None) -> generation_pb2.GenerateRequest:
+    request = build_request(prompt="hi", max_tokens=6, seed=5, request_id="resume-regex")
+    request.sampling.structured_outputs.regex = "[ab]+"
+    if resumed is not None:
+        request.resume.add(index=0, token_ids=resumed)
+    return request
+
+
+async def test_resumed_tokens_the_grammar_forbids_are_invalid_argument_and_allowed_ones_continue(stack: Stack) -> None:
+    """The resume point's tokens are the client's: ones its own structured_outputs forbid are INVALID_ARGUMENT
+    naming resume (they failed at the first step as the executor's fault, "the executor sampled token ...")."""
+    async with PagedServeClient(stack.address) as client:
+        probe = await responses(client, build_request(prompt="zzzz", max_tokens=1, prompt_logprobs=0))
+        forbidden = list(probe[0].prompt_token_ids)[-1:]
+        allowed = [t for r in await responses(client, regex_request()) for t in r.token_ids]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await responses(client, regex_request(forbidden))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (caught.value.details() or "").startswith("resume.token_ids: token "), caught.value.details()
+        rest = await responses(client, regex_request(allowed[:2]))
+        assert rest[-1].finish_reason != generation_pb2.FINISH_REASON_ERROR, rest[-1].error
+        assert allowed[:2] + [t for r in rest for t in r.token_ids] == allowed
