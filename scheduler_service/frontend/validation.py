@@ -176,12 +176,35 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
             return value, i
 
 
-def _skip(data: bytes, i: int, wire_type: int) -> int:
+MAX_GROUP_NESTING = 100
+"""Unknown groups nested deeper than protobuf's own recursion limit are no valid message."""
+
+
+def _skip(data: bytes, i: int, wire_type: int, number: int) -> int:
+    """Past the value of field `number` (an unknown field may be any wire type, a group included), without
+    recursion."""
     if wire_type == 0:
         return _varint(data, i)[1]
     if wire_type in (1, 5):
         return i + (8 if wire_type == 1 else 4)
-    raise DecodeError(f"unsupported wire type {wire_type}")
+    if wire_type == 2:
+        size, i = _varint(data, i)
+        return i + size
+    if wire_type != 3:
+        raise DecodeError(f"unexpected wire type {wire_type}")
+    groups = [number]
+    while groups:
+        key, i = _varint(data, i)
+        if key & 7 == 4:
+            if key >> 3 != groups.pop():
+                raise DecodeError("end of a group that is not open")
+        elif key & 7 == 3:
+            if len(groups) >= MAX_GROUP_NESTING:
+                raise DecodeError("groups nested too deep")
+            groups.append(key >> 3)
+        else:
+            i = _skip(data, i, key & 7, key >> 3)
+    return i
 
 
 def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") -> str | None:
@@ -192,7 +215,7 @@ def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") ->
             key, i = _varint(data, i)
             field = descriptor.fields_by_number.get(key >> 3)
             if key & 7 != 2:
-                i = _skip(data, i, key & 7)
+                i = _skip(data, i, key & 7, key >> 3)
                 continue
             size, i = _varint(data, i)
             chunk, i = data[i:i + size], i + size

@@ -129,6 +129,25 @@ def test_invalid_utf8_names_its_field() -> None:
     assert isinstance(garbage, MalformedRequest) and garbage.error.field == "request"
 
 
+@pytest.mark.parametrize("unknown", [
+    b"\x3b\x3c",  # an empty group, field 7 (wire types 3 and 4)
+    b"\x3b\x08\x01\x12\x02hi\x43\x44\x3c",  # a group holding a varint, a string and a group
+    b"\x39" + b"\x00" * 8,  # fixed64
+])
+def test_invalid_utf8_is_named_after_unknown_fields_of_any_wire_type(unknown: bytes) -> None:
+    """An unknown group before a bad prompt made the UTF-8 scan give up: "request: not a valid GenerateRequest"."""
+    body = unknown + generation_pb2.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"a\xff")
+    parsed = parse_generate_request(body)
+    assert isinstance(parsed, MalformedRequest) and str(parsed.error) == "prompt: not valid UTF-8"
+
+
+def test_unknown_groups_nested_past_the_limit_or_unclosed_are_a_malformed_request() -> None:
+    bad_prompt = generation_pb2.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"a\xff")
+    for unknown in (b"\x3b" * 10_000 + b"\x3c" * 10_000, b"\x3b\x08\x01", b"\x3b\x44"):
+        parsed = parse_generate_request(unknown + bad_prompt)
+        assert isinstance(parsed, MalformedRequest) and parsed.error.field == "request"
+
+
 def test_a_cache_salt_must_be_non_empty_and_bounded() -> None:
     """GenerateRequest.cache_salt (#27): unset or 1 to MAX_CACHE_SALT_LEN characters."""
     from scheduler_service.frontend.validation import MAX_CACHE_SALT_LEN
