@@ -95,7 +95,58 @@ def parsed_schema(text: str, field: str) -> object:
     if depth_exceeds(schema, MAX_SCHEMA_DEPTH):
         raise InvalidArgument(field, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     check_patterns(schema_patterns(schema), field)
+    unenforced = unenforced_keyword(schema)
+    if unenforced is not None:
+        raise InvalidArgument(field, f"{unenforced} is not supported: the grammar cannot enforce it, so outputs could "
+                              "break it (xgrammar ignores it)")
     return schema
+
+
+UNENFORCED = ("not", "if", "contains", "dependentRequired", "dependentSchemas", "dependencies")
+"""Keywords xgrammar accepts and ignores: an output it allows can break them (tests/frontend/test_schema_keywords.py
+shows each against xgrammar). vLLM refuses such schemas for xgrammar too; uniqueItems (when true) and allOf of more
+than one schema, or beside other constraints, are checked in unenforced_keyword."""
+ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly", "$id", "$schema", "$anchor"))
+SCHEMA_VALUED = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+                 "propertyNames", "then", "else", "allOf", "anyOf", "oneOf", "prefixItems")
+SCHEMAS_BY_NAME = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def unenforced_keyword(schema: object) -> str | None:
+    """Where a JSON schema first uses a keyword the grammar would ignore ("/properties/tags/uniqueItems"), or None.
+    Only keywords are looked at: a property named "if" or "not" is a name, not a keyword."""
+    stack: list[tuple[object, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{path}/{i}") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        found = ignored_here(node)
+        if found is not None:
+            return f"{path}/{found}" if path else found
+        for key in SCHEMA_VALUED:
+            if key in node:
+                stack.append((node[key], f"{path}/{key}"))
+        for key in SCHEMAS_BY_NAME:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"{path}/{key}/{name}") for name, sub in node[key].items())
+    return None
+
+
+def ignored_here(node: dict[str, object]) -> str | None:
+    """The keyword of this schema object (not of its subschemas) that xgrammar would ignore, or None."""
+    for key in UNENFORCED:
+        if key in node and not (key.startswith("depend") and node[key] == {}):  # an empty map requires nothing
+            return key
+    if node.get("uniqueItems") is True:
+        return "uniqueItems"
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and (len(all_of) > 1 or set(node) - ANNOTATIONS - {"allOf"}):
+        return "allOf"  # one schema alone is taken as that schema; more, or beside other keywords, are not merged
+    return None
 
 
 def check_patterns(patterns: list[str], field: str) -> None:
