@@ -313,3 +313,15 @@ def test_a_bad_key_after_a_sent_call_name_ends_the_stream_normally(parser: ToolC
     for seed in range(4):
         _, calls, _, reason = stream_all(ToolAnswers(api.tools, parser), text, seed)
         assert [c["name"] for c in calls.values()] == ["get_time"] and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize(("param", "value"), [("stop", ["}"]), ("stop", '"'), ("stop_token_ids", [7])])
+def test_a_stop_with_a_forced_tool_choice_is_refused_naming_it(choice: Any, param: str, value: Any) -> None:
+    """A stop could cut the calls' JSON: streamed, arguments that are not JSON were already sent (a `required`
+    answer even finished `tool_calls`), so the request is refused; `auto` and `none` take stops as before."""
+    with pytest.raises(ApiError) as caught:
+        chat(tool_choice=choice, **{param: value})
+    assert caught.value.param == param and "required or named tool_choice" in caught.value.message
+    for free in ("auto", "none"):
+        assert list(chat(tool_choice=free, stop=["}"]).sampling.stop) == ["}"]

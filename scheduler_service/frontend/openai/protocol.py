@@ -94,6 +94,10 @@ def parse_chat(body: Any, tool_parser: ToolCallParser = ToolCallParser.NONE
         if request.sampling.HasField("structured_outputs"):
             raise bad_param("tool_choice", "a required or named tool choice cannot be combined with response_format "
                                            "or structured_outputs")
+        for name in ("stop", "stop_token_ids"):
+            if getattr(request.sampling, name):  # a streamed call's arguments cut short could not be taken back
+                raise bad_param(name, f"{name} cannot be combined with a required or named tool_choice: the answer "
+                                      "is the calls' JSON, which a stop would cut")
         request.sampling.structured_outputs.json = json.dumps(schema)
         request.constraint_param = "tools"
     top = read_uint(body, "top_logprobs") if body.get("top_logprobs") is not None else None
