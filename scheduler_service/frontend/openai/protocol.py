@@ -34,6 +34,13 @@ MAX_BODY_DEPTH = 64  # JSON nesting a request body may have (OpenAI's bodies nee
 # held every other stream of the api server for seconds. 131,072 hold 10,000 prompts (the open-call limit) or
 # tens of thousands of messages.
 MAX_BODY_VALUES = 131_072
+MAX_BODY_ITEMS = 1_048_576
+"""List elements and object members a body may hold, numbers included: json.loads makes each a Python object on the
+event loop (~0.12 us a number: four million token ids in a 60 MiB body held every other stream 6 - 8 s). A million
+is a 128k-token prompt eight times over; a larger batch of token-id prompts is sent in parts."""
+VALUES_OVER = f"the request body holds more than {MAX_BODY_VALUES} strings, objects and lists"
+ITEMS_OVER = (f"the request body holds more than {MAX_BODY_ITEMS} items (list elements and object members, token ids "
+              "included); send a batch in several requests")
 SCALARS = {int, float, bool, type(None)}
 # Variables the server passes to the chat template itself: chat_template_kwargs may not replace them.
 TEMPLATE_OWN_ARGS = ("messages", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now")
@@ -151,19 +158,27 @@ def check_body(body: Any) -> None:
 
 
 def check_value_count(data: bytes) -> None:
-    """A body of more than MAX_BODY_VALUES strings, objects and lists is refused before it is parsed, from its
-    bytes, in passes in C (~0.05 s for 8 MiB on a slow 2-core box, where parsing and checking such a body took
-    seconds). UTF-8 puts no quote, backslash or bracket byte inside a multi-byte character, so once the escapes are
-    gone every quote left opens or closes a string, and brackets outside strings open objects and lists."""
+    """A body of more than MAX_BODY_VALUES strings, objects and lists, or more than MAX_BODY_ITEMS items in all
+    (numbers included: each list element and object member), is refused before it is parsed, from its bytes, in
+    passes in C (~0.05 s for 8 MiB on a slow 2-core box, where parsing and checking such a body took seconds).
+    UTF-8 puts no quote, backslash, bracket or comma byte inside a multi-byte character, so once the escapes are
+    gone every quote left opens or closes a string, and the brackets and commas outside strings are the JSON's."""
     plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
     strings = plain.count(b'"') // 2
-    if strings <= MAX_BODY_VALUES:
-        if strings + plain.count(b"[") + plain.count(b"{") <= MAX_BODY_VALUES:
-            return  # even counting the brackets inside strings
-        outside = b"".join(plain.split(b'"')[::2])  # at most MAX_BODY_VALUES strings to split out
-        if strings + outside.count(b"[") + outside.count(b"{") <= MAX_BODY_VALUES:
-            return
-    raise ApiError(400, f"the request body holds more than {MAX_BODY_VALUES} strings, objects and lists")
+    if strings > MAX_BODY_VALUES:
+        raise ApiError(400, VALUES_OVER)
+    if over_limit(plain, strings) is None:  # even counting the brackets and commas inside strings
+        return
+    why = over_limit(b"".join(plain.split(b'"')[::2]), strings)  # at most MAX_BODY_VALUES strings to split out
+    if why is not None:
+        raise ApiError(400, why)
+
+
+def over_limit(json_bytes: bytes, strings: int) -> str | None:
+    """Which limit the body's strings and the brackets and commas of json_bytes exceed, if any."""
+    if strings + json_bytes.count(b"[") + json_bytes.count(b"{") > MAX_BODY_VALUES:
+        return VALUES_OVER
+    return ITEMS_OVER if json_bytes.count(b",") >= MAX_BODY_ITEMS else None
 
 
 def text_bytes(value: Any) -> int:
