@@ -178,9 +178,23 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 MAX_GROUP_NESTING = 100
 """Unknown groups nested deeper than protobuf's own recursion limit are no valid message."""
+MAX_SCANNED_FIELDS = 4096
+"""Fields the scan for a field that is not UTF-8 reads, at every level, before it gives up (the message is then
+refused as not a GenerateRequest): it runs in Python on the event loop, and a 4 MB message of empty groups or unknown
+varints held the api server's other streams 3 - 4.5 s. A GenerateRequest has a few dozen fields."""
 
 
-def _skip(data: bytes, i: int, wire_type: int, number: int) -> int:
+class ScanBudget:
+    def __init__(self, fields: int = MAX_SCANNED_FIELDS) -> None:
+        self.left = fields
+
+    def spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise DecodeError("too many fields to scan")
+
+
+def _skip(data: bytes, i: int, wire_type: int, number: int, budget: ScanBudget) -> int:
     """Past the value of field `number` (an unknown field may be any wire type, a group included), without
     recursion."""
     if wire_type == 0:
@@ -194,6 +208,7 @@ def _skip(data: bytes, i: int, wire_type: int, number: int) -> int:
         raise DecodeError(f"unexpected wire type {wire_type}")
     groups = [number]
     while groups:
+        budget.spend()
         key, i = _varint(data, i)
         if key & 7 == 4:
             if key >> 3 != groups.pop():
@@ -203,19 +218,22 @@ def _skip(data: bytes, i: int, wire_type: int, number: int) -> int:
                 raise DecodeError("groups nested too deep")
             groups.append(key >> 3)
         else:
-            i = _skip(data, i, key & 7, key >> 3)
+            i = _skip(data, i, key & 7, key >> 3, budget)
     return i
 
 
-def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") -> str | None:
-    """The dotted name of the first string field whose bytes are not UTF-8, or None."""
+def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "",
+                       budget: ScanBudget | None = None) -> str | None:
+    """The dotted name of the first string field whose bytes are not UTF-8, or None (also past the budget)."""
+    budget = budget or ScanBudget()
     i = 0
     try:
         while i < len(data):
+            budget.spend()
             key, i = _varint(data, i)
             field = descriptor.fields_by_number.get(key >> 3)
             if key & 7 != 2:
-                i = _skip(data, i, key & 7, key >> 3)
+                i = _skip(data, i, key & 7, key >> 3, budget)
                 continue
             size, i = _varint(data, i)
             chunk, i = data[i:i + size], i + size
@@ -228,7 +246,7 @@ def invalid_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") ->
                 except UnicodeDecodeError:
                     return name
             elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                found = invalid_utf8_field(chunk, field.message_type, name + ".")
+                found = invalid_utf8_field(chunk, field.message_type, name + ".", budget)
                 if found is not None:
                     return found
     except DecodeError:
