@@ -11,6 +11,8 @@ one at a time (the next mask needs the last token).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +94,9 @@ class GrammarCompiler:
     its process. The compiled grammars come back as xgrammar's JSON and are kept by (constraint, tokenizer), the
     most recent COMPILED_CACHE_SIZE of them within COMPILED_CACHE_BYTES: a repeated spec never reaches the
     process. So are the constraints that ran past the deadline (TIMED_OUT_SIZE, TIMED_OUT_BYTES): a resend is
-    refused at once with the same error."""
+    refused at once with the same error. Both are answered on the caller's thread, never queued behind the compile
+    running: a request whose grammar was compiled before waited up to the whole deadline behind another's costly
+    spec."""
 
     def __init__(self, timeout: float = DEFAULT_COMPILE_TIMEOUT_S, idle: IdleProcesses | None = None) -> None:
         self.timeout = timeout
@@ -106,6 +110,7 @@ class GrammarCompiler:
         self._compiled_bytes = 0
         self._timed_out: OrderedDict[Constraint, float] = OrderedDict()  # -> the deadline it ran past
         self._timed_out_bytes = 0
+        self._cache_lock = threading.Lock()  # both caches: the compile thread and the caller's use them
 
     async def matchers(self, describe: executor_pb2.DescribeResponse, constraints: list[Constraint],
                        wanted: Sequence[Callable[[], bool]] | None = None, owners: Sequence[str] | None = None
@@ -119,7 +124,11 @@ class GrammarCompiler:
         jobs = [CompileJob(describe, c, wanted[i] if wanted else None, loop.create_future())
                 for i, c in enumerate(constraints)]
         for i, job in enumerate(jobs):
-            self._queue.push(owners[i] if owners else "", job)
+            known = self._known_result(job)
+            if known is not None:
+                job.done.set_result(known)
+            else:
+                self._queue.push(owners[i] if owners else "", job)
         if self._draining is None or self._draining.done():
             self._draining = loop.create_task(self._drain(), name="grammar-compile")
         return list(await asyncio.gather(*(job.done for job in jobs)))
@@ -137,12 +146,22 @@ class GrammarCompiler:
             if not job.done.done():
                 job.done.set_result(result)
 
-    def _new_matcher_or_reason(self, job: CompileJob) -> RequestGrammar | CompileFailure:
+    def _known_result(self, job: CompileJob) -> RequestGrammar | CompileFailure | None:
+        """The matcher of a constraint compiled before for this tokenizer, or its refusal as past the deadline; None
+        if it must compile (a matcher is made in about a millisecond; the compile can take the whole deadline)."""
+        if tokenizer_key(job.describe) != self._tokenizer_key:
+            return None
+        result = self._new_matcher_or_reason(job, compile_missing=False)
+        return None if result is NOT_KNOWN else result
+
+    def _new_matcher_or_reason(self, job: CompileJob, compile_missing: bool = True) -> RequestGrammar | CompileFailure:
         name = field_of(job.constraint)
         if job.wanted is not None and not job.wanted():
             return ENDED
         try:
-            return self._new_matcher(job.describe, job.constraint, job.wanted)
+            return self._new_matcher(job.describe, job.constraint, job.wanted, compile_missing)
+        except NotKnown:
+            return NOT_KNOWN
         except InvalidConstraint as e:
             return CompileFailure(f"{name}: {e}", invalid=True)
         except CompileTimeout:
@@ -154,8 +173,8 @@ class GrammarCompiler:
             return CompileFailure(f"structured_outputs: {e}")
 
     def _new_matcher(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
-                     wanted: Callable[[], bool] | None = None) -> RequestGrammar:
-        compiled = self._compile(describe, constraint, wanted)
+                     wanted: Callable[[], bool] | None = None, compile_missing: bool = True) -> RequestGrammar:
+        compiled = self._compile(describe, constraint, wanted, compile_missing)
         import xgrammar  # after _compile: its first call starts the compile process before this import (_info_for)
 
         matcher = xgrammar.GrammarMatcher(compiled)
@@ -164,15 +183,16 @@ class GrammarCompiler:
         return RequestGrammar(matcher)
 
     def _compile(self, describe: executor_pb2.DescribeResponse, constraint: Constraint,
-                 wanted: Callable[[], bool] | None = None) -> xgrammar.CompiledGrammar:
+                 wanted: Callable[[], bool] | None = None, compile_missing: bool = True) -> xgrammar.CompiledGrammar:
+        """The constraint compiled for this tokenizer: from the cache, else by the compile process (NotKnown instead
+        unless compile_missing; CompileTimeout at once for a constraint that already ran past the deadline)."""
+        if not compile_missing:
+            return self._cached(constraint)
         info = self._info_for(describe)  # before importing xgrammar: see _info_for
         import xgrammar
 
-        found = self._compiled.get(constraint)
-        if found is not None:
-            self._compiled.move_to_end(constraint)
-            return found
-        self._refuse_if_timed_out(constraint)
+        with contextlib.suppress(NotKnown):
+            return self._cached(constraint)
         try:
             reply = self._child.compile(describe, constraint, wanted)
         except CompileTimeout:
@@ -187,12 +207,24 @@ class GrammarCompiler:
         self._keep(constraint, compiled)
         return compiled
 
+    def _cached(self, constraint: Constraint) -> xgrammar.CompiledGrammar:
+        """The constraint's compiled grammar kept for this tokenizer; CompileTimeout if it ran past the deadline
+        before, NotKnown if neither."""
+        with self._cache_lock:
+            found = self._compiled.get(constraint)
+            if found is not None:
+                self._compiled.move_to_end(constraint)
+                return found
+            self._refuse_if_timed_out(constraint)
+        raise NotKnown()
+
     def _keep(self, constraint: Constraint, compiled: xgrammar.CompiledGrammar) -> None:
-        self._compiled[constraint] = compiled
-        self._compiled_bytes += compiled.memory_size_bytes
-        while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
-                                           or self._compiled_bytes > COMPILED_CACHE_BYTES):
-            self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
+        with self._cache_lock:
+            self._compiled[constraint] = compiled
+            self._compiled_bytes += compiled.memory_size_bytes
+            while len(self._compiled) > 1 and (len(self._compiled) > COMPILED_CACHE_SIZE
+                                               or self._compiled_bytes > COMPILED_CACHE_BYTES):
+                self._compiled_bytes -= self._compiled.popitem(last=False)[1].memory_size_bytes
 
     def _refuse_if_timed_out(self, constraint: Constraint) -> None:
         """CompileTimeout for a constraint that already ran past a deadline no longer than the present one."""
@@ -202,16 +234,17 @@ class GrammarCompiler:
             raise CompileTimeout()
 
     def _remember_timeout(self, constraint: Constraint) -> None:
-        if constraint not in self._timed_out:
-            self._timed_out_bytes += len(constraint.spec)
-        self._timed_out[constraint] = self._child.timeout
-        while len(self._timed_out) > 1 and (len(self._timed_out) > TIMED_OUT_SIZE
-                                            or self._timed_out_bytes > TIMED_OUT_BYTES):
-            self._timed_out_bytes -= len(self._timed_out.popitem(last=False)[0].spec)
+        with self._cache_lock:
+            if constraint not in self._timed_out:
+                self._timed_out_bytes += len(constraint.spec)
+            self._timed_out[constraint] = self._child.timeout
+            while len(self._timed_out) > 1 and (len(self._timed_out) > TIMED_OUT_SIZE
+                                                or self._timed_out_bytes > TIMED_OUT_BYTES):
+                self._timed_out_bytes -= len(self._timed_out.popitem(last=False)[0].spec)
 
     def _info_for(self, describe: executor_pb2.DescribeResponse) -> xgrammar.TokenizerInfo:
         """The tokenizer's xgrammar view (the compiled grammars load against it); a new tokenizer empties the cache."""
-        key = (describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids))
+        key = tokenizer_key(describe)
         if self._info is not None and key == self._tokenizer_key:
             return self._info
         self._child.begin()  # the compile process imports xgrammar (~3 s) alongside this process, not after it
@@ -220,14 +253,15 @@ class GrammarCompiler:
 
         torch.set_num_threads(1)  # xgrammar brings torch into the engine core; no op of it may spin on other cores
         vocab, kind = tokenizer_vocab(describe)
-        self._info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
-                                            stop_token_ids=list(describe.eos_token_ids))
-        self._tokenizer_key = key
-        self._compiled.clear()
-        self._compiled_bytes = 0
-        self._timed_out.clear()
-        self._timed_out_bytes = 0
-        return self._info
+        info = xgrammar.TokenizerInfo(vocab, getattr(xgrammar.VocabType, kind), vocab_size=describe.vocab_size,
+                                      stop_token_ids=list(describe.eos_token_ids))
+        with self._cache_lock:
+            self._compiled.clear()
+            self._compiled_bytes = 0
+            self._timed_out.clear()
+            self._timed_out_bytes = 0
+            self._info, self._tokenizer_key = info, key
+        return info
 
     @property
     def processes_killed(self) -> int:
@@ -242,6 +276,15 @@ class GrammarCompiler:
 
 
 ENDED = CompileFailure("structured_outputs: the request ended before its grammar compiled")
+NOT_KNOWN = CompileFailure("structured_outputs: not compiled yet")
+
+
+class NotKnown(Exception):
+    """The constraint is in neither cache, and the caller does not compile (GrammarCompiler._known_result)."""
+
+
+def tokenizer_key(describe: executor_pb2.DescribeResponse) -> tuple[str, int, tuple[int, ...]]:
+    return describe.tokenizer_json, describe.vocab_size, tuple(describe.eos_token_ids)
 EMPTY_LANGUAGE = "the grammar allows no output: no token of the vocabulary can start it"
 DEAD_END = "the output's grammar allows no token here: it can never be completed"
 

@@ -495,6 +495,28 @@ async def test_a_resent_spec_that_ran_past_the_deadline_is_refused_without_a_com
         await engine.stop()
 
 
+async def test_a_grammar_compiled_before_does_not_wait_behind_a_compile_running(
+        executor: str, idle: IdleProcesses) -> None:
+    """A constraint already compiled (or already past the deadline) is answered at once, not queued behind another
+    caller's costly compile: such a request used to wait up to the whole deadline (9.6 - 23 s behind a 35 s schema)."""
+    engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_compile_timeout=600.0,
+                          grammar_processes=idle)
+    await engine.start()
+    try:
+        first: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("compiled", 1), first)
+        check_constrained(*await asyncio.wait_for(collect(first), 120))
+        slow: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(slow_request("slow", owner="a"), slow)  # compiles for far longer than the rest of this test
+        again: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        engine.add(constrained("again", 2), again)
+        check_constrained(*await asyncio.wait_for(collect(again), 60))
+        assert slow.empty() and engine.streams["slow"].grammar is None  # still compiling
+        engine.abort("slow")
+    finally:
+        await engine.stop()
+
+
 async def test_a_compile_whose_request_ends_is_killed_and_frees_the_compile_queue(
         executor: str, idle: IdleProcesses) -> None:
     """A client that sends a costly spec and leaves while it compiles takes its compile with it: the process is
