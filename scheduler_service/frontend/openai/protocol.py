@@ -38,7 +38,13 @@ MAX_BODY_ITEMS = 1_048_576
 """List elements and object members a body may hold, numbers included: json.loads makes each a Python object on the
 event loop (~0.12 us a number: four million token ids in a 60 MiB body held every other stream 6 - 8 s). A million
 is a 128k-token prompt eight times over; a larger batch of token-id prompts is sent in parts."""
+MAX_NUMBER_DIGITS = 40
+"""Digits in a row a number of the body may have (a float prints in at most 17 significant digits, a 64-bit integer
+in 20): json.loads converts a long decimal exactly, ~60 us for 767 digits, and a 60 MiB body of such numbers,
+under the item limit, held every other stream 5.8 s."""
+DIGIT_RUNS = bytes.maketrans(b"0123456789\x00", b"\x00" * 10 + b"\x01")  # digits -> NUL (a NUL itself -> 1)
 VALUES_OVER = f"the request body holds more than {MAX_BODY_VALUES} strings, objects and lists"
+NUMBER_OVER = f"a number in the request body has more than {MAX_NUMBER_DIGITS} digits"
 ITEMS_OVER = (f"the request body holds more than {MAX_BODY_ITEMS} items (list elements and object members, token ids "
               "included); send a batch in several requests")
 SCALARS = {int, float, bool, type(None)}
@@ -158,8 +164,9 @@ def check_body(body: Any) -> None:
 
 
 def check_value_count(data: bytes) -> None:
-    """A body of more than MAX_BODY_VALUES strings, objects and lists, or more than MAX_BODY_ITEMS items in all
-    (numbers included: each list element and object member), is refused before it is parsed, from its bytes, in
+    """A body of more than MAX_BODY_VALUES strings, objects and lists, more than MAX_BODY_ITEMS items in all
+    (numbers included: each list element and object member) or a number of more than MAX_NUMBER_DIGITS digits in a
+    row is refused before it is parsed, from its bytes, in
     passes in C (~0.05 s for 8 MiB on a slow 2-core box, where parsing and checking such a body took seconds).
     UTF-8 puts no quote, backslash, bracket or comma byte inside a multi-byte character, so once the escapes are
     gone every quote left opens or closes a string, and the brackets and commas outside strings are the JSON's."""
@@ -167,7 +174,7 @@ def check_value_count(data: bytes) -> None:
     strings = plain.count(b'"') // 2
     if strings > MAX_BODY_VALUES:
         raise ApiError(400, VALUES_OVER)
-    if over_limit(plain, strings) is None:  # even counting the brackets and commas inside strings
+    if over_limit(plain, strings) is None:  # even counting the brackets, commas and digits inside strings
         return
     why = over_limit(b"".join(plain.split(b'"')[::2]), strings)  # at most MAX_BODY_VALUES strings to split out
     if why is not None:
@@ -175,10 +182,12 @@ def check_value_count(data: bytes) -> None:
 
 
 def over_limit(json_bytes: bytes, strings: int) -> str | None:
-    """Which limit the body's strings and the brackets and commas of json_bytes exceed, if any."""
+    """Which limit the body's strings and the brackets, commas and digit runs of json_bytes exceed, if any."""
     if strings + json_bytes.count(b"[") + json_bytes.count(b"{") > MAX_BODY_VALUES:
         return VALUES_OVER
-    return ITEMS_OVER if json_bytes.count(b",") >= MAX_BODY_ITEMS else None
+    if json_bytes.count(b",") >= MAX_BODY_ITEMS:
+        return ITEMS_OVER
+    return NUMBER_OVER if b"\x00" * (MAX_NUMBER_DIGITS + 1) in json_bytes.translate(DIGIT_RUNS) else None
 
 
 def text_bytes(value: Any) -> int:
