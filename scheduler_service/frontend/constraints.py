@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Any
 
 from protos.pagedserve.v1 import common_pb2
 from scheduler_service.core.request import Constraint, ConstraintKind
@@ -265,6 +268,31 @@ def checked_choices(choices: list[str], field: str) -> str:
     return spec
 
 
+class DaemonWorker:
+    """Runs the calls submitted to it one at a time, in order, on a daemon thread: a call still running when the
+    process exits does not hold the exit (a pool thread is joined at exit, and a costly schema's check kept an api
+    server from exiting until xgrammar was done, ~20 s). A call cancelled before it starts is skipped."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller's to see
+                future.set_exception(e)
+
+
 def import_xgrammar() -> None:
     import xgrammar  # noqa: F401  (about 3 s, once: it imports torch)
 
@@ -277,7 +305,7 @@ class GrammarCheck:
     def __init__(self, budget: float = CHECK_BUDGET_S, build: Callable[[Constraint], object] = to_grammar) -> None:
         self.budget = budget
         self._build = build
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-check")
+        self._worker = DaemonWorker("grammar-check")
         self._imported: asyncio.Future[None] | None = None
         self._slow: OrderedDict[int, None] = OrderedDict()
 
@@ -286,9 +314,9 @@ class GrammarCheck:
         if key in self._slow:
             return
         if self._imported is None:
-            self._imported = asyncio.wrap_future(self._pool.submit(import_xgrammar))
+            self._imported = asyncio.wrap_future(self._worker.submit(import_xgrammar))
         await asyncio.shield(self._imported)  # a client that leaves meanwhile does not cancel it for the rest
-        building = asyncio.get_running_loop().run_in_executor(self._pool, self._build, constraint)
+        building = asyncio.wrap_future(self._worker.submit(self._build, constraint))
         try:
             await asyncio.wait_for(building, self.budget)  # a check still queued is cancelled, not run
         except InvalidConstraint as e:

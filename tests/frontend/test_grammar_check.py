@@ -6,6 +6,8 @@ A real thread; the slow build is one that waits for an event the test sets."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from scheduler_service.core.request import Constraint, ConstraintKind
 from scheduler_service.frontend.constraints import GrammarCheck
 from scheduler_service.frontend.validation import InvalidArgument
+from tests.support.procs import ROOT
 
 SLOW = Constraint(ConstraintKind.REGEX, "slow")
 
@@ -51,3 +54,12 @@ async def test_a_slow_check_passes_the_constraint_on_and_is_not_run_again() -> N
         build.release.set()
     await check.check(Constraint(ConstraintKind.REGEX, "after"))
     assert build.built == ["slow", "after"]
+
+
+def test_a_check_still_running_does_not_hold_the_process_at_exit() -> None:
+    """The check thread is a daemon: a process whose check never ends exits (a pool thread is joined at exit, and a
+    costly schema kept an api server from exiting until xgrammar was done)."""
+    code = ("import threading\nfrom scheduler_service.frontend.constraints import DaemonWorker\n"
+            "DaemonWorker('check').submit(threading.Event().wait)\nprint('leaving')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "leaving\n"), done.stderr[-2000:]
