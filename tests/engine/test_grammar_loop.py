@@ -265,14 +265,15 @@ async def test_a_request_that_ends_while_its_grammar_waits_is_not_compiled(execu
     queue, holding every later constrained request behind it. An ended request's compile is skipped."""
     engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
-    compiled: list[str] = []
-    real_compile = engine.grammar_compiler._compile
+    compiled: list[str] = []  # what reached the compile process
+    child = engine.grammar_compiler._child
+    real_compile = child.compile
 
-    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
+    def spy(describe: Any, constraint: Constraint, wanted: Any = None) -> Any:
         compiled.append(constraint.spec)
-        return real_compile(describe, constraint, *rest)
+        return real_compile(describe, constraint, wanted)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
+    child.compile = spy  # type: ignore[method-assign]
     try:
         first: asyncio.Queue[RequestDelta] = asyncio.Queue()
         engine.add(constrained("first", 1), first)
@@ -321,17 +322,18 @@ async def test_callers_take_turns_at_the_compile_thread(executor: str, idle: Idl
     running (found by an attack: six costly specs of one API key held another key's small request 21 s)."""
     engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
-    compiled: list[str] = []
+    compiled: list[str] = []  # what reached the compile process, in order
     running, go_on = threading.Event(), threading.Event()
-    real_compile = engine.grammar_compiler._compile
+    child = engine.grammar_compiler._child
+    real_compile = child.compile
 
-    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
+    def spy(describe: Any, constraint: Constraint, wanted: Any = None) -> Any:
         compiled.append(constraint.spec)
         running.set()
         go_on.wait(30)  # the first compile lasts until the other caller's request is queued
-        return real_compile(describe, constraint, *rest)
+        return real_compile(describe, constraint, wanted)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
+    child.compile = spy  # type: ignore[method-assign]
     patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "a2": "[g-i]{3}", "b0": "[p-r]{3}"}
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
 
@@ -367,15 +369,16 @@ async def test_another_callers_request_added_in_the_same_turn_does_not_wait_for_
     engine = ExecutorLoop(CoreConfig(), executor, max_queue_len=100, grammar_processes=idle)
     await engine.start()
     go_on = threading.Event()
-    real_compile = engine.grammar_compiler._compile
+    child = engine.grammar_compiler._child
+    real_compile = child.compile
     patterns = {"a0": "[a-c]{3}", "a1": "[d-f]{3}", "b0": "[p-r]{3}"}
 
-    def spy(describe: Any, constraint: Constraint, *rest: Any) -> Any:
+    def spy(describe: Any, constraint: Constraint, wanted: Any = None) -> Any:
         if constraint.spec == patterns["a1"]:
             go_on.wait(30)  # A's second compile lasts until B's request has finished
-        return real_compile(describe, constraint, *rest)
+        return real_compile(describe, constraint, wanted)
 
-    engine.grammar_compiler._compile = spy  # type: ignore[method-assign,assignment]
+    child.compile = spy  # type: ignore[method-assign]
     queues = {rid: asyncio.Queue[RequestDelta]() for rid in patterns}
     try:
         for rid in ("a0", "a1", "b0"):  # one turn: one compile batch
